@@ -1,0 +1,80 @@
+"""msgpack on the wire: one map per event, the envelope's fields beside the body's.
+
+Decoding is the door hostile bytes come through, so it is bounded at every
+level (entry size, string, array and map lengths, nesting) before pydantic sees
+anything, and every failure is a DecodeError that keeps the raw bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+from pydantic import ValidationError
+
+from .errors import DecodeError
+from .models import COMMANDS, FACTS, Command, Event, Fact
+from .upcasters import upcast
+
+MAX_ENTRY_BYTES = 64 * 1024
+MAX_FACT_BYTES = 16 * 1024 * 1024  # a WorldChanged of a very large world
+FIELD = b"e"  # the one stream field holding an event
+
+
+def encode(event: Event) -> bytes:
+    return msgpack.packb(event.model_dump(mode="python"), use_bin_type=True)
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise DecodeError(f"msgpack extension type {code} is not part of the wire format")
+
+
+def unpack(raw: bytes, limit: int = MAX_ENTRY_BYTES) -> dict[str, Any]:
+    if not isinstance(raw, bytes | bytearray | memoryview):
+        raise DecodeError(f"entry is {type(raw).__name__}, not bytes")
+    if len(raw) > limit:
+        raise DecodeError(f"entry is {len(raw)} bytes; the limit is {limit}", bytes(raw))
+    try:
+        body = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_reject_ext,
+            max_str_len=limit,
+            max_bin_len=limit,
+            max_array_len=limit,
+            max_map_len=1024,
+        )
+    except DecodeError as exc:
+        raise DecodeError(exc.reason, bytes(raw)) from None
+    except Exception as exc:  # msgpack raises several unrelated types for bad bytes
+        raise DecodeError(f"not msgpack: {type(exc).__name__}: {exc}", bytes(raw)) from exc
+    if not isinstance(body, dict):
+        raise DecodeError(f"entry is a msgpack {type(body).__name__}, not a map", bytes(raw))
+    if not isinstance(body.get("type"), str):
+        raise DecodeError(f"entry has no string 'type' (got {body.get('type')!r})", bytes(raw))
+    return body
+
+
+def _validation_reason(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        where = ".".join(str(p) for p in err["loc"]) or "entry"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def decode_command(raw: bytes) -> Command:
+    body = upcast(unpack(raw))
+    try:
+        return COMMANDS.validate_python(body)
+    except ValidationError as exc:
+        raise DecodeError(f"invalid {body['type']!r} command: {_validation_reason(exc)}", bytes(raw)) from None
+
+
+def decode_fact(raw: bytes) -> Fact:
+    body = upcast(unpack(raw, MAX_FACT_BYTES))
+    try:
+        return FACTS.validate_python(body)
+    except ValidationError as exc:
+        raise DecodeError(f"invalid {body['type']!r} fact: {_validation_reason(exc)}", bytes(raw)) from None

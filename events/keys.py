@@ -1,0 +1,77 @@
+"""Redis key names. One hash tag per job, so Redis Cluster keeps a job's keys in one slot."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import EventsError
+
+JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class BadJobName(EventsError):
+    pass
+
+
+def check_job(job: str) -> str:
+    """Return `job` if it is a usable job name, else raise naming it and the rule."""
+    if not JOB_NAME.fullmatch(job):
+        raise BadJobName(
+            f"job name {job!r} is not valid: use 1-64 characters from letters, digits, "
+            "'.', '_' and '-', starting with a letter or digit"
+        )
+    return job
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Every key of one job, as DESIGN.md's table names them."""
+
+    job: str
+
+    def __post_init__(self) -> None:
+        check_job(self.job)
+
+    @property
+    def prefix(self) -> str:
+        return f"cohort:{{{self.job}}}"
+
+    @property
+    def inbox(self) -> str:
+        return f"{self.prefix}:inbox"
+
+    @property
+    def journal(self) -> str:
+        return f"{self.prefix}:journal"
+
+    @property
+    def leader(self) -> str:
+        return f"{self.prefix}:leader"
+
+    @property
+    def epoch(self) -> str:
+        return f"{self.prefix}:epoch"
+
+    @property
+    def cursor(self) -> str:
+        return f"{self.prefix}:cursor"
+
+    @property
+    def snapshot(self) -> str:
+        return f"{self.prefix}:snapshot"
+
+    @property
+    def dead(self) -> str:
+        return f"{self.prefix}:dead"
+
+    @property
+    def status(self) -> str:
+        """The leader's volatile view (liveness, lag, counters), refreshed every second."""
+        return f"{self.prefix}:status"
+
+    def grad(self, world: int, step: int, rank: int, chunk: int) -> str:
+        return f"{self.prefix}:grad:{world}:{step}:{rank}:{chunk}"
+
+    def weights(self, step: int) -> str:
+        return f"{self.prefix}:weights:{step}"

@@ -1,0 +1,313 @@
+"""Every event of cohort: commands workers send to the inbox, facts the leader journals.
+
+Commands are imperative (`Join`), facts past tense (`WorkerJoined`). Every event
+is a frozen pydantic model that forbids unknown fields and carries the envelope:
+`type` (the discriminator), `v` (its schema version), `at` (the producer's wall
+clock, seconds) and `job`. Field limits here are the first line of defence
+against hostile inbox entries: nothing unbounded gets past validation.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
+
+from .shards import Shard
+
+MAX_INT = 2**53  # what a JSON or JavaScript reader still represents exactly
+
+WorkerId = Annotated[
+    str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$", max_length=128)
+]
+JobName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+Count = Annotated[int, Field(ge=0, le=MAX_INT)]
+Seconds = Annotated[float, Field(ge=0, le=1e10, allow_inf_nan=False)]
+Text = Annotated[str, StringConstraints(max_length=1024)]
+Digest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{8,128}$")]
+
+
+class Event(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    v: int = 1
+    at: Seconds
+    job: JobName
+
+
+# ---------------------------------------------------------------- commands (inbox)
+
+
+class Join(Event):
+    """A worker asks to join the job. v2 renamed v1's `name` to `worker`."""
+
+    type: Literal["Join"] = "Join"
+    v: Literal[2] = 2
+    worker: WorkerId
+    host: Annotated[str, StringConstraints(max_length=255)] = ""
+    pid: Annotated[int, Field(ge=0, le=2**31)] = 0
+
+
+class Heartbeat(Event):
+    """A worker is alive. v2 added its progress: last finished step and world version."""
+
+    type: Literal["Heartbeat"] = "Heartbeat"
+    v: Literal[2] = 2
+    worker: WorkerId
+    step: Count | None = None
+    world: Count | None = None
+
+
+class StepDone(Event):
+    """A worker finished `step` in world `world` (its collective completed)."""
+
+    type: Literal["StepDone"] = "StepDone"
+    worker: WorkerId
+    step: Count
+    world: Count
+    step_time: Seconds = 0.0
+    samples: Count = 0
+    digest: Digest | None = None
+    loss: Annotated[float, Field(allow_inf_nan=True)] | None = None
+
+
+class EpochDone(Event):
+    """A worker has used up its shard of `epoch`; the coordinator cross-checks it."""
+
+    type: Literal["EpochDone"] = "EpochDone"
+    worker: WorkerId
+    epoch: Count
+    world: Count
+
+
+class GpuDevice(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    index: Annotated[int, Field(ge=0, le=1024)]
+    name: Annotated[str, StringConstraints(max_length=128)] = ""
+    memory_total: Count = 0
+    memory_used: Count = 0
+    utilization_gpu: Annotated[float, Field(ge=0, le=100)] | None = None
+    utilization_memory: Annotated[float, Field(ge=0, le=100)] | None = None
+    temperature: Annotated[float, Field(ge=-100, le=300)] | None = None
+    power_w: Annotated[float, Field(ge=0, le=100_000)] | None = None
+
+
+class GpuReading(Event):
+    type: Literal["GpuReading"] = "GpuReading"
+    worker: WorkerId
+    devices: tuple[GpuDevice, ...] = Field(default=(), max_length=64)
+
+
+class WeightsLoaded(Event):
+    """A joiner has loaded the weights of `step` and is ready to be activated."""
+
+    type: Literal["WeightsLoaded"] = "WeightsLoaded"
+    worker: WorkerId
+    step: Count = 0
+    digest: Digest | None = None
+
+
+class Leave(Event):
+    """A worker will leave after finishing `after_step` (None: as soon as possible)."""
+
+    type: Literal["Leave"] = "Leave"
+    worker: WorkerId
+    after_step: Count | None = None
+    reason: Text = ""
+
+
+Command = Annotated[
+    Join | Heartbeat | StepDone | EpochDone | GpuReading | WeightsLoaded | Leave,
+    Field(discriminator="type"),
+]
+
+# ---------------------------------------------------------------- facts (journal)
+
+
+class JobConfig(BaseModel):
+    """Everything a decision depends on. Journaled, so a replay can explain every decision."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    min_workers: Annotated[int, Field(ge=1, le=100_000)] = 1
+    max_workers: Annotated[int, Field(ge=1, le=100_000)] = 64
+    heartbeat_interval: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] = 1.0
+    heartbeat_timeout: Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)] = 5.0
+    dataset_size: Annotated[int, Field(ge=1, le=MAX_INT)] = 60_000
+    batch_size: Annotated[int, Field(ge=1, le=2**31)] = 32
+    straggler_factor: Annotated[float, Field(gt=1, le=1000, allow_inf_nan=False)] = 1.5
+    straggler_steps: Annotated[int, Field(ge=1, le=10_000)] = 5
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobConfig:
+        if self.min_workers > self.max_workers:
+            raise ValueError(
+                f"min_workers ({self.min_workers}) must not exceed max_workers ({self.max_workers})"
+            )
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError(
+                f"heartbeat_timeout ({self.heartbeat_timeout}) must be longer than "
+                f"heartbeat_interval ({self.heartbeat_interval})"
+            )
+        return self
+
+
+class JobConfigured(Event):
+    type: Literal["JobConfigured"] = "JobConfigured"
+    config: JobConfig
+
+
+class LeaderElected(Event):
+    type: Literal["LeaderElected"] = "LeaderElected"
+    coordinator: Annotated[str, StringConstraints(max_length=128)]
+    epoch: Count
+
+
+class WorkerJoined(Event):
+    type: Literal["WorkerJoined"] = "WorkerJoined"
+    worker: WorkerId
+    host: Annotated[str, StringConstraints(max_length=255)] = ""
+    pid: int = 0
+
+
+class JoinRefused(Event):
+    """The join was refused (the worker reads the reason here; WorkerJoined is not written)."""
+
+    type: Literal["JoinRefused"] = "JoinRefused"
+    worker: WorkerId
+    reason: Text
+
+
+class WorkerSynced(Event):
+    """A joiner loaded the weights of `step`; it is activated at the next step boundary."""
+
+    type: Literal["WorkerSynced"] = "WorkerSynced"
+    worker: WorkerId
+    step: Count
+
+
+class WorkerActivated(Event):
+    type: Literal["WorkerActivated"] = "WorkerActivated"
+    worker: WorkerId
+
+
+class WorkerLeaving(Event):
+    """An active worker drains: it leaves once `after_step` commits."""
+
+    type: Literal["WorkerLeaving"] = "WorkerLeaving"
+    worker: WorkerId
+    after_step: Count
+
+
+class WorkerLeft(Event):
+    type: Literal["WorkerLeft"] = "WorkerLeft"
+    worker: WorkerId
+    reason: Text = ""
+
+
+class WorkerFailed(Event):
+    """No heartbeat for `timeout` seconds; carries the evidence."""
+
+    type: Literal["WorkerFailed"] = "WorkerFailed"
+    worker: WorkerId
+    last_seen: Seconds
+    timeout: Seconds
+
+
+class WorldChanged(Event):
+    """A new world: rank r is `ranks[r]`, its shard of the rest of `epoch` is `shards[r]`."""
+
+    type: Literal["WorldChanged"] = "WorldChanged"
+    version: Count
+    start_step: Count
+    epoch: Count
+    ranks: tuple[WorkerId, ...]
+    shards: tuple[Shard, ...]
+    reason: Text = ""
+
+    @model_validator(mode="after")
+    def _one_shard_per_rank(self) -> WorldChanged:
+        if len(self.ranks) != len(self.shards):
+            raise ValueError(f"{len(self.ranks)} ranks but {len(self.shards)} shards")
+        if len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"a worker holds two ranks in {self.ranks}")
+        return self
+
+
+class StepCommitted(Event):
+    type: Literal["StepCommitted"] = "StepCommitted"
+    step: Count
+    world: Count
+
+
+class EpochFinished(Event):
+    type: Literal["EpochFinished"] = "EpochFinished"
+    epoch: Count
+    step: Count
+
+
+class EpochStarted(Event):
+    """A new epoch over the same world: the whole index space split afresh."""
+
+    type: Literal["EpochStarted"] = "EpochStarted"
+    epoch: Count
+    start_step: Count
+    shards: tuple[Shard, ...]
+
+
+class StragglerDetected(Event):
+    type: Literal["StragglerDetected"] = "StragglerDetected"
+    worker: WorkerId
+    step_time: Seconds
+    median: Seconds
+    steps: Count
+
+
+class StragglerCleared(Event):
+    type: Literal["StragglerCleared"] = "StragglerCleared"
+    worker: WorkerId
+    step_time: Seconds
+    median: Seconds
+
+
+class TrainingPaused(Event):
+    type: Literal["TrainingPaused"] = "TrainingPaused"
+    reason: Text
+    active: Count
+    min_workers: Count
+
+
+class TrainingResumed(Event):
+    type: Literal["TrainingResumed"] = "TrainingResumed"
+    active: Count
+
+
+Fact = Annotated[
+    JobConfigured
+    | LeaderElected
+    | WorkerJoined
+    | JoinRefused
+    | WorkerSynced
+    | WorkerActivated
+    | WorkerLeaving
+    | WorkerLeft
+    | WorkerFailed
+    | WorldChanged
+    | StepCommitted
+    | EpochFinished
+    | EpochStarted
+    | StragglerDetected
+    | StragglerCleared
+    | TrainingPaused
+    | TrainingResumed,
+    Field(discriminator="type"),
+]
+
+COMMANDS: TypeAdapter[Command] = TypeAdapter(Command)
+FACTS: TypeAdapter[Fact] = TypeAdapter(Fact)
+
+COMMAND_TYPES = frozenset(
+    m.model_fields["type"].default
+    for m in (Join, Heartbeat, StepDone, EpochDone, GpuReading, WeightsLoaded, Leave)
+)

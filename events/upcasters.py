@@ -1,0 +1,44 @@
+"""Old event versions, lifted to the current one before validation.
+
+Each upcaster turns the dict of (type, v) into the dict of (type, v + 1); they
+chain, so an entry written by any older producer reaches today's model. Every
+upcaster has a stored fixture of the old version in tests/fixtures/events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Body = dict[str, Any]
+Upcaster = Callable[[Body], Body]
+
+UPCASTERS: dict[tuple[str, int], Upcaster] = {}
+
+
+def upcaster(type_: str, from_v: int) -> Callable[[Upcaster], Upcaster]:
+    def register(fn: Upcaster) -> Upcaster:
+        UPCASTERS[(type_, from_v)] = fn
+        return fn
+
+    return register
+
+
+@upcaster("Join", 1)
+def _join_name_became_worker(body: Body) -> Body:
+    rest = {k: v for k, v in body.items() if k != "name"}
+    return {**rest, "worker": body.get("name")}
+
+
+@upcaster("Heartbeat", 1)
+def _heartbeat_gained_progress(body: Body) -> Body:
+    return {**body, "step": None, "world": None}
+
+
+def upcast(body: Body) -> Body:
+    """Apply every upcaster from the body's version up to the newest one known."""
+    type_, v = body.get("type"), body.get("v", 1)
+    while isinstance(type_, str) and isinstance(v, int) and (type_, v) in UPCASTERS:
+        body = {**UPCASTERS[(type_, v)](body), "v": v + 1}
+        v += 1
+    return body
