@@ -12,7 +12,23 @@ from .shards import Shard
 from .streams import Entry, Inbox, Journal, Stream
 
 __all__ = [
-    "Clock", "ManualClock", "SystemClock", "decode_command", "decode_fact", "encode",
-    "RedisSettings", "connect", "DecodeError", "EventsError", "RedisUnavailable",
-    "SettingsError", "Keys", "check_job", "Shard", "Entry", "Inbox", "Journal", "Stream",
+    "Clock",
+    "ManualClock",
+    "SystemClock",
+    "decode_command",
+    "decode_fact",
+    "encode",
+    "RedisSettings",
+    "connect",
+    "DecodeError",
+    "EventsError",
+    "RedisUnavailable",
+    "SettingsError",
+    "Keys",
+    "check_job",
+    "Shard",
+    "Entry",
+    "Inbox",
+    "Journal",
+    "Stream",
 ]

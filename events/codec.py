@@ -69,7 +69,9 @@ def decode_command(raw: bytes) -> Command:
     try:
         return COMMANDS.validate_python(body)
     except ValidationError as exc:
-        raise DecodeError(f"invalid {body['type']!r} command: {_validation_reason(exc)}", bytes(raw)) from None
+        raise DecodeError(
+            f"invalid {body['type']!r} command: {_validation_reason(exc)}", bytes(raw)
+        ) from None
 
 
 def decode_fact(raw: bytes) -> Fact:
@@ -77,4 +79,6 @@ def decode_fact(raw: bytes) -> Fact:
     try:
         return FACTS.validate_python(body)
     except ValidationError as exc:
-        raise DecodeError(f"invalid {body['type']!r} fact: {_validation_reason(exc)}", bytes(raw)) from None
+        raise DecodeError(
+            f"invalid {body['type']!r} fact: {_validation_reason(exc)}", bytes(raw)
+        ) from None

@@ -225,6 +225,8 @@ class WorldChanged(Event):
     ranks: tuple[WorkerId, ...]
     shards: tuple[Shard, ...]
     reason: Text = ""
+    unassigned: Shard = Shard()
+    """What is left of the epoch that no rank holds (non-empty only when no rank is left)."""
 
     @model_validator(mode="after")
     def _one_shard_per_rank(self) -> WorldChanged:

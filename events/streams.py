@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from .codec import FIELD, decode_command, decode_fact, encode
+from .codec import FIELD, decode_fact, encode
 from .models import Command, Fact
 
 ZERO = "0-0"
@@ -61,17 +61,17 @@ class Stream:
 
     def tail(self, after: str, block_ms: int, count: int = 512) -> list[Entry]:
         """Entries after `after`, waiting up to `block_ms` for the first one (XREAD BLOCK)."""
-        reply = self.conn.xread({self.key: after}, count=count, block=max(block_ms, 1))
+        reply: Any = self.conn.xread({self.key: after}, count=count, block=max(block_ms, 1))
         if not reply:
             return []
         if isinstance(reply, dict):  # RESP3 answers with a map
-            rows = next(iter(reply.values()), [[]])
+            rows: Any = next(iter(reply.values()), [[]])
             rows = rows[0] if rows and isinstance(rows[0], list) else rows
             return _entries(rows)
         return _entries(reply[0][1])
 
     def last_id(self) -> str:
-        rows = self.conn.xrevrange(self.key, "+", "-", count=1)
+        rows: Any = self.conn.xrevrange(self.key, "+", "-", count=1)
         return _s(rows[0][0]) if rows else ZERO
 
     def length(self) -> int:
@@ -88,7 +88,9 @@ class Inbox(Stream):
 class Journal(Stream):
     """The facts. Read by anyone; appended to only by the fenced leader function."""
 
-    def facts(self, after: str = ZERO, until: str = "+", batch: int = 2048) -> Iterator[tuple[str, Fact]]:
+    def facts(
+        self, after: str = ZERO, until: str = "+", batch: int = 2048
+    ) -> Iterator[tuple[str, Fact]]:
         while True:
             rows = self.range(after, until, count=batch)
             for entry in rows:

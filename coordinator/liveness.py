@@ -1,0 +1,95 @@
+"""What the leader sees but never journals: heartbeats, step reports, step times.
+
+Heartbeats and step reports are nearly all of the inbox's traffic and change
+nothing on their own, so they stay out of the journal and out of `JobState`.
+`Liveness` is the leader's volatile view of them. It is mutable on purpose:
+copying a dict per heartbeat would cost more than everything else the leader
+does. `observe` is its only writer; `decide` only reads it. A new leader
+rebuilds it by observing the inbox window before the cursor (no decisions).
+
+Times are the Redis server's clock (an inbox entry's ID), so workers' clocks
+never matter and every coordinator measures silence the same way.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from statistics import median
+
+from events.models import Command, GpuReading, Heartbeat, Join, StepDone
+
+KEEP_STEPS = 256  # step reports and times older than this many steps are dropped
+
+
+class Liveness:
+    def __init__(self) -> None:
+        self.last_seen: dict[str, float] = {}
+        self.progress: dict[str, tuple[int, int]] = {}  # worker -> (world, last step done)
+        self.reported: dict[tuple[int, int], set[str]] = defaultdict(set)  # (world, step)
+        self.step_times: dict[int, dict[str, float]] = defaultdict(dict)
+        self.losses: dict[str, float] = {}
+        self.gpus: dict[str, GpuReading] = {}
+        self.commands = 0
+
+    def observe(self, command: Command, received_at: float) -> None:
+        """Record what `command` says about its sender, received at server time `received_at`."""
+        self.commands += 1
+        worker = command.worker
+        if received_at > self.last_seen.get(worker, 0.0):
+            self.last_seen[worker] = received_at
+        match command:
+            case StepDone():
+                self._progress(worker, command.world, command.step)
+                self.step_times[command.step][worker] = command.step_time
+                if command.loss is not None:
+                    self.losses[worker] = command.loss
+            case Heartbeat() if command.step is not None and command.world is not None:
+                self._progress(worker, command.world, command.step)
+            case GpuReading():
+                self.gpus[worker] = command
+            case Join():
+                self.progress.pop(worker, None)
+
+    def _progress(self, worker: str, world: int, step: int) -> None:
+        old_world, old_step = self.progress.get(worker, (-1, -1))
+        if (world, step) <= (old_world, old_step):
+            return
+        first = old_step + 1 if world == old_world else step
+        for s in range(max(first, step - KEEP_STEPS), step + 1):
+            self.reported[(world, s)].add(worker)
+        self.progress[worker] = (world, step)
+
+    def all_reported(self, ranks: tuple[str, ...], world: int, step: int) -> bool:
+        """Has every rank of `world` finished `step`?"""
+        done = self.reported.get((world, step))
+        return done is not None and len(done) >= len(ranks) and done.issuperset(ranks)
+
+    def any_reported(self, ranks: tuple[str, ...], world: int, step: int) -> bool:
+        done = self.reported.get((world, step))
+        return bool(done) and not done.isdisjoint(ranks)  # type: ignore[union-attr]
+
+    def step_time_ratio(self, worker: str, step: int) -> tuple[float, float] | None:
+        """(worker's time, the median of everyone's) for `step`, if both are known."""
+        times = self.step_times.get(step)
+        if not times or worker not in times or len(times) < 2:
+            return None
+        return times[worker], median(times.values())
+
+    def forget(self, worker: str) -> None:
+        self.last_seen.pop(worker, None)
+        self.progress.pop(worker, None)
+        self.losses.pop(worker, None)
+        self.gpus.pop(worker, None)
+
+    def prune(self, committed: int) -> None:
+        """Drop reports of steps long committed, so memory stays bounded."""
+        horizon = committed - KEEP_STEPS
+        for key in [k for k in self.reported if k[1] < horizon]:
+            del self.reported[key]
+        for step in [s for s in self.step_times if s < horizon]:
+            del self.step_times[step]
+
+    def grace(self, workers: list[str], since: float) -> None:
+        """Members this view has never heard from count as seen at `since` (a new leader)."""
+        for worker in workers:
+            self.last_seen.setdefault(worker, since)

@@ -1,0 +1,106 @@
+"""The job as the journal says it is: a frozen value, folded from facts.
+
+`JobState` holds only what facts established, so replaying the journal gives
+the same value bit for bit (invariant 1). What the leader merely observes and
+never journals (heartbeat times, step reports) lives in `liveness.Liveness`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgpack
+from pydantic import TypeAdapter
+
+from events.models import JobConfig
+from events.shards import Shard
+
+Status = Literal["syncing", "ready", "active", "draining"]
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    worker: str
+    status: Status
+    joined_at: float
+    host: str = ""
+    pid: int = 0
+    synced_step: int | None = None
+    leave_after: int | None = None
+    straggler: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Counters:
+    joined: int = 0
+    refused: int = 0
+    left: int = 0
+    failed: int = 0
+    world_changes: int = 0
+    steps_committed: int = 0
+    epochs_finished: int = 0
+    elections: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class JobState:
+    """Everything a decision may depend on. Never mutated: `evolve` returns a new one.
+
+    `members` is a dict for lookup speed; it is copied, never changed in place.
+    Steps count from 0; `last_committed == -1` means no step has committed yet.
+    """
+
+    job: str = ""
+    config: JobConfig | None = None
+    leader: str | None = None
+    leader_epoch: int = 0
+    members: dict[str, Member] = field(default_factory=dict)
+    world_version: int = 0
+    ranks: tuple[str, ...] = ()
+    shards: tuple[Shard, ...] = ()
+    unassigned: Shard = Shard()
+    base_step: int = 0
+    epoch: int = 0
+    last_committed: int = -1
+    paused: bool = True
+    started: bool = False
+    counters: Counters = Counters()
+    facts: int = 0
+
+    @property
+    def next_step(self) -> int:
+        return self.last_committed + 1
+
+    @property
+    def configured(self) -> bool:
+        return self.config is not None
+
+    def rank_of(self, worker: str) -> int | None:
+        try:
+            return self.ranks.index(worker)
+        except ValueError:
+            return None
+
+    def with_status(self, status: Status) -> tuple[Member, ...]:
+        return tuple(m for m in self.members.values() if m.status == status)
+
+
+STATE: TypeAdapter[JobState] = TypeAdapter(JobState)
+
+
+def dump(state: JobState) -> dict[str, Any]:
+    """A plain, canonical form (members sorted) for snapshots, JSON and hashing."""
+    body = STATE.dump_python(state, mode="json")
+    body["members"] = dict(sorted(body["members"].items()))
+    return body
+
+
+def load(body: dict[str, Any]) -> JobState:
+    return STATE.validate_python(body)
+
+
+def state_hash(state: JobState) -> str:
+    """A stable digest of the state: equal on every coordinator that folded the same facts."""
+    return hashlib.sha256(msgpack.packb(dump(state), use_bin_type=True)).hexdigest()[:16]
