@@ -1,0 +1,30 @@
+"""The coordinator's exceptions: one root, each message quotes the bad value."""
+
+from __future__ import annotations
+
+
+class CoordinatorError(Exception):
+    """Root of every error raised by the coordinator package."""
+
+
+class Fenced(CoordinatorError):
+    """Our token is no longer the leader's: stop deciding. `holder` is who leads now, if anyone."""
+
+    def __init__(self, token: str, holder: str | None) -> None:
+        super().__init__(
+            f"token {token!r} is no longer current; the lease is held by "
+            f"{holder!r}" if holder else f"token {token!r} is no longer current; no one holds the lease"
+        )
+        self.token = token
+        self.holder = holder
+
+
+class Conflict(CoordinatorError):
+    """The journal moved past the ID we expected (another writer, or our own retried append)."""
+
+    def __init__(self, expected_last: str, actual_last: str) -> None:
+        super().__init__(
+            f"journal's last entry is {actual_last!r}, not the expected {expected_last!r}"
+        )
+        self.expected_last = expected_last
+        self.actual_last = actual_last
