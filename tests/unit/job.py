@@ -1,0 +1,104 @@
+"""A job in memory: workers' commands go through the leader's Core; time moves when told."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coordinator.core import Core
+from coordinator.decide import configure, elect
+from coordinator.fold import fold
+from events.models import (
+    Fact,
+    Heartbeat,
+    JobConfig,
+    Join,
+    Leave,
+    StepDone,
+    WeightsLoaded,
+)
+
+JOB = "unit"
+
+
+class Job:
+    def __init__(self, **config: Any) -> None:
+        self.core = Core()
+        self.now = 1_000.0
+        self.journal: list[Fact] = []
+        self._record(configure(self.core.state, JOB, JobConfig(**config), self.now))
+        self._record(elect(self.core.state, "c1", 1, self.now))
+
+    # ------------------------------------------------------------ plumbing
+    def _record(self, facts: tuple[Fact, ...]) -> tuple[Fact, ...]:
+        self.core.apply(facts)
+        self.journal.extend(facts)
+        return facts
+
+    def send(self, command: Any) -> tuple[Fact, ...]:
+        facts = self.core.handle(command, self.now, self.now)
+        self.journal.extend(facts)
+        return facts
+
+    def advance(self, seconds: float) -> tuple[Fact, ...]:
+        self.now += seconds
+        facts = self.core.tick(self.now)
+        self.journal.extend(facts)
+        return facts
+
+    @property
+    def state(self):  # type: ignore[no-untyped-def]
+        return self.core.state
+
+    def replayed(self):  # type: ignore[no-untyped-def]
+        return fold(self.journal)
+
+    # ------------------------------------------------------------ what workers say
+    def join(self, worker: str) -> tuple[Fact, ...]:
+        return self.send(Join(at=self.now, job=JOB, worker=worker))
+
+    def ready(self, worker: str, step: int = 0) -> tuple[Fact, ...]:
+        return self.send(WeightsLoaded(at=self.now, job=JOB, worker=worker, step=step))
+
+    def start(self, *workers: str) -> tuple[Fact, ...]:
+        facts: tuple[Fact, ...] = ()
+        for worker in workers:
+            facts += self.join(worker)
+        for worker in workers:
+            facts += self.ready(worker)
+        return facts
+
+    def done(
+        self, worker: str, step: int | None = None, world: int | None = None, step_time: float = 1.0
+    ) -> tuple[Fact, ...]:
+        step = self.state.next_step if step is None else step
+        world = self.state.world_version if world is None else world
+        return self.send(
+            StepDone(
+                at=self.now, job=JOB, worker=worker, step=step, world=world, step_time=step_time
+            )
+        )
+
+    def heartbeat(self, worker: str, step: int | None = None, world: int | None = None):  # type: ignore[no-untyped-def]
+        return self.send(Heartbeat(at=self.now, job=JOB, worker=worker, step=step, world=world))
+
+    def leave(
+        self, worker: str, after_step: int | None = None, reason: str = ""
+    ) -> tuple[Fact, ...]:
+        return self.send(
+            Leave(at=self.now, job=JOB, worker=worker, after_step=after_step, reason=reason)
+        )
+
+    def step(self, times: dict[str, float] | None = None) -> tuple[Fact, ...]:
+        """Every rank of the world finishes the next step."""
+        facts: tuple[Fact, ...] = ()
+        for worker in self.state.ranks:
+            facts += self.done(worker, step_time=(times or {}).get(worker, 1.0))
+        return facts
+
+    def alive(self, *workers: str) -> None:
+        for worker in workers:
+            self.heartbeat(worker)
+
+
+def types(facts: tuple[Fact, ...] | list[Fact]) -> list[str]:
+    return [type(f).__name__ for f in facts]

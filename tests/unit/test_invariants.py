@@ -1,0 +1,139 @@
+"""Random joins, leaves, failures, steps and heartbeats keep DESIGN.md's invariants 1-3."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from coordinator.audit import audit
+from coordinator.state import dump, load
+from events.models import LeaderElected, WorldChanged
+
+from .job import Job
+
+NAMES = [f"w{i}" for i in range(6)]
+
+
+class Membership(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.job = Job(
+            min_workers=2,
+            max_workers=4,
+            heartbeat_interval=1,
+            heartbeat_timeout=3,
+            dataset_size=13,
+            batch_size=2,
+            straggler_steps=2,
+        )
+        self.crashed: set[str] = set()
+
+    # ------------------------------------------------------------ what happens
+    @rule(name=st.sampled_from(NAMES))
+    def join(self, name: str) -> None:
+        self.crashed.discard(name)
+        self.job.join(name)
+
+    @rule(data=st.data())
+    def load_weights(self, data: st.DataObject) -> None:
+        syncing = [w for w, m in self.job.state.members.items() if m.status == "syncing"]
+        if syncing:
+            self.job.ready(data.draw(st.sampled_from(sorted(syncing))))
+
+    @rule(data=st.data(), slow=st.booleans())
+    def finish_step(self, data: st.DataObject, slow: bool) -> None:
+        ranks = [w for w in self.job.state.ranks if w not in self.crashed]
+        if ranks:
+            worker = data.draw(st.sampled_from(ranks))
+            self.job.done(worker, step_time=3.0 if slow else 1.0)
+
+    @rule(names=st.lists(st.sampled_from(NAMES), min_size=2, max_size=3, unique=True))
+    def start_workers(self, names: list[str]) -> None:
+        for name in names:
+            self.crashed.discard(name)
+            self.job.join(name)
+        for name in names:
+            self.job.ready(name)
+
+    @rule(steps=st.integers(1, 4))
+    def whole_steps(self, steps: int) -> None:
+        for _ in range(steps):
+            for worker in self.job.state.ranks:
+                if worker not in self.crashed:
+                    self.job.done(worker)
+
+    @rule(data=st.data(), when=st.sampled_from(["now", "after_next", "none"]))
+    def leave(self, data: st.DataObject, when: str) -> None:
+        members = sorted(self.job.state.members)
+        if not members:
+            return
+        worker = data.draw(st.sampled_from(members))
+        after = {"now": max(self.job.state.last_committed, 0), "none": None}.get(
+            when, self.job.state.next_step
+        )
+        self.job.leave(worker, after_step=after)
+
+    @rule(data=st.data())
+    def crash(self, data: st.DataObject) -> None:
+        members = sorted(set(self.job.state.members) - self.crashed)
+        if members:
+            self.crashed.add(data.draw(st.sampled_from(members)))
+
+    @rule(seconds=st.sampled_from([0.5, 1.0, 2.5]))
+    def time_passes(self, seconds: float) -> None:
+        for worker in self.job.state.members:
+            if worker not in self.crashed:
+                self.job.heartbeat(worker)
+        self.job.advance(seconds)
+
+    @precondition(lambda self: bool(self.job.journal))
+    @rule()
+    def new_leader_from_snapshot(self) -> None:
+        """A leader change: a snapshot round trip loses nothing of the state."""
+        self.job.core.state = load(dump(self.job.core.state))
+
+    # ------------------------------------------------------------ what must hold
+    @invariant()
+    def replay_equals_live_state(self) -> None:
+        assert self.job.replayed() == self.job.state
+
+    @invariant()
+    def ranks_are_a_permutation_of_active_members(self) -> None:
+        state = self.job.state
+        assert len(set(state.ranks)) == len(state.ranks)
+        for worker in state.ranks:
+            assert state.members[worker].status in ("active", "draining"), worker
+        assert len(state.shards) == len(state.ranks)
+        if not state.paused:
+            assert len(state.ranks) >= 2
+
+    @invariant()
+    def world_versions_and_leader_epochs_only_grow(self) -> None:
+        versions = [f.version for f in self.job.journal if isinstance(f, WorldChanged)]
+        assert versions == sorted(set(versions))
+        epochs = [f.epoch for f in self.job.journal if isinstance(f, LeaderElected)]
+        assert epochs == sorted(epochs)
+        data_epochs = [f.epoch for f in self.job.journal if isinstance(f, WorldChanged)]
+        assert data_epochs == sorted(data_epochs)
+
+    @invariant()
+    def every_sample_is_used_by_exactly_one_committed_step(self) -> None:
+        report = audit(self.job.journal)
+        assert report.ok, (report.problems, report.epochs)
+
+    def teardown(self) -> None:
+        counters = self.job.state.counters
+        # What the run reached, shown by --hypothesis-show-statistics.
+        event(f"epochs finished: {min(counters.epochs_finished, 2)}")
+        event(f"failures: {min(counters.failed, 2)}")
+        event(f"world changes > 3: {counters.world_changes > 3}")
+
+
+Membership.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_membership_invariants = Membership.TestCase
