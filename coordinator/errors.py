@@ -11,10 +11,8 @@ class Fenced(CoordinatorError):
     """Our token is no longer the leader's: stop deciding. `holder` is who leads now, if anyone."""
 
     def __init__(self, token: str, holder: str | None) -> None:
-        super().__init__(
-            f"token {token!r} is no longer current; the lease is held by "
-            f"{holder!r}" if holder else f"token {token!r} is no longer current; no one holds the lease"
-        )
+        now = f"the lease is held by {holder!r}" if holder else "no one holds the lease"
+        super().__init__(f"token {token!r} is no longer current; {now}")
         self.token = token
         self.holder = holder
 

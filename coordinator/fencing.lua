@@ -39,7 +39,7 @@ local function version()
   return VERSION
 end
 
--- KEYS[leader, epoch] ARGV[nonce, lease_ms] -> token "epoch:nonce", or nil if held.
+-- KEYS[leader, epoch] ARGV[nonce, lease_ms] -> token "epoch:nonce", or nil if the lease is held.
 local function acquire(keys, args)
   if #keys ~= 2 or #args ~= 2 then
     return bad_args('cohort_acquire', 'expects 2 keys (leader, epoch) and 2 args (nonce, lease_ms)')
@@ -53,7 +53,7 @@ local function acquire(keys, args)
     return bad_args('cohort_acquire', 'lease_ms ' .. args[2] .. ' is not a positive integer')
   end
   if redis.call('EXISTS', keys[1]) == 1 then
-    return false
+    return nil -- a nil reply on RESP2 and RESP3 alike (false would be a RESP3 boolean)
   end
   local epoch = redis.call('INCR', keys[2])
   local token = string.format('%d', epoch) .. ':' .. nonce

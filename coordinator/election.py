@@ -1,0 +1,245 @@
+"""Leader lease and fenced writes, on top of the `cohort` Redis Functions library.
+
+Only code holding the current token can append to the journal, move the inbox
+cursor, dead-letter entries or save a snapshot: the check happens inside Redis,
+in the same atomic function as the write (see fencing.lua). The connection is
+always passed in; this module never creates a client.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import redis
+
+from events.keys import Keys
+from events.streams import ZERO
+
+from .errors import Conflict, CoordinatorError, Fenced
+
+LIBRARY = "cohort"
+MIN_REDIS = "7.0"
+_VERSION_LINE = re.compile(r"^local VERSION = (\d+)\s*$", re.MULTILINE)
+_CONFLICT = re.compile(r"^CONFLICT last=(\S+)")
+_FENCED = "FENCED held by "
+_LOAD_ATTEMPTS = 5
+
+
+@cache
+def library_source() -> str:
+    """The text of fencing.lua, as shipped in the `coordinator` package."""
+    return resources.files("coordinator").joinpath("fencing.lua").read_text(encoding="utf-8")
+
+
+def library_version() -> int:
+    """The VERSION this package's fencing.lua declares."""
+    match = _VERSION_LINE.search(library_source())
+    if match is None:
+        raise CoordinatorError("fencing.lua declares no 'local VERSION = <n>' line")
+    return int(match.group(1))
+
+
+def _lacks_functions(exc: redis.ResponseError) -> bool:
+    return "unknown command" in str(exc).lower()
+
+
+def _function_missing(exc: redis.ResponseError) -> bool:
+    return "function not found" in str(exc).lower()
+
+
+def _too_old(conn: redis.Redis, exc: redis.ResponseError) -> CoordinatorError:
+    try:
+        version = conn.info("server").get("redis_version", "unknown")
+    except redis.RedisError:
+        version = "unknown"
+    return CoordinatorError(
+        f"the Redis server (version {version!s}) has no FUNCTION/FCALL support "
+        f"({exc}); cohort needs Redis >= {MIN_REDIS}"
+    )
+
+
+def installed_version(conn: redis.Redis) -> int | None:
+    """The version of the `cohort` library on the server, or None if it has none (or an old one
+    without `cohort_version`)."""
+    try:
+        return int(conn.fcall_ro("cohort_version", 0))  # type: ignore[arg-type]
+    except redis.ResponseError as exc:
+        if _lacks_functions(exc):
+            raise _too_old(conn, exc) from exc
+        if _function_missing(exc):
+            return None
+        raise
+
+
+def load_library(conn: redis.Redis) -> int:
+    """Make sure the server runs this package's library (or a newer one); return its version.
+
+    Loads with FUNCTION LOAD REPLACE only when the installed version is missing or older.
+    Several coordinators may race here: REPLACE is atomic, and each re-checks after loading,
+    so an older coordinator that loaded last is overwritten by the newer one's next pass
+    and the server converges on the newest version. An older coordinator never downgrades.
+    """
+    want = library_version()
+    for _ in range(_LOAD_ATTEMPTS):
+        have = installed_version(conn)
+        if have is not None and have >= want:
+            return have
+        try:
+            conn.function_load(library_source(), replace=True)
+        except redis.ResponseError as exc:
+            if _lacks_functions(exc):
+                raise _too_old(conn, exc) from exc
+            raise CoordinatorError(f"FUNCTION LOAD of library {LIBRARY!r} failed: {exc}") from exc
+    raise CoordinatorError(
+        f"library {LIBRARY!r} v{want} kept being replaced by an older version "
+        f"({installed_version(conn)}) after {_LOAD_ATTEMPTS} loads; is an old coordinator running?"
+    )
+
+
+def _fcall(conn: redis.Redis, function: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    """FCALL, loading the library first if the server lost it (fresh or flushed server)."""
+    for attempt in (1, 2):
+        try:
+            return conn.fcall(function, len(keys), *keys, *args)
+        except redis.ResponseError as exc:
+            if _lacks_functions(exc):
+                raise _too_old(conn, exc) from exc
+            if attempt == 1 and _function_missing(exc):
+                load_library(conn)  # nothing ran, so calling again is safe
+                continue
+            raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def new_nonce() -> str:
+    """A random nonce: makes each token unique even if two coordinators share a host and pid."""
+    return secrets.token_hex(8)
+
+
+class Lease:
+    """The leader lease: a PX key holding `epoch:nonce`, the epoch counted up on every election."""
+
+    def __init__(self, conn: redis.Redis, keys: Keys, lease_ms: int) -> None:
+        if lease_ms <= 0:
+            raise CoordinatorError(f"lease_ms must be a positive number of ms, not {lease_ms!r}")
+        self.conn = conn
+        self.keys = keys
+        self.lease_ms = lease_ms
+
+    def acquire(self, nonce: str | None = None) -> str | None:
+        """Our new token if the lease was free (the epoch grows by exactly one), else None."""
+        nonce = new_nonce() if nonce is None else nonce
+        if not nonce or any(c.isspace() for c in nonce):
+            raise CoordinatorError(f"nonce {nonce!r} must be non-empty and without whitespace")
+        reply = _fcall(
+            self.conn, "cohort_acquire", [self.keys.leader, self.keys.epoch], [nonce, self.lease_ms]
+        )
+        # nil from Lua is None on RESP2 and RESP3; guard against a boolean too
+        return _text(reply) if reply else None
+
+    def renew(self, token: str) -> bool:
+        """Extend the lease by lease_ms if `token` still holds it. False means: stop leading."""
+        return bool(_fcall(self.conn, "cohort_renew", [self.keys.leader], [token, self.lease_ms]))
+
+    def release(self, token: str) -> bool:
+        """Give the lease up if `token` holds it (compare-and-delete); a follower takes over now."""
+        return bool(_fcall(self.conn, "cohort_release", [self.keys.leader], [token]))
+
+    def holder(self) -> str | None:
+        """The current token, or None if no one leads."""
+        value = self.conn.get(self.keys.leader)
+        return _text(value) if value is not None else None  # type: ignore[arg-type]
+
+    @staticmethod
+    def epoch_of(token: str) -> int:
+        """The leader epoch a token was issued for: tokens are `epoch:nonce`."""
+        epoch, sep, _ = token.partition(":")
+        if not sep or not epoch.isdigit():
+            raise CoordinatorError(f"token {token!r} is not of the form 'epoch:nonce'")
+        return int(epoch)
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """An inbox entry the leader rejected, with why; `raw` is the entry's bytes as received."""
+
+    inbox_id: str
+    reason: str
+    raw: bytes
+
+
+class FencedJournal:
+    """The leader's writes: facts, the inbox cursor and dead letters in one fenced, atomic call."""
+
+    def __init__(self, conn: redis.Redis, keys: Keys, dead_maxlen: int = 10_000) -> None:
+        if dead_maxlen <= 0:
+            raise CoordinatorError(f"dead_maxlen must be positive, not {dead_maxlen!r}")
+        self.conn = conn
+        self.keys = keys
+        self.dead_maxlen = dead_maxlen
+
+    def append(
+        self,
+        token: str,
+        expected_last: str,
+        facts: Sequence[bytes],
+        cursor: str | None,
+        dead: Sequence[DeadLetter] = (),
+    ) -> list[str]:
+        """Append `facts` (encoded) and set the cursor, only if `token` leads and the journal
+        still ends at `expected_last`. Returns the new journal IDs.
+
+        Raises Fenced if the token is stale and Conflict if the journal moved; in both cases
+        nothing was written. After a lost reply, retrying the same call raises Conflict with
+        `actual_last` naming what the first attempt wrote, so a retry never appends twice.
+        """
+        args: list[Any] = [token, expected_last, cursor or "", len(facts), self.dead_maxlen]
+        args.extend(facts)
+        for letter in dead:
+            args.extend((letter.inbox_id, letter.reason, letter.raw))
+        keys = [self.keys.leader, self.keys.journal, self.keys.cursor, self.keys.dead]
+        try:
+            ids = _fcall(self.conn, "cohort_append", keys, args)
+        except redis.ResponseError as exc:
+            self._raise_translated(exc, token, expected_last)
+            raise
+        return [_text(i) for i in ids or ()]
+
+    def save_snapshot(self, token: str, blob: bytes) -> None:
+        """Store a snapshot blob, only if `token` leads (else Fenced)."""
+        try:
+            keys = [self.keys.leader, self.keys.snapshot]
+            _fcall(self.conn, "cohort_snapshot", keys, [token, blob])
+        except redis.ResponseError as exc:
+            self._raise_translated(exc, token, "")
+            raise
+
+    def cursor(self) -> str:
+        """The inbox ID consumed up to ("0-0" before the first append that moved it)."""
+        value = self.conn.get(self.keys.cursor)
+        return _text(value) if value is not None else ZERO  # type: ignore[arg-type]
+
+    def load_snapshot(self) -> bytes | None:
+        value: Any = self.conn.get(self.keys.snapshot)
+        return bytes(value) if value is not None else None
+
+    @staticmethod
+    def _raise_translated(exc: redis.ResponseError, token: str, expected_last: str) -> None:
+        """Raise Fenced/Conflict for the library's refusals; return for any other error."""
+        message = str(exc)
+        if message.startswith(_FENCED):
+            holder = message[len(_FENCED) :].strip()
+            raise Fenced(token, None if holder == "none" else holder) from exc
+        match = _CONFLICT.match(message)
+        if match:
+            raise Conflict(expected_last, match.group(1)) from exc
