@@ -1,0 +1,313 @@
+"""A throwaway redis-server on a free port in a fresh temp dir, for `cohort demo` and tests.
+
+Real processes, real signals: stop() sends SIGTERM (then SIGKILL), kill() simulates a
+crash, restart() reuses the port and dir so the AOF is reloaded. Without a redis-server
+binary, `embedded_ok=True` falls back to fakeredis's TCP server in a thread and says so
+through `.embedded`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import redis
+
+from events.connection import RedisSettings, connect
+
+from .errors import CohortError
+
+BINARY_ENV = "COHORT_REDIS_SERVER"
+HOST = "127.0.0.1"
+_POLL = 0.02
+
+
+class LocalRedisError(CohortError):
+    """The local server could not be started or stopped; the message carries its log tail."""
+
+
+def find_redis_server() -> str | None:
+    """The redis-server binary: $COHORT_REDIS_SERVER if set, else the first on PATH."""
+    chosen = os.environ.get(BINARY_ENV)
+    if chosen:
+        return chosen if os.access(chosen, os.X_OK) else None
+    return shutil.which("redis-server")
+
+
+def free_port() -> int:
+    """A port the OS just called free. Another process may still take it first: callers retry."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class LocalRedis:
+    """A private Redis server: use as a context manager, or call start() and stop()."""
+
+    def __init__(
+        self,
+        *,
+        appendonly: bool = True,
+        appendfsync: str = "everysec",
+        extra_args: Sequence[str] = (),
+        keep: bool = False,
+        embedded_ok: bool = False,
+        binary: str | None = None,
+        start_timeout: float = 10.0,
+        stop_timeout: float = 10.0,
+        port_attempts: int = 5,
+    ) -> None:
+        self.appendonly = appendonly
+        self.appendfsync = appendfsync
+        self.extra_args = tuple(extra_args)
+        self.keep = keep
+        self.embedded_ok = embedded_ok
+        self.binary = binary or find_redis_server()
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.port_attempts = port_attempts
+        self.embedded = False
+        self.port = 0
+        self.dir: Path | None = None
+        self.process: subprocess.Popen[bytes] | None = None
+        self._out: IO[bytes] | None = None
+        self._fake: Any = None  # fakeredis.TcpFakeServer when embedded
+        self._fake_thread: threading.Thread | None = None
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> LocalRedis:
+        """Start on a fresh free port in a fresh temp dir; returns self once PING answers."""
+        if self.alive():
+            raise LocalRedisError(f"already running at {self.url}")
+        self.dir = Path(tempfile.mkdtemp(prefix="cohort-redis-"))
+        try:
+            if self.binary is None:
+                if not self.embedded_ok:
+                    raise LocalRedisError(
+                        "no redis-server binary found (looked at $COHORT_REDIS_SERVER and PATH); "
+                        "install redis-server >= 7.0 or pass embedded_ok=True"
+                    )
+                self._start_embedded(free_port())
+                return self
+            last: LocalRedisError | None = None
+            for _ in range(self.port_attempts):
+                try:
+                    self._spawn(free_port())
+                    return self
+                except _PortTaken as exc:
+                    last = exc
+            raise LocalRedisError(
+                f"redis-server could not bind a free port in {self.port_attempts} attempts: {last}"
+            )
+        except BaseException:
+            self._remove_dir()
+            raise
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after stop_timeout; removes the temp dir unless keep=True."""
+        self._terminate()
+        if not self.keep:
+            self._remove_dir()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: the dir (and whatever AOF reached disk) stays."""
+        if self.embedded:
+            self._stop_embedded()
+            return
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(self.stop_timeout)
+        self._close_out()
+
+    def restart(self) -> LocalRedis:
+        """Stop if running, then start again on the same port and dir (the AOF is reloaded)."""
+        if self.dir is None:
+            raise LocalRedisError("restart() before start(): there is no port or dir to reuse")
+        self._terminate()
+        if self.embedded:
+            self._start_embedded(self.port)
+        else:
+            try:
+                self._spawn(self.port)
+            except _PortTaken as exc:
+                raise LocalRedisError(f"port {self.port} was taken while stopped: {exc}") from exc
+        return self
+
+    def alive(self) -> bool:
+        if self.embedded:
+            return self._fake_thread is not None and self._fake_thread.is_alive()
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        """A client through the one connection factory (the caller closes it)."""
+        return connect(RedisSettings(url=self.url))
+
+    def log_tail(self, lines: int = 20) -> str:
+        if self.dir is None:
+            return ""
+        return "\n".join(
+            t
+            for t in (_tail(self.dir / "redis.out", lines), _tail(self.dir / "redis.log", lines))
+            if t
+        )
+
+    def __enter__(self) -> LocalRedis:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        kind = "embedded" if self.embedded else "redis-server"
+        return f"LocalRedis({kind}, url={self.url!r}, dir={str(self.dir)!r}, alive={self.alive()})"
+
+    # -- redis-server --------------------------------------------------------------
+
+    def _argv(self, port: int) -> list[str]:
+        assert self.binary is not None and self.dir is not None
+        return [
+            self.binary,
+            "--port", str(port),
+            "--bind", HOST,
+            "--dir", str(self.dir),
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", self.appendfsync,
+            "--logfile", str(self.dir / "redis.log"),
+            "--daemonize", "no",
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def _spawn(self, port: int) -> None:
+        assert self.dir is not None
+        self.port = port
+        self._close_out()
+        self._out = open(self.dir / "redis.out", "ab")  # noqa: SIM115 - lives as long as the server
+        self.process = subprocess.Popen(
+            self._argv(port),
+            stdin=subprocess.DEVNULL,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            cwd=self.dir,
+        )
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        """Poll PING until it answers, the process exits, or start_timeout passes."""
+        assert self.process is not None
+        probe = connect(
+            RedisSettings(url=self.url, socket_timeout=1.0, connect_timeout=0.5, retries=0)
+        )
+        deadline = time.monotonic() + self.start_timeout
+        pause = threading.Event()
+        try:
+            while time.monotonic() < deadline:
+                code = self.process.poll()
+                if code is not None:
+                    self._close_out()
+                    tail = self.log_tail()
+                    if "address already in use" in tail.lower():
+                        raise _PortTaken(f"port {self.port}: {tail.splitlines()[-1]}")
+                    raise LocalRedisError(
+                        f"redis-server exited with code {code} before answering PING on port "
+                        f"{self.port}; log tail:\n{tail}"
+                    )
+                try:
+                    if probe.ping():
+                        return
+                except redis.ConnectionError:
+                    pass
+                except redis.ResponseError as exc:  # e.g. LOADING while the AOF is replayed
+                    if "loading" not in str(exc).lower():
+                        raise
+                pause.wait(_POLL)
+        finally:
+            probe.close()
+        self._terminate()
+        raise LocalRedisError(
+            f"redis-server on port {self.port} did not answer PING within {self.start_timeout}s; "
+            f"log tail:\n{self.log_tail()}"
+        )
+
+    def _terminate(self) -> None:
+        if self.embedded:
+            self._stop_embedded()
+            return
+        process = self.process
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                process.send_signal(signal.SIGKILL)
+                process.wait(self.stop_timeout)
+        self._close_out()
+
+    def _close_out(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+
+    def _remove_dir(self) -> None:
+        if self.dir is not None and self.dir.exists():
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    # -- embedded fakeredis ----------------------------------------------------------
+
+    def _start_embedded(self, port: int) -> None:
+        from fakeredis import TcpFakeServer  # only needed without a binary
+
+        previous = self._fake
+        try:
+            server = TcpFakeServer((HOST, port), server_type="redis")
+        except OSError as exc:
+            raise LocalRedisError(f"embedded fakeredis could not bind port {port}: {exc}") from exc
+        if previous is not None:
+            # the same in-memory data across restart(), standing in for the AOF
+            server.fake_server = previous.fake_server
+        self.embedded = True
+        self.port = port
+        self._fake = server
+        self._fake_thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
+            name=f"fakeredis-{port}",
+        )  # fmt: skip
+        self._fake_thread.start()
+
+    def _stop_embedded(self) -> None:
+        if self._fake_thread is not None and self._fake_thread.is_alive():
+            self._fake.shutdown()
+            self._fake.server_close()
+            self._fake_thread.join(self.stop_timeout)
+
+
+class _PortTaken(LocalRedisError):
+    """redis-server lost the race for the port we picked; pick another."""
