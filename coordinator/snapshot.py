@@ -1,0 +1,31 @@
+"""Snapshots: a state and the journal ID it covers. A cache only: folding the facts after
+it must give what folding from zero gives (invariant 1), so a bad one is simply ignored."""
+
+from __future__ import annotations
+
+import msgpack
+
+from .state import JobState, dump, load
+
+VERSION = 1
+
+
+class SnapshotUnusable(Exception):
+    """The snapshot cannot be used; the caller folds from zero instead."""
+
+
+def encode(state: JobState, journal_id: str) -> bytes:
+    return msgpack.packb({"v": VERSION, "id": journal_id, "state": dump(state)}, use_bin_type=True)
+
+
+def decode(blob: bytes) -> tuple[JobState, str]:
+    try:
+        body = msgpack.unpackb(blob, raw=False)
+        if not isinstance(body, dict) or body.get("v") != VERSION:
+            version = body.get("v") if isinstance(body, dict) else None
+            raise SnapshotUnusable(f"snapshot schema version {version!r}, expected {VERSION}")
+        return load(body["state"]), str(body["id"])
+    except SnapshotUnusable:
+        raise
+    except Exception as exc:  # any corruption means: fold from zero
+        raise SnapshotUnusable(f"snapshot unreadable: {type(exc).__name__}: {exc}") from exc
