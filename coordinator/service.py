@@ -36,9 +36,9 @@ from events.streams import ZERO, Entry, Inbox, Journal
 from . import snapshot
 from .core import Core
 from .decide import configure, elect
-from .fold import fold
 from .election import DeadLetter, FencedJournal, Lease, load_library
 from .errors import Conflict, CoordinatorError, Fenced
+from .fold import fold
 from .state import JobState, state_hash
 
 log = logging.getLogger("cohort.coordinator")
