@@ -1,0 +1,71 @@
+"""The worker's exceptions: one root, each message says what happened and what to do."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .view import Assignment
+
+
+class WorkerError(Exception):
+    """Root of every error raised by the worker package."""
+
+
+class WaitTimeout(WorkerError, TimeoutError):
+    """A bounded wait ran out before the journal said what was awaited."""
+
+
+class JoinTimeout(WaitTimeout):
+    pass
+
+
+class CommitTimeout(WaitTimeout):
+    pass
+
+
+class ActivationTimeout(WaitTimeout):
+    pass
+
+
+class JoinRefused(WorkerError):
+    """The coordinator refused the join; `reason` is its explanation."""
+
+    def __init__(self, worker: str, reason: str) -> None:
+        super().__init__(f"join of {worker!r} was refused: {reason}")
+        self.worker = worker
+        self.reason = reason
+
+
+class Removed(WorkerError):
+    """This worker is no longer a member (it left or was declared failed); rejoin to come back."""
+
+    def __init__(self, worker: str, reason: str) -> None:
+        super().__init__(f"worker {worker!r} is no longer a member: {reason}; join again to return")
+        self.worker = worker
+        self.reason = reason
+
+
+class WorldChangedError(WorkerError):
+    """The world changed before the step committed: the step was aborted.
+
+    The training loop continues from `assignment.start_step` (None: not a rank of the new world).
+    """
+
+    def __init__(self, step: int, assignment: Assignment | None) -> None:
+        where = (
+            f"world {assignment.world_version} from step {assignment.start_step}"
+            if assignment is not None
+            else "a world without this worker"
+        )
+        super().__init__(f"step {step} was aborted by a world change; continue in {where}")
+        self.step = step
+        self.assignment = assignment
+
+
+class NotAssigned(WorkerError):
+    """This worker holds no rank (in the current world, or in the world of the asked step)."""
+
+
+class Stopped(WorkerError):
+    """The worker was stopped while an operation was still waiting or retrying."""

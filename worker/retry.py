@@ -1,0 +1,105 @@
+"""Riding out Redis outages: retry with capped, jittered backoff; log only when the link flips.
+
+Every worker thread talks to Redis through `with_retry`, and they share one
+`Link`, so an outage is one "lost" line and one "back" line, however many
+threads notice it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import redis
+
+from .errors import Stopped
+
+T = TypeVar("T")
+
+RETRYABLE: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError)
+
+
+def describe(conn: redis.Redis) -> str:
+    """Where `conn` points, for log lines (never includes a password)."""
+    kw = conn.connection_pool.connection_kwargs
+    if kw.get("path"):
+        return f"unix://{kw['path']}"
+    return f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+
+
+class Link:
+    """The health of one Redis connection as all of a worker's threads see it."""
+
+    def __init__(self, log: logging.Logger, where: str) -> None:
+        self.log = log
+        self.where = where
+        self._down = False
+        self._lock = threading.Lock()
+
+    @property
+    def down(self) -> bool:
+        return self._down
+
+    def lost(self, exc: BaseException, what: str) -> None:
+        with self._lock:
+            if self._down:
+                return
+            self._down = True
+        self.log.warning(
+            "lost the connection to Redis at %s while %s (%s: %s); retrying with backoff",
+            self.where,
+            what,
+            type(exc).__name__,
+            exc,
+        )
+
+    def restored(self) -> None:
+        if not self._down:  # the common case, without taking the lock
+            return
+        with self._lock:
+            if not self._down:
+                return
+            self._down = False
+        self.log.warning("the connection to Redis at %s is back", self.where)
+
+
+def backoff(attempt: int, base: float = 0.05, cap: float = 2.0) -> float:
+    """Seconds to wait before retry number `attempt` (0-based): exponential, capped, jittered."""
+    ceiling = min(cap, base * 2**attempt)
+    return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+
+def with_retry(
+    op: Callable[[], T],
+    stop: threading.Event,
+    link: Link,
+    what: str,
+    *,
+    deadline: float | None = None,
+    cap: float = 2.0,
+) -> T:
+    """`op()`, retried on connection errors until it succeeds.
+
+    Raises `Stopped` when `stop` is set while waiting, and the last connection
+    error once `deadline` (time.monotonic seconds) would pass. Other errors
+    propagate at once: retrying cannot fix them.
+    """
+    attempt = 0
+    while True:
+        try:
+            result = op()
+        except RETRYABLE as exc:
+            link.lost(exc, what)
+            delay = backoff(attempt, cap=cap)
+            attempt += 1
+            if deadline is not None and time.monotonic() + delay > deadline:
+                raise
+            if stop.wait(delay):
+                raise Stopped(f"stopped while {what} (Redis at {link.where} unreachable)") from exc
+            continue
+        link.restored()
+        return result

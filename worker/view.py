@@ -1,0 +1,243 @@
+"""What one worker knows of its job: a pure fold of journal facts into a frozen View.
+
+`apply(view, fact)` has one branch per fact type and never does I/O, so the
+client's tail thread, replays and tests all share it. `batch` answers "which
+samples does this worker train on at step S" from the same data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from events import models as m
+from events.shards import Range, Shard
+
+from .errors import NotAssigned
+
+Status = Literal["outside", "syncing", "ready", "active", "draining"]
+
+KEEP_PLANS = 8
+"""Plans kept for `batch` of recent steps; a training loop is at most a step or two behind."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Who trains on what from `base_step` on: a WorldChanged, or an EpochStarted within it."""
+
+    world_version: int
+    world_start: int
+    base_step: int
+    epoch: int
+    ranks: tuple[str, ...]
+    shards: tuple[Shard, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """This worker's place in the current world."""
+
+    rank: int
+    world_size: int
+    world_version: int
+    epoch: int
+    start_step: int
+    shard: Shard
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    worker: str
+    config: m.JobConfig | None = None
+    members: frozenset[str] = frozenset()
+    status: Status = "outside"
+    joins: int = 0
+    """WorkerJoined facts for this worker; join() waits for this count to grow."""
+    refusals: int = 0
+    refused: str | None = None
+    left: bool = False
+    failed: bool = False
+    removed_reason: str = ""
+    leaving_after: int | None = None
+    plans: tuple[Plan, ...] = ()
+    last_committed: int = -1
+    paused: bool = False
+
+    # ------------------------------------------------------------ the current plan
+    @property
+    def plan(self) -> Plan | None:
+        return self.plans[-1] if self.plans else None
+
+    @property
+    def world_version(self) -> int:
+        return self.plans[-1].world_version if self.plans else 0
+
+    @property
+    def ranks(self) -> tuple[str, ...]:
+        return self.plans[-1].ranks if self.plans else ()
+
+    @property
+    def shards(self) -> tuple[Shard, ...]:
+        return self.plans[-1].shards if self.plans else ()
+
+    @property
+    def base_step(self) -> int:
+        return self.plans[-1].base_step if self.plans else 0
+
+    @property
+    def epoch(self) -> int:
+        return self.plans[-1].epoch if self.plans else 0
+
+    @property
+    def next_step(self) -> int:
+        return self.last_committed + 1
+
+    # ------------------------------------------------------------ this worker
+    @property
+    def member(self) -> bool:
+        return self.worker in self.members
+
+    @property
+    def removed(self) -> bool:
+        return self.left or self.failed
+
+    @property
+    def active(self) -> bool:
+        """A rank of the current world, and training is not paused."""
+        return self.worker in self.ranks and not self.paused
+
+    @property
+    def assignment(self) -> Assignment | None:
+        plan = self.plan
+        if plan is None or self.worker not in plan.ranks:
+            return None
+        rank = plan.ranks.index(self.worker)
+        return Assignment(
+            rank=rank,
+            world_size=len(plan.ranks),
+            world_version=plan.world_version,
+            epoch=plan.epoch,
+            start_step=plan.world_start,
+            shard=plan.shards[rank],
+        )
+
+
+def apply(view: View, fact: m.Fact) -> View:
+    """The view after `fact`. Facts about other workers only change the member set."""
+    me = view.worker
+    match fact:
+        case m.JobConfigured():
+            return replace(view, config=fact.config)
+        case m.LeaderElected():
+            return view
+        case m.WorkerJoined():
+            view = replace(view, members=view.members | {fact.worker})
+            if fact.worker != me:
+                return view
+            return replace(
+                view,
+                status="syncing",
+                joins=view.joins + 1,
+                left=False,
+                failed=False,
+                removed_reason="",
+                leaving_after=None,
+            )
+        case m.JoinRefused():
+            if fact.worker != me:
+                return view
+            return replace(view, refusals=view.refusals + 1, refused=fact.reason)
+        case m.WorkerSynced():
+            return replace(view, status="ready") if fact.worker == me else view
+        case m.WorkerActivated():
+            return replace(view, status="active") if fact.worker == me else view
+        case m.WorkerLeaving():
+            if fact.worker != me:
+                return view
+            return replace(view, status="draining", leaving_after=fact.after_step)
+        case m.WorkerLeft():
+            view = replace(view, members=view.members - {fact.worker})
+            if fact.worker != me:
+                return view
+            return replace(
+                view, status="outside", left=True, removed_reason=f"left ({fact.reason or 'left'})"
+            )
+        case m.WorkerFailed():
+            view = replace(view, members=view.members - {fact.worker})
+            if fact.worker != me:
+                return view
+            return replace(
+                view,
+                status="outside",
+                failed=True,
+                removed_reason=f"declared failed: no heartbeat for {fact.timeout:g} s",
+            )
+        case m.WorldChanged():
+            plan = Plan(
+                world_version=fact.version,
+                world_start=fact.start_step,
+                base_step=fact.start_step,
+                epoch=fact.epoch,
+                ranks=fact.ranks,
+                shards=fact.shards,
+            )
+            return replace(view, plans=(*view.plans, plan)[-KEEP_PLANS:])
+        case m.EpochStarted():
+            current = view.plan
+            if current is None:
+                return view  # an epoch without a world: nothing to train on
+            plan = replace(
+                current, base_step=fact.start_step, epoch=fact.epoch, shards=fact.shards
+            )
+            return replace(view, plans=(*view.plans, plan)[-KEEP_PLANS:])
+        case m.StepCommitted():
+            return replace(view, last_committed=max(view.last_committed, fact.step))
+        case m.EpochFinished():
+            return view
+        case m.StragglerDetected() | m.StragglerCleared():
+            return view
+        case m.TrainingPaused():
+            return replace(view, paused=True)
+        case m.TrainingResumed():
+            return replace(view, paused=False)
+    raise TypeError(f"apply has no branch for {type(fact).__name__}")  # pragma: no cover
+
+
+def fold(view: View, facts: Iterable[m.Fact]) -> View:
+    """`apply` over `facts`, in order."""
+    for fact in facts:
+        view = apply(view, fact)
+    return view
+
+
+def take(shard: Shard, base_step: int, step: int, batch_size: int) -> tuple[Range, ...]:
+    """The sample ranges of the batch at `step` for the rank holding `shard` from `base_step`."""
+    if step < base_step:
+        raise ValueError(f"step {step} precedes the shard's base step {base_step}")
+    return shard.take((step - base_step) * batch_size, batch_size)
+
+
+def plan_for(view: View, step: int) -> Plan:
+    """The latest plan with base_step <= `step` (the one `step` trains under)."""
+    for plan in reversed(view.plans):
+        if plan.base_step <= step:
+            return plan
+    raise NotAssigned(
+        f"no plan covers step {step} (known plans start at "
+        f"{[p.base_step for p in view.plans]}); it is older than this worker's memory"
+    )
+
+
+def batch(view: View, step: int) -> tuple[Range, ...]:
+    """The sample ranges this worker trains on at `step`."""
+    if view.config is None:
+        raise NotAssigned("the job is not configured yet (no JobConfigured in the journal)")
+    plan = plan_for(view, step)
+    if view.worker not in plan.ranks:
+        raise NotAssigned(
+            f"worker {view.worker!r} holds no rank at step {step} "
+            f"(world {plan.world_version} ranks: {list(plan.ranks)})"
+        )
+    shard = plan.shards[plan.ranks.index(view.worker)]
+    return take(shard, plan.base_step, step, view.config.batch_size)
