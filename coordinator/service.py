@@ -223,8 +223,7 @@ class Coordinator:
         start = f"{max(0, cursor_ms - int((window + 1) * 1000))}-0"
         seen = self.core.seen
         if self.cursor != ZERO:
-            for entry in self.conn.xrange(self.keys.inbox, start, self.cursor, count=100_000):
-                item = Entry(entry[0].decode(), dict(entry[1]))
+            for item in self.inbox.range(start, self.cursor, count=100_000):
                 try:
                     command = decode_command(item.raw or b"")
                 except DecodeError:
