@@ -224,7 +224,7 @@ class LocalRedis:
         """Poll PING until it answers, the process exits, or start_timeout passes."""
         assert self.process is not None
         probe = connect(
-            RedisSettings(url=self.url, socket_timeout=1.0, connect_timeout=0.5, retries=0)
+            RedisSettings(url=self.url, socket_timeout=0.5, connect_timeout=0.5, retries=0)
         )
         deadline = time.monotonic() + self.start_timeout
         pause = threading.Event()
@@ -243,8 +243,8 @@ class LocalRedis:
                 try:
                     if probe.ping():
                         return
-                except redis.ConnectionError:
-                    pass
+                except (redis.ConnectionError, redis.TimeoutError):
+                    pass  # not listening yet, or someone else's socket on our port
                 except redis.ResponseError as exc:  # e.g. LOADING while the AOF is replayed
                     if "loading" not in str(exc).lower():
                         raise

@@ -5,15 +5,15 @@ Contract tests take `conn`, which runs each test on fakeredis and on the real se
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import fakeredis
 import pytest
 import redis
 
-from cohort.localredis import LocalRedis, find_redis_server
+from cohort.localredis import LocalRedis
 from events.connection import RedisSettings, connect
+from tests.helpers import require_redis_server
 
 
 @pytest.fixture(scope="session")
@@ -23,12 +23,7 @@ def redis_server() -> Iterator[LocalRedis]:
     Without a binary the tests that need it are skipped locally, but fail in CI (CI=true),
     where a missing server means the suite proved nothing.
     """
-    if find_redis_server() is None:
-        reason = "no redis-server binary on PATH (or $COHORT_REDIS_SERVER)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{reason}; CI must run the real-server tests")
-        pytest.skip(reason)
-    server = LocalRedis(appendonly=True)
+    server = LocalRedis(appendonly=True, binary=require_redis_server())
     server.start()
     yield server
     server.stop()

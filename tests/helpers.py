@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
+
+import pytest
+
+from cohort.localredis import find_redis_server
 
 T = TypeVar("T")
 
@@ -26,3 +31,15 @@ def wait_until(
         if time.monotonic() >= deadline:
             raise AssertionError(f"{message}: not true within {timeout}s (last value {value!r})")
         pause.wait(interval)
+
+
+def require_redis_server() -> str:
+    """The redis-server binary; without one, skip locally but fail in CI (CI=true), where a
+    missing server would mean the real-server tests proved nothing."""
+    binary = find_redis_server()
+    if binary is None:
+        reason = "no redis-server binary on PATH (or $COHORT_REDIS_SERVER)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason}; CI must run the real-server tests")
+        pytest.skip(reason)
+    return binary
