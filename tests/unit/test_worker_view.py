@@ -1,0 +1,224 @@
+"""The worker's pure fold: membership, worlds, epochs and the batch of every step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from events import models as m
+from events.shards import Range, Shard
+from worker.errors import NotAssigned
+from worker.view import KEEP_PLANS, View, apply, batch, fold, take
+
+JOB = "unit"
+ME = "me"
+
+
+def fact(cls: type[Any], **body: Any) -> Any:
+    return cls(at=1.0, job=JOB, **body)
+
+
+def split(ranges: tuple[Range, ...], n: int) -> tuple[Shard, ...]:
+    """Contiguous split of the concatenated `ranges` into n shards, remainder one each."""
+    whole = Shard(ranges=ranges)
+    size, out, offset = whole.size, [], 0
+    for r in range(n):
+        count = size // n + (1 if r < size % n else 0)
+        out.append(Shard(ranges=whole.take(offset, count)))
+        offset += count
+    return tuple(out)
+
+
+def world(version: int, start: int, ranks: tuple[str, ...], shards: tuple[Shard, ...], epoch=0):
+    return fact(
+        m.WorldChanged, version=version, start_step=start, epoch=epoch, ranks=ranks, shards=shards
+    )
+
+
+def configured(**config: Any) -> View:
+    return apply(View(worker=ME), fact(m.JobConfigured, config=m.JobConfig(**config)))
+
+
+def indices(ranges: tuple[Range, ...]) -> list[int]:
+    return [i for start, stop in ranges for i in range(start, stop)]
+
+
+def test_job_configured_sets_the_config() -> None:
+    view = configured(batch_size=7)
+    assert view.config is not None and view.config.batch_size == 7
+    assert view.world_version == 0 and view.last_committed == -1 and not view.member
+
+
+def test_membership_path_from_join_to_active() -> None:
+    view = fold(
+        configured(),
+        [
+            fact(m.WorkerJoined, worker=ME),
+            fact(m.WorkerJoined, worker="other"),
+        ],
+    )
+    assert view.member and view.status == "syncing" and view.joins == 1
+    assert view.members == {ME, "other"}
+    view = apply(view, fact(m.WorkerSynced, worker=ME, step=0))
+    assert view.status == "ready"
+    view = apply(view, fact(m.WorkerActivated, worker="other"))
+    assert view.status == "ready"
+    view = apply(view, fact(m.WorkerActivated, worker=ME))
+    assert view.status == "active"
+    assert not view.active  # active status, but no world holds it yet
+    view = apply(view, world(1, 0, ("other", ME), split(((0, 10),), 2)))
+    assert view.active
+    assignment = view.assignment
+    assert assignment is not None
+    assert (assignment.rank, assignment.world_size, assignment.world_version) == (1, 2, 1)
+    assert assignment.shard == Shard(ranges=((5, 10),))
+
+
+def test_join_refused_for_this_worker_records_the_reason() -> None:
+    view = fold(
+        configured(),
+        [
+            fact(m.JoinRefused, worker="other", reason="not me"),
+            fact(m.JoinRefused, worker=ME, reason="job is full"),
+        ],
+    )
+    assert view.refusals == 1 and view.refused == "job is full"
+    assert not view.member and view.joins == 0
+
+
+@pytest.mark.parametrize(
+    "gone, reason",
+    [
+        (fact(m.WorkerFailed, worker=ME, last_seen=1.0, timeout=5.0), "no heartbeat for 5 s"),
+        (fact(m.WorkerLeft, worker=ME, reason="drained"), "drained"),
+    ],
+)
+def test_worker_removed_when_it_fails_or_leaves_and_rejoin_clears_it(gone, reason) -> None:
+    view = fold(configured(), [fact(m.WorkerJoined, worker=ME), gone])
+    assert view.removed and not view.member and view.status == "outside"
+    assert reason in view.removed_reason
+    view = apply(view, fact(m.WorkerJoined, worker=ME))
+    assert not view.removed and view.member and view.joins == 2
+
+
+def test_other_workers_leaving_does_not_remove_this_one() -> None:
+    view = fold(
+        configured(),
+        [
+            fact(m.WorkerJoined, worker=ME),
+            fact(m.WorkerJoined, worker="x"),
+            fact(m.WorkerFailed, worker="x", last_seen=0.0, timeout=5.0),
+        ],
+    )
+    assert not view.removed and view.members == {ME}
+
+
+def test_pause_makes_a_rank_inactive_until_resumed() -> None:
+    view = fold(
+        configured(),
+        [
+            fact(m.WorkerJoined, worker=ME),
+            world(1, 0, (ME,), split(((0, 10),), 1)),
+            fact(m.TrainingPaused, reason="few", active=1, min_workers=2),
+        ],
+    )
+    assert view.paused and not view.active and view.assignment is not None
+    assert apply(view, fact(m.TrainingResumed, active=2)).active
+
+
+def test_batches_walk_the_shard_from_the_world_start() -> None:
+    view = fold(configured(batch_size=4), [world(1, 10, ("a", ME), split(((0, 20),), 2))])
+    assert batch(view, 10) == ((10, 14),)
+    assert batch(view, 11) == ((14, 18),)
+    assert batch(view, 12) == ((18, 20),)  # the last batch of the shard is short
+    assert batch(view, 13) == ()
+    with pytest.raises(NotAssigned):
+        batch(view, 9)  # before any plan this worker knows
+
+
+def test_batch_of_a_step_uses_the_plan_it_ran_under() -> None:
+    view = fold(
+        configured(batch_size=2),
+        [
+            world(1, 0, (ME,), (Shard(ranges=((0, 10),)),)),
+            world(2, 3, ("b", ME), (Shard(ranges=((6, 8),)), Shard(ranges=((8, 10),)))),
+        ],
+    )
+    assert batch(view, 2) == ((4, 6),)  # step 2 ran in world 1
+    assert batch(view, 3) == ((8, 10),)  # world 2 from step 3
+    assert view.assignment is not None and view.assignment.start_step == 3
+
+
+def test_epoch_started_restarts_the_shards_but_keeps_the_world() -> None:
+    view = fold(
+        configured(batch_size=5),
+        [
+            world(1, 0, (ME,), (Shard(ranges=((0, 10),)),)),
+            fact(m.StepCommitted, step=1, world=1),
+            fact(m.EpochFinished, epoch=0, step=1),
+            fact(m.EpochStarted, epoch=1, start_step=2, shards=(Shard(ranges=((0, 10),)),)),
+        ],
+    )
+    assert view.epoch == 1 and view.base_step == 2 and view.world_version == 1
+    assert batch(view, 1) == ((5, 10),)
+    assert batch(view, 2) == ((0, 5),)
+    assert view.assignment is not None
+    assert view.assignment.start_step == 0  # the world's start, not the epoch's
+    assert view.next_step == 2
+
+
+def test_step_committed_never_goes_back_and_plans_are_bounded() -> None:
+    view = configured()
+    for v in range(1, KEEP_PLANS + 5):
+        view = apply(view, world(v, v, (ME,), (Shard(ranges=((0, 10),)),)))
+    assert len(view.plans) == KEEP_PLANS and view.world_version == KEEP_PLANS + 4
+    view = fold(
+        view, [fact(m.StepCommitted, step=5, world=1), fact(m.StepCommitted, step=3, world=1)]
+    )
+    assert view.last_committed == 5
+
+
+def test_batch_needs_a_configured_job() -> None:
+    view = apply(View(worker=ME), world(1, 0, (ME,), (Shard(ranges=((0, 10),)),)))
+    with pytest.raises(NotAssigned, match="not configured"):
+        batch(view, 0)
+
+
+def test_take_refuses_a_step_before_its_base() -> None:
+    with pytest.raises(ValueError, match="precedes"):
+        take(Shard(ranges=((0, 4),)), 5, 4, 2)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    size=st.integers(1, 300),
+    batch_size=st.integers(1, 17),
+    before=st.integers(1, 6),
+    after=st.integers(1, 6),
+    change_at=st.integers(0, 40),
+)
+def test_every_sample_is_used_exactly_once_across_a_world_change(
+    size: int, batch_size: int, before: int, after: int, change_at: int
+) -> None:
+    """Steps before the change read the old plan; the leftover, re-split, covers the rest."""
+    old_ranks = tuple(f"w{i}" for i in range(before))
+    new_ranks = tuple(f"n{i}" for i in range(after))
+    old = split(((0, size),), before)
+    leftover = tuple(r for s in old for r in s.skip(change_at * batch_size).ranges)
+    facts = [world(1, 0, old_ranks, old)]
+    if leftover:
+        facts.append(world(2, change_at, new_ranks, split(leftover, after)))
+    base = configured(batch_size=batch_size, dataset_size=size)
+    used: list[int] = []
+    last_step = change_at + size // batch_size + 2
+    for worker in old_ranks + new_ranks:
+        view = fold(View(worker=worker, config=base.config), facts)
+        for step in range(last_step):
+            try:
+                used += indices(batch(view, step))
+            except NotAssigned:
+                continue  # not a rank in the plan of that step
+    assert sorted(used) == list(range(size))
