@@ -1,0 +1,467 @@
+"""The `cohort` command: the one place that wires the coordinator and the worker sides."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+import redis
+from pydantic import ValidationError
+
+from events.connection import RedisSettings, connect
+from events.errors import EventsError, SettingsError
+from events.keys import Keys, check_job
+from events.models import JobConfig
+
+from . import logs
+
+log = logging.getLogger("cohort")
+
+
+class Exit:
+    OK = 0
+    USAGE = 2
+    REDIS = 3
+    DATA = 4
+    INTERRUPTED = 130
+
+
+def fail(message: str, code: int = Exit.USAGE) -> NoReturn:
+    click.echo(f"cohort: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _job(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return check_job(value)
+    except EventsError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+job_option = click.option(
+    "--job",
+    "-j",
+    required=True,
+    envvar="COHORT_JOB",
+    callback=_job,
+    help="Job name (letters, digits, '.', '_', '-'); env COHORT_JOB.",
+)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option(
+    "--redis-url",
+    envvar="COHORT_REDIS_URL",
+    metavar="URL",
+    help="Redis to use, e.g. redis://host:6379/0 or rediss:// for TLS; env COHORT_REDIS_URL. "
+    "Default redis://127.0.0.1:6379/0 (`cohort demo` starts its own when unset).",
+)
+@click.option(
+    "--log-level",
+    default="info",
+    show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+)
+@click.option("--log-json", is_flag=True, help="Log one JSON object per line.")
+@click.version_option(package_name="cohort")
+@click.pass_context
+def main(ctx: click.Context, redis_url: str | None, log_level: str, log_json: bool) -> None:
+    """cohort coordinates elastic data-parallel training through Redis.
+
+    \b
+    Start here:
+      cohort demo                       a whole job on a private Redis, in one command
+      cohort coordinator --job J        run a coordinator (run two or three for failover)
+      cohort worker --job J             a simulated worker (your script uses worker.Worker)
+      cohort status --job J             who leads, the world, every worker
+      cohort replay --job J             rebuild and explain a run from its journal
+    """
+    logs.setup(log_level, log_json)
+    ctx.obj = {"redis_url": redis_url}
+
+
+def _settings(ctx: click.Context, name: str) -> RedisSettings:
+    try:
+        return RedisSettings.resolve(ctx.obj["redis_url"], client_name=name)
+    except SettingsError as exc:
+        fail(str(exc))
+
+
+def _connect(ctx: click.Context, name: str) -> redis.Redis:
+    settings = _settings(ctx, name)
+    conn = connect(settings)
+    try:
+        conn.ping()
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        fail(
+            f"cannot reach Redis at {settings.display_url} ({exc}); start one, or point "
+            "--redis-url / $COHORT_REDIS_URL at it",
+            Exit.REDIS,
+        )
+    except redis.AuthenticationError as exc:
+        fail(f"Redis at {settings.display_url} refused the credentials: {exc}", Exit.REDIS)
+    return conn
+
+
+def _signals(stop: threading.Event, what: str) -> None:
+    """First SIGINT/SIGTERM: finish cleanly. Second: exit now."""
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            log.warning("second %s: exiting now", signal.Signals(signum).name)
+            os._exit(Exit.INTERRUPTED)
+        log.info(
+            "%s: %s stops after this turn (again to exit now)", signal.Signals(signum).name, what
+        )
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+# ---------------------------------------------------------------- coordinator
+
+
+def _load_config_file(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        return tomllib.loads(path.read_text())
+    except OSError as exc:
+        fail(f"cannot read config file {str(path)!r}: {exc.strerror}")
+    except tomllib.TOMLDecodeError as exc:
+        fail(f"config file {str(path)!r} is not valid TOML: {exc}")
+
+
+def _pydantic_message(exc: ValidationError, source: str) -> str:
+    problems = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"])
+        problems.append(f"{where}={err.get('input')!r}: {err['msg']}")
+    return f"bad job settings from {source}: " + "; ".join(problems)
+
+
+@main.command()
+@job_option
+@click.option(
+    "--id",
+    "coordinator_id",
+    metavar="NAME",
+    help="This coordinator's name in facts and logs (default host-pid).",
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="TOML file with job settings (keys as the flags, with underscores); "
+    "flags win over the file.",
+)
+@click.option("--min-workers", type=int, help="Pause training below this many (default 1).")
+@click.option("--max-workers", type=int, help="Refuse joins beyond this many (default 64).")
+@click.option("--heartbeat-interval", type=float, help="Seconds between heartbeats (default 1).")
+@click.option(
+    "--heartbeat-timeout",
+    type=float,
+    help="Seconds of silence before a worker is failed (default 5).",
+)
+@click.option("--dataset-size", type=int, help="Samples per epoch (default 60000).")
+@click.option("--batch-size", type=int, help="Samples per rank per step (default 32).")
+@click.option("--straggler-factor", type=float, help="x median step time (default 1.5).")
+@click.option("--straggler-steps", type=int, help="Steps in a row to flag (default 5).")
+@click.option(
+    "--lease",
+    type=float,
+    default=3.0,
+    show_default=True,
+    help="Leader lease, seconds; a follower takes over within about this long.",
+)
+@click.option(
+    "--snapshot-every",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Write a snapshot every N facts.",
+)
+@click.pass_context
+def coordinator(
+    ctx: click.Context,
+    job: str,
+    coordinator_id: str | None,
+    config_file: Path | None,
+    lease: float,
+    snapshot_every: int,
+    **flags: Any,
+) -> None:
+    """Run a coordinator for JOB. Run several: one leads, the others follow and take over.
+
+    The job's settings are journaled by the first leader; later coordinators keep them.
+    """
+    from coordinator.errors import CoordinatorError
+    from coordinator.service import Coordinator, ServiceSettings
+
+    values = _load_config_file(config_file)
+    values.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        config = JobConfig(**values)
+    except ValidationError as exc:
+        fail(_pydantic_message(exc, str(config_file) if config_file else "the flags"))
+    except TypeError as exc:
+        fail(f"bad job settings: {exc}")
+    if not 0.2 <= lease <= 600:
+        fail(f"--lease {lease} is out of range; use 0.2 to 600 seconds")
+    name = coordinator_id or f"{os.uname().nodename}-{os.getpid()}"
+    settings = ServiceSettings(
+        job=job,
+        coordinator=name,
+        config=config,
+        lease_ms=int(lease * 1000),
+        snapshot_every=snapshot_every,
+    )
+    conn = connect(_settings(ctx, f"cohort-coordinator-{name}"))
+    stop = threading.Event()
+    _signals(stop, f"coordinator {name}")
+    log.info("coordinator %s for job %r on %s", name, job, _settings(ctx, name).display_url)
+    try:
+        Coordinator(conn, settings).run(stop)
+    except CoordinatorError as exc:
+        fail(str(exc), Exit.DATA)
+
+
+# ---------------------------------------------------------------- worker
+
+
+@main.command()
+@job_option
+@click.option("--id", "worker_id", metavar="NAME", help="Worker name (default host-pid-random).")
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="Stop after this many committed steps.",
+)
+@click.option(
+    "--step-time",
+    type=click.FloatRange(min=0),
+    default=0.1,
+    show_default=True,
+    help="Simulated compute per step, seconds.",
+)
+@click.pass_context
+def worker(
+    ctx: click.Context, job: str, worker_id: str | None, steps: int, step_time: float
+) -> None:
+    """A simulated worker: joins JOB, trains on its shard, survives world changes, leaves.
+
+    It uses exactly the API a real training script uses (worker.Worker). The first
+    SIGINT/SIGTERM finishes the current step and leaves; a second exits at once.
+    """
+    from worker.client import Worker
+    from worker.errors import WorkerError
+    from worker.simulated import run
+
+    conn = _connect(ctx, "cohort-worker")
+    client = Worker(conn, job, worker_id=worker_id)
+    client.install_signal_handlers()
+    try:
+        summary = run(client, steps=steps, step_time=step_time, stop=client.stopping)
+    except WorkerError as exc:
+        fail(str(exc), Exit.DATA)
+    click.echo(json.dumps(summary, default=str))
+
+
+# ---------------------------------------------------------------- status, replay, export
+
+
+@main.command()
+@job_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object, for scripts.")
+@click.pass_context
+def status(ctx: click.Context, job: str, as_json: bool) -> None:
+    """Leader, epoch, world and every worker of JOB, from the journal and the leader's view."""
+    from coordinator.replay import from_redis, rebuild, view
+
+    from .render import status_table
+
+    conn = _connect(ctx, "cohort-status")
+    state, _ = _or_fail(lambda: rebuild(from_redis(conn, job, with_inbox=False)))
+    live = _leader_view(conn, job)
+    body = view(state)
+    body["leader_view"] = live
+    holder = conn.get(Keys(job).leader)
+    body["lease_holder"] = holder.decode() if isinstance(holder, bytes) else holder
+    if as_json:
+        click.echo(json.dumps(body, default=str))
+        return
+    if not state.configured:
+        click.echo(f"job {job!r} has no journal yet: start `cohort coordinator --job {job}`")
+        return
+    status_table(body)
+
+
+def _leader_view(conn: redis.Redis, job: str) -> dict[str, Any] | None:
+    import msgpack
+
+    raw = conn.get(Keys(job).status)
+    if not raw:
+        return None
+    try:
+        body = msgpack.unpackb(raw, raw=False)
+        return body if isinstance(body, dict) else None
+    except Exception:
+        return None
+
+
+def _or_fail(fn: Callable[[], Any]) -> Any:
+    from coordinator.errors import CoordinatorError
+
+    try:
+        return fn()
+    except CoordinatorError as exc:
+        fail(str(exc), Exit.DATA)
+
+
+@main.command()
+@click.option(
+    "--job", "-j", envvar="COHORT_JOB", callback=_job, help="Replay this job's journal from Redis."
+)
+@click.option(
+    "--file",
+    "path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Replay an exported file instead (no Redis needed).",
+)
+@click.option("--until", metavar="ID", help="Stop at this journal entry ID (inclusive).")
+@click.option("--json", "as_json", is_flag=True, help="State and timeline as JSON.")
+@click.option(
+    "--audit",
+    is_flag=True,
+    help="Check every sample of each epoch was used by exactly one committed step.",
+)
+@click.option("--quiet", "-q", is_flag=True, help="Only the final state, no timeline.")
+@click.pass_context
+def replay(
+    ctx: click.Context,
+    job: str | None,
+    path: Path | None,
+    until: str | None,
+    as_json: bool,
+    audit: bool,
+    quiet: bool,
+) -> None:
+    """Rebuild a job's state at any journal entry, with its timeline and a stable hash."""
+    from coordinator.audit import audit as run_audit
+    from coordinator.replay import describe, from_file, from_redis, rebuild, view
+
+    from .render import audit_table, state_summary
+
+    if (job is None) == (path is None):
+        fail("give exactly one of --job J (from Redis) or --file F (from `cohort export`)")
+    if until is not None and not _is_stream_id(until):
+        fail(f"--until {until!r} is not a stream entry ID; use MS-SEQ as shown in the timeline")
+    if path is not None:
+        run = _or_fail(lambda: from_file(path))
+    else:
+        assert job is not None
+        run = from_redis(_connect(ctx, "cohort-replay"), job, with_inbox=False)
+    state, timeline = _or_fail(lambda: rebuild(run, until))
+    report = run_audit(f for _, f in timeline) if audit else None
+    if as_json:
+        body: dict[str, Any] = {"job": run.job, "state": view(state)}
+        if not quiet:
+            body["timeline"] = [
+                {"id": i, "type": type(f).__name__, **f.model_dump(mode="json")}
+                for i, f in timeline
+            ]
+        if report is not None:
+            body["audit"] = {
+                "ok": report.ok,
+                "problems": report.problems,
+                "epochs": {e: vars(a) for e, a in report.epochs.items()},
+            }
+        click.echo(json.dumps(body, default=str))
+    else:
+        if not quiet:
+            for entry_id, fact in timeline:
+                click.echo(f"{entry_id:>22}  {type(fact).__name__:<18} {describe(fact)}")
+        state_summary(view(state))
+        if report is not None:
+            audit_table(report)
+    if report is not None and not report.ok:
+        sys.exit(Exit.DATA)
+
+
+def _is_stream_id(value: str) -> bool:
+    ms, _, seq = value.partition("-")
+    return ms.isdigit() and (seq == "" or seq.isdigit())
+
+
+@main.command("export")
+@job_option
+@click.option(
+    "--output",
+    "-o",
+    required=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="File to write (msgpack; `cohort replay --file` reads it).",
+)
+@click.pass_context
+def export_cmd(ctx: click.Context, job: str, output: Path) -> None:
+    """Write JOB's journal, retained inbox and dead letters to a file."""
+    from coordinator.replay import export, from_redis
+
+    conn = _connect(ctx, "cohort-export")
+    run = from_redis(conn, job)
+    tmp = output.with_name(output.name + ".part")
+    try:
+        with tmp.open("wb") as out:
+            count = export(run, out, time.time())
+        tmp.replace(output)
+    except OSError as exc:
+        fail(f"cannot write {str(output)!r}: {exc.strerror}")
+    click.echo(
+        f"wrote {count} entries ({len(run.journal)} facts, {len(run.inbox)} inbox, "
+        f"{len(run.dead)} dead letters) of job {job!r} to {output}"
+    )
+
+
+# ---------------------------------------------------------------- demo
+
+
+@main.command()
+@click.option("--workers", type=click.IntRange(1, 16), default=3, show_default=True)
+@click.option(
+    "--steps",
+    type=click.IntRange(10, 100_000),
+    default=60,
+    show_default=True,
+    help="Committed steps each worker trains for.",
+)
+@click.option("--job", "-j", default="demo", show_default=True, callback=_job)
+@click.option("--keep", is_flag=True, help="Leave the private Redis running at the end.")
+@click.pass_context
+def demo(ctx: click.Context, workers: int, steps: int, job: str, keep: bool) -> None:
+    """Run a whole job: two coordinators and several workers, with a failure of each.
+
+    Without --redis-url or $COHORT_REDIS_URL it starts a private redis-server on a free
+    port in a temp dir, and removes it at the end (also on Ctrl-C).
+    """
+    from .demo import run_demo
+
+    sys.exit(run_demo(ctx.obj["redis_url"], job=job, workers=workers, steps=steps, keep=keep))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

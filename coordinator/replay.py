@@ -1,0 +1,165 @@
+"""Rebuild and explain a past run: from Redis or from an exported file, without a leader.
+
+An export file is a msgpack stream of maps: first a header
+`{"format": "cohort-export", "v": 1, "job": J, "exported_at": T}`, then one map per
+stream entry `{"stream": "journal"|"inbox"|"dead", "id": ID, "fields": {name: bytes}}`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import msgpack
+import redis
+
+from events.codec import decode_fact
+from events.errors import DecodeError
+from events.keys import Keys
+from events.models import Fact, WorldChanged
+from events.streams import ZERO, Entry, Stream, id_after
+
+from .errors import CoordinatorError
+from .fold import evolve
+from .state import JobState, dump, state_hash
+
+EXPORT_FORMAT = "cohort-export"
+EXPORT_VERSION = 1
+STREAMS = ("journal", "inbox", "dead")
+
+
+class ReplayError(CoordinatorError):
+    pass
+
+
+@dataclass
+class Run:
+    """A job's streams as read from Redis or a file."""
+
+    job: str
+    journal: list[Entry] = field(default_factory=list)
+    inbox: list[Entry] = field(default_factory=list)
+    dead: list[Entry] = field(default_factory=list)
+
+    def facts(self, until: str | None = None) -> Iterator[tuple[str, Fact]]:
+        for entry in self.journal:
+            if until is not None and id_after(entry.id, until):
+                return
+            try:
+                yield entry.id, decode_fact(entry.raw or b"")
+            except DecodeError as exc:
+                raise ReplayError(
+                    f"journal entry {entry.id} cannot be read: {exc.reason}"
+                ) from None
+
+
+def from_redis(conn: redis.Redis, job: str, with_inbox: bool = True) -> Run:
+    keys = Keys(job)
+    run = Run(job, journal=_all(Stream(conn, keys.journal)))
+    if with_inbox:
+        run.inbox = _all(Stream(conn, keys.inbox))
+        run.dead = _all(Stream(conn, keys.dead))
+    return run
+
+
+def _all(stream: Stream, batch: int = 10_000) -> list[Entry]:
+    out: list[Entry] = []
+    after = ZERO
+    while True:
+        rows = stream.range(after, count=batch)
+        out.extend(rows)
+        if len(rows) < batch:
+            return out
+        after = rows[-1].id
+
+
+def export(run: Run, out: IO[bytes], exported_at: float) -> int:
+    """Write `run` to `out`; returns the number of entries written."""
+    packer = msgpack.Packer(use_bin_type=True)
+    header = {
+        "format": EXPORT_FORMAT,
+        "v": EXPORT_VERSION,
+        "job": run.job,
+        "exported_at": exported_at,
+    }
+    out.write(packer.pack(header))
+    count = 0
+    for name in STREAMS:
+        for entry in getattr(run, name):
+            out.write(packer.pack({"stream": name, "id": entry.id, "fields": entry.fields}))
+            count += 1
+    return count
+
+
+def from_file(path: Path) -> Run:
+    try:
+        handle = path.open("rb")
+    except OSError as exc:
+        raise ReplayError(f"cannot open export file {str(path)!r}: {exc.strerror}") from None
+    with handle:
+        unpacker = msgpack.Unpacker(handle, raw=False, strict_map_key=False)
+        try:
+            header = next(unpacker)
+        except StopIteration:
+            raise ReplayError(f"{str(path)!r} is empty; expected a `cohort export` file") from None
+        except Exception as exc:
+            raise ReplayError(f"{str(path)!r} is not a `cohort export` file ({exc})") from None
+        if not isinstance(header, dict) or header.get("format") != EXPORT_FORMAT:
+            raise ReplayError(f"{str(path)!r} is not a `cohort export` file (no header)")
+        if header.get("v") != EXPORT_VERSION:
+            raise ReplayError(
+                f"{str(path)!r} has export version {header.get('v')!r}; this cohort reads "
+                f"version {EXPORT_VERSION}"
+            )
+        run = Run(str(header.get("job")))
+        try:
+            for record in unpacker:
+                fields = {_b(k): _b(v) for k, v in record["fields"].items()}
+                getattr(run, record["stream"]).append(Entry(record["id"], fields))
+        except Exception as exc:
+            raise ReplayError(f"{str(path)!r} is truncated or corrupt: {exc}") from None
+        return run
+
+
+def _b(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def rebuild(run: Run, until: str | None = None) -> tuple[JobState, list[tuple[str, Fact]]]:
+    state = JobState()
+    timeline = []
+    for entry_id, fact in run.facts(until):
+        state = evolve(state, fact)
+        timeline.append((entry_id, fact))
+    return state, timeline
+
+
+def describe(fact: Fact) -> str:
+    """One line a person reads in a timeline."""
+    body = fact.model_dump(exclude={"v", "at", "job", "type"})
+    if isinstance(fact, WorldChanged):
+        sizes = [s.size for s in fact.shards]
+        return (
+            f"world {fact.version} from step {fact.start_step} (epoch {fact.epoch}): "
+            f"ranks {list(fact.ranks)}, shard sizes {sizes} - {fact.reason}"
+        )
+    parts = []
+    for key, value in body.items():
+        if key == "config":
+            value = ", ".join(f"{k}={v}" for k, v in value.items())
+        parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+def view(state: JobState) -> dict[str, Any]:
+    """The state as plain data, for `--json` and for people."""
+    body = dump(state)
+    body["state_hash"] = state_hash(state)
+    body["world_size"] = len(state.ranks)
+    body["next_step"] = state.next_step
+    for worker, member in body["members"].items():
+        member["rank"] = state.rank_of(worker)
+    body["shards"] = [s.model_dump(mode="json")["ranges"] for s in state.shards]
+    return body
