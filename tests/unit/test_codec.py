@@ -1,0 +1,123 @@
+"""The wire format: round trips, upcasting of stored old versions, and the door for bad bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from events.codec import decode_command, decode_fact, encode
+from events.errors import DecodeError
+from events.models import (
+    Heartbeat,
+    JobConfig,
+    JobConfigured,
+    Join,
+    Leave,
+    StepDone,
+    WorldChanged,
+)
+from events.shards import Shard
+from events.upcasters import UPCASTERS
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "events"
+
+
+def test_every_upcaster_has_a_stored_old_version_fixture() -> None:
+    for type_, version in UPCASTERS:
+        assert (FIXTURES / f"{type_}.v{version}.msgpack").is_file(), (type_, version)
+
+
+def test_join_v1_reads_as_today_s_join() -> None:
+    join = decode_command((FIXTURES / "Join.v1.msgpack").read_bytes())
+    assert isinstance(join, Join)
+    assert (join.v, join.worker, join.host, join.pid) == (2, "w-old", "h1", 42)
+
+
+def test_heartbeat_v1_reads_with_unknown_progress() -> None:
+    beat = decode_command((FIXTURES / "Heartbeat.v1.msgpack").read_bytes())
+    assert isinstance(beat, Heartbeat)
+    assert (beat.v, beat.step, beat.world) == (2, None, None)
+
+
+def test_commands_and_facts_round_trip() -> None:
+    command = StepDone(
+        at=1.5,
+        job="j",
+        worker="w",
+        step=3,
+        world=2,
+        step_time=0.25,
+        samples=32,
+        digest="ab" * 8,
+        loss=0.5,
+    )
+    assert decode_command(encode(command)) == command
+    fact = WorldChanged(
+        at=2.0,
+        job="j",
+        version=3,
+        start_step=7,
+        epoch=1,
+        ranks=("a", "b"),
+        shards=(Shard(ranges=((0, 5),)), Shard(ranges=((5, 9), (20, 22)))),
+    )
+    assert decode_fact(encode(fact)) == fact
+    configured = JobConfigured(at=0, job="j", config=JobConfig(min_workers=2))
+    assert decode_fact(encode(configured)) == configured
+
+
+def test_the_wire_layout_is_a_flat_msgpack_map_with_type_and_v() -> None:
+    body = msgpack.unpackb(encode(Leave(at=1.0, job="j", worker="w", after_step=4)))
+    assert body == {
+        "v": 1,
+        "at": 1.0,
+        "job": "j",
+        "type": "Leave",
+        "worker": "w",
+        "after_step": 4,
+        "reason": "",
+    }
+
+
+@pytest.mark.parametrize(
+    "raw, reason",
+    [
+        (b"", "not msgpack"),
+        (msgpack.packb({"v": 1}), "no string 'type'"),
+        (
+            msgpack.packb({"type": "WorkerJoined", "v": 1, "at": 0, "job": "j", "worker": "w"}),
+            "WorkerJoined",
+        ),
+        (
+            msgpack.packb({"type": "Join", "v": 2, "at": 0, "job": "j", "worker": "../../etc"}),
+            "worker",
+        ),
+        (msgpack.packb({"type": "Join", "v": 2, "at": -5, "job": "j", "worker": "w"}), "at"),
+        (
+            msgpack.packb(
+                {"type": "Join", "v": 2, "at": 0, "job": "j", "worker": "w", "pid": 2**40}
+            ),
+            "pid",
+        ),
+        (msgpack.packb(msgpack.ExtType(5, b"x")), "extension"),
+        (msgpack.packb([[[[[[]]]]]]), "not a map"),
+    ],
+)
+def test_bad_bytes_raise_decode_error_naming_the_problem_and_keeping_the_raw(raw, reason) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(DecodeError) as caught:
+        decode_command(raw)
+    assert reason in caught.value.reason
+    assert caught.value.raw in (raw, None) or caught.value.raw == bytes(raw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=2048))
+def test_random_bytes_never_escape_as_anything_but_decode_error(raw: bytes) -> None:
+    try:
+        decode_command(raw)
+    except DecodeError as exc:
+        assert exc.reason
