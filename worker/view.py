@@ -187,9 +187,7 @@ def apply(view: View, fact: m.Fact) -> View:
             current = view.plan
             if current is None:
                 return view  # an epoch without a world: nothing to train on
-            plan = replace(
-                current, base_step=fact.start_step, epoch=fact.epoch, shards=fact.shards
-            )
+            plan = replace(current, base_step=fact.start_step, epoch=fact.epoch, shards=fact.shards)
             return replace(view, plans=(*view.plans, plan)[-KEEP_PLANS:])
         case m.StepCommitted():
             return replace(view, last_committed=max(view.last_committed, fact.step))

@@ -1,0 +1,489 @@
+"""The training side of membership: join, heartbeat, follow the journal, step, leave.
+
+A `Worker` owns two threads. The tail thread follows the journal (XREAD BLOCK)
+and folds every fact into a frozen `View` with `view.apply`; it publishes the
+new view once per reply, because the facts of one coordinator decision arrive
+together (StepCommitted, WorkerActivated, WorldChanged) and a waiter must never
+see half a decision. The heartbeat thread says the worker is alive and how far
+it got. The training loop calls the blocking methods (`wait_active`,
+`wait_committed`, ...) which wait on a condition, never by sleeping.
+
+Timeouts are real seconds; the `Clock` stamps the events the worker sends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import TypeVar
+
+import redis
+
+from events.clock import Clock, SystemClock
+from events.errors import DecodeError
+from events.keys import Keys
+from events.models import (
+    Command,
+    Heartbeat,
+    Join,
+    Leave,
+    StepDone,
+    WeightsLoaded,
+)
+from events.shards import Range
+from events.streams import ZERO, Entry, Inbox, Journal
+
+from . import view as views
+from .errors import (
+    ActivationTimeout,
+    CommitTimeout,
+    JoinRefused,
+    JoinTimeout,
+    NotAssigned,
+    Removed,
+    Stopped,
+    WaitTimeout,
+    WorkerError,
+    WorldChangedError,
+)
+from .retry import RETRYABLE, Link, describe, with_retry
+from .view import Assignment, View
+
+T = TypeVar("T")
+
+TAIL_BLOCK_MS = 500  # bounds how long stop() waits for the tail thread
+HISTORY_BATCH = 2048
+DEFAULT_HEARTBEAT = 1.0
+
+
+def default_worker_id() -> str:
+    host = socket.gethostname().split(".")[0] or "host"
+    host = "".join(c if c.isalnum() or c in "._-" else "-" for c in host)[:96]
+    return f"{host}-{os.getpid()}-{random.randbytes(2).hex()}"
+
+
+class Worker:
+    """One training process's membership of job `job`."""
+
+    def __init__(
+        self,
+        conn: redis.Redis,
+        job: str,
+        worker_id: str | None = None,
+        clock: Clock | None = None,
+        heartbeat_interval: float | None = None,
+        log: logging.Logger | None = None,
+    ) -> None:
+        self.conn = conn
+        self.keys = Keys(job)
+        self.job = job
+        self.id = worker_id or default_worker_id()
+        self.clock: Clock = clock or SystemClock()
+        self.log = log or logging.getLogger("cohort.worker")
+        self.link = Link(self.log, describe(conn))
+        self.inbox = Inbox(conn, self.keys.inbox)
+        self.journal = Journal(conn, self.keys.journal)
+        self._heartbeat_interval = heartbeat_interval
+
+        self.stopping = threading.Event()
+        """Set by the first SIGINT/SIGTERM: finish the step, then call leave()."""
+        self.world_changed = threading.Event()
+        """Set whenever a new world arrives; the training loop may clear it."""
+
+        self._cond = threading.Condition()
+        self._view = View(worker=self.id)
+        self._position = ZERO  # journal ID folded up to
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._undecodable: set[str] = set()  # fact types already logged as undecodable
+        self._progress: tuple[int, int] | None = None  # (last finished step, its world)
+        self._began: tuple[int, int] | None = None  # (step, world) of the last batch() call
+        self._signals = 0
+
+    # ------------------------------------------------------------ reading
+    @property
+    def view(self) -> View:
+        with self._cond:
+            return self._view
+
+    @property
+    def assignment(self) -> Assignment | None:
+        return self.view.assignment
+
+    @property
+    def rank(self) -> int:
+        return self._assigned().rank
+
+    @property
+    def world_size(self) -> int:
+        return self._assigned().world_size
+
+    @property
+    def world_version(self) -> int:
+        return self.view.world_version
+
+    @property
+    def next_step(self) -> int:
+        """The step after the last committed one."""
+        return self.view.next_step
+
+    def batch(self, step: int) -> tuple[Range, ...]:
+        """The sample ranges this worker trains on at `step`; marks the step as begun."""
+        view = self.view
+        ranges = views.batch(view, step)
+        self._began = (step, views.plan_for(view, step).world_version)
+        return ranges
+
+    def _assigned(self) -> Assignment:
+        assignment = self.assignment
+        if assignment is None:
+            raise NotAssigned(f"worker {self.id!r} holds no rank in world {self.world_version}")
+        return assignment
+
+    # ------------------------------------------------------------ joining
+    def join(self, timeout: float = 30.0) -> None:
+        """Become a member of the job; raises JoinRefused or JoinTimeout."""
+        deadline = time.monotonic() + timeout
+        try:
+            if not self._threads:
+                self._start(deadline)
+            view = self.view
+            if view.member:
+                self.log.info("worker %s is already a member of job %r", self.id, self.job)
+                return
+            joins, refusals = view.joins, view.refusals
+            self._send(
+                Join(
+                    at=self.clock.now(),
+                    job=self.job,
+                    worker=self.id,
+                    host=socket.gethostname()[:255],
+                    pid=os.getpid(),
+                ),
+                deadline=deadline,
+            )
+            view = self._wait(
+                lambda v: v.joins > joins or v.refusals > refusals,
+                deadline,
+                lambda: JoinTimeout(
+                    f"no answer to the join of {self.id!r} to job {self.job!r} within "
+                    f"{timeout:g} s; check that a coordinator runs: "
+                    f"cohort coordinator --job {self.job}"
+                ),
+                check_removed=False,
+            )
+        except RETRYABLE as exc:
+            self.stop()
+            raise JoinTimeout(
+                f"could not reach Redis at {self.link.where} within {timeout:g} s "
+                f"to join job {self.job!r}"
+            ) from exc
+        except WorkerError:
+            self.stop()
+            raise
+        if view.refusals > refusals:
+            self.stop()
+            raise JoinRefused(self.id, view.refused or "no reason given")
+        self.log.info("worker %s joined job %r", self.id, self.job)
+
+    def _start(self, deadline: float) -> None:
+        """Fold the journal so far, then follow it and start heartbeating."""
+        self._stop.clear()
+        last = with_retry(
+            self.journal.last_id, self._stop, self.link, "reading the journal", deadline=deadline
+        )
+        after = ZERO
+        while True:
+            rows = self._history(after, last, deadline)
+            self._fold(rows)
+            if len(rows) < HISTORY_BATCH:
+                break
+            after = rows[-1].id
+        with self._cond:
+            self._position = last
+        self._threads = [
+            threading.Thread(target=self._tail, name=f"cohort-tail-{self.id}", daemon=True),
+            threading.Thread(target=self._beat, name=f"cohort-heartbeat-{self.id}", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _history(self, after: str, until: str, deadline: float) -> list[Entry]:
+        return with_retry(
+            lambda: self.journal.range(after, until, count=HISTORY_BATCH),
+            self._stop,
+            self.link,
+            "reading the journal",
+            deadline=deadline,
+        )
+
+    def ready(self, step: int = 0, digest: str | None = None) -> None:
+        """Tell the coordinator this worker loaded the weights of `step`."""
+        self._send(
+            WeightsLoaded(
+                at=self.clock.now(), job=self.job, worker=self.id, step=step, digest=digest
+            )
+        )
+
+    def wait_active(self, timeout: float) -> Assignment:
+        """Wait until this worker holds a rank and training is not paused."""
+        view = self._wait(
+            lambda v: v.active,
+            time.monotonic() + timeout,
+            lambda: ActivationTimeout(
+                f"worker {self.id!r} was not activated within {timeout:g} s "
+                f"(status {self.view.status!r}, paused={self.view.paused})"
+            ),
+        )
+        assignment = view.assignment
+        assert assignment is not None  # active implies a rank
+        return assignment
+
+    # ------------------------------------------------------------ stepping
+    def step_done(
+        self,
+        step: int,
+        step_time: float = 0.0,
+        samples: int = 0,
+        digest: str | None = None,
+        loss: float | None = None,
+    ) -> None:
+        """Report `step` finished, in the world it began in (see `batch`)."""
+        began = self._began
+        world = began[1] if began is not None and began[0] == step else self.world_version
+        self._progress = (step, world)
+        self._send(
+            StepDone(
+                at=self.clock.now(),
+                job=self.job,
+                worker=self.id,
+                step=step,
+                world=world,
+                step_time=step_time,
+                samples=samples,
+                digest=digest,
+                loss=loss,
+            )
+        )
+
+    def wait_committed(self, step: int, timeout: float) -> None:
+        """Return once `step` committed; raise WorldChangedError if a new world aborted it."""
+        progress = self._progress
+        ran_in = progress[1] if progress is not None and progress[0] == step else None
+        if ran_in is None:
+            ran_in = self.world_version
+
+        def settled(v: View) -> bool:
+            return v.last_committed >= step or v.world_version > ran_in
+
+        view = self._wait(
+            settled,
+            time.monotonic() + timeout,
+            lambda: CommitTimeout(
+                f"step {step} of job {self.job!r} did not commit within {timeout:g} s "
+                f"(last committed: {self.view.last_committed}, paused={self.view.paused})"
+            ),
+            removed_first=False,
+        )
+        if view.last_committed >= step:
+            return
+        if view.removed:
+            raise Removed(self.id, view.removed_reason)
+        raise WorldChangedError(step, view.assignment)
+
+    def wait_for_change(self, since_version: int, timeout: float) -> bool:
+        """True once the world version exceeds `since_version`; False after `timeout`."""
+        try:
+            self.wait_for(lambda v: v.world_version > since_version, timeout)
+        except WaitTimeout:
+            return False
+        return True
+
+    def wait_for(self, done: Callable[[View], bool], timeout: float) -> View:
+        """The first view (as published after a whole journal reply) for which `done` holds.
+
+        Raises Removed once this worker is no longer a member, WaitTimeout after `timeout`.
+        """
+        return self._wait(
+            done,
+            time.monotonic() + timeout,
+            lambda: WaitTimeout(f"worker {self.id!r}: condition not met within {timeout:g} s"),
+        )
+
+    # ------------------------------------------------------------ leaving
+    def leave(self, reason: str = "", timeout: float = 10.0) -> bool:
+        """Ask to leave after the last finished step; wait for WorkerLeft; stop. True if seen."""
+        if not self._threads:
+            return False
+        after = self._progress[0] if self._progress is not None else None
+        seen = False
+        try:
+            if self.view.member:
+                self._send(
+                    Leave(
+                        at=self.clock.now(),
+                        job=self.job,
+                        worker=self.id,
+                        after_step=after,
+                        reason=reason[:1024],
+                    )
+                )
+                self._wait(
+                    lambda v: not v.member,
+                    time.monotonic() + timeout,
+                    lambda: WaitTimeout("no WorkerLeft"),
+                    check_removed=False,
+                )
+            seen = True
+            self.log.info("worker %s left job %r", self.id, self.job)
+        except WaitTimeout:
+            self.log.warning(
+                "worker %s sent Leave but saw no WorkerLeft within %g s; stopping anyway",
+                self.id,
+                timeout,
+            )
+        except Stopped:
+            pass
+        finally:
+            self.stop()
+        return seen
+
+    def stop(self) -> None:
+        """Stop following the journal and heartbeating, without telling anyone."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        current = threading.current_thread()
+        for thread in self._threads:
+            if thread is not current:
+                thread.join()
+        self._threads = []
+
+    # ------------------------------------------------------------ signals
+    def install_signal_handlers(self) -> None:
+        """First SIGINT/SIGTERM: finish the step and leave; second: exit now (main thread only)."""
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        self._signals += 1
+        if self._signals == 1:
+            self.log.warning(
+                "%s received: worker %s finishes its step, then leaves; send it again to exit now",
+                name,
+                self.id,
+            )
+            self.stopping.set()
+            return
+        self.log.warning("%s received again: worker %s exits now", name, self.id)
+        os._exit(130)
+
+    # ------------------------------------------------------------ plumbing
+    def _send(self, command: Command, deadline: float | None = None) -> str:
+        """XADD `command` to the inbox, retrying through outages until it is acknowledged."""
+        return with_retry(
+            lambda: self.inbox.send(command),
+            self._stop,
+            self.link,
+            f"sending {command.type}",
+            deadline=deadline,
+        )
+
+    def _wait(
+        self,
+        done: Callable[[View], bool],
+        deadline: float,
+        timeout_error: Callable[[], Exception],
+        check_removed: bool = True,
+        removed_first: bool = True,
+    ) -> View:
+        """Block until `done(view)`; raise Removed (if asked), Stopped, or the timeout error."""
+        with self._cond:
+            while True:
+                view = self._view
+                if check_removed and removed_first and view.removed:
+                    raise Removed(self.id, view.removed_reason)
+                if done(view):
+                    return view
+                if check_removed and view.removed:
+                    raise Removed(self.id, view.removed_reason)
+                if self._stop.is_set():
+                    raise Stopped(f"worker {self.id!r} was stopped")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise timeout_error()
+                self._cond.wait(remaining)
+
+    def _fold(self, rows: list[Entry]) -> None:
+        """Apply a reply's entries, then publish the view and wake waiters once."""
+        if not rows:
+            return
+        with self._cond:
+            view = before = self._view
+            for entry in rows:
+                try:
+                    fact = Journal.decode(entry)
+                except DecodeError as exc:
+                    self._undecodable_fact(entry, exc)
+                    continue
+                view = views.apply(view, fact)
+            self._view = view
+            self._position = rows[-1].id
+            if view.world_version > before.world_version:
+                self.world_changed.set()
+            self._cond.notify_all()
+
+    def _undecodable_fact(self, entry: Entry, exc: DecodeError) -> None:
+        kind = exc.reason.split("'")[1] if exc.reason.startswith("invalid '") else exc.reason
+        level = logging.DEBUG if kind in self._undecodable else logging.WARNING
+        self._undecodable.add(kind)
+        self.log.log(
+            level, "skipping journal entry %s this worker cannot read: %s", entry.id, exc.reason
+        )
+
+    def _tail(self) -> None:
+        while not self._stop.is_set():
+            try:
+                rows = with_retry(
+                    lambda: self.journal.tail(self._position, TAIL_BLOCK_MS),
+                    self._stop,
+                    self.link,
+                    "following the journal",
+                )
+                self._fold(rows)
+            except Stopped:
+                return
+            except Exception:
+                self.log.exception("worker %s could not follow the journal; retrying", self.id)
+                self._stop.wait(1.0)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._interval()):
+            view = self.view
+            if not view.member:
+                continue
+            step, world = self._progress or (None, view.world_version)
+            try:
+                self._send(
+                    Heartbeat(
+                        at=self.clock.now(), job=self.job, worker=self.id, step=step, world=world
+                    )
+                )
+            except Stopped:
+                return
+            except Exception:
+                self.log.exception("worker %s could not send a heartbeat", self.id)
+
+    def _interval(self) -> float:
+        if self._heartbeat_interval is not None:
+            return self._heartbeat_interval
+        config = self.view.config
+        return config.heartbeat_interval if config is not None else DEFAULT_HEARTBEAT
