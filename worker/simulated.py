@@ -1,0 +1,99 @@
+"""A simulated training loop for demos and tests: the client API exactly as a real loop uses it.
+
+The "compute" is `stop.wait(step_time)`, so stopping interrupts it promptly.
+The summary records which sample ranges each committed step used, so a test
+can check that every sample of an epoch was trained on exactly once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from typing import Any
+
+from events.shards import Range, range_count
+
+from .client import Worker
+from .errors import CommitTimeout, Removed, WaitTimeout, WorldChangedError
+
+POLL = 0.5  # how often a long wait looks at the stop event
+
+
+def digest(step: int) -> str:
+    """The simulated weights after `step`: the same on every worker, as invariant 7 asks."""
+    return hashlib.sha256(f"weights-{step}".encode()).hexdigest()[:16]
+
+
+def run(
+    worker: Worker, steps: int, step_time: float, stop: threading.Event, join_timeout: float = 30.0
+) -> dict[str, Any]:
+    """Train until `steps` steps committed, or until stopped; then leave. Returns a summary."""
+    used: dict[int, tuple[Range, ...]] = {}
+    summary: dict[str, Any] = {
+        "worker": worker.id,
+        "steps_committed": 0,
+        "world_changes": 0,
+        "samples": 0,
+        "ranges": used,
+        "removed": None,
+    }
+
+    def halted() -> bool:
+        return stop.is_set() or worker.stopping.is_set()
+
+    worker.join(timeout=join_timeout)
+    worker.ready(step=max(worker.view.last_committed, 0))
+    world = 0
+    step = worker.next_step
+    try:
+        while summary["steps_committed"] < steps and not halted():
+            try:
+                assignment = worker.wait_active(POLL)
+            except WaitTimeout:
+                continue
+            if assignment.world_version != world:
+                if world:
+                    summary["world_changes"] += 1
+                world = assignment.world_version
+            step = max(step, worker.next_step)
+            ranges = worker.batch(step)
+            started = time.monotonic()
+            if stop.wait(step_time):
+                break  # stopped mid-step: the step is not done
+            count = range_count(ranges)
+            worker.step_done(
+                step,
+                step_time=time.monotonic() - started,
+                samples=count,
+                digest=digest(step),
+            )
+            restart = _commit(worker, step, stop)
+            if restart is not None:
+                if stop.is_set():
+                    break
+                step = restart  # aborted: go on from where the new world starts
+                continue
+            used[step] = ranges
+            summary["steps_committed"] += 1
+            summary["samples"] += count
+            step += 1
+    except Removed as exc:
+        summary["removed"] = exc.reason
+        worker.stop()
+        return summary
+    worker.leave(reason="done" if summary["steps_committed"] >= steps else "stopped")
+    return summary
+
+
+def _commit(worker: Worker, step: int, stop: threading.Event) -> int | None:
+    """Wait for `step` to commit: None if it did, else the step to continue from."""
+    while True:
+        try:
+            worker.wait_committed(step, POLL)
+            return None
+        except WorldChangedError as exc:
+            return exc.assignment.start_step if exc.assignment else worker.next_step
+        except CommitTimeout:
+            if stop.is_set():
+                return step
