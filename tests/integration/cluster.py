@@ -1,0 +1,121 @@
+"""Real cohort processes against a real redis-server, killed with real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from coordinator.fold import evolve
+from coordinator.state import JobState
+from events.codec import decode_fact
+from events.keys import Keys
+from events.models import Fact
+from events.streams import ZERO, Journal
+
+from ..helpers import wait_until
+
+
+@dataclass
+class Process:
+    name: str
+    argv: list[str]
+    log: Path
+    popen: subprocess.Popen[bytes]
+
+    def kill(self, sig: int = signal.SIGKILL) -> float:
+        """Send `sig`; returns the wall-clock time it was sent."""
+        at = time.time()
+        self.popen.send_signal(sig)
+        return at
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout)
+
+
+@dataclass
+class Cluster:
+    """A job on a real Redis: start coordinators and workers, read its journal."""
+
+    url: str
+    conn: redis.Redis
+    job: str
+    tmp: Path
+    procs: list[Process] = field(default_factory=list)
+    state: JobState = field(default_factory=JobState)
+    journal_id: str = ZERO
+    facts: list[tuple[str, Fact]] = field(default_factory=list)
+
+    def spawn(self, name: str, *args: str) -> Process:
+        log = self.tmp / f"{name}.log"
+        argv = [sys.executable, "-m", "cohort", "--redis-url", self.url, *args]
+        handle = log.open("wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        popen = subprocess.Popen(
+            argv, stdout=handle, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL
+        )
+        handle.close()
+        proc = Process(name, argv, log, popen)
+        self.procs.append(proc)
+        return proc
+
+    def coordinator(self, name: str, *flags: str) -> Process:
+        return self.spawn(name, "coordinator", "--job", self.job, "--id", name, *flags)
+
+    def worker(self, name: str, *flags: str) -> Process:
+        return self.spawn(name, "worker", "--job", self.job, "--id", name, *flags)
+
+    def pull(self) -> JobState:
+        """Fold what the journal gained since the last pull."""
+        for entry_id, fields in self.conn.xrange(
+            Keys(self.job).journal, f"({self.journal_id}" if self.journal_id != ZERO else "-", "+"
+        ):
+            fact = decode_fact(fields[b"e"])
+            self.state = evolve(self.state, fact)
+            self.journal_id = entry_id.decode()
+            self.facts.append((self.journal_id, fact))
+        return self.state
+
+    def until(self, predicate, timeout: float = 30.0, message: str = "condition"):  # type: ignore[no-untyped-def]
+        """Wait (pulling the journal) until `predicate(state)` holds; dump logs if it never does."""
+        try:
+            return wait_until(lambda: predicate(self.pull()), timeout, 0.02, message)
+        except AssertionError:
+            for proc in self.procs:
+                print(f"----- {proc.name} (alive={proc.alive()})\n{proc.output()[-3000:]}")
+            raise
+
+    def of_type(self, cls: type) -> list[tuple[str, Fact]]:
+        self.pull()
+        return [(i, f) for i, f in self.facts if isinstance(f, cls)]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.alive():
+                try:
+                    proc.popen.send_signal(signal.SIGCONT)
+                    proc.popen.send_signal(signal.SIGTERM)
+                    proc.popen.wait(5)
+                except (subprocess.TimeoutExpired, ProcessLookupError):
+                    proc.popen.kill()
+                    proc.popen.wait()
+
+
+def journal(conn: redis.Redis, job: str) -> Journal:
+    return Journal(conn, Keys(job).journal)
+
+
+def ms(entry_id: str) -> float:
+    return int(entry_id.split("-")[0]) / 1000
