@@ -50,6 +50,16 @@ def _job(ctx: click.Context, param: click.Parameter, value: str | None) -> str |
         raise click.BadParameter(str(exc)) from None
 
 
+def _redis_url(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        ctx.ensure_object(dict)["redis_url"] = value
+
+
+redis_url_option = click.option(
+    "--redis-url", metavar="URL", expose_value=False, callback=_redis_url, is_eager=False,
+    help="Redis URL (also accepted before the subcommand); env COHORT_REDIS_URL.",
+)
+
 job_option = click.option(
     "--job",
     "-j",
@@ -89,7 +99,7 @@ def main(ctx: click.Context, redis_url: str | None, log_level: str, log_json: bo
       cohort replay --job J             rebuild and explain a run from its journal
     """
     logs.setup(log_level, log_json)
-    ctx.obj = {"redis_url": redis_url}
+    ctx.ensure_object(dict).setdefault("redis_url", redis_url)
 
 
 def _settings(ctx: click.Context, name: str) -> RedisSettings:
@@ -149,12 +159,14 @@ def _pydantic_message(exc: ValidationError, source: str) -> str:
     problems = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"])
-        problems.append(f"{where}={err.get('input')!r}: {err['msg']}")
+        message = err["msg"].removeprefix("Value error, ")
+        problems.append(f"{where}={err.get('input')!r}: {message}" if where else message)
     return f"bad job settings from {source}: " + "; ".join(problems)
 
 
 @main.command()
 @job_option
+@redis_url_option
 @click.option(
     "--id",
     "coordinator_id",
@@ -244,6 +256,7 @@ def coordinator(
 
 @main.command()
 @job_option
+@redis_url_option
 @click.option("--id", "worker_id", metavar="NAME", help="Worker name (default host-pid-random).")
 @click.option(
     "--steps",
@@ -287,6 +300,7 @@ def worker(
 
 @main.command()
 @job_option
+@redis_url_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, for scripts.")
 @click.pass_context
 def status(ctx: click.Context, job: str, as_json: bool) -> None:
@@ -410,6 +424,7 @@ def _is_stream_id(value: str) -> bool:
 
 @main.command("export")
 @job_option
+@redis_url_option
 @click.option(
     "--output",
     "-o",
@@ -441,6 +456,7 @@ def export_cmd(ctx: click.Context, job: str, output: Path) -> None:
 
 
 @main.command()
+@redis_url_option
 @click.option("--workers", type=click.IntRange(1, 16), default=3, show_default=True)
 @click.option(
     "--steps",

@@ -160,7 +160,7 @@ def run_demo(redis_url: str | None, job: str, workers: int, steps: int, keep: bo
             "--heartbeat-timeout",
             "3",
             "--dataset-size",
-            "3000",
+            "1500",
             "--batch-size",
             "16",
             "--lease",
