@@ -1,0 +1,161 @@
+"""The cohort command as a user runs it: status, export, replay, demo, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from events.keys import Keys
+from events.models import Join, WeightsLoaded
+from events.streams import Inbox
+
+from ..helpers import wait_until
+from .cluster import Cluster
+
+pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
+
+
+def cohort(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cohort", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd,
+    )
+
+
+def processes_mentioning(text: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{pid}: {cmdline}")
+    return found
+
+
+def test_status_export_and_replay_agree_on_the_state(cluster: Cluster, tmp_path: Path) -> None:
+    cluster.coordinator("c1", "--min-workers", "1", "--heartbeat-timeout", "600")
+    inbox = Inbox(cluster.conn, Keys(cluster.job).inbox)
+    for name in ("a", "b"):
+        inbox.send(Join(at=time.time(), job=cluster.job, worker=name))
+        inbox.send(WeightsLoaded(at=time.time(), job=cluster.job, worker=name))
+    cluster.until(lambda s: set(s.members) == {"a", "b"} and s.ranks, message="a and b joined")
+
+    status = cohort("--redis-url", cluster.url, "status", "--job", cluster.job, "--json")
+    assert status.returncode == 0, status.stderr
+    body = json.loads(status.stdout)
+    assert body["leader"] == "c1" and body["members"]["a"]["rank"] == 0
+    assert body["lease_holder"].startswith("1:")
+    human = cohort("status", "--job", cluster.job, "--redis-url", cluster.url)
+    assert human.returncode == 0 and "c1" in human.stdout and "active" in human.stdout
+
+    out = tmp_path / "run.cohort"
+    exported = cohort("export", "--job", cluster.job, "-o", str(out), "--redis-url", cluster.url)
+    assert exported.returncode == 0, exported.stderr
+    from_file = json.loads(cohort("replay", "--file", str(out), "--json").stdout)
+    from_redis = json.loads(
+        cohort("--redis-url", cluster.url, "replay", "--job", cluster.job, "--json").stdout
+    )
+    assert from_file["state"]["state_hash"] == from_redis["state"]["state_hash"]
+    assert from_file["state"]["state_hash"] == body["state_hash"]
+    first = from_file["timeline"][1]["id"]
+    early = json.loads(cohort("replay", "--file", str(out), "--until", first, "--json").stdout)
+    assert [e["type"] for e in early["timeline"]] == ["JobConfigured", "LeaderElected"]
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["coordinator", "--job", "x y"], "job name 'x y' is not valid"),
+        (
+            ["coordinator", "--job", "j", "--min-workers", "3", "--max-workers", "2"],
+            "must not exceed max_workers",
+        ),
+        (
+            [
+                "coordinator",
+                "--job",
+                "j",
+                "--heartbeat-timeout",
+                "0.5",
+                "--heartbeat-interval",
+                "1",
+            ],
+            "must be longer than",
+        ),
+        (["--redis-url", "http://h", "status", "--job", "j"], "scheme 'http'"),
+        (["status", "--job", "j", "--redis-url", "redis://127.0.0.1:1/0"], "cannot reach Redis"),
+        (["replay"], "exactly one of --job"),
+        (["replay", "--file", "/no/such/file"], "cannot open export file"),
+        (["replay", "--file", "/etc/hostname"], "not a `cohort export` file"),
+        (["replay", "--job", "j", "--until", "yesterday"], "'yesterday' is not a stream"),
+        (["coordinator", "--job", "j", "--config", "/no/such.toml"], "cannot read config file"),
+    ],
+)
+def test_bad_input_gets_a_message_naming_it_and_no_traceback(args: list[str], says: str) -> None:
+    result = cohort(*args, timeout=30)
+    assert result.returncode != 0
+    assert says in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def _demo_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "COHORT_REDIS_URL"}
+    (tmp_path / "tmp").mkdir()
+    env["TMPDIR"] = str(tmp_path / "tmp")
+    return env
+
+
+def test_demo_runs_to_its_summary_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    env = _demo_env(tmp_path)
+    result = cohort("demo", "--steps", "24", env=env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "summary" in result.stderr and "audit" in result.stderr and "passed" in result.stderr
+    port = re.search(r"redis://127\.0\.0\.1:(\d+)", result.stderr).group(1)  # type: ignore[union-attr]
+    assert processes_mentioning(f"127.0.0.1:{port}") == []
+    assert processes_mentioning(str(tmp_path / "tmp")) == []
+    assert list((tmp_path / "tmp").iterdir()) == []
+    replayed = cohort("replay", "--file", str(tmp_path / "cohort-demo.export"), "--audit", "-q")
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+
+
+def test_interrupted_demo_stops_every_process_and_removes_its_files(tmp_path: Path) -> None:
+    env = _demo_env(tmp_path)
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "cohort", "demo", "--steps", "10000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=tmp_path,
+    )
+    # Wait until it is well under way: coordinators and workers are running.
+    wait_until(
+        lambda: len(processes_mentioning(" worker --job demo")) >= 3,
+        60,
+        message="demo workers running",
+    )
+    demo.send_signal(signal.SIGINT)
+    _, err = demo.communicate(timeout=60)
+    assert demo.returncode == 130, err.decode()[-2000:]
+    wait_until(
+        lambda: processes_mentioning(" --job demo") == [], 20, message="no demo process left"
+    )
+    assert processes_mentioning(str(tmp_path / "tmp")) == []
+    assert list((tmp_path / "tmp").iterdir()) == []
