@@ -63,6 +63,12 @@ from .liveness import Liveness
 from .state import JobState
 
 
+def _some(items: list[str], sep: str = ", ", most: int = 8) -> str:
+    """A list for a reason text: bounded, however many workers a decision concerns."""
+    shown = sep.join(items[:most])
+    return shown if len(items) <= most else f"{shown}{sep}and {len(items) - most} more"
+
+
 class _Plan:
     """Facts of one decision, each folded as it is emitted."""
 
@@ -184,7 +190,7 @@ def tick(state: JobState, seen: Liveness, now: float) -> tuple[Fact, ...]:
     for worker, last_seen in lost:
         plan.emit(WorkerFailed, worker=worker, last_seen=last_seen, timeout=timeout)
     if held_rank:
-        names = ", ".join(w for w, _ in lost)
+        names = _some([w for w, _ in lost])
         _new_world(plan, f"{names} failed")
     return tuple(plan.facts)
 
@@ -238,7 +244,7 @@ def _boundary(plan: _Plan, seen: Liveness, step: int) -> None:
             )
             return
     if changed:
-        _new_world(plan, "; ".join(changed))
+        _new_world(plan, _some(changed, sep="; "))
 
 
 def _new_world(plan: _Plan, reason: str) -> None:
@@ -288,6 +294,6 @@ def _pace(plan: _Plan) -> None:
     if ready:
         for member in ready:
             plan.emit(WorkerActivated, worker=member.worker)
-        _new_world(plan, ", ".join(m.worker for m in ready) + " joined")
+        _new_world(plan, _some([m.worker for m in ready]) + " joined")
         return
     plan.emit(TrainingResumed, active=active)

@@ -219,3 +219,16 @@ def test_replay_of_the_journal_equals_the_live_state_and_snapshots_round_trip() 
     assert job.replayed() == job.state
     assert load(dump(job.state)) == job.state
     assert state_hash(load(dump(job.state))) == state_hash(job.state)
+
+
+def test_a_thousand_workers_starting_at_once_get_one_world_with_a_bounded_reason() -> None:
+    job = Job(min_workers=1000, max_workers=1000, dataset_size=10_000)
+    names = [f"w{i:04d}" for i in range(1000)]
+    for name in names:
+        job.join(name)
+    facts = ()
+    for name in names:
+        facts = job.ready(name)
+    world = next(f for f in facts if isinstance(f, WorldChanged))
+    assert world.ranks == tuple(names)
+    assert "and 992 more joined" in world.reason
