@@ -27,6 +27,7 @@ class Liveness:
         self.progress: dict[str, tuple[int, int]] = {}  # worker -> (world, last step done)
         self.reported: dict[tuple[int, int], set[str]] = defaultdict(set)  # (world, step)
         self.step_times: dict[int, dict[str, float]] = defaultdict(dict)
+        self._medians: dict[int, float] = {}  # step -> median of its times, until a new report
         self.losses: dict[str, float] = {}
         self.gpus: dict[str, GpuReading] = {}
         self.commands = 0
@@ -41,6 +42,7 @@ class Liveness:
             case StepDone():
                 self._progress(worker, command.world, command.step)
                 self.step_times[command.step][worker] = command.step_time
+                self._medians.pop(command.step, None)
                 if command.loss is not None:
                     self.losses[worker] = command.loss
             case Heartbeat() if command.step is not None and command.world is not None:
@@ -73,7 +75,10 @@ class Liveness:
         times = self.step_times.get(step)
         if not times or worker not in times or len(times) < 2:
             return None
-        return times[worker], median(times.values())
+        middle = self._medians.get(step)
+        if middle is None:
+            middle = self._medians[step] = median(times.values())
+        return times[worker], middle
 
     def forget(self, worker: str) -> None:
         self.last_seen.pop(worker, None)
@@ -88,6 +93,7 @@ class Liveness:
             del self.reported[key]
         for step in [s for s in self.step_times if s < horizon]:
             del self.step_times[step]
+            self._medians.pop(step, None)
 
     def grace(self, workers: list[str], since: float) -> None:
         """Members this view has never heard from count as seen at `since` (a new leader)."""
