@@ -75,3 +75,15 @@ class Keys:
 
     def weights(self, step: int) -> str:
         return f"{self.prefix}:weights:{step}"
+
+    def grad_reduced(self, world: int, step: int, chunk: int) -> str:
+        """Chunk `chunk` of a step's allreduce, averaged by the rank that owns it."""
+        return f"{self.prefix}:grad:{world}:{step}:reduced:{chunk}"
+
+    def grad_broadcast(self, world: int, step: int, piece: int) -> str:
+        """Piece `piece` of the tensors a root broadcasts at `step`."""
+        return f"{self.prefix}:grad:{world}:{step}:broadcast:{piece}"
+
+    def step_events(self, world: int, step: int, op: str = "allreduce") -> str:
+        """Stream of 'my part is written' notices for one collective `op` of one step."""
+        return f"{self.prefix}:grad:{world}:{step}:{op}:events"

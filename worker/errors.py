@@ -69,3 +69,7 @@ class NotAssigned(WorkerError):
 
 class Stopped(WorkerError):
     """The worker was stopped while an operation was still waiting or retrying."""
+
+
+class BlobError(WorkerError):
+    """A tensor blob is malformed or hostile (bad header, dtype, shape or byte range)."""
