@@ -11,7 +11,8 @@ The rules (DESIGN.md "Membership", "Data shards"):
 - WeightsLoaded by a syncing member → WorkerSynced; it is activated at the next
   step boundary, or at once while training is paused.
 - StepDone / Heartbeat progress: when every rank of the current world has
-  finished the next step → StepCommitted, then the step boundary: stragglers,
+  finished the next step → StepCommitted (and WeightsDiverged if their weight
+  digests differ), then the step boundary: stragglers,
   drained leavers leave, ready joiners are activated, the epoch may end, and
   the world changes if its membership did.
 - Leave: not in the world → WorkerLeft now; in it and `after_step` still to
@@ -46,6 +47,7 @@ from events.models import (
     StragglerDetected,
     TrainingPaused,
     TrainingResumed,
+    WeightsDiverged,
     WeightsLoaded,
     WorkerActivated,
     WorkerFailed,
@@ -206,6 +208,9 @@ def _maybe_commit(plan: _Plan, seen: Liveness) -> None:
     if not seen.all_reported(state.ranks, state.world_version, step):
         return
     plan.emit(StepCommitted, step=step, world=state.world_version)
+    groups = seen.digest_groups(state.ranks, step)
+    if len(groups) > 1:
+        plan.emit(WeightsDiverged, step=step, world=state.world_version, groups=groups)
     _boundary(plan, seen, step)
 
 

@@ -17,6 +17,7 @@ from events.models import (
     StragglerDetected,
     TrainingPaused,
     TrainingResumed,
+    WeightsDiverged,
     WorkerActivated,
     WorkerFailed,
     WorkerJoined,
@@ -101,6 +102,8 @@ def evolve(state: JobState, fact: Fact) -> JobState:
                 last_committed=fact.step,
                 counters=_count(state.counters, steps_committed=1),
             )
+        case WeightsDiverged():
+            return replace(state, counters=_count(state.counters, divergences=1))
         case EpochFinished():
             return replace(state, counters=_count(state.counters, epochs_finished=1))
         case EpochStarted():

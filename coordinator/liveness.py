@@ -28,6 +28,7 @@ class Liveness:
         self.reported: dict[tuple[int, int], set[str]] = defaultdict(set)  # (world, step)
         self.step_times: dict[int, dict[str, float]] = defaultdict(dict)
         self._medians: dict[int, float] = {}  # step -> median of its times, until a new report
+        self.digests: dict[int, dict[str, str]] = defaultdict(dict)  # step -> worker -> digest
         self.losses: dict[str, float] = {}
         self.gpus: dict[str, GpuReading] = {}
         self.commands = 0
@@ -43,6 +44,8 @@ class Liveness:
                 self._progress(worker, command.world, command.step)
                 self.step_times[command.step][worker] = command.step_time
                 self._medians.pop(command.step, None)
+                if command.digest is not None:
+                    self.digests[command.step][worker] = command.digest
                 if command.loss is not None:
                     self.losses[worker] = command.loss
             case Heartbeat() if command.step is not None and command.world is not None:
@@ -80,6 +83,15 @@ class Liveness:
             middle = self._medians[step] = median(times.values())
         return times[worker], middle
 
+    def digest_groups(self, ranks: tuple[str, ...], step: int) -> dict[str, tuple[str, ...]]:
+        """Digest -> the ranks that reported it for `step` (ranks that sent none are left out)."""
+        reported = self.digests.get(step, {})
+        groups: dict[str, list[str]] = defaultdict(list)
+        for worker in ranks:
+            if worker in reported:
+                groups[reported[worker]].append(worker)
+        return {digest: tuple(workers) for digest, workers in groups.items()}
+
     def forget(self, worker: str) -> None:
         self.last_seen.pop(worker, None)
         self.progress.pop(worker, None)
@@ -94,6 +106,8 @@ class Liveness:
         for step in [s for s in self.step_times if s < horizon]:
             del self.step_times[step]
             self._medians.pop(step, None)
+        for step in [s for s in self.digests if s < horizon]:
+            del self.digests[step]
 
     def grace(self, workers: list[str], since: float) -> None:
         """Members this view has never heard from count as seen at `since` (a new leader)."""

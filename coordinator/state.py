@@ -42,6 +42,7 @@ class Counters:
     steps_committed: int = 0
     epochs_finished: int = 0
     elections: int = 0
+    divergences: int = 0
 
 
 @dataclass(frozen=True, slots=True)

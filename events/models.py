@@ -243,6 +243,18 @@ class StepCommitted(Event):
     world: Count
 
 
+class WeightsDiverged(Event):
+    """After committing `step`, active workers reported different weight digests.
+
+    `groups` maps each digest to the workers that reported it (invariant 7 broken).
+    """
+
+    type: Literal["WeightsDiverged"] = "WeightsDiverged"
+    step: Count
+    world: Count
+    groups: dict[Digest, tuple[WorkerId, ...]] = Field(max_length=100_000)
+
+
 class EpochFinished(Event):
     type: Literal["EpochFinished"] = "EpochFinished"
     epoch: Count
@@ -297,6 +309,7 @@ Fact = Annotated[
     | WorkerFailed
     | WorldChanged
     | StepCommitted
+    | WeightsDiverged
     | EpochFinished
     | EpochStarted
     | StragglerDetected

@@ -7,7 +7,9 @@ from coordinator.state import dump, load, state_hash
 from events.models import (
     JoinRefused,
     StepCommitted,
+    StepDone,
     TrainingPaused,
+    WeightsDiverged,
     WorkerFailed,
     WorldChanged,
 )
@@ -232,3 +234,20 @@ def test_a_thousand_workers_starting_at_once_get_one_world_with_a_bounded_reason
     world = next(f for f in facts if isinstance(f, WorldChanged))
     assert world.ranks == tuple(names)
     assert "and 992 more joined" in world.reason
+
+
+def test_ranks_reporting_different_weight_digests_after_a_commit_are_named() -> None:
+    job = Job(min_workers=3)
+    job.start("a", "b", "c")
+    job.step()
+    job.send(StepDone(at=job.now, job="unit", worker="a", step=1, world=1, digest="aa" * 8))
+    job.send(StepDone(at=job.now, job="unit", worker="b", step=1, world=1, digest="aa" * 8))
+    facts = job.send(StepDone(at=job.now, job="unit", worker="c", step=1, world=1, digest="bb" * 8))
+    assert types(facts)[:2] == ["StepCommitted", "WeightsDiverged"]
+    diverged = facts[1]
+    assert isinstance(diverged, WeightsDiverged) and diverged.step == 1
+    assert diverged.groups == {"aa" * 8: ("a", "b"), "bb" * 8: ("c",)}
+    agreeing = [
+        StepDone(at=job.now, job="unit", worker=w, step=2, world=1, digest="cc" * 8) for w in "abc"
+    ]
+    assert "WeightsDiverged" not in types([f for c in agreeing for f in job.send(c)])
