@@ -193,7 +193,7 @@ def apply(view: View, fact: m.Fact) -> View:
             return replace(view, last_committed=max(view.last_committed, fact.step))
         case m.EpochFinished():
             return view
-        case m.StragglerDetected() | m.StragglerCleared():
+        case m.StragglerDetected() | m.StragglerCleared() | m.WeightsDiverged():
             return view
         case m.TrainingPaused():
             return replace(view, paused=True)
