@@ -1,0 +1,289 @@
+"""Collectives on fakeredis and a real redis-server: N ranks are N threads, each with its own
+client, and a stand-in for the worker that fixes the world the test wants."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import fakeredis
+import numpy as np
+import pytest
+import redis
+
+from events.codec import FIELD, encode
+from events.keys import Keys
+from events.models import WorldChanged
+from events.shards import Shard
+from tests.helpers import wait_until
+from worker.collective import Collective, CollectiveError, CollectiveTimeout, Member
+from worker.errors import WorldChangedError
+from worker.tensors import pieces
+from worker.view import Assignment
+
+JOB = "coll"
+KEYS = Keys(JOB)
+
+
+@dataclass
+class StandIn:
+    """The part of `worker.client.Worker` a Collective reads; the test moves it at will."""
+
+    id: str
+    rank: int
+    world_size: int
+    world_version: int = 1
+    assignment: Assignment | None = None
+
+
+def _members(n: int) -> list[StandIn]:
+    return [StandIn(id=f"w{r}", rank=r, world_size=n) for r in range(n)]
+
+
+def run_ranks(
+    clients: Callable[[], redis.Redis],
+    members: list[StandIn],
+    body: Callable[[Collective, StandIn], Any],
+    timeout: float = 30.0,
+    **options: Any,
+) -> list[Any]:
+    """Run `body` once per member, each in its own thread with its own client; results or
+    the exceptions raised, in rank order."""
+    results: list[Any] = [None] * len(members)
+
+    def run(i: int, collective: Collective) -> None:
+        try:
+            results[i] = body(collective, members[i])
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [
+        threading.Thread(target=run, args=(i, Collective(clients(), JOB, m, **options)))
+        for i, m in enumerate(members)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a rank did not finish"
+    return results
+
+
+def _ok(results: list[Any]) -> list[Any]:
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def _tensors(rank: int, dtype: str) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(rank)
+    return {
+        "w": rng.standard_normal((5, 7)).astype(dtype),
+        "b": rng.standard_normal(3).astype(dtype),
+        "s": np.asarray(rng.standard_normal(), dtype=dtype),
+        "empty": np.zeros((0, 4), dtype=dtype),
+    }
+
+
+def test_the_real_worker_satisfies_the_member_protocol() -> None:
+    from worker.client import Worker
+
+    worker: Member = Worker(fakeredis.FakeRedis(), JOB, worker_id="w0")
+    assert worker.id == "w0"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("dtype,rtol", [("<f4", 1e-6), ("<f2", 1e-3), ("<f8", 1e-12)])
+def test_allreduce_is_the_mean_over_ranks(
+    connect_more: Callable[[], redis.Redis], n: int, dtype: str, rtol: float
+) -> None:
+    members = _members(n)
+    results = _ok(
+        run_ranks(connect_more, members, lambda c, m: c.allreduce(_tensors(m.rank, dtype), 0))
+    )
+    inputs = [_tensors(r, dtype) for r in range(n)]
+    for got in results:
+        assert set(got) == set(inputs[0])
+        for name, array in got.items():
+            want = np.mean([i[name].astype(np.float64) for i in inputs], axis=0)
+            assert array.dtype == np.dtype(dtype) and array.shape == want.shape
+            np.testing.assert_allclose(array, want, rtol=rtol, atol=rtol)
+
+
+def test_allreduce_mixes_dtypes_and_splits_values_over_the_limit(
+    connect_more: Callable[[], redis.Redis],
+) -> None:
+    """With values capped at ~1 KiB of data, each rank's chunk travels in several pieces."""
+    n = 3
+
+    def tensors(rank: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(10 + rank)
+        return {
+            "a": rng.standard_normal(4001).astype("<f4"),
+            "h": rng.standard_normal((30, 11)).astype("<f2"),
+            "d": rng.standard_normal(777),
+        }
+
+    results = _ok(
+        run_ranks(
+            connect_more,
+            _members(n),
+            lambda c, m: c.allreduce(tensors(m.rank), 7),
+            max_value_bytes=64 * 1024 + 1024,
+        )
+    )
+    for got in results:
+        for name in ("a", "h", "d"):
+            want = np.mean([tensors(r)[name].astype(np.float64) for r in range(n)], axis=0)
+            np.testing.assert_allclose(got[name], want, rtol=1e-3 if name == "h" else 1e-6)
+    per_rank = pieces(-(-(4001 * 4 + 330 * 2 + 777 * 8) // n), 64 * 1024 + 1024)
+    assert per_rank > 1
+    scattered = list(connect_more().scan_iter(match=KEYS.grad(1, 7, 0, 0)[:-1] + "*"))
+    assert len(scattered) == (n - 1) * per_rank  # rank 0's pieces of the chunks it does not own
+
+
+def test_a_rank_that_never_contributes_and_a_world_change_wake_the_others_within_a_second(
+    conn: redis.Redis, connect_more: Callable[[], redis.Redis]
+) -> None:
+    members = _members(3)
+    raised_at: dict[int, float] = {}
+
+    def body(c: Collective, m: StandIn) -> Any:
+        if m.rank == 2:
+            return None  # never contributes
+        try:
+            return c.allreduce(_tensors(m.rank, "<f4"), 4, timeout=20)
+        finally:
+            raised_at[m.rank] = time.monotonic()
+
+    box: list[list[Any]] = []
+    thread = threading.Thread(target=lambda: box.append(run_ranks(connect_more, members, body)))
+    thread.start()
+    # Both ranks have scattered (so they read the journal from before the fact) before it lands.
+    wait_until(lambda: conn.xlen(KEYS.step_events(1, 4)) == 2, message="ranks 0 and 1 scatter")
+    fact = WorldChanged(
+        at=1.0,
+        job=JOB,
+        version=2,
+        start_step=4,
+        epoch=0,
+        ranks=("w0", "w1"),
+        shards=(Shard(ranges=((0, 5),)), Shard(ranges=((5, 10),))),
+        reason="w2 failed",
+    )
+    conn.xadd(KEYS.journal, {FIELD: encode(fact)})
+    appended = time.monotonic()
+    thread.join(30)
+    results = box[0]
+    for rank in (0, 1):
+        error = results[rank]
+        assert isinstance(error, WorldChangedError), error
+        assert error.step == 4
+        assert error.assignment is not None
+        assert (error.assignment.world_version, error.assignment.rank) == (2, rank)
+        assert raised_at[rank] - appended < 1.0
+
+
+def test_a_worker_view_moving_past_the_call_s_world_aborts_it(
+    connect_more: Callable[[], redis.Redis],
+) -> None:
+    members = _members(2)
+
+    def body(c: Collective, m: StandIn) -> Any:
+        if m.rank == 1:
+            wait_until(lambda: c.conn.xlen(KEYS.step_events(1, 0)) == 1, message="rank 0 scatters")
+            members[0].world_version = 3  # what the worker's journal tail would do
+            return time.monotonic()
+        return c.allreduce({"x": np.ones(10, "<f4")}, 0, timeout=20)
+
+    error, moved = run_ranks(connect_more, members, body)
+    assert isinstance(error, WorldChangedError), error
+    assert time.monotonic() - moved < 1.0 + 0.5  # WAKE_S bounds it; slack for the thread join
+
+
+def test_a_timeout_names_the_ranks_that_did_not_contribute(
+    connect_more: Callable[[], redis.Redis],
+) -> None:
+    members = _members(3)
+
+    def body(c: Collective, m: StandIn) -> Any:
+        if m.rank == 0:
+            return c.allreduce({"x": np.ones(10, "<f4")}, 0, timeout=0.3)
+        if m.rank == 1:
+            return c.allreduce({"x": np.ones(10, "<f4")}, 0, timeout=0.6)
+        return None
+
+    error = run_ranks(connect_more, members, body)[0]
+    assert isinstance(error, CollectiveTimeout)
+    assert "[2]" in str(error) and "step 0" in str(error)
+
+
+def test_ranks_passing_different_shapes_are_told_so(
+    connect_more: Callable[[], redis.Redis],
+) -> None:
+    def body(c: Collective, m: StandIn) -> Any:
+        return c.allreduce({"x": np.ones((2, 6) if m.rank else (3, 4), "<f4")}, 0, timeout=10)
+
+    for error in run_ranks(connect_more, _members(2), body):
+        assert isinstance(error, CollectiveError) and "layout" in str(error)
+
+
+def test_keys_expire_and_only_the_last_two_steps_remain(
+    conn: redis.Redis, connect_more: Callable[[], redis.Redis]
+) -> None:
+    def body(c: Collective, m: StandIn) -> Any:
+        return [c.allreduce(_tensors(m.rank, "<f4"), step) for step in range(5)]
+
+    _ok(run_ranks(connect_more, _members(3), body))
+    keys = [k.decode() for k in conn.scan_iter(match=f"{KEYS.prefix}:grad:*", count=1000)]
+    steps = {int(k.split(":")[4]) for k in keys}
+    assert steps == {3, 4}
+    assert all(0 < int(conn.pttl(k)) <= 10 * 60 * 1000 for k in keys)
+
+
+def test_broadcast_gives_every_rank_the_root_s_tensors(
+    conn: redis.Redis, connect_more: Callable[[], redis.Redis]
+) -> None:
+    rng = np.random.default_rng(3)
+    sent = {f"t{i}": rng.standard_normal(3000).astype("<f4") for i in range(5)}
+    sent["ids"] = np.arange(7, dtype="<i8")
+
+    def body(c: Collective, m: StandIn) -> Any:
+        return c.broadcast(sent if m.rank == 1 else None, root=1, step=2)
+
+    results = _ok(run_ranks(connect_more, _members(3), body, max_value_bytes=64 * 1024 + 13_000))
+    for got in results:
+        assert set(got) == set(sent)
+        for name, array in sent.items():
+            np.testing.assert_array_equal(got[name], array)
+    notices = [f for _, f in conn.xrange(KEYS.step_events(1, 2, "broadcast"))]
+    assert [int(f[b"n"]) for f in notices if f[b"p"] == b"sent"] == [5]  # 5 values, each < limit
+    assert not conn.exists(KEYS.grad_broadcast(1, 2, 0))  # the root unlinks once all received
+
+
+def test_barrier_waits_for_every_rank(connect_more: Callable[[], redis.Redis]) -> None:
+    passed: list[int] = []
+    gate = threading.Event()
+
+    def body(c: Collective, m: StandIn) -> Any:
+        if m.rank == 2:
+            gate.wait(10)  # the last rank arrives only after the test checked nobody passed
+        c.barrier(0, timeout=10)
+        passed.append(m.rank)
+
+    thread = threading.Thread(target=lambda: run_ranks(connect_more, _members(3), body))
+    thread.start()
+    wait_until(lambda: connect_more().xlen(KEYS.step_events(1, 0, "barrier")) == 2)
+    assert passed == []
+    gate.set()
+    thread.join(30)
+    assert sorted(passed) == [0, 1, 2]
+
+
+def test_sets_bypass_the_joining_packer_only_on_a_real_server(conn: redis.Redis) -> None:
+    c = Collective(conn, JOB, StandIn(id="w0", rank=0, world_size=1))
+    assert c.fast_set is not isinstance(conn, fakeredis.FakeRedis)
