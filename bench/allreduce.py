@@ -31,7 +31,6 @@ from events.connection import RedisSettings, connect
 from worker.collective import TTL_MS, Collective, _set_command
 from worker.tensors import pack
 
-JOB = "bench"
 MIB = 1024 * 1024
 
 
@@ -48,7 +47,8 @@ class Fixed:
 
 def _rank(url: str, n: int, rank: int, size: int, runs: int, out: Any) -> None:
     conn = connect(RedisSettings(url=url, socket_timeout=120))
-    collective = Collective(conn, JOB, Fixed(f"w{rank}", rank, n))
+    job = f"bench-{n}-{size}"  # a job per cell: (world, step) names one call within a job
+    collective = Collective(conn, job, Fixed(f"w{rank}", rank, n))
     vector = {"g": np.random.default_rng(rank).standard_normal(size // 4).astype("<f4")}
     times = []
     for run in range(runs + 1):  # run 0 warms up
@@ -82,7 +82,7 @@ def raw_throughput(url: str, size: int, runs: int) -> dict[str, float]:
     timings: dict[str, list[float]] = {"set_default": [], "set_parts": [], "get": []}
     for _ in range(runs):
         start = time.perf_counter()
-        conn.set("raw", value.tobytes(), px=TTL_MS)  # tobytes: what callers without views pay
+        conn.set("raw", memoryview(value), px=TTL_MS)  # the packer joins it into one bytes
         timings["set_default"].append(time.perf_counter() - start)
         start = time.perf_counter()
         connection = pool.get_connection()
@@ -150,14 +150,19 @@ def main() -> None:
     gloo = torch_available()
 
     with LocalRedis(appendonly=False) as server:
-        raw = raw_throughput(server.url, max(sizes), args.runs)
-        server_rate = 2 / (1 / raw["set_parts"] + 1 / raw["get"])  # in+out bytes per second
         print(f"{os.cpu_count()} CPUs; redis-server at {server.url} (AOF off)\n")
-        print(f"raw, one client, {max(sizes) // MIB} MiB values (median of {args.runs}):")
-        print(f"- SET, redis-py default packer: {raw['set_default'] / 1e9:.2f} GB/s")
-        print(f"- SET, parts path (Collective): {raw['set_parts'] / 1e9:.2f} GB/s")
-        print(f"- GET: {raw['get'] / 1e9:.2f} GB/s")
-        print(f"- server in+out (parts SET + GET): {server_rate / 1e9:.2f} GB/s\n")
+        print(f"raw, one client, GB/s (median of {args.runs}):\n")
+        print("| MiB | SET default packer | SET parts | GET | in+out (parts SET, GET) |")
+        print("|---|---|---|---|---|")
+        server_rate: dict[int, float] = {}
+        for size in sizes:
+            raw = raw_throughput(server.url, size, args.runs)
+            server_rate[size] = 2 / (1 / raw["set_parts"] + 1 / raw["get"])
+            print(
+                f"| {size // MIB} | {raw['set_default'] / 1e9:.2f} | {raw['set_parts'] / 1e9:.2f} "
+                f"| {raw['get'] / 1e9:.2f} | {server_rate[size] / 1e9:.2f} |"
+            )
+        print()
 
         head = (
             "| ranks | MiB | allreduce s | payload GB/s | via server MiB | bound s "
@@ -173,7 +178,7 @@ def main() -> None:
             for size in sizes:
                 took = time_allreduce(server.url, n, size, args.runs)
                 through = (3 * n - 2) * size
-                bound = through / server_rate
+                bound = through / server_rate[size]
                 row = (
                     f"| {n} | {size // MIB} | {took:.3f} | {size / took / 1e9:.2f} | "
                     f"{through // MIB} | {bound:.3f} | {bound / took:.2f} |"

@@ -260,7 +260,8 @@ def test_broadcast_gives_every_rank_the_root_s_tensors(
         assert set(got) == set(sent)
         for name, array in sent.items():
             np.testing.assert_array_equal(got[name], array)
-    notices = [f for _, f in conn.xrange(KEYS.step_events(1, 2, "broadcast"))]
+    rows: Any = conn.xrange(KEYS.step_events(1, 2, "broadcast"))
+    notices = [f for _, f in rows]
     assert [int(f[b"n"]) for f in notices if f[b"p"] == b"sent"] == [5]  # 5 values, each < limit
     assert not conn.exists(KEYS.grad_broadcast(1, 2, 0))  # the root unlinks once all received
 
