@@ -27,7 +27,13 @@ of the whole value, on top of the copy that made the blob). Against a real redis
 SETs go out through a pooled connection as a list of parts (`send_packed_command`): the
 array memory itself is handed to `sendall`, nothing is joined. fakeredis has no socket, so
 there the blob is joined and stored with a plain SET. GET returns bytes (hiredis's one copy
-out of the socket); `tensors.unpack` views them without copying.
+out of the socket); `tensors.unpack` views them without copying. Measured by
+bench/allreduce.py (2 CPUs, redis-server 7.0, 64 MiB): SET through the default packer
+0.85 GB/s, through parts 3.1-3.5 GB/s; GET 1.3-1.4 GB/s.
+
+A call is named by (world version, step, op): calling the same op twice for one step of one
+world mixes their notices. The coordinator starts a new world on every membership change, so
+an aborted step is retried in a new world and never collides with itself.
 """
 
 from __future__ import annotations
