@@ -89,7 +89,7 @@ def pack(tensors: Mapping[str, np.ndarray]) -> list[Part]:
         if start > end:
             parts.append(bytes(start - end))
         if stop > start:
-            parts.append(memoryview(a.reshape(-1)).cast("B"))
+            parts.append(memoryview(a.reshape(-1)).cast("B"))  # type: ignore[arg-type]
         end = stop
     return parts
 
