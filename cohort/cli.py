@@ -56,7 +56,11 @@ def _redis_url(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 
 redis_url_option = click.option(
-    "--redis-url", metavar="URL", expose_value=False, callback=_redis_url, is_eager=False,
+    "--redis-url",
+    metavar="URL",
+    expose_value=False,
+    callback=_redis_url,
+    is_eager=False,
     help="Redis URL (also accepted before the subcommand); env COHORT_REDIS_URL.",
 )
 
@@ -95,6 +99,7 @@ def main(ctx: click.Context, redis_url: str | None, log_level: str, log_json: bo
       cohort demo                       a whole job on a private Redis, in one command
       cohort coordinator --job J        run a coordinator (run two or three for failover)
       cohort worker --job J             a simulated worker (your script uses worker.Worker)
+      cohort example-worker --job J     a worker training a real (numpy) model
       cohort status --job J             who leads, the world, every worker
       cohort replay --job J             rebuild and explain a run from its journal
     """
@@ -293,6 +298,72 @@ def worker(
     except WorkerError as exc:
         fail(str(exc), Exit.DATA)
     click.echo(json.dumps(summary, default=str))
+
+
+@main.command("example-worker")
+@job_option
+@redis_url_option
+@click.option("--id", "worker_id", metavar="NAME", help="Worker name (default host-pid-random).")
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=200,
+    show_default=True,
+    help="Stop after this many committed steps.",
+)
+@click.option(
+    "--lr",
+    type=click.FloatRange(min=0, min_open=True),
+    default=0.2,
+    show_default=True,
+    help="SGD learning rate.",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Initial weights (rank 0's are broadcast at every world start).",
+)
+@click.option(
+    "--save",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Write the final weights to this .npz file.",
+)
+@click.pass_context
+def example_worker(
+    ctx: click.Context,
+    job: str,
+    worker_id: str | None,
+    steps: int,
+    lr: float,
+    seed: int,
+    save: Path | None,
+) -> None:
+    """Train a real model (a numpy MLP on a deterministic 4-class data set) as one worker.
+
+    Gradients are averaged with allreduce through Redis; the job survives joins, leaves and
+    failures without restarting. Prints one JSON line at the end: worker, steps, loss,
+    accuracy, weights_digest.
+    """
+    import numpy as np
+
+    from worker.client import Worker
+    from worker.collective import Collective
+    from worker.errors import WorkerError
+
+    from .example import run
+
+    conn = _connect(ctx, "cohort-example-worker")
+    client = Worker(conn, job, worker_id=worker_id)
+    client.install_signal_handlers()
+    try:
+        summary = run(client, Collective(conn, job, client), steps=steps, lr=lr, seed=seed)
+    except WorkerError as exc:
+        fail(str(exc), Exit.DATA)
+    click.echo(json.dumps({k: v for k, v in summary.items() if k != "params"}, default=str))
+    if save is not None:
+        np.savez(save, **summary["params"])
 
 
 # ---------------------------------------------------------------- status, replay, export

@@ -9,7 +9,7 @@ epochs, gaps (a sample never used).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from events.models import EpochFinished, Fact, StepCommitted, WorldChanged
@@ -59,28 +59,45 @@ def _overlaps_and_gaps(ranges: list[Range], size: int | None) -> tuple[list[Rang
     return list(merge(dupes)), list(merge(gaps))
 
 
-def audit(facts: Iterable[Fact], state: JobState | None = None) -> Audit:
-    """Check invariants 2 and 3 over `facts` (from the start of the journal)."""
+def committed_batches(
+    facts: Iterable[Fact], state: JobState | None = None
+) -> Iterator[tuple[Fact, JobState, tuple[tuple[Range, ...], ...] | None]]:
+    """Each fact with the state before it and, for a StepCommitted, every rank's batch.
+
+    The global batch of a committed step is the union of its ranks' batches: what a
+    single process training on the same data would have used at that step.
+    """
     state = JobState() if state is None else state
+    for fact in facts:
+        batches = None
+        if isinstance(fact, StepCommitted) and state.config is not None:
+            size = state.config.batch_size
+            batches = tuple(batch(s, state.base_step, fact.step, size) for s in state.shards)
+        yield fact, state, batches
+        state = evolve(state, fact)
+
+
+def audit(facts: Iterable[Fact], start: JobState | None = None) -> Audit:
+    """Check invariants 2 and 3 over `facts` (from the start of the journal)."""
     used: dict[int, list[Range]] = defaultdict(list)
     report = Audit()
-    for fact in facts:
+    state = JobState() if start is None else start
+    for fact, before, batches in committed_batches(facts, start):
         match fact:
-            case StepCommitted() if state.config is not None:
-                size = state.config.batch_size
-                for shard in state.shards:
-                    used[state.epoch].extend(batch(shard, state.base_step, fact.step, size))
-                report.epochs.setdefault(state.epoch, EpochAudit(state.epoch)).steps += 1
+            case StepCommitted() if batches is not None:
+                for rank_batch in batches:
+                    used[before.epoch].extend(rank_batch)
+                report.epochs.setdefault(before.epoch, EpochAudit(before.epoch)).steps += 1
             case EpochFinished():
                 report.epochs.setdefault(fact.epoch, EpochAudit(fact.epoch)).finished = True
             case WorldChanged():
-                if fact.version <= state.world_version:
+                if fact.version <= before.world_version:
                     report.problems.append(
-                        f"world version went from {state.world_version} to {fact.version}"
+                        f"world version went from {before.world_version} to {fact.version}"
                     )
-                if fact.epoch < state.epoch:
-                    report.problems.append(f"epoch went back from {state.epoch} to {fact.epoch}")
-        state = evolve(state, fact)
+                if fact.epoch < before.epoch:
+                    report.problems.append(f"epoch went back from {before.epoch} to {fact.epoch}")
+        state = evolve(before, fact)
     dataset = state.config.dataset_size if state.config else None
     for epoch, ranges in used.items():
         entry = report.epochs.setdefault(epoch, EpochAudit(epoch))

@@ -1,0 +1,155 @@
+"""`cohort example-worker`: one worker of a real elastic training job (numpy MLP).
+
+The loop a user writes: wait for a rank, take this rank's batch of the step,
+compute gradients, average them with `allreduce`, apply them, report the step
+and wait for it to commit. What makes it elastic:
+
+- every new world starts with a `broadcast` of rank 0's weights (rank 0 is a
+  survivor whenever one is left: survivors keep their ranks' order), so a
+  joiner starts from exactly the survivors' weights;
+- the weights before a step are kept until the step commits; a step aborted by
+  a world change is rolled back, so an aborted step leaves no trace;
+- gradients travel as sums with the sample count, so unequal batches (the
+  last steps of an epoch, re-split shards) still give the global batch's mean.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from worker.client import Worker
+from worker.collective import Collective
+from worker.errors import CommitTimeout, Removed, WaitTimeout, WorldChangedError
+
+from . import mlp
+
+log = logging.getLogger("cohort.example")
+POLL = 0.5
+
+
+def train_step(
+    params: mlp.Params,
+    collective: Collective,
+    data: mlp.Dataset,
+    ranges: Any,
+    step: int,
+    lr: float,
+) -> tuple[mlp.Params, float, int, int]:
+    """One synchronous data-parallel step: (new params, global mean loss, samples, correct)."""
+    x, y = data.take(ranges)
+    grads, loss, correct = mlp.gradients(params, x, y)
+    stats = np.array([len(y), loss, correct], dtype=np.float64)
+    mean = collective.allreduce({**grads, "_stats": stats}, step)
+    count = float(mean["_stats"][0])  # the mean count over ranks: every sum divided alike
+    if count == 0:
+        return params, 0.0, 0, 0
+    update = {k: mean[k] / count for k in grads}
+    total = mean["_stats"] / count
+    return mlp.sgd(params, update, lr), float(total[1]), len(y), int(correct)
+
+
+def run(
+    worker: Worker,
+    collective: Collective,
+    steps: int,
+    lr: float = 0.2,
+    stop: threading.Event | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Train until `steps` steps committed (or stopped, or removed); then leave."""
+    stop = stop or worker.stopping
+    worker.join()
+    config = worker.view.config
+    assert config is not None, "the journal has no JobConfigured"
+    data = mlp.dataset(config.dataset_size)
+    params = mlp.init(seed)
+    worker.ready(step=max(worker.view.last_committed, 0), digest=mlp.digest(params))
+    summary: dict[str, Any] = {
+        "worker": worker.id,
+        "steps": 0,
+        "world_changes": 0,
+        "loss": None,
+        "accuracy": None,
+        "removed": None,
+    }
+    world = 0
+    step = 0
+    try:
+        while summary["steps"] < steps and not stop.is_set() and not worker.stopping.is_set():
+            try:
+                assignment = worker.wait_active(POLL)
+            except WaitTimeout:
+                continue
+            if assignment.world_version != world:
+                try:
+                    params = _sync(collective, params, assignment.start_step)
+                except WorldChangedError:
+                    continue
+                summary["world_changes"] += world != 0
+                world = assignment.world_version
+                step = assignment.start_step
+            step = max(step, worker.next_step)
+            before = params
+            started = time.monotonic()
+            try:
+                params, loss, samples, _ = train_step(
+                    params, collective, data, worker.batch(step), step, lr
+                )
+            except WorldChangedError:
+                continue  # aborted before anything was applied
+            worker.step_done(
+                step,
+                step_time=time.monotonic() - started,
+                samples=samples,
+                digest=mlp.digest(params),
+                loss=loss,
+            )
+            if not _committed(worker, step, stop):
+                params = before  # the step was aborted: undo it
+                continue
+            summary["steps"] += 1
+            summary["loss"] = loss
+            if step % 20 == 0:
+                log.info("%s step %d loss %.4f", worker.id, step, loss)
+            step += 1
+    except Removed as exc:
+        summary["removed"] = exc.reason
+        worker.stop()
+        return _finish(summary, params, data)
+    worker.leave(reason="done" if summary["steps"] >= steps else "stopped")
+    return _finish(summary, params, data)
+
+
+def _sync(collective: Collective, params: mlp.Params, start_step: int) -> mlp.Params:
+    """At the start of a world every rank takes rank 0's weights."""
+    me = collective.world()
+    got = collective.broadcast(params if me.rank == 0 else None, root=0, step=start_step)
+    return {k: np.array(v, dtype=np.float64) for k, v in got.items()}
+
+
+def _committed(worker: Worker, step: int, stop: threading.Event) -> bool:
+    while True:
+        try:
+            worker.wait_committed(step, POLL)
+            return True
+        except WorldChangedError:
+            return False
+        except CommitTimeout:
+            if stop.is_set():
+                return False
+
+
+def _finish(summary: dict[str, Any], params: mlp.Params, data: mlp.Dataset) -> dict[str, Any]:
+    loss, accuracy = mlp.evaluate(params, data)
+    summary.update(
+        loss=round(loss, 6),
+        accuracy=round(accuracy, 4),
+        weights_digest=mlp.digest(params),
+        params=params,
+    )
+    return summary
