@@ -61,7 +61,11 @@ def run(
     stop: threading.Event | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Train until `steps` steps committed (or stopped, or removed); then leave."""
+    """Train until the job's step `steps - 1` committed (or stopped, or removed); then leave.
+
+    `steps` counts the job's steps, not this worker's: every worker that is still in
+    the world at the end stops after the same step, with the same weights.
+    """
     stop = stop or worker.stopping
     worker.join()
     config = worker.view.config
@@ -80,7 +84,7 @@ def run(
     world = 0
     step = 0
     try:
-        while summary["steps"] < steps and not stop.is_set() and not worker.stopping.is_set():
+        while worker.view.last_committed < steps - 1 and not stop.is_set():
             try:
                 assignment = worker.wait_active(POLL)
             except WaitTimeout:
@@ -121,7 +125,7 @@ def run(
         summary["removed"] = exc.reason
         worker.stop()
         return _finish(summary, params, data)
-    worker.leave(reason="done" if summary["steps"] >= steps else "stopped")
+    worker.leave(reason="done" if worker.view.last_committed >= steps - 1 else "stopped")
     return _finish(summary, params, data)
 
 
@@ -153,3 +157,26 @@ def _finish(summary: dict[str, Any], params: mlp.Params, data: mlp.Dataset) -> d
         params=params,
     )
     return summary
+
+
+def reference(facts: Any, lr: float = 0.2, seed: int = 0) -> mlp.Params:
+    """The weights one process gets training on the journal's committed global batches.
+
+    For each StepCommitted, in order, the global batch is the union of the ranks' batches
+    (recomputed from the facts alone); its summed gradient over its size is applied.
+    """
+    from coordinator.audit import committed_batches
+
+    params = mlp.init(seed)
+    data: mlp.Dataset | None = None
+    for _, state, batches in committed_batches(facts):
+        if batches is None:
+            continue
+        if data is None:
+            assert state.config is not None
+            data = mlp.dataset(state.config.dataset_size)
+        x, y = data.take(tuple(r for ranges in batches for r in ranges))
+        if len(y):
+            grads, _, _ = mlp.gradients(params, x, y)
+            params = mlp.sgd(params, {k: g / len(y) for k, g in grads.items()}, lr)
+    return params

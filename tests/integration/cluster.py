@@ -97,6 +97,15 @@ class Cluster:
                 print(f"----- {proc.name} (alive={proc.alive()})\n{proc.output()[-3000:]}")
             raise
 
+    def finished(self, proc: Process, timeout: float = 120.0) -> int:
+        """Wait for `proc` to exit; on a timeout, show every process's log, then fail."""
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            for other in self.procs:
+                print(f"----- {other.name} (alive={other.alive()})\n{other.output()[-3000:]}")
+            raise
+
     def of_type(self, cls: type) -> list[tuple[str, Fact]]:
         self.pull()
         return [(i, f) for i, f in self.facts if isinstance(f, cls)]
