@@ -211,6 +211,11 @@ def _pydantic_message(exc: ValidationError, source: str) -> str:
     show_default=True,
     help="Write a snapshot every N facts.",
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    help="Serve Prometheus metrics on this port (0: any free port, logged).",
+)
 @click.pass_context
 def coordinator(
     ctx: click.Context,
@@ -219,6 +224,7 @@ def coordinator(
     config_file: Path | None,
     lease: float,
     snapshot_every: int,
+    metrics_port: int | None,
     **flags: Any,
 ) -> None:
     """Run a coordinator for JOB. Run several: one leads, the others follow and take over.
@@ -250,8 +256,19 @@ def coordinator(
     stop = threading.Event()
     _signals(stop, f"coordinator {name}")
     log.info("coordinator %s for job %r on %s", name, job, _settings(ctx, name).display_url)
+    metrics = None
+    if metrics_port is not None:
+        from coordinator.metrics import Metrics
+
+        metrics = Metrics(job, name)
+        try:
+            port = metrics.serve(metrics_port)
+        except OSError as exc:
+            fail(f"--metrics-port {metrics_port}: cannot listen ({exc.strerror}); pick a free "
+                 "port or 0 for any")
+        log.info("metrics on http://0.0.0.0:%d/metrics", port)
     try:
-        Coordinator(conn, settings).run(stop)
+        Coordinator(conn, settings, metrics=metrics).run(stop)
     except CoordinatorError as exc:
         fail(str(exc), Exit.DATA)
 

@@ -30,7 +30,7 @@ from events.clock import Clock, SystemClock
 from events.codec import decode_command, encode
 from events.errors import DecodeError
 from events.keys import Keys
-from events.models import Fact, JobConfig
+from events.models import Fact, JobConfig, StepDone
 from events.streams import ZERO, Entry, Inbox, Journal
 
 from . import snapshot
@@ -39,6 +39,7 @@ from .decide import configure, elect
 from .election import DeadLetter, FencedJournal, Lease, load_library
 from .errors import Conflict, CoordinatorError, Fenced
 from .fold import fold
+from .metrics import Metrics
 from .state import JobState, state_hash
 
 log = logging.getLogger("cohort.coordinator")
@@ -76,8 +77,11 @@ class Coordinator:
         conn: redis.Redis,
         settings: ServiceSettings,
         clock: Clock | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.conn = conn
+        self.metrics = metrics
+        self._lag = 0.0
         self.settings = settings
         self.clock = clock or SystemClock()
         self.keys = Keys(settings.job)
@@ -182,6 +186,8 @@ class Coordinator:
 
     def _follow_once(self) -> None:
         self.catch_up(block_ms=min(self.settings.block_ms, 500))
+        if self.metrics is not None:
+            self.metrics.update(self.state, leading=False, lag_seconds=0.0)
         if self.lease.holder() is None:
             token = self.lease.acquire(self._nonce)
             if token is not None:
@@ -191,6 +197,8 @@ class Coordinator:
         self.token = token
         self._renewed_at = self.clock.monotonic()
         self.counters.elections_won += 1
+        if self.metrics is not None:
+            self.metrics.failovers.inc()
         self.catch_up()
         self.cursor = self.store.cursor()
         now = self._server_now()
@@ -254,10 +262,14 @@ class Coordinator:
                 dead.append(DeadLetter(entry.id, reason, _raw_of(entry)))
                 continue
             facts.extend(self.core.handle(command, entry.ms / 1000, entry.ms / 1000))
+            if self.metrics is not None and isinstance(command, StepDone):
+                self.metrics.step_time.observe(command.step_time)
         drained = len(entries) < self.settings.batch
         if drained:
             facts.extend(self.core.tick(self._server_now()))
         self.counters.commands += len(entries)
+        if self.metrics is not None:
+            self.metrics.commands.inc(len(entries))
         cursor = entries[-1].id if entries else None
         if facts or dead or cursor:
             self._commit(facts, cursor, dead)
@@ -293,6 +305,9 @@ class Coordinator:
             self.cursor = cursor
         self.counters.facts += len(facts)
         self.counters.dead += len(dead)
+        if self.metrics is not None:
+            self.metrics.facts.inc(len(facts))
+            self.metrics.dead.inc(len(dead))
         self.counters.batches += 1
         self._facts_since_snapshot += len(facts)
         for letter in dead:
@@ -345,6 +360,9 @@ class Coordinator:
         seen = self.core.seen
         last = self.inbox.last_id()
         lag_ms = max(0, int(last.split("-")[0]) - int(self.cursor.split("-")[0]))
+        self._lag = lag_ms / 1000 if last != self.cursor else 0.0
+        if self.metrics is not None:
+            self.metrics.update(self.state, leading=True, lag_seconds=self._lag)
         body: dict[str, Any] = {
             "coordinator": self.settings.coordinator,
             "epoch": Lease.epoch_of(self.token) if self.token else 0,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from events.keys import Keys
-from events.models import Join, WeightsLoaded
+from events.models import Join, StepDone, WeightsLoaded
 from events.streams import Inbox
 
 from ..helpers import wait_until
@@ -159,3 +159,37 @@ def test_interrupted_demo_stops_every_process_and_removes_its_files(tmp_path: Pa
     )
     assert processes_mentioning(str(tmp_path / "tmp")) == []
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_coordinator_metrics_are_scraped_over_http(cluster: Cluster) -> None:
+    import urllib.request
+
+    leader = cluster.coordinator("c1", "--min-workers", "1", "--metrics-port", "0")
+    port = wait_until(
+        lambda: re.search(r"metrics on http://0\.0\.0\.0:(\d+)/", leader.output()),
+        20,
+        message="metrics port logged",
+    ).group(1)
+    inbox = Inbox(cluster.conn, Keys(cluster.job).inbox)
+    inbox.send(Join(at=time.time(), job=cluster.job, worker="a"))
+    inbox.send(WeightsLoaded(at=time.time(), job=cluster.job, worker="a"))
+    inbox.send(
+        StepDone(at=time.time(), job=cluster.job, worker="a", step=0, world=1, step_time=0.3)
+    )
+
+    expected = [
+        'cohort_last_committed_step{coordinator="c1",job="itest"} 0.0',
+        'cohort_leading{coordinator="c1",job="itest"} 1.0',
+        'cohort_world_size{coordinator="c1",job="itest"} 1.0',
+        'cohort_commands_total{coordinator="c1",job="itest"} 3.0',
+        'cohort_step_time_seconds_count{coordinator="c1",job="itest"} 1.0',
+        'cohort_inbox_lag_seconds{coordinator="c1",job="itest"} 0.0',
+        'cohort_dead_letters_total{coordinator="c1",job="itest"} 0.0',
+    ]
+
+    def missing() -> list[str]:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        lines = body.decode().splitlines()
+        return [line for line in expected if line not in lines]
+
+    wait_until(lambda: not missing(), 20, 0.1, message="metrics show the job")

@@ -1,0 +1,66 @@
+"""Prometheus metrics of one coordinator (`cohort coordinator --metrics-port P`).
+
+Gauges describe the job as this coordinator's folded state sees it (followers
+report them too, so a dashboard keeps working across failovers); counters count
+what this process did. Each coordinator has its own registry: nothing global.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from .state import JobState
+
+STEP_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class Metrics:
+    def __init__(self, job: str, coordinator: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"job": job, "coordinator": coordinator}
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, list(labels), registry=r).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, list(labels), registry=r).labels(**labels)
+
+        self.leading = gauge("cohort_leading", "1 if this coordinator holds the lease")
+        self.leader_epoch = gauge("cohort_leader_epoch", "Epoch of the current leader")
+        self.world_size = gauge("cohort_world_size", "Ranks in the current world")
+        self.world_version = gauge("cohort_world_version", "Current world version")
+        self.members = gauge("cohort_members", "Members of the job (any status)")
+        self.paused = gauge("cohort_training_paused", "1 while training is paused")
+        self.last_step = gauge("cohort_last_committed_step", "Last committed step")
+        self.inbox_lag = gauge("cohort_inbox_lag_seconds", "Age of the oldest unread command")
+        self.failed = gauge("cohort_workers_failed", "Workers failed since the job began")
+        self.elections = gauge("cohort_elections", "Leader elections since the job began")
+        self.commands = counter("cohort_commands", "Inbox commands this coordinator decided")
+        self.facts = counter("cohort_facts", "Facts this coordinator appended")
+        self.dead = counter("cohort_dead_letters", "Inbox entries this coordinator rejected")
+        self.failovers = counter("cohort_failovers", "Times this coordinator took over the lead")
+        self.step_time = Histogram(
+            "cohort_step_time_seconds",
+            "Step time reported by workers",
+            list(labels),
+            buckets=STEP_TIME_BUCKETS,
+            registry=r,
+        ).labels(**labels)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Serve /metrics in a daemon thread; returns the port (useful with port 0)."""
+        server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        return int(server.server_port)
+
+    def update(self, state: JobState, leading: bool, lag_seconds: float) -> None:
+        self.leading.set(1 if leading else 0)
+        self.leader_epoch.set(state.leader_epoch)
+        self.world_size.set(len(state.ranks))
+        self.world_version.set(state.world_version)
+        self.members.set(len(state.members))
+        self.paused.set(1 if state.paused else 0)
+        self.last_step.set(state.last_committed)
+        self.inbox_lag.set(lag_seconds)
+        self.failed.set(state.counters.failed)
+        self.elections.set(state.counters.elections)
