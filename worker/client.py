@@ -101,6 +101,7 @@ class Worker:
         self._view = View(worker=self.id)
         self._position = ZERO  # journal ID folded up to
         self._stop = threading.Event()
+        self._wake = threading.Event()  # the heartbeat thread: stop, or the config changed
         self._threads: list[threading.Thread] = []
         self._undecodable: set[str] = set()  # fact types already logged as undecodable
         self._progress: tuple[int, int] | None = None  # (last finished step, its world)
@@ -196,6 +197,7 @@ class Worker:
     def _start(self, deadline: float) -> None:
         """Fold the journal so far, then follow it and start heartbeating."""
         self._stop.clear()
+        self._wake.clear()
         last = with_retry(
             self.journal.last_id, self._stop, self.link, "reading the journal", deadline=deadline
         )
@@ -358,6 +360,7 @@ class Worker:
     def stop(self) -> None:
         """Stop following the journal and heartbeating, without telling anyone."""
         self._stop.set()
+        self._wake.set()
         with self._cond:
             self._cond.notify_all()
         current = threading.current_thread()
@@ -439,6 +442,8 @@ class Worker:
             self._position = rows[-1].id
             if view.world_version > before.world_version:
                 self.world_changed.set()
+            if view.config is not before.config:
+                self._wake.set()
             self._cond.notify_all()
 
     def _undecodable_fact(self, entry: Entry, exc: DecodeError) -> None:
@@ -466,7 +471,16 @@ class Worker:
                 self._stop.wait(1.0)
 
     def _beat(self) -> None:
-        while not self._stop.wait(self._interval()):
+        """Heartbeat every interval; a JobConfigured arriving later re-paces the next beat."""
+        last = time.monotonic()
+        while True:
+            self._wake.wait(max(0.0, last + self._interval() - time.monotonic()))
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            if time.monotonic() < last + self._interval():
+                continue  # woken early by a new config; wait out the (new) interval
+            last = time.monotonic()
             view = self.view
             if not view.member:
                 continue

@@ -1,8 +1,14 @@
 """A simulated training loop for demos and tests: the client API exactly as a real loop uses it.
 
 The "compute" is `stop.wait(step_time)`, so stopping interrupts it promptly.
-The summary records which sample ranges each committed step used, so a test
-can check that every sample of an epoch was trained on exactly once.
+The summary records which sample ranges each committed step used (`ranges`),
+and every step reported done with its world (`reported`): a worker killed
+after StepDone but before it saw the commit has trained on a committed step it
+never saw commit, so exactly-once checks join `reported` with the journal.
+
+Unlike a real loop, finishing a step here does not depend on the peers (there
+is no allreduce), so a step the coordinator commits because "a rank finished
+it" may include the batch of a rank that died before computing it.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import Any
 from events.shards import Range, range_count
 
 from .client import Worker
-from .errors import CommitTimeout, Removed, WaitTimeout, WorldChangedError
+from .errors import CommitTimeout, Removed, Stopped, WaitTimeout, WorldChangedError
 
 POLL = 0.5  # how often a long wait looks at the stop event
 
@@ -29,13 +35,15 @@ def run(
     worker: Worker, steps: int, step_time: float, stop: threading.Event, join_timeout: float = 30.0
 ) -> dict[str, Any]:
     """Train until `steps` steps committed, or until stopped; then leave. Returns a summary."""
-    used: dict[int, tuple[Range, ...]] = {}
+    used: dict[int, tuple[Range, ...]] = {}  # committed step -> its ranges, as this worker saw
+    reported: list[tuple[int, int, tuple[Range, ...]]] = []  # (world, step, ranges) done
     summary: dict[str, Any] = {
         "worker": worker.id,
         "steps_committed": 0,
         "world_changes": 0,
         "samples": 0,
         "ranges": used,
+        "reported": reported,
         "removed": None,
     }
 
@@ -68,6 +76,7 @@ def run(
                 samples=count,
                 digest=digest(step),
             )
+            reported.append((assignment.world_version, step, ranges))
             restart = _commit(worker, step, stop)
             if restart is not None:
                 if stop.is_set():
@@ -82,6 +91,8 @@ def run(
         summary["removed"] = exc.reason
         worker.stop()
         return summary
+    except Stopped:
+        return summary  # stopped from outside (a simulated crash): no Leave
     worker.leave(reason="done" if summary["steps_committed"] >= steps else "stopped")
     return summary
 

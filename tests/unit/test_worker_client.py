@@ -189,6 +189,19 @@ def test_heartbeats_arrive_at_the_configured_interval(leader, make_worker, pool)
     assert stamps[3] - stamps[0] >= 3 * 50 * 0.8  # paced by the interval, not a busy loop
 
 
+def test_heartbeats_follow_a_config_journaled_after_the_join(server, make_worker, pool) -> None:
+    """A worker may start before the coordinator: it must not keep the 1 s default pace."""
+    leader = Leader(server)
+    worker = make_worker()
+    done = pool.submit(worker.join, 5)
+    leader.expect("Join")
+    config = m.JobConfig(heartbeat_interval=0.05, heartbeat_timeout=0.3)
+    leader.say(fact(m.JobConfigured, config=config), fact(m.WorkerJoined, worker=ME))
+    done.result(timeout=5)
+    for _ in range(3):
+        leader.expect("Heartbeat", timeout=0.5)  # well inside the 0.3 s timeout each
+
+
 def test_heartbeat_carries_the_last_finished_step_and_its_world(leader, make_worker, pool) -> None:
     worker = make_worker()
     active(leader, worker, pool)
@@ -454,6 +467,7 @@ def test_simulated_loop_trains_each_committed_batch_once(server, leader, make_wo
     used = [i for ranges in summary["ranges"].values() for a, b in ranges for i in range(a, b)]
     assert sorted(used) == list(range(len(used))) and len(used) == summary["samples"]
     assert leader.commands("Leave")[0].reason == "done"
+    assert [(w, st) for w, st, _ in summary["reported"]][2:4] == [(1, 2), (2, 2)]  # step 2 redone
 
 
 def _auto_leader(leader: Leader, stop: threading.Event) -> None:
