@@ -80,7 +80,21 @@ class EpochDone(Event):
     world: Count
 
 
+class GpuProcess(BaseModel):
+    """A process holding a GPU context; `used_memory` is None where NVML cannot tell (WDDM)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    pid: Annotated[int, Field(ge=0, le=2**32)]
+    used_memory: Count | None = None
+
+
+MAX_GPU_PROCESSES = 32  # per device: keeps a whole reading well under the inbox entry limit
+
+
 class GpuDevice(BaseModel):
+    """One device of a reading. None: NVML does not support that value on this device."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     index: Annotated[int, Field(ge=0, le=1024)]
@@ -91,6 +105,8 @@ class GpuDevice(BaseModel):
     utilization_memory: Annotated[float, Field(ge=0, le=100)] | None = None
     temperature: Annotated[float, Field(ge=-100, le=300)] | None = None
     power_w: Annotated[float, Field(ge=0, le=100_000)] | None = None
+    memory_free: Count | None = None
+    processes: tuple[GpuProcess, ...] = Field(default=(), max_length=MAX_GPU_PROCESSES)
 
 
 class GpuReading(Event):
@@ -297,6 +313,47 @@ class TrainingResumed(Event):
     active: Count
 
 
+GpuMetric = Literal["memory_pct", "temperature", "power_w", "utilization_gpu", "utilization_memory"]
+GpuAction = Literal["reduce_prefetch", "delay_transfers", "prioritise_model_files"]
+RuleName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+DeviceIndex = Annotated[int, Field(ge=0, le=1024)]
+MetricValue = Annotated[float, Field(allow_inf_nan=False, ge=-1e9, le=1e9)]
+
+
+class GpuAdviceIssued(Event):
+    """Rule `rule` fired for `worker`'s `device` (None: a rule over any device of the worker).
+
+    Carries the advice (`action` with its `factor` or `seconds`) and its evidence: the
+    `metric`'s `value` in the reading that crossed `threshold`.
+    """
+
+    type: Literal["GpuAdviceIssued"] = "GpuAdviceIssued"
+    worker: WorkerId
+    device: DeviceIndex | None
+    rule: RuleName
+    action: GpuAction
+    factor: Annotated[float, Field(gt=0, le=1)] | None = None
+    seconds: Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)] | None = None
+    metric: GpuMetric
+    value: MetricValue
+    threshold: MetricValue
+
+
+class GpuAdviceCleared(Event):
+    """Advice of `rule` for `worker`'s `device` ended: `metric` fell to `value`.
+
+    `value` is None when there was nothing to measure: the device (or worker's readings)
+    disappeared, or the rule is no longer configured.
+    """
+
+    type: Literal["GpuAdviceCleared"] = "GpuAdviceCleared"
+    worker: WorkerId
+    device: DeviceIndex | None
+    rule: RuleName
+    metric: GpuMetric | None
+    value: MetricValue | None = None
+
+
 Fact = Annotated[
     JobConfigured
     | LeaderElected
@@ -315,7 +372,9 @@ Fact = Annotated[
     | StragglerDetected
     | StragglerCleared
     | TrainingPaused
-    | TrainingResumed,
+    | TrainingResumed
+    | GpuAdviceIssued
+    | GpuAdviceCleared,
     Field(discriminator="type"),
 ]
 
