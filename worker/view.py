@@ -199,7 +199,9 @@ def apply(view: View, fact: m.Fact) -> View:
             return replace(view, paused=True)
         case m.TrainingResumed():
             return replace(view, paused=False)
-    raise TypeError(f"apply has no branch for {type(fact).__name__}")  # pragma: no cover
+    # A fact this worker has no use for yet (e.g. one a newer coordinator writes): the
+    # view stays as it is, so a worker keeps training through a coordinator upgrade.
+    return view
 
 
 def fold(view: View, facts: Iterable[m.Fact]) -> View:

@@ -222,3 +222,10 @@ def test_every_sample_is_used_exactly_once_across_a_world_change(
             except NotAssigned:
                 continue  # not a rank in the plan of that step
     assert sorted(used) == list(range(size))
+
+
+def test_a_fact_the_worker_has_no_use_for_leaves_the_view_unchanged() -> None:
+    view = configured()
+    newer = m.LeaderElected.model_construct(at=1.0, job=JOB, coordinator="c", epoch=1)
+    assert apply(view, object()) is view  # type: ignore[arg-type]
+    assert apply(view, newer) is view
