@@ -540,6 +540,55 @@ def export_cmd(ctx: click.Context, job: str, output: Path) -> None:
     )
 
 
+# ---------------------------------------------------------------- report
+
+
+@main.command("report")
+@click.option(
+    "--job", "-j", envvar="COHORT_JOB", callback=_job, help="Report on this job, read from Redis."
+)
+@redis_url_option
+@click.option(
+    "--file",
+    "path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Report on an exported file instead (no Redis needed).",
+)
+@click.option(
+    "--output",
+    "-o",
+    required=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="HTML file to write (self-contained: opens offline in any browser).",
+)
+@click.option("--title", metavar="TEXT", help="Page title (default: cohort report: JOB).")
+@click.pass_context
+def report_cmd(
+    ctx: click.Context, job: str | None, path: Path | None, output: Path, title: str | None
+) -> None:
+    """Write one HTML page with plots of a run: membership, step times, loss, GPU memory and
+    temperature, with failures, leader changes and advice marked on a shared time axis."""
+    from coordinator.replay import from_file, from_redis
+    from coordinator.report import render, series
+
+    if (job is None) == (path is None):
+        fail("give exactly one of --job J (from Redis) or --file F (from `cohort export`)")
+    if path is not None:
+        run = _or_fail(lambda: from_file(path))
+    else:
+        assert job is not None
+        run = from_redis(_connect(ctx, "cohort-report"), job)
+    page = render(_or_fail(lambda: series(run)), title or f"cohort report: {run.job}")
+    tmp = output.with_name(output.name + ".part")
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        tmp.replace(output)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        fail(f"cannot write {str(output)!r}: {exc.strerror}")
+    click.echo(str(output))
+
+
 # ---------------------------------------------------------------- demo
 
 

@@ -1,0 +1,657 @@
+"""A run as one self-contained HTML page: time series and markers on a shared time axis.
+
+`series(run)` extracts what happened and when (pure, from the journal's facts and the
+retained inbox's commands); `render(data, title)` draws it as inline SVG, with no network
+access at view time (no scripts, styles or fonts from elsewhere). Every text that reaches
+the page is escaped: worker names, reasons and device names come from untrusted input.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import events.models
+from events.codec import decode_command
+from events.errors import DecodeError
+from events.models import (
+    Fact,
+    GpuReading,
+    LeaderElected,
+    StepDone,
+    StragglerDetected,
+    TrainingPaused,
+    TrainingResumed,
+    WeightsDiverged,
+    WorkerFailed,
+    WorkerJoined,
+    WorkerLeft,
+    WorldChanged,
+)
+
+from .replay import Run, describe, rebuild
+
+# Being added to events.models concurrently; the report works with or without them.
+_ADVICE_ISSUED: type | None = getattr(events.models, "GpuAdviceIssued", None)
+_ADVICE_CLEARED: type | None = getattr(events.models, "GpuAdviceCleared", None)
+
+TIMELINE_ROWS = 500
+MAX_POINTS = 2000  # per series; more only makes the page heavier, not the plot clearer
+
+Point = tuple[float, float]
+
+
+@dataclass(frozen=True)
+class Series:
+    """One line: `worker` picks its colour ("" for job-wide lines), `label` names it."""
+
+    label: str
+    worker: str
+    points: tuple[Point, ...]
+    dashed: bool = False
+    tooltip: str = ""
+
+
+@dataclass(frozen=True)
+class Marker:
+    """Something that happened at one instant, drawn as a vertical line on every plot."""
+
+    at: float
+    kind: str  # failure, leader, world, pause, resume, straggler, diverged, advice, advice-cleared
+    label: str
+    entry_id: str
+
+
+@dataclass(frozen=True)
+class TimelineRow:
+    entry_id: str
+    at: float
+    type: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Summary:
+    facts: int = 0
+    steps_committed: int = 0
+    epochs_finished: int = 0
+    joined: int = 0
+    failed: int = 0
+    left: int = 0
+    refused: int = 0
+    elections: int = 0
+    world_changes: int = 0
+    divergences: int = 0
+    dead_letters: int = 0
+    inbox_entries: int = 0
+    inbox_skipped: int = 0
+    final_world_size: int = 0
+
+
+@dataclass(frozen=True)
+class ReportData:
+    job: str
+    start: float
+    end: float
+    membership: tuple[Series, ...] = ()
+    step_time: tuple[Series, ...] = ()
+    loss: tuple[Series, ...] = ()
+    gpu_memory: tuple[Series, ...] = ()
+    gpu_temperature: tuple[Series, ...] = ()
+    markers: tuple[Marker, ...] = ()
+    summary: Summary = field(default_factory=Summary)
+    timeline: tuple[TimelineRow, ...] = ()
+    timeline_total: int = 0
+
+
+# ---------------------------------------------------------------- extraction
+
+
+def series(run: Run) -> ReportData:
+    """Everything the page plots, from `run`'s facts and its retained inbox commands.
+
+    Facts are placed at their `at` (the leader's decision time, on the Redis server clock);
+    commands at their inbox entry ID's milliseconds (the same server clock, unlike the
+    producer's own `at`, which a skewed worker clock would shift). Undecodable inbox
+    entries are skipped and counted; an unreadable journal entry raises ReplayError.
+    """
+    state, timeline = rebuild(run)
+    markers: list[Marker] = []
+    rows: list[TimelineRow] = []
+    active: list[Point] = []
+    members: list[Point] = []
+    present: set[str] = set()
+    times: list[float] = []
+    for entry_id, fact in timeline:
+        at = fact.at
+        times.append(at)
+        rows.append(TimelineRow(entry_id, at, type(fact).__name__, describe(fact)))
+        if isinstance(fact, WorkerJoined | WorkerLeft | WorkerFailed):
+            before = len(present)
+            if isinstance(fact, WorkerJoined):
+                present.add(fact.worker)
+            else:
+                present.discard(fact.worker)
+            if len(present) != before or not members:
+                members.append((at, float(len(present))))
+        if isinstance(fact, WorldChanged):
+            active.append((at, float(len(fact.ranks))))
+        marker = _marker(entry_id, fact)
+        if marker is not None:
+            markers.append(marker)
+
+    step_time: dict[str, list[Point]] = defaultdict(list)
+    loss: dict[str, list[Point]] = defaultdict(list)
+    memory: dict[tuple[str, int], list[Point]] = defaultdict(list)
+    temperature: dict[tuple[str, int], list[Point]] = defaultdict(list)
+    device_names: dict[tuple[str, int], str] = {}
+    skipped = 0
+    for entry in run.inbox:
+        try:
+            command = decode_command(entry.raw or b"")
+        except DecodeError:
+            skipped += 1
+            continue
+        at = entry.ms / 1000.0
+        if isinstance(command, StepDone):
+            times.append(at)
+            step_time[command.worker].append((at, command.step_time))
+            if command.loss is not None and math.isfinite(command.loss):
+                loss[command.worker].append((at, command.loss))
+        elif isinstance(command, GpuReading):
+            times.append(at)
+            for device in command.devices:
+                key = (command.worker, device.index)
+                device_names[key] = device.name
+                if device.memory_total > 0:
+                    memory[key].append((at, 100.0 * device.memory_used / device.memory_total))
+                if device.temperature is not None:
+                    temperature[key].append((at, device.temperature))
+
+    start = min(times, default=0.0)
+    end = max(times, default=0.0)
+    counters = state.counters
+    summary = Summary(
+        facts=state.facts,
+        steps_committed=counters.steps_committed,
+        epochs_finished=counters.epochs_finished,
+        joined=counters.joined,
+        failed=counters.failed,
+        left=counters.left,
+        refused=counters.refused,
+        elections=counters.elections,
+        world_changes=counters.world_changes,
+        divergences=counters.divergences,
+        dead_letters=len(run.dead),
+        inbox_entries=len(run.inbox),
+        inbox_skipped=skipped,
+        final_world_size=len(state.ranks),
+    )
+    membership = tuple(
+        Series(label, "", _stairs(points, end), dashed=dashed)
+        for label, points, dashed in (
+            ("active ranks", active, False),
+            ("members", members, True),
+        )
+        if points
+    )
+    return ReportData(
+        job=run.job or state.job,
+        start=start,
+        end=end,
+        membership=membership,
+        step_time=_per_worker(step_time),
+        loss=_per_worker(loss),
+        gpu_memory=_per_device(memory, device_names),
+        gpu_temperature=_per_device(temperature, device_names),
+        markers=tuple(markers),
+        summary=summary,
+        timeline=tuple(rows[-TIMELINE_ROWS:]),
+        timeline_total=len(rows),
+    )
+
+
+def _marker(entry_id: str, fact: Fact) -> Marker | None:
+    kind: str | None = None
+    label = ""
+    if isinstance(fact, WorkerFailed):
+        kind, label = "failure", f"{fact.worker} failed (silent {fact.timeout:g}s)"
+    elif isinstance(fact, LeaderElected):
+        kind, label = "leader", f"leader {fact.coordinator} (epoch {fact.epoch})"
+    elif isinstance(fact, WorldChanged):
+        kind, label = "world", f"world {fact.version}: {len(fact.ranks)} ranks - {fact.reason}"
+    elif isinstance(fact, TrainingPaused):
+        kind, label = "pause", f"paused: {fact.reason}"
+    elif isinstance(fact, TrainingResumed):
+        kind, label = "resume", f"resumed with {fact.active} active"
+    elif isinstance(fact, StragglerDetected):
+        kind = "straggler"
+        label = f"{fact.worker} straggles ({fact.step_time:.3g}s vs median {fact.median:.3g}s)"
+    elif isinstance(fact, WeightsDiverged):
+        kind, label = "diverged", f"weights diverged at step {fact.step}"
+    elif _ADVICE_ISSUED is not None and isinstance(fact, _ADVICE_ISSUED):
+        kind, label = "advice", f"advice: {describe(fact)}"
+    elif _ADVICE_CLEARED is not None and isinstance(fact, _ADVICE_CLEARED):
+        kind, label = "advice-cleared", f"advice cleared: {describe(fact)}"
+    if kind is None:
+        return None
+    return Marker(fact.at, kind, label, entry_id)
+
+
+def _stairs(points: Sequence[Point], end: float) -> tuple[Point, ...]:
+    """A count that holds its value until the next change: a step line up to `end`."""
+    out: list[Point] = []
+    for at, value in points:
+        if out:
+            out.append((at, out[-1][1]))
+        out.append((at, value))
+    if out and end > out[-1][0]:
+        out.append((end, out[-1][1]))
+    return tuple(out)
+
+
+def _thin(points: Sequence[Point]) -> tuple[Point, ...]:
+    """At most MAX_POINTS points, evenly strided, keeping the last."""
+    if len(points) <= MAX_POINTS:
+        return tuple(points)
+    stride = math.ceil(len(points) / MAX_POINTS)
+    kept = list(points[::stride])
+    if kept[-1] != points[-1]:
+        kept.append(points[-1])
+    return tuple(kept)
+
+
+def _per_worker(by_worker: dict[str, list[Point]]) -> tuple[Series, ...]:
+    return tuple(Series(w, w, _thin(sorted(p))) for w, p in sorted(by_worker.items()))
+
+
+def _per_device(
+    by_device: dict[tuple[str, int], list[Point]], names: dict[tuple[str, int], str]
+) -> tuple[Series, ...]:
+    return tuple(
+        Series(
+            f"{worker} gpu{index}",
+            worker,
+            _thin(sorted(points)),
+            dashed=index % 2 == 1,
+            tooltip=f"{worker} gpu{index} {names.get((worker, index), '')}".strip(),
+        )
+        for (worker, index), points in sorted(by_device.items())
+    )
+
+
+# ---------------------------------------------------------------- drawing
+
+WIDTH = 960
+HEIGHT = 240
+LEFT = 64
+RIGHT = 16
+TOP = 28
+BOTTOM = 36
+PALETTE = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
+JOB_COLORS = {"active ranks": "#1f77b4", "members": "#555555"}
+MARKER_COLORS = {
+    "failure": "#d62728",
+    "leader": "#9467bd",
+    "world": "#999999",
+    "pause": "#ff7f0e",
+    "resume": "#2ca02c",
+    "straggler": "#bcbd22",
+    "diverged": "#e377c2",
+    "advice": "#ff7f0e",
+    "advice-cleared": "#17becf",
+}
+LANES = (
+    ("failure", ("failure",)),
+    ("leader", ("leader",)),
+    ("world", ("world",)),
+    ("paused / resumed", ("pause", "resume")),
+    ("straggler", ("straggler",)),
+    ("diverged", ("diverged",)),
+    ("GPU advice", ("advice", "advice-cleared")),
+)
+LEGEND_MAX = 24
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _color(worker: str, order: dict[str, int]) -> str:
+    index = order.get(worker, 0)
+    if index < len(PALETTE):
+        return PALETTE[index]
+    return f"hsl({(index * 137.508) % 360:.1f},65%,45%)"  # golden angle: neighbours differ
+
+
+@dataclass(frozen=True)
+class _Axis:
+    """The shared time axis: every plot maps time to x the same way."""
+
+    t0: float
+    t1: float
+
+    def x(self, at: float) -> float:
+        return LEFT + (at - self.t0) / (self.t1 - self.t0) * (WIDTH - LEFT - RIGHT)
+
+
+def _nice_step(span: float, target: int = 5) -> float:
+    if span <= 0 or not math.isfinite(span):
+        return 1.0
+    raw = span / target
+    power = 10 ** math.floor(math.log10(raw))
+    for factor in (1, 2, 5, 10):
+        if raw <= factor * power:
+            return factor * power
+    return 10 * power
+
+
+def _time_step(span: float) -> float:
+    for step in (0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600):
+        if span / step <= 8:
+            return step
+    return 3600 * _nice_step(span / 3600, 8)
+
+
+def _fmt_rel(seconds: float) -> str:
+    if seconds < 60:
+        return f"{round(seconds, 3):g}s"
+    whole = int(round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def _fmt_abs(at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at)) + f".{int(at * 1000) % 1000:03d}Z"
+
+
+def _frame(plot_id: str, title: str, unit: str, axis: _Axis, height: int = HEIGHT) -> list[str]:
+    bottom = height - BOTTOM
+    out = [
+        f'<svg id="{_e(plot_id)}" class="plot" role="img" width="{WIDTH}" height="{height}" '
+        f'viewBox="0 0 {WIDTH} {height}" data-t0="{axis.t0!r}" data-t1="{axis.t1!r}">',
+        f"<title>{_e(title)}</title>",
+        f'<text class="plot-title" x="{LEFT}" y="16">{_e(title)}</text>',
+        f'<text class="unit" x="12" y="{TOP + 4}">{_e(unit)}</text>',
+        f'<rect class="area" x="{LEFT}" y="{TOP}" width="{WIDTH - LEFT - RIGHT}" '
+        f'height="{bottom - TOP}"/>',
+    ]
+    step = _time_step(axis.t1 - axis.t0)
+    tick = 0.0
+    while axis.t0 + tick <= axis.t1 + 1e-9:
+        x = axis.x(axis.t0 + tick)
+        out.append(
+            f'<line class="grid" x1="{x:.1f}" y1="{TOP}" x2="{x:.1f}" y2="{bottom}"/>'
+            f'<text class="tick" x="{x:.1f}" y="{bottom + 14}" text-anchor="middle">'
+            f"{_e(_fmt_rel(tick))}</text>"
+        )
+        tick += step
+    return out
+
+
+def _markers(axis: _Axis, markers: Iterable[Marker], y0: float, y1: float) -> list[str]:
+    out = []
+    for m in markers:
+        x = axis.x(m.at)
+        out.append(
+            f'<line class="marker marker-{_e(m.kind)}" data-kind="{_e(m.kind)}" '
+            f'x1="{x:.1f}" y1="{y0:.1f}" x2="{x:.1f}" y2="{y1:.1f}" '
+            f'stroke="{MARKER_COLORS.get(m.kind, "#999")}">'
+            f"<title>{_e(_fmt_rel(m.at - axis.t0))} {_e(m.label)} [{_e(m.entry_id)}]</title>"
+            "</line>"
+        )
+    return out
+
+
+def _line_plot(
+    plot_id: str,
+    title: str,
+    unit: str,
+    lines: Sequence[Series],
+    axis: _Axis,
+    markers: Sequence[Marker],
+    order: dict[str, int],
+    zero_based: bool = True,
+) -> str:
+    out = _frame(plot_id, title, unit, axis)
+    bottom = HEIGHT - BOTTOM
+    values = [v for s in lines for _, v in s.points]
+    out.extend(_markers(axis, markers, TOP, bottom))
+    if not values:
+        out.append(
+            f'<text class="no-data" x="{WIDTH / 2:.0f}" y="{(TOP + bottom) / 2:.0f}" '
+            'text-anchor="middle">no data</text></svg>'
+        )
+        return "\n".join(out)
+    lo, hi = min(values), max(values)
+    if zero_based:
+        lo = min(lo, 0.0)
+    step = _nice_step(hi - lo if hi > lo else abs(hi) or 1.0)
+    lo = math.floor(lo / step) * step
+    hi = math.ceil(hi / step) * step
+    if hi <= lo:
+        hi = lo + step
+
+    def y(value: float) -> float:
+        return bottom - (value - lo) / (hi - lo) * (bottom - TOP)
+
+    tick = lo
+    while tick <= hi + step / 1e6:
+        out.append(
+            f'<line class="grid" x1="{LEFT}" y1="{y(tick):.1f}" x2="{WIDTH - RIGHT}" '
+            f'y2="{y(tick):.1f}"/><text class="tick" x="{LEFT - 6}" y="{y(tick) + 4:.1f}" '
+            f'text-anchor="end">{_e(f"{round(tick, 10):g}")}</text>'
+        )
+        tick += step
+    for s in lines:
+        color = JOB_COLORS.get(s.label, "#333") if not s.worker else _color(s.worker, order)
+        dash = ' stroke-dasharray="6 3"' if s.dashed else ""
+        points = " ".join(f"{axis.x(t):.1f},{y(v):.1f}" for t, v in s.points)
+        tip = _e(s.tooltip or s.label)
+        out.append(
+            f'<polyline class="series" data-worker="{_e(s.worker or s.label)}" '
+            f'points="{points}" stroke="{color}"{dash}><title>{tip}</title></polyline>'
+        )
+        if len(s.points) == 1:
+            t, v = s.points[0]
+            out.append(
+                f'<circle class="dot" cx="{axis.x(t):.1f}" cy="{y(v):.1f}" r="3" '
+                f'fill="{color}"><title>{tip}</title></circle>'
+            )
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _events_plot(axis: _Axis, markers: Sequence[Marker]) -> str:
+    lane_height = 22
+    height = TOP + lane_height * len(LANES) + BOTTOM
+    out = _frame("plot-events", "Events", "", axis, height)
+    for lane, (name, kinds) in enumerate(LANES):
+        y0 = TOP + lane * lane_height
+        out.append(
+            f'<text class="lane" x="{LEFT - 6}" y="{y0 + 15}" text-anchor="end">{_e(name)}</text>'
+        )
+        mine = [m for m in markers if m.kind in kinds]
+        out.extend(_markers(axis, mine, y0 + 3, y0 + lane_height - 3))
+    if not markers:
+        out.append(
+            f'<text class="no-data" x="{WIDTH / 2:.0f}" y="{height / 2:.0f}" '
+            'text-anchor="middle">no events</text>'
+        )
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _legend(lines: Sequence[Series], order: dict[str, int]) -> str:
+    if not lines:
+        return ""
+    items = []
+    for s in lines[:LEGEND_MAX]:
+        color = JOB_COLORS.get(s.label, "#333") if not s.worker else _color(s.worker, order)
+        style = "dashed" if s.dashed else "solid"
+        items.append(
+            f'<li class="legend-item" data-worker="{_e(s.worker or s.label)}">'
+            f'<span class="swatch {style}" style="border-color:{color}"></span>{_e(s.label)}</li>'
+        )
+    if len(lines) > LEGEND_MAX:
+        items.append(f"<li>and {len(lines) - LEGEND_MAX} more</li>")
+    return '<ul class="legend">' + "".join(items) + "</ul>"
+
+
+STYLE = """
+body{font:14px system-ui,sans-serif;margin:24px;color:#222;background:#fff}
+h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:24px 0 8px}
+.meta,.note{color:#666}
+figure{margin:0 0 12px}
+svg.plot{display:block;background:#fff}
+svg .area{fill:#fafafa;stroke:#ccc}
+svg .grid{stroke:#e4e4e4}
+svg .tick,svg .unit,svg .lane{font-size:11px;fill:#666}
+svg .plot-title{font-size:13px;font-weight:600;fill:#222}
+svg .no-data{font-size:14px;fill:#999}
+svg .series{fill:none;stroke-width:1.6}
+svg .marker{stroke-width:1.5;opacity:.55}
+svg .marker-world{stroke-width:1;opacity:.35}
+body.highlighting svg .series:not(.hl){opacity:.12}
+.legend{list-style:none;padding:0;margin:4px 0 0 64px;display:flex;flex-wrap:wrap;gap:4px 14px}
+.legend-item{cursor:default}
+.swatch{display:inline-block;width:18px;margin-right:5px;vertical-align:middle;
+border-top:3px solid}
+.swatch.dashed{border-top-style:dashed}
+table{border-collapse:collapse;font-size:13px}
+td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
+td.num{text-align:right}
+code{font-size:12px}
+"""
+
+# Not required: the page reads the same without it. It highlights a worker's lines when
+# its legend entry is hovered, and marks the page as scripted-ok for the browser test.
+SCRIPT = """
+(function () {
+  var lines = document.querySelectorAll("svg .series");
+  function highlight(worker) {
+    for (var i = 0; i < lines.length; i++) {
+      lines[i].classList.toggle("hl", lines[i].getAttribute("data-worker") === worker);
+    }
+    document.body.classList.toggle("highlighting", worker !== null);
+  }
+  var items = document.querySelectorAll(".legend-item");
+  for (var i = 0; i < items.length; i++) {
+    items[i].addEventListener("mouseenter", function (e) {
+      highlight(e.currentTarget.getAttribute("data-worker"));
+    });
+    items[i].addEventListener("mouseleave", function () { highlight(null); });
+  }
+  document.body.dataset.ok = "1";
+})();
+"""
+
+
+def _summary_table(data: ReportData) -> str:
+    s = data.summary
+    rows = (
+        ("facts", s.facts),
+        ("steps committed", s.steps_committed),
+        ("epochs finished", s.epochs_finished),
+        ("workers joined", s.joined),
+        ("workers failed", s.failed),
+        ("workers left", s.left),
+        ("joins refused", s.refused),
+        ("leader elections", s.elections),
+        ("world changes", s.world_changes),
+        ("final world size", s.final_world_size),
+        ("weight divergences", s.divergences),
+        ("dead letters", s.dead_letters),
+        ("inbox entries retained", s.inbox_entries),
+        ("inbox entries not decodable (skipped)", s.inbox_skipped),
+    )
+    body = "".join(f'<tr><th>{_e(k)}</th><td class="num">{v}</td></tr>' for k, v in rows)
+    return f'<table id="summary">{body}</table>'
+
+
+def _timeline_table(data: ReportData) -> str:
+    note = ""
+    if data.timeline_total > len(data.timeline):
+        note = (
+            f'<p class="note">Showing the last {len(data.timeline)} of '
+            f"{data.timeline_total} facts; <code>cohort replay</code> prints them all.</p>"
+        )
+    rows = "".join(
+        f"<tr><td><code>{_e(r.entry_id)}</code></td><td>{_e(_fmt_rel(r.at - data.start))}</td>"
+        f"<td>{_e(r.type)}</td><td>{_e(r.text)}</td></tr>"
+        for r in data.timeline
+    )
+    return (
+        note + '<table id="timeline"><thead><tr><th>entry</th><th>time</th><th>fact</th>'
+        f"<th>what</th></tr></thead><tbody>{rows}</tbody></table>"
+    )
+
+
+def render(data: ReportData, title: str) -> str:
+    """One self-contained HTML document: plots on one time axis, a summary, the timeline."""
+    span = data.end - data.start
+    axis = _Axis(data.start, data.end if span > 0 else data.start + 1.0)
+    workers = sorted(
+        {
+            s.worker
+            for group in (data.step_time, data.loss, data.gpu_memory, data.gpu_temperature)
+            for s in group
+        }
+    )
+    order = {w: i for i, w in enumerate(workers)}
+    plots = (
+        ("plot-membership", "Membership", "workers", data.membership, True),
+        ("plot-step-time", "Step time per worker", "seconds", data.step_time, True),
+        ("plot-loss", "Loss per worker", "loss", data.loss, False),
+        ("plot-gpu-memory", "GPU memory used", "%", data.gpu_memory, True),
+        ("plot-gpu-temperature", "GPU temperature", "°C", data.gpu_temperature, False),
+    )
+    figures = [
+        "<figure>"
+        + _line_plot(pid, name, unit, lines, axis, data.markers, order, zero_based)
+        + _legend(lines, order)
+        + "</figure>"
+        for pid, name, unit, lines, zero_based in plots
+    ]
+    figures.append("<figure>" + _events_plot(axis, data.markers) + "</figure>")
+    started = _fmt_abs(data.start) if data.timeline_total or data.end else "-"
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{_e(title)}</title>
+<style>{STYLE}</style>
+</head>
+<body>
+<h1>{_e(title)}</h1>
+<p class="meta">job <b>{_e(data.job or "?")}</b> &middot; first event {_e(started)} (UTC)
+&middot; span {_e(_fmt_rel(max(span, 0.0)))} &middot; time axis: since the first event</p>
+<p class="note">Step times, losses and GPU readings come from the retained inbox, which is
+trimmed to its retention window: older samples may be missing. Vertical lines mark events;
+hover one for what happened.</p>
+{"".join(figures)}
+<h2>Summary</h2>
+{_summary_table(data)}
+<h2>Timeline</h2>
+{_timeline_table(data)}
+<script>{SCRIPT}</script>
+</body>
+</html>
+"""
