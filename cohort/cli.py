@@ -264,8 +264,10 @@ def coordinator(
         try:
             port = metrics.serve(metrics_port)
         except OSError as exc:
-            fail(f"--metrics-port {metrics_port}: cannot listen ({exc.strerror}); pick a free "
-                 "port or 0 for any")
+            fail(
+                f"--metrics-port {metrics_port}: cannot listen ({exc.strerror}); pick a free "
+                "port or 0 for any"
+            )
         log.info("metrics on http://0.0.0.0:%d/metrics", port)
     try:
         Coordinator(conn, settings, metrics=metrics).run(stop)
@@ -390,14 +392,27 @@ def example_worker(
 @job_option
 @redis_url_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, for scripts.")
+@click.option("--watch", "-w", is_flag=True, help="Keep the view live until Ctrl-C.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(0.1, 60),
+    default=1.0,
+    show_default=True,
+    help="Seconds between refreshes with --watch.",
+)
 @click.pass_context
-def status(ctx: click.Context, job: str, as_json: bool) -> None:
+def status(ctx: click.Context, job: str, as_json: bool, watch: bool, interval: float) -> None:
     """Leader, epoch, world and every worker of JOB, from the journal and the leader's view."""
     from coordinator.replay import from_redis, rebuild, view
 
     from .render import status_table
 
+    if watch and as_json:
+        fail("--watch and --json do not go together; use --json in a loop for scripts")
     conn = _connect(ctx, "cohort-status")
+    if watch:
+        _watch(conn, job, interval)
+        return
     state, _ = _or_fail(lambda: rebuild(from_redis(conn, job, with_inbox=False)))
     live = _leader_view(conn, job)
     body = view(state)
@@ -411,6 +426,34 @@ def status(ctx: click.Context, job: str, as_json: bool) -> None:
         click.echo(f"job {job!r} has no journal yet: start `cohort coordinator --job {job}`")
         return
     status_table(body)
+
+
+def _watch(conn: redis.Redis, job: str, interval: float) -> None:
+    from rich.live import Live
+
+    from coordinator.replay import JournalWatch, describe, view
+    from events.streams import Journal
+
+    from .render import console, status_view
+
+    watch = JournalWatch(Journal(conn, Keys(job).journal))
+    stop = threading.Event()
+    _signals(stop, "status --watch")
+
+    def frame() -> Any:
+        body = view(watch.state)
+        body["leader_view"] = _leader_view(conn, job)
+        recent = [(i, f"{type(f).__name__} {describe(f)}") for i, f in watch.facts[-10:]]
+        return status_view(body, recent)
+
+    with Live(frame(), console=console, refresh_per_second=4, screen=False) as live:
+        while not stop.is_set():
+            try:
+                watch.pull(block_ms=int(interval * 1000))
+                live.update(frame())
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                live.update(f"[red]Redis unreachable ({exc}); retrying[/]")
+                stop.wait(interval)
 
 
 def _leader_view(conn: redis.Redis, job: str) -> dict[str, Any] | None:

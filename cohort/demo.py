@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -24,13 +24,11 @@ from rich.live import Live
 from rich.table import Table
 
 from coordinator.audit import audit
-from coordinator.fold import evolve
-from coordinator.replay import export, from_redis
-from coordinator.state import JobState
+from coordinator.replay import JournalWatch, export, from_redis
 from events.connection import RedisSettings, connect
 from events.keys import Keys
-from events.models import Fact, LeaderElected, WorkerFailed
-from events.streams import ZERO, Journal
+from events.models import LeaderElected, WorkerFailed
+from events.streams import Journal
 
 from .localredis import LocalRedis
 
@@ -81,24 +79,7 @@ class Proc:
             return ""
 
 
-@dataclass
-class Watch:
-    state: JobState = field(default_factory=JobState)
-    journal_id: str = ZERO
-    facts: list[tuple[str, Fact]] = field(default_factory=list)
-
-    def pull(self, journal: Journal, block_ms: int = 200) -> list[Fact]:
-        new = []
-        for entry in journal.tail(self.journal_id, block_ms):
-            fact = journal.decode(entry)
-            self.state = evolve(self.state, fact)
-            self.journal_id = entry.id
-            self.facts.append((entry.id, fact))
-            new.append(fact)
-        return new
-
-
-def _table(watch: Watch, events: list[str], steps: int) -> Table:
+def _table(watch: JournalWatch, events: list[str], steps: int) -> Table:
     state = watch.state
     table = Table(
         title=f"job {state.job or '?'}: step {state.last_committed + 1} "
@@ -196,7 +177,7 @@ def run_demo(redis_url: str | None, job: str, workers: int, steps: int, keep: bo
                 ],
             )
         journal = Journal(conn, keys.journal)
-        watch = Watch()
+        watch = JournalWatch(journal)
         events: list[str] = []
         started = time.monotonic()
         killed_worker = killed_leader = added = False
@@ -207,7 +188,7 @@ def run_demo(redis_url: str | None, job: str, workers: int, steps: int, keep: bo
         try:
             with Live(_table(watch, events, steps), console=console, refresh_per_second=8) as live:
                 while True:
-                    for fact in watch.pull(journal):
+                    for fact in watch.pull():
                         if isinstance(fact, LeaderElected) and leader_killed_at is not None:
                             failover = failover or time.monotonic() - leader_killed_at
                         events.append(f"{type(fact).__name__}")

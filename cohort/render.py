@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
-console = Console()
+# Piped output is read by people later and by scripts: do not cut words to 80 columns.
+console = Console() if sys.stdout.isatty() else Console(width=160)
 
 
 def _shard(ranges: list[list[int]]) -> str:
@@ -19,54 +22,99 @@ def _shard(ranges: list[list[int]]) -> str:
     return f"{size} samples {first}{more}"
 
 
-def state_summary(body: dict[str, Any]) -> None:
+def _summary_lines(body: dict[str, Any]) -> list[str]:
     counters = body["counters"]
-    console.print(
+    return [
         f"[bold]job[/] {body['job'] or '?'}  [bold]leader[/] {body['leader'] or '-'} "
         f"(epoch {body['leader_epoch']})  [bold]world[/] v{body['world_version']} "
         f"size {body['world_size']}  [bold]data epoch[/] {body['epoch']}  "
         f"[bold]next step[/] {body['next_step']}  "
-        f"{'[yellow]paused[/]' if body['paused'] else '[green]running[/]'}"
-    )
-    console.print(
+        f"{'[yellow]paused[/]' if body['paused'] else '[green]running[/]'}",
         f"joined {counters['joined']}  left {counters['left']}  failed {counters['failed']}  "
         f"refused {counters['refused']}  steps {counters['steps_committed']}  "
         f"epochs {counters['epochs_finished']}  elections {counters['elections']}  "
-        f"facts {body['facts']}  state hash {body['state_hash']}"
-    )
+        f"facts {body['facts']}  state hash {body['state_hash']}",
+    ]
 
 
-def status_table(body: dict[str, Any]) -> None:
-    state_summary(body)
+def state_summary(body: dict[str, Any]) -> None:
+    for line in _summary_lines(body):
+        console.print(line)
+
+
+def _gpu(devices: list[dict[str, Any]]) -> str:
+    parts = []
+    for d in devices:
+        mem = f"{d['memory_pct']:.0f}%" if d.get("memory_pct") is not None else "?"
+        temp = f"{d['temperature']:.0f}C" if d.get("temperature") is not None else "?"
+        parts.append(f"{d['index']}:{mem} {temp}")
+    return " ".join(parts) or "-"
+
+
+def status_view(body: dict[str, Any], recent: list[tuple[str, str]] | None = None) -> Group:
+    """Leader, world, one row per worker and (with --watch) the latest facts."""
+    rows: list[Any] = [Text.from_markup(line) for line in _summary_lines(body)]
     live = body.get("leader_view") or {}
     workers_live = live.get("workers", {})
     if live:
-        console.print(
-            f"leader view: {live.get('coordinator')} at journal {live.get('journal_id')}, "
-            f"inbox lag {live.get('inbox_lag_ms', 0)} ms"
+        rows.append(
+            Text(
+                f"leader view: {live.get('coordinator')} at journal {live.get('journal_id')}, "
+                f"inbox lag {live.get('inbox_lag_ms', 0)} ms"
+            )
         )
     else:
-        console.print("[yellow]no live leader view (no coordinator leads right now?)[/]")
-    table = Table("worker", "state", "rank", "shard", "last heartbeat", "step", "flags")
+        rows.append(
+            Text.from_markup("[yellow]no live leader view (no coordinator leads right now?)[/]")
+        )
+    table = Table(
+        "worker",
+        "state",
+        "rank",
+        "shard",
+        "used",
+        "last heartbeat",
+        "step",
+        "step time",
+        "GPU mem/temp",
+        "flags",
+    )
     at = live.get("at")
     shards = body.get("shards", [])
+    config = body.get("config") or {}
+    used = max(0, body["next_step"] - body.get("base_step", 0)) * config.get("batch_size", 0)
     for worker, member in body["members"].items():
         seen = workers_live.get(worker, {})
         last = seen.get("last_seen")
         ago = f"{at - last:.1f}s ago" if last and at else "-"
         rank = member.get("rank")
-        shard = _shard(shards[rank]) if rank is not None and rank < len(shards) else "-"
+        shard = shards[rank] if rank is not None and rank < len(shards) else []
+        size = sum(b - a for a, b in shard)
         progress = seen.get("progress") or [-1, -1]
+        step_time = seen.get("step_time")
         table.add_row(
             worker,
             member["status"],
             "-" if rank is None else str(rank),
-            shard,
+            _shard(shard),
+            f"{min(used, size)}/{size}" if shard else "-",
             ago,
             str(progress[1]) if progress[1] >= 0 else "-",
-            "straggler" if member.get("straggler") else "",
+            f"{step_time:.3f}s" if step_time is not None else "-",
+            _gpu(seen.get("gpu") or []),
+            "[red]straggler[/]" if member.get("straggler") else "",
         )
-    console.print(table)
+    rows.append(table)
+    if recent:
+        facts = Table("journal id", "fact", title="recent facts", title_justify="left")
+        for entry_id, text in recent[-10:]:
+            facts.add_row(entry_id, text)
+        rows.append(facts)
+    return Group(*rows)
+
+
+def status_table(body: dict[str, Any]) -> None:
+    console.print(status_view(body))
 
 
 def audit_table(report: Any) -> None:

@@ -19,7 +19,7 @@ from events.codec import decode_fact
 from events.errors import DecodeError
 from events.keys import Keys
 from events.models import Fact, WorldChanged
-from events.streams import ZERO, Entry, Stream, id_after
+from events.streams import ZERO, Entry, Journal, Stream, id_after
 
 from .errors import CoordinatorError
 from .fold import evolve
@@ -125,6 +125,34 @@ def from_file(path: Path) -> Run:
 
 def _b(value: Any) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode()
+
+
+@dataclass
+class JournalWatch:
+    """A live fold of a job's journal for viewers (status --watch, the demo)."""
+
+    journal: Journal
+    state: JobState = field(default_factory=JobState)
+    journal_id: str = ZERO
+    facts: list[tuple[str, Fact]] = field(default_factory=list)
+
+    def pull(self, block_ms: int = 200) -> list[Fact]:
+        """Fold what the journal gained; waits up to `block_ms` for the first new fact."""
+        new = []
+        entries = (
+            self.journal.tail(self.journal_id, block_ms)
+            if block_ms
+            else self.journal.range(self.journal_id)
+        )
+        while entries:
+            for entry in entries:
+                fact = self.journal.decode(entry)
+                self.state = evolve(self.state, fact)
+                self.journal_id = entry.id
+                self.facts.append((entry.id, fact))
+                new.append(fact)
+            entries = self.journal.range(self.journal_id, count=4096)
+        return new
 
 
 def rebuild(run: Run, until: str | None = None) -> tuple[JobState, list[tuple[str, Fact]]]:

@@ -377,6 +377,17 @@ class Coordinator:
                     "last_seen": seen.last_seen.get(w),
                     "progress": list(seen.progress.get(w, (-1, -1))),
                     "loss": seen.losses.get(w),
+                    "step_time": seen.step_times.get(seen.progress.get(w, (-1, -1))[1], {}).get(w),
+                    "gpu": [
+                        {
+                            "index": d.index,
+                            "memory_pct": round(100 * d.memory_used / d.memory_total, 1)
+                            if d.memory_total
+                            else None,
+                            "temperature": d.temperature,
+                        }
+                        for d in (seen.gpus[w].devices if w in seen.gpus else ())
+                    ],
                 }
                 for w in self.state.members
             },
