@@ -328,7 +328,7 @@ def worker(
     type=click.IntRange(min=1),
     default=200,
     show_default=True,
-    help="Stop after this many committed steps.",
+    help="Train until the job has committed this many steps (all workers stop together).",
 )
 @click.option(
     "--lr",
@@ -345,6 +345,13 @@ def worker(
     help="Initial weights (rank 0's are broadcast at every world start).",
 )
 @click.option(
+    "--pace",
+    type=click.FloatRange(min=0, max=60),
+    default=0.0,
+    show_default=True,
+    help="Make each step take at least this many seconds (stands in for a larger model).",
+)
+@click.option(
     "--save",
     type=click.Path(path_type=Path, dir_okay=False),
     help="Write the final weights to this .npz file.",
@@ -357,6 +364,7 @@ def example_worker(
     steps: int,
     lr: float,
     seed: int,
+    pace: float,
     save: Path | None,
 ) -> None:
     """Train a real model (a numpy MLP on a deterministic 4-class data set) as one worker.
@@ -377,7 +385,9 @@ def example_worker(
     client = Worker(conn, job, worker_id=worker_id)
     client.install_signal_handlers()
     try:
-        summary = run(client, Collective(conn, job, client), steps=steps, lr=lr, seed=seed)
+        summary = run(
+            client, Collective(conn, job, client), steps=steps, lr=lr, seed=seed, pace=pace
+        )
     except WorkerError as exc:
         fail(str(exc), Exit.DATA)
     click.echo(json.dumps({k: v for k, v in summary.items() if k != "params"}, default=str))
@@ -640,10 +650,10 @@ def report_cmd(
 @click.option("--workers", type=click.IntRange(1, 16), default=3, show_default=True)
 @click.option(
     "--steps",
-    type=click.IntRange(10, 100_000),
-    default=60,
+    type=click.IntRange(20, 100_000),
+    default=240,
     show_default=True,
-    help="Committed steps each worker trains for.",
+    help="Steps the job trains for (a few seconds per hundred).",
 )
 @click.option("--job", "-j", default="demo", show_default=True, callback=_job)
 @click.option("--keep", is_flag=True, help="Leave the private Redis running at the end.")

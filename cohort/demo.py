@@ -9,6 +9,7 @@ dir it made is gone when it returns, also after Ctrl-C.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,16 +19,18 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from coordinator.audit import audit
-from coordinator.replay import JournalWatch, export, from_redis
+from coordinator.replay import JournalWatch, describe, export, from_redis
 from events.connection import RedisSettings, connect
 from events.keys import Keys
-from events.models import LeaderElected, WorkerFailed
+from events.models import LeaderElected, StepCommitted, WorkerFailed
 from events.streams import Journal
 
 from .localredis import LocalRedis
@@ -79,22 +82,43 @@ class Proc:
             return ""
 
 
-def _table(watch: JournalWatch, events: list[str], steps: int) -> Table:
+def _view(watch: JournalWatch, events: list[str], steps: int, progress: Progress) -> Group:
     state = watch.state
     table = Table(
-        title=f"job {state.job or '?'}: step {state.last_committed + 1} "
-        f"(target {steps} per worker), data epoch {state.epoch}, "
-        f"world v{state.world_version}, leader {state.leader or '-'}"
+        title=f"world v{state.world_version}, leader {state.leader or '-'}"
+        f"{'  [yellow]paused[/]' if state.paused and state.started else ''}",
+        title_justify="left",
     )
     table.add_column("worker")
     table.add_column("state")
     table.add_column("rank")
+    table.add_column("shard left")
+    config = state.config
+    used = (state.next_step - state.base_step) * (config.batch_size if config else 0)
     for worker, member in sorted(state.members.items()):
         rank = state.rank_of(worker)
-        table.add_row(worker, member.status, "-" if rank is None else str(rank))
+        left = max(0, state.shards[rank].size - used) if rank is not None else None
+        table.add_row(
+            worker,
+            member.status,
+            "-" if rank is None else str(rank),
+            "-" if left is None else str(left),
+        )
+    lines = Table.grid()
     for line in events[-6:]:
-        table.add_row("", f"[dim]{line}[/]", "")
-    return table
+        lines.add_row(f"[dim]{line}[/]")
+    return Group(progress, table, lines)
+
+
+def _epoch_done(watch: JournalWatch) -> tuple[int, int]:
+    state = watch.state
+    if state.config is None:
+        return 0, 1
+    total = state.config.dataset_size
+    left = sum(r for r in (s.size for s in state.shards)) - (
+        state.next_step - state.base_step
+    ) * state.config.batch_size * len(state.shards)
+    return max(0, min(total, total - max(0, left) - state.unassigned.size)), total
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -117,8 +141,7 @@ def run_demo(redis_url: str | None, job: str, workers: int, steps: int, keep: bo
                 else f"a private redis-server in {server.dir}"
             )
             console.print(f"[bold]cohort demo[/]: using {kind} at {redis_url}")
-        settings = RedisSettings.resolve(redis_url)
-        conn = connect(settings)
+        conn = connect(RedisSettings.resolve(redis_url))
         keys = Keys(job)
         conn.delete(
             keys.inbox,
@@ -141,9 +164,9 @@ def run_demo(redis_url: str | None, job: str, workers: int, steps: int, keep: bo
             "--heartbeat-timeout",
             "3",
             "--dataset-size",
-            "1500",
+            "2048",
             "--batch-size",
-            "16",
+            "32",
             "--lease",
             "2",
         ]
@@ -153,6 +176,23 @@ def run_demo(redis_url: str | None, job: str, workers: int, steps: int, keep: bo
             procs[name] = Proc(name, argv, tmp / f"{name}.log")
             procs[name].start()
 
+        def worker(name: str) -> None:
+            spawn(
+                name,
+                [
+                    *base,
+                    "example-worker",
+                    "--job",
+                    job,
+                    "--id",
+                    name,
+                    "--steps",
+                    str(steps),
+                    "--pace",
+                    "0.04",
+                ],
+            )
+
         def stop_all() -> None:
             for proc in procs.values():
                 proc.stop()
@@ -161,23 +201,8 @@ def run_demo(redis_url: str | None, job: str, workers: int, steps: int, keep: bo
         for name in ("coord-1", "coord-2"):
             spawn(name, [*base, "coordinator", *coord_flags, "--id", name])
         for i in range(1, workers + 1):
-            spawn(
-                f"worker-{i}",
-                [
-                    *base,
-                    "worker",
-                    "--job",
-                    job,
-                    "--id",
-                    f"worker-{i}",
-                    "--steps",
-                    str(steps),
-                    "--step-time",
-                    "0.05",
-                ],
-            )
-        journal = Journal(conn, keys.journal)
-        watch = JournalWatch(journal)
+            worker(f"worker-{i}")
+        watch = JournalWatch(Journal(conn, keys.journal))
         events: list[str] = []
         started = time.monotonic()
         killed_worker = killed_leader = added = False
@@ -185,47 +210,55 @@ def run_demo(redis_url: str | None, job: str, workers: int, steps: int, keep: bo
         failover: float | None = None
         previous = signal.signal(signal.SIGTERM, _interrupt)
         stack.callback(signal.signal, signal.SIGTERM, previous)
+        progress = Progress(
+            TextColumn("{task.description:<12}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        step_bar = progress.add_task("steps", total=steps)
+        epoch_bar = progress.add_task("epoch 0", total=2048)
         try:
-            with Live(_table(watch, events, steps), console=console, refresh_per_second=8) as live:
+            with Live(
+                _view(watch, events, steps, progress), console=console, refresh_per_second=8
+            ) as live:
                 while True:
-                    for fact in watch.pull():
+                    seen = len(watch.facts)
+                    watch.pull()
+                    for entry_id, fact in watch.facts[seen:]:
                         if isinstance(fact, LeaderElected) and leader_killed_at is not None:
                             failover = failover or time.monotonic() - leader_killed_at
-                        events.append(f"{type(fact).__name__}")
+                        if not isinstance(fact, StepCommitted):
+                            events.append(
+                                f"{entry_id}  {type(fact).__name__} {describe(fact)}"[:150]
+                            )
                     step = watch.state.last_committed + 1
+                    done, total = _epoch_done(watch)
+                    progress.update(step_bar, completed=min(step, steps))
+                    progress.update(
+                        epoch_bar,
+                        completed=done,
+                        total=total,
+                        description=f"epoch {watch.state.epoch}",
+                    )
                     if not killed_worker and step >= steps // 4:
                         killed_worker = True
                         procs["worker-1"].signal(signal.SIGKILL)
-                        events.append("demo: SIGKILL worker-1")
+                        events.append("[bold red]demo: SIGKILL worker-1[/]")
                     elif killed_worker and not killed_leader and step >= steps // 2:
                         killed_leader = True
                         leader = watch.state.leader or "coord-1"
                         procs[leader].signal(signal.SIGKILL)
                         leader_killed_at = time.monotonic()
-                        events.append(f"demo: SIGKILL leader {leader}")
+                        events.append(f"[bold red]demo: SIGKILL leader {leader}[/]")
                     elif killed_leader and not added and failover is not None:
                         added = True
-                        spawn(
-                            "worker-new",
-                            [
-                                *base,
-                                "worker",
-                                "--job",
-                                job,
-                                "--id",
-                                "worker-new",
-                                "--steps",
-                                str(steps // 2),
-                                "--step-time",
-                                "0.05",
-                            ],
-                        )
-                        events.append("demo: started worker-new")
-                    live.update(_table(watch, events, steps))
-                    workers_done = all(
-                        not p.alive() for n, p in procs.items() if n.startswith("worker")
-                    )
-                    if added and workers_done:
+                        worker("worker-new")
+                        events.append("[bold green]demo: started worker-new[/]")
+                    live.update(_view(watch, events, steps, progress))
+                    running = [p for n, p in procs.items() if n.startswith("worker") and p.alive()]
+                    if added and not running:
                         break
                     if time.monotonic() - started > DEADLINE:
                         console.print("[red]demo did not finish in time; process logs:[/]")
@@ -240,19 +273,36 @@ def run_demo(redis_url: str | None, job: str, workers: int, steps: int, keep: bo
         with out.open("wb") as handle:
             export(run, handle, time.time())
         report = audit(f for _, f in watch.facts)
+        ends = [_last_json(p) for n, p in procs.items() if n.startswith("worker")]
+        finished = [e for e in ends if e]
         state = watch.state
         failed = sum(1 for _, f in watch.facts if isinstance(f, WorkerFailed))
         took = f"{failover:.2f} s" if failover is not None else "not observed"
+        digests = {e["weights_digest"] for e in finished}
+        loss = finished[0]["loss"] if finished else float("nan")
+        accuracy = finished[0]["accuracy"] if finished else float("nan")
         console.print(
-            f"\n[bold]summary[/]: {state.counters.steps_committed} steps committed, "
-            f"{state.counters.epochs_finished} epochs finished, {failed} worker failure(s) "
-            f"survived, {state.counters.elections} leader elections, new leader {took} "
-            "after the leader's SIGKILL"
+            f"\n[bold]summary[/]: {state.counters.steps_committed} steps committed over "
+            f"{state.counters.epochs_finished} finished epochs; loss {loss}, accuracy {accuracy}; "
+            f"{failed} worker failure(s) survived without restarting anyone; new leader {took} "
+            f"after the leader's SIGKILL; {len(finished)} workers finished with "
+            f"{'identical' if len(digests) == 1 else 'DIFFERENT'} weights"
         )
         console.print(
-            f"audit (every sample exactly once per epoch): "
+            "audit (every sample exactly once per epoch): "
             f"{'[green]passed[/]' if report.ok else '[red]FAILED[/]'}"
         )
         console.print(f"replay this run: [bold]cohort replay --file {out} --audit[/]")
-        return 0 if report.ok else 1
+        return 0 if report.ok and len(digests) == 1 else 1
     return 1
+
+
+def _last_json(proc: Proc) -> dict[str, Any] | None:
+    for line in reversed(proc.tail(40).splitlines()):
+        if line.startswith("{"):
+            try:
+                body = json.loads(line)
+            except ValueError:
+                return None
+            return body if isinstance(body, dict) else None
+    return None

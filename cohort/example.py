@@ -60,11 +60,13 @@ def run(
     lr: float = 0.2,
     stop: threading.Event | None = None,
     seed: int = 0,
+    pace: float = 0.0,
 ) -> dict[str, Any]:
     """Train until the job's step `steps - 1` committed (or stopped, or removed); then leave.
 
     `steps` counts the job's steps, not this worker's: every worker that is still in
-    the world at the end stops after the same step, with the same weights.
+    the world at the end stops after the same step, with the same weights. `pace` makes
+    each step take at least that long, standing in for a larger model's compute.
     """
     stop = stop or worker.stopping
     worker.join()
@@ -106,6 +108,8 @@ def run(
                 )
             except WorldChangedError:
                 continue  # aborted before anything was applied
+            if pace:
+                stop.wait(max(0.0, pace - (time.monotonic() - started)))  # simulated compute
             worker.step_done(
                 step,
                 step_time=time.monotonic() - started,

@@ -147,7 +147,7 @@ def test_interrupted_demo_stops_every_process_and_removes_its_files(tmp_path: Pa
     )
     # Wait until it is well under way: coordinators and workers are running.
     wait_until(
-        lambda: len(processes_mentioning(" worker --job demo")) >= 3,
+        lambda: len(processes_mentioning("example-worker --job demo")) >= 3,
         60,
         message="demo workers running",
     )
