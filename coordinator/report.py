@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -33,7 +33,7 @@ from events.models import (
     WorldChanged,
 )
 
-from .replay import Run, describe, rebuild
+from .replay import Run, describe
 
 # Being added to events.models concurrently; the report works with or without them.
 _ADVICE_ISSUED: type | None = getattr(events.models, "GpuAdviceIssued", None)
@@ -118,18 +118,23 @@ def series(run: Run) -> ReportData:
     commands at their inbox entry ID's milliseconds (the same server clock, unlike the
     producer's own `at`, which a skewed worker clock would shift). Undecodable inbox
     entries are skipped and counted; an unreadable journal entry raises ReplayError.
+    The summary counts facts by type rather than folding them: a report must not depend
+    on `evolve` knowing every fact (it reads journals of newer coordinators too).
     """
-    state, timeline = rebuild(run)
     markers: list[Marker] = []
     rows: list[TimelineRow] = []
     active: list[Point] = []
     members: list[Point] = []
     present: set[str] = set()
     times: list[float] = []
-    for entry_id, fact in timeline:
+    counts: Counter[str] = Counter()
+    world_size = 0
+    for entry_id, fact in run.facts():
         at = fact.at
+        name = type(fact).__name__
+        counts[name] += 1
         times.append(at)
-        rows.append(TimelineRow(entry_id, at, type(fact).__name__, describe(fact)))
+        rows.append(TimelineRow(entry_id, at, name, describe(fact)))
         if isinstance(fact, WorkerJoined | WorkerLeft | WorkerFailed):
             before = len(present)
             if isinstance(fact, WorkerJoined):
@@ -139,6 +144,7 @@ def series(run: Run) -> ReportData:
             if len(present) != before or not members:
                 members.append((at, float(len(present))))
         if isinstance(fact, WorldChanged):
+            world_size = len(fact.ranks)
             active.append((at, float(len(fact.ranks))))
         marker = _marker(entry_id, fact)
         if marker is not None:
@@ -174,22 +180,21 @@ def series(run: Run) -> ReportData:
 
     start = min(times, default=0.0)
     end = max(times, default=0.0)
-    counters = state.counters
     summary = Summary(
-        facts=state.facts,
-        steps_committed=counters.steps_committed,
-        epochs_finished=counters.epochs_finished,
-        joined=counters.joined,
-        failed=counters.failed,
-        left=counters.left,
-        refused=counters.refused,
-        elections=counters.elections,
-        world_changes=counters.world_changes,
-        divergences=counters.divergences,
+        facts=len(rows),
+        steps_committed=counts["StepCommitted"],
+        epochs_finished=counts["EpochFinished"],
+        joined=counts["WorkerJoined"],
+        failed=counts["WorkerFailed"],
+        left=counts["WorkerLeft"],
+        refused=counts["JoinRefused"],
+        elections=counts["LeaderElected"],
+        world_changes=counts["WorldChanged"],
+        divergences=counts["WeightsDiverged"],
         dead_letters=len(run.dead),
         inbox_entries=len(run.inbox),
         inbox_skipped=skipped,
-        final_world_size=len(state.ranks),
+        final_world_size=world_size,
     )
     membership = tuple(
         Series(label, "", _stairs(points, end), dashed=dashed)
@@ -200,7 +205,7 @@ def series(run: Run) -> ReportData:
         if points
     )
     return ReportData(
-        job=run.job or state.job,
+        job=run.job,
         start=start,
         end=end,
         membership=membership,
@@ -234,12 +239,30 @@ def _marker(entry_id: str, fact: Fact) -> Marker | None:
     elif isinstance(fact, WeightsDiverged):
         kind, label = "diverged", f"weights diverged at step {fact.step}"
     elif _ADVICE_ISSUED is not None and isinstance(fact, _ADVICE_ISSUED):
-        kind, label = "advice", f"advice: {describe(fact)}"
+        kind, label = "advice", f"advice {_advice(fact)}"
     elif _ADVICE_CLEARED is not None and isinstance(fact, _ADVICE_CLEARED):
-        kind, label = "advice-cleared", f"advice cleared: {describe(fact)}"
+        kind, label = "advice-cleared", f"advice cleared {_advice(fact)}"
     if kind is None:
         return None
     return Marker(fact.at, kind, label, entry_id)
+
+
+def _advice(fact: Fact) -> str:
+    """worker/device, rule, action and evidence, read by name: the models may lack them."""
+    device = getattr(fact, "device", None)
+    where = f"{getattr(fact, 'worker', '?')}" + ("" if device is None else f" gpu{device}")
+    parts = [where + ":", str(getattr(fact, "rule", ""))]
+    action = getattr(fact, "action", None)
+    if action:
+        factor, seconds = getattr(fact, "factor", None), getattr(fact, "seconds", None)
+        extra = f" x{factor:g}" if factor else f" {seconds:g}s" if seconds else ""
+        parts.append(f"{action}{extra}")
+    metric, value = getattr(fact, "metric", None), getattr(fact, "value", None)
+    if metric:
+        threshold = getattr(fact, "threshold", None)
+        evidence = f"{metric}={value:g}" if value is not None else f"{metric} unmeasured"
+        parts.append(f"({evidence}" + ("" if threshold is None else f", over {threshold:g}") + ")")
+    return " ".join(parts)
 
 
 def _stairs(points: Sequence[Point], end: float) -> tuple[Point, ...]:
@@ -288,7 +311,7 @@ def _per_device(
 
 WIDTH = 960
 HEIGHT = 240
-LEFT = 64
+LEFT = 88
 RIGHT = 16
 TOP = 28
 BOTTOM = 36
@@ -320,12 +343,13 @@ LANES = (
     ("failure", ("failure",)),
     ("leader", ("leader",)),
     ("world", ("world",)),
-    ("paused / resumed", ("pause", "resume")),
+    ("paused", ("pause", "resume")),
     ("straggler", ("straggler",)),
     ("diverged", ("diverged",)),
     ("GPU advice", ("advice", "advice-cleared")),
 )
 LEGEND_MAX = 24
+LABEL_CHAR_PX = 6.5  # width of one 11px character, near enough to avoid overlaps
 
 
 def _e(text: object) -> str:
@@ -387,8 +411,9 @@ def _frame(plot_id: str, title: str, unit: str, axis: _Axis, height: int = HEIGH
         f'<svg id="{_e(plot_id)}" class="plot" role="img" width="{WIDTH}" height="{height}" '
         f'viewBox="0 0 {WIDTH} {height}" data-t0="{axis.t0!r}" data-t1="{axis.t1!r}">',
         f"<title>{_e(title)}</title>",
-        f'<text class="plot-title" x="{LEFT}" y="16">{_e(title)}</text>',
-        f'<text class="unit" x="12" y="{TOP + 4}">{_e(unit)}</text>',
+        f'<text class="plot-title" x="{LEFT}" y="16">{_e(title)}'
+        + (f' <tspan class="unit">({_e(unit)})</tspan>' if unit else "")
+        + "</text>",
         f'<rect class="area" x="{LEFT}" y="{TOP}" width="{WIDTH - LEFT - RIGHT}" '
         f'height="{bottom - TOP}"/>',
     ]
@@ -489,6 +514,8 @@ def _events_plot(axis: _Axis, markers: Sequence[Marker]) -> str:
         )
         mine = [m for m in markers if m.kind in kinds]
         out.extend(_markers(axis, mine, y0 + 3, y0 + lane_height - 3))
+        if kinds[0] in ("failure", "leader", "advice"):
+            out.extend(_lane_labels(axis, mine, kinds[0], y0 + 15))
     if not markers:
         out.append(
             f'<text class="no-data" x="{WIDTH / 2:.0f}" y="{height / 2:.0f}" '
@@ -496,6 +523,19 @@ def _events_plot(axis: _Axis, markers: Sequence[Marker]) -> str:
         )
     out.append("</svg>")
     return "\n".join(out)
+
+
+def _lane_labels(axis: _Axis, markers: Sequence[Marker], kind: str, y: float) -> list[str]:
+    """Labels beside a lane's markers of `kind`, each cut to the room before the next marker."""
+    xs = [axis.x(m.at) + 4 for m in markers] + [float(WIDTH - RIGHT)]
+    out = []
+    for m, x, following in zip(markers, xs, xs[1:], strict=False):
+        room = int((following - x - 6) / LABEL_CHAR_PX)
+        if m.kind != kind or room < 4:
+            continue
+        text = m.label if len(m.label) <= room else m.label[: room - 1] + "…"
+        out.append(f'<text class="marker-label" x="{x:.1f}" y="{y:.1f}">{_e(text)}</text>')
+    return out
 
 
 def _legend(lines: Sequence[Series], order: dict[str, int]) -> str:
@@ -522,14 +562,16 @@ figure{margin:0 0 12px}
 svg.plot{display:block;background:#fff}
 svg .area{fill:#fafafa;stroke:#ccc}
 svg .grid{stroke:#e4e4e4}
-svg .tick,svg .unit,svg .lane{font-size:11px;fill:#666}
+svg .tick,svg .lane,svg .marker-label{font-size:11px;fill:#666}
+svg .unit{font-weight:400;fill:#666}
 svg .plot-title{font-size:13px;font-weight:600;fill:#222}
 svg .no-data{font-size:14px;fill:#999}
 svg .series{fill:none;stroke-width:1.6}
 svg .marker{stroke-width:1.5;opacity:.55}
 svg .marker-world{stroke-width:1;opacity:.35}
+#plot-events .marker{stroke-width:3;opacity:.9}
 body.highlighting svg .series:not(.hl){opacity:.12}
-.legend{list-style:none;padding:0;margin:4px 0 0 64px;display:flex;flex-wrap:wrap;gap:4px 14px}
+.legend{list-style:none;padding:0;margin:4px 0 0 88px;display:flex;flex-wrap:wrap;gap:4px 14px}
 .legend-item{cursor:default}
 .swatch{display:inline-block;width:18px;margin-right:5px;vertical-align:middle;
 border-top:3px solid}
@@ -537,7 +579,7 @@ border-top:3px solid}
 table{border-collapse:collapse;font-size:13px}
 td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
 td.num{text-align:right}
-code{font-size:12px}
+code{font-size:12px;white-space:nowrap}
 """
 
 # Not required: the page reads the same without it. It highlights a worker's lines when
