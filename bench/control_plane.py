@@ -84,7 +84,14 @@ def ingest(server: LocalRedis, commands: int, workers: int) -> tuple[float, floa
     )
     coord = Coordinator(
         conn,
-        ServiceSettings(job=job, coordinator="bench", config=config, lease_ms=60_000, block_ms=1),
+        ServiceSettings(
+            job=job,
+            coordinator="bench",
+            config=config,
+            lease_ms=60_000,
+            block_ms=1,
+            allow_volatile=True,  # the benchmark server runs without AOF on purpose
+        ),
     )
     coord.start()
     start = time.perf_counter()

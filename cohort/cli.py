@@ -212,6 +212,16 @@ def _pydantic_message(exc: ValidationError, source: str) -> str:
     help="Write a snapshot every N facts.",
 )
 @click.option(
+    "--allow-volatile",
+    is_flag=True,
+    help="Lead even if Redis keeps no append-only file (a Redis restart loses the journal).",
+)
+@click.option(
+    "--wait-aof",
+    is_flag=True,
+    help="After each append, wait for the AOF fsync (WAITAOF; Redis >= 7.2).",
+)
+@click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     help="Serve Prometheus metrics on this port (0: any free port, logged).",
@@ -225,6 +235,8 @@ def coordinator(
     lease: float,
     snapshot_every: int,
     metrics_port: int | None,
+    allow_volatile: bool,
+    wait_aof: bool,
     **flags: Any,
 ) -> None:
     """Run a coordinator for JOB. Run several: one leads, the others follow and take over.
@@ -251,6 +263,9 @@ def coordinator(
         config=config,
         lease_ms=int(lease * 1000),
         snapshot_every=snapshot_every,
+        allow_volatile=allow_volatile,
+        wait_aof=wait_aof,
+        display_url=_settings(ctx, name).display_url,
     )
     conn = connect(_settings(ctx, f"cohort-coordinator-{name}"))
     stop = threading.Event()

@@ -33,7 +33,7 @@ from events.keys import Keys
 from events.models import Fact, JobConfig, StepDone
 from events.streams import ZERO, Entry, Inbox, Journal
 
-from . import snapshot
+from . import durability, snapshot
 from .core import Core
 from .decide import configure, elect
 from .election import DeadLetter, FencedJournal, Lease, load_library
@@ -59,6 +59,11 @@ class ServiceSettings:
     status_interval: float = 1.0
     inbox_retention: float = 600.0
     dead_maxlen: int = 10_000
+    allow_volatile: bool = False
+    """Lead even when Redis keeps no AOF (a restart would lose the journal)."""
+    wait_aof: bool = False
+    """After each append, wait until the AOF is fsynced locally (WAITAOF, Redis >= 7.2)."""
+    display_url: str = "redis"
 
 
 @dataclass
@@ -100,6 +105,7 @@ class Coordinator:
         self._trimmed_at = 0.0
         self._facts_since_snapshot = 0
         self._down_since: float | None = None
+        self.persistence = durability.Persistence(aof=None, waitaof=False, version="unknown")
         self._nonce = f"{settings.coordinator}:{random.getrandbits(32):08x}"
 
     # ------------------------------------------------------------ the loop
@@ -136,6 +142,20 @@ class Coordinator:
         self.close()
 
     def start(self) -> None:
+        self.persistence = durability.require(
+            self.conn, self.settings.display_url, self.settings.allow_volatile
+        )
+        if not self.persistence.aof:
+            log.warning(
+                "leading without persistence (--allow-volatile): a Redis restart "
+                "loses the journal of job %r",
+                self.settings.job,
+            )
+        if self.settings.wait_aof and not self.persistence.waitaof:
+            log.warning(
+                "--wait-aof: Redis %s has no WAITAOF (needs >= 7.2); relying on appendfsync",
+                self.persistence.version,
+            )
         load_library(self.conn)
         self._load_snapshot()
         self.catch_up()
@@ -300,6 +320,10 @@ class Coordinator:
             raise
         if ids:
             self.journal_id = ids[-1]
+            if self.settings.wait_aof and self.persistence.waitaof:
+                local, _ = self.conn.execute_command("WAITAOF", 1, 0, 5000)
+                if int(local) < 1:
+                    log.warning("WAITAOF: the AOF was not fsynced within 5 s")
         self.committed = self.core.state
         if cursor is not None:
             self.cursor = cursor

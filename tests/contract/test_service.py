@@ -32,6 +32,7 @@ def settings(name: str, **config: object) -> ServiceSettings:
         lease_ms=2000,
         block_ms=10,
         snapshot_every=5,
+        allow_volatile=True,  # fakeredis cannot say how it persists
     )
 
 
