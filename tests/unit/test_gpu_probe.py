@@ -231,6 +231,19 @@ def test_driver_gone_mid_run_pauses_readings_and_reinit_brings_them_back(
     assert any("available again" in m for m in records(caplog, logging.INFO))
 
 
+def test_driver_errors_while_reading_a_device_pause_the_whole_probe(log: logging.Logger) -> None:
+    clock = ManualClock()
+    nvml = FakeNvml(
+        FakeGpu(), FakeGpu(errors={"nvmlDeviceGetPowerUsage": pynvml.NVMLError_Uninitialized})
+    )
+    gpu = NvmlProbe(nvml, clock=clock, log=log, retry=1.0)
+    assert gpu.sample() == ()
+    assert not gpu.available and gpu.status == "NVML unavailable: NVML is not initialised"
+    nvml.gpus[1].errors.clear()
+    clock.advance(1.0)
+    assert len(gpu.sample()) == 2
+
+
 def test_probe_uses_nvml_when_it_initialises(log: logging.Logger) -> None:
     chosen = probe(log, nvml=FakeNvml(FakeGpu()), clock=ManualClock())
     assert isinstance(chosen, NvmlProbe) and chosen.available
