@@ -1,0 +1,160 @@
+"""Chaos: coordinators and workers SIGKILLed and SIGSTOPped and redis-server restarted while a
+real model trains; afterwards the invariants of DESIGN.md must hold. Bounded in time."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import threading
+import time
+from collections import Counter
+
+import msgpack
+import pytest
+
+from cohort.localredis import LocalRedis
+from coordinator.audit import audit
+from coordinator.fold import fold
+from coordinator.state import state_hash
+from events.codec import decode_command
+from events.errors import DecodeError
+from events.keys import Keys
+from events.models import Join, LeaderElected, WorkerJoined, WorldChanged
+
+from ..helpers import wait_until
+from .cluster import Cluster, Process
+
+pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
+
+STEPS = 1500
+CHAOS_SECONDS = 40.0
+COORD = (
+    "--min-workers",
+    "2",
+    "--dataset-size",
+    "2048",
+    "--batch-size",
+    "32",
+    "--heartbeat-interval",
+    "0.5",
+    "--heartbeat-timeout",
+    "2",
+    "--lease",
+    "1",
+)
+
+
+def test_training_survives_chaos_and_keeps_every_invariant(
+    cluster: Cluster, server: LocalRedis
+) -> None:
+    rng = random.Random(20261123)
+    coordinators = {name: cluster.coordinator(name, *COORD) for name in ("c1", "c2")}
+    workers: dict[str, Process] = {}
+    serial = 0
+
+    def start_worker() -> None:
+        nonlocal serial
+        serial += 1
+        name = f"w{serial}"
+        workers[name] = cluster.spawn(
+            name,
+            "example-worker",
+            "--job",
+            cluster.job,
+            "--id",
+            name,
+            "--steps",
+            str(STEPS),
+            "--pace",
+            "0.03",
+        )
+
+    for _ in range(3):
+        start_worker()
+    cluster.until(
+        lambda s: len(s.ranks) >= 2 and s.last_committed >= 10,
+        timeout=60,
+        message="training under way",
+    )
+
+    faults: Counter[str] = Counter()
+    deadline = time.monotonic() + CHAOS_SECONDS
+    pause = threading.Event()
+    plan: list[str] = []
+    while time.monotonic() < deadline and cluster.pull().last_committed < STEPS - 80:
+        if not plan:  # every kind of fault in each round, in a random order
+            plan = ["kill-coordinator", "stop-coordinator", "kill-worker", "restart-redis"]
+            rng.shuffle(plan)
+        action = plan.pop()
+        if action == "kill-coordinator":
+            name = rng.choice(sorted(coordinators))
+            coordinators[name].kill(signal.SIGKILL)
+            coordinators[name].wait(10)
+            coordinators[name] = cluster.coordinator(name, *COORD)
+        elif action == "stop-coordinator":
+            name = rng.choice(sorted(coordinators))
+            coordinators[name].kill(signal.SIGSTOP)
+            pause.wait(rng.uniform(1.0, 2.5))  # a stopped process, not a wait for a condition
+            coordinators[name].kill(signal.SIGCONT)
+        elif action == "kill-worker":
+            alive = [n for n, p in workers.items() if p.alive()]
+            if len(alive) > 2:
+                victim = rng.choice(alive)
+                workers[victim].kill(signal.SIGKILL)
+                workers[victim].wait(10)
+            start_worker()
+        else:
+            server.kill()
+            server.restart()
+            cluster.conn = server.client()
+        faults[action] += 1
+        pause.wait(rng.uniform(1.5, 3.0))  # the pace of the chaos itself
+
+    finishers = [p for p in workers.values() if p.alive()]
+    for proc in finishers:
+        assert cluster.finished(proc, 180) == 0, proc.output()[-3000:]
+    cluster.pull()
+    facts = [f for _, f in cluster.facts]
+    print(
+        f"faults injected: {dict(faults)}; workers started: {serial}; "
+        f"facts: {len(facts)}; steps committed: {cluster.state.counters.steps_committed}"
+    )
+    assert sum(faults.values()) >= 5
+
+    # Invariant 1: the live leader's state is the replay of the journal.
+    def leader_at_tail() -> dict | None:
+        raw = cluster.conn.get(Keys(cluster.job).status)
+        body = msgpack.unpackb(raw) if raw else None
+        cluster.pull()
+        return body if body and body["journal_id"] == cluster.journal_id else None
+
+    live = wait_until(leader_at_tail, 20, message="a leader publishing at the journal tail")
+    assert live["state_hash"] == state_hash(fold(facts))
+
+    # Invariants 2 and 3: versions and epochs only grow; every sample once per epoch.
+    report = audit(facts)
+    assert report.ok, (report.problems, report.epochs)
+    epochs = [f.epoch for f in facts if isinstance(f, LeaderElected)]
+    assert epochs == sorted(set(epochs))
+    versions = [f.version for f in facts if isinstance(f, WorldChanged)]
+    assert versions == sorted(set(versions))
+
+    # Invariant 5: no command lost or applied twice: every worker that ever sent a Join
+    # was decided exactly once (workers never rejoin here).
+    sent = set()
+    for _, fields in cluster.conn.xrange(Keys(cluster.job).inbox):
+        try:
+            command = decode_command(fields[b"e"])
+        except DecodeError:
+            continue
+        if isinstance(command, Join):
+            sent.add(command.worker)
+    joined = Counter(f.worker for f in facts if isinstance(f, WorkerJoined))
+    assert set(joined) == sent == set(workers)
+    assert max(joined.values()) == 1
+
+    # Invariant 7: everyone who finished holds the same weights.
+    ends = [json.loads(p.output().strip().splitlines()[-1]) for p in finishers]
+    assert len({e["weights_digest"] for e in ends}) == 1, ends
+    assert all(e["steps"] > 0 for e in ends)
