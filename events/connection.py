@@ -16,6 +16,12 @@ from .errors import SettingsError
 ENV_URL = "COHORT_REDIS_URL"
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 SCHEMES = ("redis", "rediss", "unix")
+# TLS files for rediss:// URLs: (field, env var, CLI flag, what it is)
+TLS_FILES = (
+    ("tls_ca", "COHORT_REDIS_TLS_CA", "--redis-tls-ca", "CA certificate"),
+    ("tls_cert", "COHORT_REDIS_TLS_CERT", "--redis-tls-cert", "client certificate"),
+    ("tls_key", "COHORT_REDIS_TLS_KEY", "--redis-tls-key", "client key"),
+)
 
 
 class RedisSettings(BaseModel):
@@ -28,15 +34,30 @@ class RedisSettings(BaseModel):
     connect_timeout: float = Field(default=3.0, gt=0)
     retries: int = Field(default=2, ge=0, le=20)
     client_name: str | None = None
+    tls_ca: str | None = None
+    """PEM file of the CA(s) to trust for a rediss:// server; None: the system store."""
+    tls_cert: str | None = None
+    """PEM client certificate, for servers that authenticate clients (tls-auth-clients)."""
+    tls_key: str | None = None
+    """PEM private key of `tls_cert`."""
 
     @classmethod
     def resolve(
         cls, url: str | None = None, env: Mapping[str, str] | None = None, **kw: object
     ) -> RedisSettings:
-        """`url` if given, else $COHORT_REDIS_URL, else the local default; checked."""
+        """`url` if given, else $COHORT_REDIS_URL, else the local default; checked.
+
+        TLS files come from `tls_ca`/`tls_cert`/`tls_key` if given (not None), else from
+        $COHORT_REDIS_TLS_CA/_CERT/_KEY; each must be a readable file, and only go with
+        rediss:// URLs.
+        """
         env = os.environ if env is None else env
         chosen = url or env.get(ENV_URL) or DEFAULT_URL
         check_url(chosen)
+        for field, env_name, _, _ in TLS_FILES:
+            if kw.get(field) is None and env.get(env_name):
+                kw[field] = env[env_name]
+        check_tls(chosen, {f: str(kw[f]) if kw.get(f) else None for f, *_ in TLS_FILES})
         return cls(url=chosen, **kw)  # type: ignore[arg-type]
 
     @property
@@ -65,11 +86,50 @@ def check_url(url: str) -> str:
     return url
 
 
+def check_tls(url: str, files: Mapping[str, str | None]) -> None:
+    """Raise SettingsError naming the flag and env var if a TLS file is unusable or the
+    URL cannot use it."""
+    given = {field: path for field, path in files.items() if path}
+    if not given:
+        return
+    names = {field: f"{flag} / ${env_name}" for field, env_name, flag, _ in TLS_FILES}
+    scheme = urlsplit(url).scheme
+    if scheme != "rediss":
+        which = ", ".join(names[f] for f in given)
+        raise SettingsError(
+            f"TLS files are set ({which}) but the Redis URL uses {scheme}://; "
+            "use a rediss:// URL for TLS, or unset them"
+        )
+    for field, _, _, what in TLS_FILES:
+        path = given.get(field)
+        if path is None:
+            continue
+        if not os.path.isfile(path):
+            raise SettingsError(f"TLS {what} {path!r} ({names[field]}) is not a file")
+        if not os.access(path, os.R_OK):
+            raise SettingsError(f"TLS {what} {path!r} ({names[field]}) is not readable")
+    if bool(given.get("tls_cert")) != bool(given.get("tls_key")):
+        raise SettingsError(
+            "a TLS client certificate and its key go together: set both "
+            f"{names['tls_cert']} and {names['tls_key']}"
+        )
+
+
 def connect(settings: RedisSettings) -> redis.Redis:
     """A client for `settings`: bytes in, bytes out, a few quick retries on connection errors.
 
-    Longer outages are the caller's loop's business: it logs and backs off.
+    Longer outages are the caller's loop's business: it logs and backs off. rediss:// URLs
+    verify the server's certificate (against `tls_ca`, else the system store) and present
+    `tls_cert` when given.
     """
+    tls: dict[str, object] = {}
+    if urlsplit(settings.url).scheme == "rediss":
+        tls = {
+            "ssl_cert_reqs": "required",
+            "ssl_ca_certs": settings.tls_ca,
+            "ssl_certfile": settings.tls_cert,
+            "ssl_keyfile": settings.tls_key,
+        }
     return redis.Redis.from_url(
         settings.url,
         socket_timeout=settings.socket_timeout,
@@ -79,4 +139,5 @@ def connect(settings: RedisSettings) -> redis.Redis:
         health_check_interval=30,
         client_name=settings.client_name,
         decode_responses=False,
+        **tls,  # type: ignore[arg-type]
     )

@@ -1,0 +1,254 @@
+"""Redis ACL users for one job: a coordinator, a worker and a viewer role.
+
+DESIGN.md's "Two streams" promise (a worker cannot forge a fact) is kept by Redis
+itself: the worker user may XADD to the inbox and touch its gradient/weights keys,
+read the journal, and nothing else. Only the coordinator user may FCALL the fenced
+functions that write the journal, cursor, snapshot and dead letters. The viewer reads.
+
+`rules` is pure (Redis 7 ACL syntax); `apply` is the only function that talks to Redis.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Literal, get_args
+from urllib.parse import quote, urlsplit
+
+import redis
+
+from events.keys import Keys
+
+from .errors import CohortError
+
+Role = Literal["coordinator", "worker", "viewer"]
+ROLES: tuple[Role, ...] = get_args(Role)
+PASSWORD_ENV = "COHORT_ACL_{role}_PASSWORD"
+MIN_VERSION = (7, 0)  # %R~ / %W~ key permissions
+
+# What redis-py sends on connect and for health checks, for every role. CLIENT SETNAME
+# names the connection (client_name); SELECT follows the URL's /db.
+_CONNECTION = ("+ping", "+hello", "+auth", "+client|setname", "+client|getname", "+select")
+# Redis 7.2 added CLIENT SETINFO, which redis-py sends (and tolerates being refused).
+_CONNECTION_7_2 = ("+client|setinfo",)
+
+# The coordinator's own commands, plus those its Redis Functions call: Redis checks a
+# function's redis.call() against the caller's ACL too (fencing.lua).
+_COORDINATOR = (
+    "+fcall", "+fcall_ro", "+function|load", "+function|list",  # election.load_library
+    "+get", "+set", "+exists", "+incr", "+pexpire", "+del",  # fencing.lua, status
+    "+xadd", "+xrange", "+xrevrange", "+xread", "+xlen", "+xtrim",  # journal, inbox
+    "+time",  # the server clock decides silence
+    "+info",  # durability: refuse a Redis without AOF (INFO persistence)
+)  # fmt: skip
+_COORDINATOR_7_2 = ("+waitaof",)  # --wait-aof
+
+# worker.client and worker.collective: the inbox, the journal, the collective's keys.
+_WORKER = (
+    "+xadd",  # the inbox (write only) and per-step notice streams
+    "+xread", "+xrange", "+xrevrange", "+xlen",  # the journal and notice streams
+    "+set", "+get", "+unlink", "+del", "+pexpire", "+exists",  # grad / weights blobs
+    "+time",
+)  # fmt: skip
+
+# Read commands that take no key would show other jobs' key names: key patterns
+# do not restrict them, so the viewer does not get them.
+_KEYLESS_READS = ("-scan", "-randomkey", "-dbsize", "-lolwut")
+
+
+class AclError(CohortError):
+    """ACL users could not be described or applied; the message names the fix."""
+
+
+def user(job: str, role: Role) -> str:
+    """The Redis user name of `role` for `job`: cohort-<job>-<role>."""
+    return f"cohort-{Keys(job).job}-{role}"
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    """(major, minor) of a Redis version string such as '7.2.4'."""
+    match = re.match(r"^(\d+)\.(\d+)", text.strip())
+    if match is None:
+        raise AclError(f"Redis version {text!r} is not of the form MAJOR.MINOR[.PATCH]")
+    return int(match.group(1)), int(match.group(2))
+
+
+def rules(job: str, role: Role, redis_version: tuple[int, int] = MIN_VERSION) -> list[str]:
+    """The ACL SETUSER rules of `role` for `job` (no user name, no password).
+
+    Everything starts denied (`-@all`, no keys, no channels); each role is then granted
+    only the commands cohort's code paths issue and only its own job's key patterns.
+    `redis_version` adds the commands Redis 7.2 introduced (older servers reject them).
+    """
+    keys = Keys(job)
+    newer = redis_version >= (7, 2)
+    base = ["resetkeys", "resetchannels", "-@all", *_CONNECTION]
+    if newer:
+        base += _CONNECTION_7_2
+    if role == "coordinator":
+        extra = list(_COORDINATOR) + (list(_COORDINATOR_7_2) if newer else [])
+        return [*base, *extra, f"~{keys.prefix}:*"]
+    if role == "worker":
+        return [
+            *base,
+            *_WORKER,
+            f"%W~{keys.inbox}",
+            f"%R~{keys.journal}",
+            f"~{keys.prefix}:grad:*",  # chunks, reduced chunks, broadcasts, notice streams
+            f"~{keys.prefix}:weights:*",
+        ]
+    if role == "viewer":
+        return [
+            *base,
+            "+@read",
+            "-@dangerous",
+            *_KEYLESS_READS,
+            "+time",
+            f"%R~{keys.prefix}:*",
+        ]
+    raise AclError(f"role {role!r} is not one of {', '.join(ROLES)}")
+
+
+def password_hash(password: str) -> str:
+    """The `#<sha256>` rule for `password`: the server never sees the password in clear."""
+    return "#" + hashlib.sha256(password.encode()).hexdigest()
+
+
+def setuser_commands(
+    job: str,
+    passwords: Mapping[Role, str],
+    redis_version: tuple[int, int] = MIN_VERSION,
+) -> list[list[str]]:
+    """One `ACL SETUSER` argument list per role in `passwords`, in ROLES order.
+
+    Each starts with `reset`, so applying again replaces a user's old password and rules.
+    """
+    commands = []
+    for role in ROLES:
+        if role not in passwords:
+            continue
+        password = passwords[role]
+        if not password:
+            raise AclError(f"the {role} password is empty; set {password_env(role)}")
+        commands.append(
+            [
+                "ACL",
+                "SETUSER",
+                user(job, role),
+                "reset",
+                "on",
+                password_hash(password),
+                *rules(job, role, redis_version),
+            ]
+        )
+    return commands
+
+
+def password_env(role: Role) -> str:
+    return PASSWORD_ENV.format(role=role.upper())
+
+
+def passwords(
+    roles: Sequence[Role], env: Mapping[str, str] | None = None
+) -> tuple[dict[Role, str], set[Role]]:
+    """Each role's password from $COHORT_ACL_<ROLE>_PASSWORD, else a new random one.
+
+    Returns the passwords and the roles whose password was generated (to be shown once).
+    """
+    env = os.environ if env is None else env
+    chosen: dict[Role, str] = {}
+    generated: set[Role] = set()
+    for role in roles:
+        given = env.get(password_env(role))
+        if given:
+            chosen[role] = given
+        else:
+            chosen[role] = secrets.token_urlsafe(24)
+            generated.add(role)
+    return chosen, generated
+
+
+def role_url(admin_url: str, job: str, role: Role, password: str) -> str:
+    """`admin_url` with the role's user name and password instead of the admin's."""
+    parts = urlsplit(admin_url)
+    if parts.scheme == "unix":
+        query = f"username={quote(user(job, role))}&password={quote(password, safe='')}"
+        rest = "&".join(
+            q for q in parts.query.split("&") if q and not q.startswith(("username=", "password="))
+        )
+        return parts._replace(query=f"{query}&{rest}" if rest else query).geturl()
+    host = parts.hostname or "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{quote(user(job, role))}:{quote(password, safe='')}@{host}"
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return parts._replace(netloc=netloc).geturl()
+
+
+_BARE = re.compile(r"^[A-Za-z0-9_.:~%@#>+\-|{}*/=!^$,]+$")
+
+
+def quote_arg(arg: str) -> str:
+    """`arg` as redis-cli reads it: bare if safe, else in double quotes with escapes."""
+    if _BARE.fullmatch(arg):
+        return arg
+    escaped = arg.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def command_line(command: Sequence[str]) -> str:
+    return " ".join(quote_arg(a) for a in command)
+
+
+def server_version(conn: redis.Redis) -> tuple[int, int]:
+    """The server's (major, minor); MIN_VERSION if it will not say (INFO refused)."""
+    try:
+        info = conn.info("server")
+    except redis.ResponseError:
+        return MIN_VERSION
+    return parse_version(str(info.get("redis_version", "7.0")))
+
+
+def apply(
+    conn: redis.Redis,
+    job: str,
+    passwords: Mapping[Role, str],
+    redis_version: tuple[int, int] | None = None,
+) -> list[str]:
+    """Create or replace the users of `passwords`' roles on `conn`'s server; their names.
+
+    `conn` must be allowed ACL SETUSER (an admin). `redis_version` defaults to the server's.
+    """
+    version = server_version(conn) if redis_version is None else redis_version
+    if version < MIN_VERSION:
+        raise AclError(
+            f"Redis {version[0]}.{version[1]} has no per-key read/write ACLs (%R~, %W~); "
+            "cohort's ACL users need Redis >= 7.0"
+        )
+    names = []
+    for command in setuser_commands(job, passwords, version):
+        try:
+            conn.execute_command(*command)
+        except redis.ResponseError as exc:
+            raise _explain(exc, command[2]) from exc
+        names.append(command[2])
+    return names
+
+
+def _explain(exc: redis.ResponseError, name: str) -> AclError:
+    text = str(exc)
+    if isinstance(exc, redis.exceptions.NoPermissionError) or "no permissions" in text.lower():
+        return AclError(
+            f"creating user {name!r} was refused ({text}): the --redis-url user must be "
+            "allowed ACL SETUSER (e.g. the default user, or one with +acl|setuser)"
+        )
+    if "unknown command" in text.lower() or "unknown subcommand" in text.lower():
+        return AclError(
+            f"creating user {name!r} failed ({text}): this Redis has no ACL SETUSER or "
+            "does not know one of the commands; cohort's ACL users need Redis >= 7.0"
+        )
+    return AclError(f"creating user {name!r} failed: {text}")
