@@ -175,7 +175,7 @@ def role_url(admin_url: str, job: str, role: Role, password: str) -> str:
     """`admin_url` with the role's user name and password instead of the admin's."""
     parts = urlsplit(admin_url)
     if parts.scheme == "unix":
-        query = f"username={quote(user(job, role))}&password={quote(password, safe='')}"
+        query = f"username={quote(user(job, role))}&password={quote(password, safe='*')}"
         rest = "&".join(
             q for q in parts.query.split("&") if q and not q.startswith(("username=", "password="))
         )
@@ -183,7 +183,7 @@ def role_url(admin_url: str, job: str, role: Role, password: str) -> str:
     host = parts.hostname or "127.0.0.1"
     if ":" in host:
         host = f"[{host}]"
-    netloc = f"{quote(user(job, role))}:{quote(password, safe='')}@{host}"
+    netloc = f"{quote(user(job, role))}:{quote(password, safe='*')}@{host}"
     if parts.port is not None:
         netloc += f":{parts.port}"
     return parts._replace(netloc=netloc).geturl()

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import sys
 import threading
 import time
@@ -89,9 +90,33 @@ job_option = click.option(
     type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
 )
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line.")
+@click.option(
+    "--redis-tls-ca",
+    metavar="PEM",
+    help="CA file to verify a rediss:// server with (default: the system store); "
+    "env COHORT_REDIS_TLS_CA.",
+)
+@click.option(
+    "--redis-tls-cert",
+    metavar="PEM",
+    help="Client certificate for rediss:// (tls-auth-clients); env COHORT_REDIS_TLS_CERT.",
+)
+@click.option(
+    "--redis-tls-key",
+    metavar="PEM",
+    help="Private key of --redis-tls-cert; env COHORT_REDIS_TLS_KEY.",
+)
 @click.version_option(package_name="cohort")
 @click.pass_context
-def main(ctx: click.Context, redis_url: str | None, log_level: str, log_json: bool) -> None:
+def main(
+    ctx: click.Context,
+    redis_url: str | None,
+    log_level: str,
+    log_json: bool,
+    redis_tls_ca: str | None = None,
+    redis_tls_cert: str | None = None,
+    redis_tls_key: str | None = None,
+) -> None:
     """cohort coordinates elastic data-parallel training through Redis.
 
     \b
@@ -105,11 +130,14 @@ def main(ctx: click.Context, redis_url: str | None, log_level: str, log_json: bo
     """
     logs.setup(log_level, log_json)
     ctx.ensure_object(dict).setdefault("redis_url", redis_url)
+    tls = {"tls_ca": redis_tls_ca, "tls_cert": redis_tls_cert, "tls_key": redis_tls_key}
+    ctx.obj.setdefault("redis_tls", {k: v for k, v in tls.items() if v is not None})
 
 
 def _settings(ctx: click.Context, name: str) -> RedisSettings:
     try:
-        return RedisSettings.resolve(ctx.obj["redis_url"], client_name=name)
+        tls = ctx.obj.get("redis_tls", {})
+        return RedisSettings.resolve(ctx.obj["redis_url"], client_name=name, **tls)
     except SettingsError as exc:
         fail(str(exc))
 
@@ -120,6 +148,14 @@ def _connect(ctx: click.Context, name: str) -> redis.Redis:
     try:
         conn.ping()
     except (redis.ConnectionError, redis.TimeoutError) as exc:
+        if _tls_failure(settings, exc):
+            fail(
+                f"TLS handshake with Redis at {settings.display_url} failed ({exc}); check "
+                "--redis-tls-ca ($COHORT_REDIS_TLS_CA) names the CA that signed the server's "
+                "certificate, and --redis-tls-cert/--redis-tls-key if the server asks for a "
+                "client certificate",
+                Exit.REDIS,
+            )
         fail(
             f"cannot reach Redis at {settings.display_url} ({exc}); start one, or point "
             "--redis-url / $COHORT_REDIS_URL at it",
@@ -128,6 +164,16 @@ def _connect(ctx: click.Context, name: str) -> redis.Redis:
     except redis.AuthenticationError as exc:
         fail(f"Redis at {settings.display_url} refused the credentials: {exc}", Exit.REDIS)
     return conn
+
+
+def _tls_failure(settings: RedisSettings, exc: BaseException) -> bool:
+    """True if `exc` came from the TLS layer of a rediss:// connection."""
+    if not settings.url.startswith("rediss://"):
+        return False
+    text = str(exc).lower()
+    return any(w in text for w in ("ssl", "tls", "certificate", "handshake")) or isinstance(
+        exc.__cause__ or exc.__context__, ssl.SSLError
+    )
 
 
 def _signals(stop: threading.Event, what: str) -> None:
@@ -212,6 +258,12 @@ def _pydantic_message(exc: ValidationError, source: str) -> str:
     help="Write a snapshot every N facts.",
 )
 @click.option(
+    "--gpu-rules",
+    "gpu_rules_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="GPU rules (TOML or YAML) replacing the defaults; see docs/gpu.md.",
+)
+@click.option(
     "--allow-volatile",
     is_flag=True,
     help="Lead even if Redis keeps no append-only file (a Redis restart loses the journal).",
@@ -237,6 +289,7 @@ def coordinator(
     metrics_port: int | None,
     allow_volatile: bool,
     wait_aof: bool,
+    gpu_rules_file: Path | None,
     **flags: Any,
 ) -> None:
     """Run a coordinator for JOB. Run several: one leads, the others follow and take over.
@@ -244,10 +297,22 @@ def coordinator(
     The job's settings are journaled by the first leader; later coordinators keep them.
     """
     from coordinator.errors import CoordinatorError
+    from coordinator.gpu_rules import RulesError, load_rules, parse_rules
     from coordinator.service import Coordinator, ServiceSettings
 
     values = _load_config_file(config_file)
     values.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        if gpu_rules_file is not None:
+            rules = load_rules(gpu_rules_file)
+        elif "gpu_rules" in values:
+            rules = parse_rules({"rules": values["gpu_rules"]}, str(config_file))
+        else:
+            rules = None
+    except RulesError as exc:
+        fail(str(exc))
+    if rules is not None:
+        values["gpu_rules"] = tuple(r.model_dump(mode="json") for r in rules.rules)
     try:
         config = JobConfig(**values)
     except ValidationError as exc:
@@ -296,6 +361,13 @@ def coordinator(
 @main.command()
 @job_option
 @redis_url_option
+@click.option(
+    "--gpu-interval",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    show_default=True,
+    help="Seconds between NVML GPU readings sent to the coordinator (0: none).",
+)
 @click.option("--id", "worker_id", metavar="NAME", help="Worker name (default host-pid-random).")
 @click.option(
     "--steps",
@@ -313,7 +385,12 @@ def coordinator(
 )
 @click.pass_context
 def worker(
-    ctx: click.Context, job: str, worker_id: str | None, steps: int, step_time: float
+    ctx: click.Context,
+    job: str,
+    worker_id: str | None,
+    steps: int,
+    step_time: float,
+    gpu_interval: float,
 ) -> None:
     """A simulated worker: joins JOB, trains on its shard, survives world changes, leaves.
 
@@ -325,7 +402,7 @@ def worker(
     from worker.simulated import run
 
     conn = _connect(ctx, "cohort-worker")
-    client = Worker(conn, job, worker_id=worker_id)
+    client = Worker(conn, job, worker_id=worker_id, gpu_interval=gpu_interval or None)
     client.install_signal_handlers()
     try:
         summary = run(client, steps=steps, step_time=step_time, stop=client.stopping)
@@ -337,6 +414,13 @@ def worker(
 @main.command("example-worker")
 @job_option
 @redis_url_option
+@click.option(
+    "--gpu-interval",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    show_default=True,
+    help="Seconds between NVML GPU readings sent to the coordinator (0: none).",
+)
 @click.option("--id", "worker_id", metavar="NAME", help="Worker name (default host-pid-random).")
 @click.option(
     "--steps",
@@ -381,6 +465,7 @@ def example_worker(
     seed: int,
     pace: float,
     save: Path | None,
+    gpu_interval: float,
 ) -> None:
     """Train a real model (a numpy MLP on a deterministic 4-class data set) as one worker.
 
@@ -397,7 +482,7 @@ def example_worker(
     from .example import run
 
     conn = _connect(ctx, "cohort-example-worker")
-    client = Worker(conn, job, worker_id=worker_id)
+    client = Worker(conn, job, worker_id=worker_id, gpu_interval=gpu_interval or None)
     client.install_signal_handlers()
     try:
         summary = run(
@@ -655,6 +740,78 @@ def report_cmd(
         tmp.unlink(missing_ok=True)
         fail(f"cannot write {str(output)!r}: {exc.strerror}")
     click.echo(str(output))
+
+
+# ---------------------------------------------------------------- acl
+
+
+@main.command("acl")
+@job_option
+@redis_url_option
+@click.option(
+    "--role",
+    "roles",
+    multiple=True,
+    type=click.Choice(["coordinator", "worker", "viewer"]),
+    help="Only this role (repeatable). Default: all three.",
+)
+@click.option(
+    "--apply",
+    "do_apply",
+    is_flag=True,
+    help="Create or replace the users on the --redis-url server (needs ACL SETUSER there).",
+)
+@click.option(
+    "--redis-version",
+    metavar="MAJOR.MINOR",
+    help="Without --apply: write rules for this Redis (default 7.0; 7.2 adds CLIENT SETINFO "
+    "and WAITAOF). --apply asks the server.",
+)
+@click.pass_context
+def acl_cmd(
+    ctx: click.Context,
+    job: str,
+    roles: tuple[str, ...],
+    do_apply: bool,
+    redis_version: str | None,
+) -> None:
+    """Redis ACL users for JOB: coordinator, worker (inbox, journal read, gradients only:
+    it cannot forge a fact) and viewer (read-only, for status, replay and report).
+
+    \b
+    Prints `ACL SETUSER` lines for redis-cli on stdout, and each role's URL on stderr:
+      cohort acl --job J | redis-cli -u ADMIN_URL
+    or creates the users itself with --apply. Passwords come from
+    $COHORT_ACL_COORDINATOR_PASSWORD, $COHORT_ACL_WORKER_PASSWORD and
+    $COHORT_ACL_VIEWER_PASSWORD, else are generated and shown once: store them now.
+    Applying again replaces each user's password and rules.
+    """
+    from . import acl
+
+    chosen: list[acl.Role] = [r for r in acl.ROLES if not roles or r in roles]
+    passwords, generated = acl.passwords(chosen)
+    admin = _settings(ctx, "cohort-acl")
+    try:
+        version = acl.parse_version(redis_version) if redis_version else acl.MIN_VERSION
+        if do_apply:
+            if redis_version:
+                fail("--redis-version is for printing; --apply asks the server its version")
+            conn = _connect(ctx, "cohort-acl")
+            for name in acl.apply(conn, job, passwords):
+                click.echo(f"applied ACL user {name}")
+        else:
+            for command in acl.setuser_commands(job, passwords, version):
+                click.echo(acl.command_line(command))
+    except acl.AclError as exc:
+        fail(str(exc), Exit.REDIS if do_apply else Exit.USAGE)
+    for role in chosen:
+        if role in generated:
+            url = acl.role_url(admin.url, job, role, passwords[role])
+            note = "generated password, shown once"
+        else:
+            url = acl.role_url(admin.url, job, role, "***")
+            note = f"password from ${acl.password_env(role)}"
+        click.echo(f"# {role}: {url}  ({note})", err=not do_apply)
 
 
 # ---------------------------------------------------------------- demo
