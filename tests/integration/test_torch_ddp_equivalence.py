@@ -1,0 +1,180 @@
+"""cohort's sync_gradients trains a torch model to the same parameters as DDP over gloo.
+
+Two cohort workers (examples/torch_train.py, real processes against a real coordinator and
+redis-server) train; then two DistributedDataParallel ranks over gloo train the same model
+with the same seed, optimizer and, step by step, the same per-rank batches, which are read
+back from the journal's committed steps. The parameters must agree to 1e-5.
+
+This file is also the DDP rank program: `python -m tests.integration.test_torch_ddp_equivalence
+RANK PORT BATCHES_JSON OUT_NPZ`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+if os.environ.get("CI") == "true":
+    import torch  # CI installs torch's CPU build: a missing torch must fail, not skip
+else:
+    torch = pytest.importorskip("torch")
+
+from coordinator.audit import committed_batches  # noqa: E402
+
+from .cluster import Cluster, Process  # noqa: E402
+
+pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, LR, SEED = 40, 0.05, 0
+TOLERANCE = 1e-5
+
+
+def example() -> ModuleType:
+    """examples/torch_train.py as a module (examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("torch_train", ROOT / "examples/torch_train.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------ the DDP rank program
+def ddp_rank(rank: int, port: int, batches_file: Path, out: Path) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    ex = example()
+    steps = json.loads(batches_file.read_text())
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    data = ex.Data(steps["dataset_size"])
+    model = ex.build(SEED)
+    ddp = DistributedDataParallel(model)
+    optimizer = ex.optimizer_for(ddp, LR)
+    for ranks in steps["batches"]:
+        x, y = data.take(tuple((a, b) for a, b in ranks[rank]))
+        optimizer.zero_grad()
+        ex.loss_of(ddp, x, y).backward()
+        optimizer.step()
+    np.savez(out, **ex.params_of(model))
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ the test
+def spawn(cluster: Cluster, name: str, argv: list[str]) -> Process:
+    log = cluster.tmp / f"{name}.log"
+    handle = log.open("wb")
+    popen = subprocess.Popen(
+        [sys.executable, *argv],
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    handle.close()
+    proc = Process(name, argv, log, popen)
+    cluster.procs.append(proc)
+    return proc
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def load(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as saved:
+        return {k: saved[k] for k in saved.files}
+
+
+def max_abs_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    assert a.keys() == b.keys()
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+def test_sync_gradients_ends_with_the_parameters_of_ddp_over_gloo(cluster: Cluster) -> None:
+    dataset_size = 2048
+    cluster.coordinator(
+        "c1", "--min-workers", "2", "--dataset-size", str(dataset_size), "--batch-size", "32"
+    )
+    workers = [
+        spawn(
+            cluster,
+            f"w{i}",
+            [
+                "examples/torch_train.py",
+                "--redis-url",
+                cluster.url,
+                "--job",
+                cluster.job,
+                "--id",
+                f"w{i}",
+                "--steps",
+                str(STEPS),
+                "--lr",
+                str(LR),
+                "--seed",
+                str(SEED),
+                "--threads",
+                "1",
+                "--save",
+                str(cluster.tmp / f"w{i}.npz"),
+            ],
+        )
+        for i in range(2)
+    ]
+    for proc in workers:
+        assert cluster.finished(proc, 180) == 0, proc.output()[-3000:]
+
+    # The global batches cohort trained on, per step and rank, from the journal alone.
+    cluster.pull()
+    batches = [
+        [[[a, b] for a, b in ranks] for ranks in per_rank]
+        for _, _, per_rank in committed_batches(f for _, f in cluster.facts)
+        if per_rank is not None
+    ]
+    assert len(batches) == STEPS and all(len(b) == 2 for b in batches)
+    plan = cluster.tmp / "batches.json"
+    plan.write_text(json.dumps({"dataset_size": dataset_size, "batches": batches}))
+
+    port = str(free_port())
+    module = "tests.integration.test_torch_ddp_equivalence"
+    ranks = [
+        spawn(
+            cluster,
+            f"ddp{r}",
+            ["-m", module, str(r), port, str(plan), str(cluster.tmp / f"ddp{r}.npz")],
+        )
+        for r in range(2)
+    ]
+    for proc in ranks:
+        assert cluster.finished(proc, 180) == 0, proc.output()[-3000:]
+
+    ddp = load(cluster.tmp / "ddp0.npz")
+    assert max_abs_diff(ddp, load(cluster.tmp / "ddp1.npz")) == 0.0
+    start = {k: v.detach().numpy() for k, v in example().build(SEED).named_parameters()}
+    assert max_abs_diff(ddp, start) > 1e-2  # the model did train
+    diffs = [max_abs_diff(load(cluster.tmp / f"w{i}.npz"), ddp) for i in range(2)]
+    print(
+        f"cohort sync_gradients vs DDP over gloo after {STEPS} steps: max |diff| {max(diffs):.3g}"
+    )
+    assert max(diffs) <= TOLERANCE
+
+
+if __name__ == "__main__":
+    ddp_rank(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
