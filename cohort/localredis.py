@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -34,6 +35,29 @@ _POLL = 0.02
 
 class LocalRedisError(CohortError):
     """The local server could not be started or stopped; the message carries its log tail."""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for a TLS-only server: its certificate and key, the CA it trusts for client
+    certificates, and the client certificate `client()` and the readiness probe present."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path | None = None
+    client_key: Path | None = None
+    auth_clients: bool = True
+
+    def settings(self, url: str, **kw: Any) -> RedisSettings:
+        """Settings for a client of this server that trusts `ca` and shows the client cert."""
+        return RedisSettings(
+            url=url,
+            tls_ca=str(self.ca),
+            tls_cert=str(self.client_cert) if self.client_cert else None,
+            tls_key=str(self.client_key) if self.client_key else None,
+            **kw,
+        )
 
 
 def find_redis_server() -> str | None:
@@ -74,6 +98,7 @@ class LocalRedis:
         start_timeout: float = 10.0,
         stop_timeout: float = 10.0,
         port_attempts: int = 5,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.appendonly = appendonly
         self.appendfsync = appendfsync
@@ -84,6 +109,8 @@ class LocalRedis:
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self.port_attempts = port_attempts
+        self.tls = tls
+        """If set, the server listens with TLS only (on `port`), and `url` is rediss://."""
         self.embedded = False
         self.port = 0
         self.dir: Path | None = None
@@ -159,11 +186,17 @@ class LocalRedis:
 
     @property
     def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://{HOST}:{self.port}/0"
+
+    def settings(self, **kw: Any) -> RedisSettings:
+        """Connection settings for this server (with the TLS files in TLS mode)."""
+        if self.tls is not None:
+            return self.tls.settings(self.url, **kw)
+        return RedisSettings(url=self.url, **kw)
 
     def client(self) -> redis.Redis:
         """A client through the one connection factory (the caller closes it)."""
-        return connect(RedisSettings(url=self.url))
+        return connect(self.settings())
 
     def log_tail(self, lines: int = 20) -> str:
         if self.dir is None:
@@ -203,7 +236,20 @@ class LocalRedis:
             "--appendfsync", self.appendfsync,
             "--logfile", str(self.dir / "redis.log"),
             "--daemonize", "no",
+            *self._tls_argv(port),
             *self.extra_args,
+        ]  # fmt: skip
+
+    def _tls_argv(self, port: int) -> list[str]:
+        if self.tls is None:
+            return []
+        return [
+            "--port", "0",  # the later --port wins: no plain-text listener at all
+            "--tls-port", str(port),
+            "--tls-cert-file", str(self.tls.server_cert),
+            "--tls-key-file", str(self.tls.server_key),
+            "--tls-ca-cert-file", str(self.tls.ca),
+            "--tls-auth-clients", "yes" if self.tls.auth_clients else "no",
         ]  # fmt: skip
 
     def _spawn(self, port: int) -> None:
@@ -223,9 +269,7 @@ class LocalRedis:
     def _wait_ready(self) -> None:
         """Poll PING until it answers, the process exits, or start_timeout passes."""
         assert self.process is not None
-        probe = connect(
-            RedisSettings(url=self.url, socket_timeout=0.5, connect_timeout=0.5, retries=0)
-        )
+        probe = connect(self.settings(socket_timeout=0.5, connect_timeout=0.5, retries=0))
         deadline = time.monotonic() + self.start_timeout
         pause = threading.Event()
         try:
