@@ -6,6 +6,10 @@ read the journal, and nothing else. Only the coordinator user may FCALL the fenc
 functions that write the journal, cursor, snapshot and dead letters. The viewer reads.
 
 `rules` is pure (Redis 7 ACL syntax); `apply` is the only function that talks to Redis.
+
+What ACLs cannot do: a key is writable or not, whatever the arguments, so a worker may
+trim or delete the inbox (XADD ... MAXLEN 0 does it too). That loses unread commands of
+the job, never a fact: the journal, cursor and lease stay out of a worker's reach.
 """
 
 from __future__ import annotations
