@@ -61,8 +61,9 @@ def admin(server: LocalRedis) -> Iterator[redis.Redis]:
     conn.flushall()
     conn.function_flush()
     for name in conn.acl_users():
-        if name != b"default" and name != "default":
-            conn.acl_deluser(name)
+        text = name.decode() if isinstance(name, bytes) else str(name)
+        if text != "default":
+            conn.acl_deluser(text)
     acl.apply(conn, JOB, PASSWORDS)
     acl.apply(conn, OTHER, PASSWORDS)
     load_library(conn)
@@ -175,7 +176,7 @@ def test_a_fact_forged_with_worker_credentials_never_reaches_the_journal(
     coord = Coordinator(coordinator_conn, ServiceSettings(job=JOB, coordinator="c1", block_ms=10))
     coord.start()
     coord.step()
-    before = coordinator_conn.xrange(KEYS.journal)
+    before: Any = coordinator_conn.xrange(KEYS.journal)
     forged = encode(WorkerJoined(at=0, job=JOB, worker="mallory"))
     refused(worker_conn, "XADD", KEYS.journal, "*", "e", forged)
     refused(worker_conn, "FCALL", "cohort_append", 4, KEYS.leader, KEYS.journal, KEYS.cursor,

@@ -12,7 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -239,11 +239,19 @@ def test_ca_and_client_certificate_reach_the_server_and_a_coordinator_leads_over
             ),
         )
         coord.start()
-        wait_until(lambda: coord.step() or coord.leading, message="coordinator leads over TLS")
+
+        def turn(done: Callable[[], bool]) -> Callable[[], bool]:
+            def once() -> bool:
+                coord.step()
+                return done()
+
+            return once
+
+        wait_until(turn(lambda: coord.leading), message="coordinator leads over TLS")
         inbox = Inbox(conn, Keys(JOB).inbox)
         inbox.send(Join(at=0, job=JOB, worker="w1"))
         inbox.send(WeightsLoaded(at=0, job=JOB, worker="w1"))
-        wait_until(lambda: coord.step() or coord.state.ranks == ("w1",), message="w1 active")
+        wait_until(turn(lambda: coord.state.ranks == ("w1",)), message="w1 active")
         coord.close()
     finally:
         conn.close()
