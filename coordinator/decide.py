@@ -21,6 +21,8 @@ The rules (DESIGN.md "Membership", "Data shards"):
   rank the running step is aborted unless a rank already finished it (then all
   ranks contributed, so it commits), and a new world starts at the next step.
 - The world below `min_workers` → TrainingPaused; enough ready again → TrainingResumed.
+- GpuReading of a member: the GPU rules (journaled in the config) with hysteresis and
+  priorities → GpuAdviceCleared / GpuAdviceIssued (coordinator/gpu_rules.py).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from events.models import (
 )
 from events.shards import Shard
 
-from . import shards, stragglers
+from . import gpu_rules, shards, stragglers
 from .fold import evolve
 from .liveness import Liveness
 from .state import JobState
@@ -80,7 +82,9 @@ class _Plan:
         self.facts: list[Fact] = []
 
     def emit(self, cls: Any, **body: Any) -> None:
-        fact: Fact = cls(at=self.now, job=self.state.job, **body)
+        self.record(cls(at=self.now, job=self.state.job, **body))
+
+    def record(self, fact: Fact) -> None:
         self.facts.append(fact)
         self.state = evolve(self.state, fact)
 
@@ -121,8 +125,10 @@ def decide(state: JobState, seen: Liveness, command: Command, now: float) -> tup
             _maybe_commit(plan, seen)
         case Leave():
             _leave(plan, command)
-        case EpochDone() | GpuReading():
-            pass  # observed only; GPU rules come with their own facts
+        case GpuReading():
+            _gpu(plan, command)
+        case EpochDone():
+            pass  # observed only
     return tuple(plan.facts)
 
 
@@ -166,6 +172,17 @@ def _leave(plan: _Plan, command: Leave) -> None:
         return
     plan.emit(WorkerLeft, worker=command.worker, reason=reason)
     _new_world(plan, f"{command.worker} left")
+
+
+def _gpu(plan: _Plan, reading: GpuReading) -> None:
+    """GPU rules with hysteresis: advice starts and ends as facts, clears first."""
+    if reading.worker not in plan.state.members:
+        return
+    issues, clears = gpu_rules.evaluate(plan.state.gpu_rules, plan.state.advice, reading)
+    for clear in clears:
+        plan.record(clear.fact(plan.now, plan.state.job))
+    for issue in issues:
+        plan.record(issue.fact(plan.now, plan.state.job))
 
 
 # ---------------------------------------------------------------- time

@@ -9,6 +9,8 @@ from events.models import (
     EpochFinished,
     EpochStarted,
     Fact,
+    GpuAdviceCleared,
+    GpuAdviceIssued,
     JobConfigured,
     JoinRefused,
     LeaderElected,
@@ -40,6 +42,11 @@ def _member(state: JobState, worker: str, **changes: object) -> JobState:
 
 def _without(state: JobState, worker: str) -> dict[str, Member]:
     return {w: m for w, m in state.members.items() if w != worker}
+
+
+def _advice_without(state: JobState, worker: str) -> frozenset[tuple[str, int | None, str]]:
+    """A member that is gone takes its GPU advice with it."""
+    return frozenset(key for key in state.advice if key[0] != worker)
 
 
 def _count(counters: Counters, **inc: int) -> Counters:
@@ -76,12 +83,16 @@ def evolve(state: JobState, fact: Fact) -> JobState:
             return _member(state, fact.worker, status="draining", leave_after=fact.after_step)
         case WorkerLeft():
             return replace(
-                state, members=_without(state, fact.worker), counters=_count(state.counters, left=1)
+                state,
+                members=_without(state, fact.worker),
+                advice=_advice_without(state, fact.worker),
+                counters=_count(state.counters, left=1),
             )
         case WorkerFailed():
             return replace(
                 state,
                 members=_without(state, fact.worker),
+                advice=_advice_without(state, fact.worker),
                 counters=_count(state.counters, failed=1),
             )
         case WorldChanged():
@@ -118,6 +129,10 @@ def evolve(state: JobState, fact: Fact) -> JobState:
             return _member(state, fact.worker, straggler=True)
         case StragglerCleared():
             return _member(state, fact.worker, straggler=False)
+        case GpuAdviceIssued():
+            return replace(state, advice=state.advice | {(fact.worker, fact.device, fact.rule)})
+        case GpuAdviceCleared():
+            return replace(state, advice=state.advice - {(fact.worker, fact.device, fact.rule)})
         case TrainingPaused():
             return replace(state, paused=True)
         case TrainingResumed():

@@ -8,7 +8,9 @@ never journals (heartbeat times, step reports) lives in `liveness.Liveness`.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Literal
 
 import msgpack
@@ -16,6 +18,8 @@ from pydantic import TypeAdapter
 
 from events.models import JobConfig
 from events.shards import Shard
+
+from .gpu_rules import DEFAULT_RULES, Rules, parse_rules
 
 Status = Literal["syncing", "ready", "active", "draining"]
 
@@ -68,6 +72,8 @@ class JobState:
     paused: bool = True
     started: bool = False
     counters: Counters = Counters()
+    advice: frozenset[tuple[str, int | None, str]] = frozenset()
+    """Active GPU advice: (worker, device or None for any device, rule)."""
     facts: int = 0
 
     @property
@@ -84,8 +90,24 @@ class JobState:
         except ValueError:
             return None
 
+    @property
+    def gpu_rules(self) -> Rules:
+        return rules_of(self.config)
+
     def with_status(self, status: Status) -> tuple[Member, ...]:
         return tuple(m for m in self.members.values() if m.status == status)
+
+
+@lru_cache(maxsize=16)
+def _parsed(rules: str) -> Rules:
+    return parse_rules(json.loads(rules), "the journaled JobConfig")
+
+
+def rules_of(config: JobConfig | None) -> Rules:
+    """The GPU rules a config names (defaults when it names none), parsed once."""
+    if config is None or config.gpu_rules is None:
+        return DEFAULT_RULES
+    return _parsed(json.dumps({"rules": list(config.gpu_rules)}, sort_keys=True))
 
 
 STATE: TypeAdapter[JobState] = TypeAdapter(JobState)
@@ -95,6 +117,9 @@ def dump(state: JobState) -> dict[str, Any]:
     """A plain, canonical form (members sorted) for snapshots, JSON and hashing."""
     body = STATE.dump_python(state, mode="json")
     body["members"] = dict(sorted(body["members"].items()))
+    body["advice"] = sorted(
+        body["advice"], key=lambda k: (k[0], -1 if k[1] is None else k[1], k[2])
+    )
     return body
 
 

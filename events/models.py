@@ -9,7 +9,7 @@ against hostile inbox entries: nothing unbounded gets past validation.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
 
@@ -154,6 +154,8 @@ class JobConfig(BaseModel):
     batch_size: Annotated[int, Field(ge=1, le=2**31)] = 32
     straggler_factor: Annotated[float, Field(gt=1, le=1000, allow_inf_nan=False)] = 1.5
     straggler_steps: Annotated[int, Field(ge=1, le=10_000)] = 5
+    gpu_rules: tuple[dict[str, Any], ...] | None = Field(default=None, max_length=256)
+    """GPU rules as the coordinator validated them (None: cohort's defaults)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> JobConfig:

@@ -31,6 +31,8 @@ from events.errors import DecodeError
 from events.keys import Keys
 from events.models import (
     Command,
+    GpuDevice,
+    GpuReading,
     Heartbeat,
     Join,
     Leave,
@@ -40,6 +42,7 @@ from events.models import (
 from events.shards import Range
 from events.streams import ZERO, Entry, Inbox, Journal
 
+from . import gpu
 from . import view as views
 from .errors import (
     ActivationTimeout,
@@ -53,8 +56,9 @@ from .errors import (
     WorkerError,
     WorldChangedError,
 )
+from .gpu import GpuProbe
 from .retry import RETRYABLE, Link, describe, with_retry
-from .view import Assignment, View
+from .view import Assignment, GpuAdvice, View
 
 T = TypeVar("T")
 
@@ -80,6 +84,8 @@ class Worker:
         clock: Clock | None = None,
         heartbeat_interval: float | None = None,
         log: logging.Logger | None = None,
+        gpu_interval: float | None = None,
+        gpu_probe: GpuProbe | None = None,
     ) -> None:
         self.conn = conn
         self.keys = Keys(job)
@@ -107,6 +113,9 @@ class Worker:
         self._progress: tuple[int, int] | None = None  # (last finished step, its world)
         self._began: tuple[int, int] | None = None  # (step, world) of the last batch() call
         self._signals = 0
+        self._gpu_interval = gpu_interval
+        self._gpu_probe = gpu_probe
+        self._advice_callbacks: list[Callable[[GpuAdvice], None]] = []
 
     # ------------------------------------------------------------ reading
     @property
@@ -214,6 +223,14 @@ class Worker:
             threading.Thread(target=self._tail, name=f"cohort-tail-{self.id}", daemon=True),
             threading.Thread(target=self._beat, name=f"cohort-heartbeat-{self.id}", daemon=True),
         ]
+        if self._gpu_interval:
+            probe = self._gpu_probe or gpu.probe(self.log)
+            sampler = gpu.GpuSampler(
+                probe, self._send_gpu, self._gpu_interval, self._stop, log=self.log
+            )
+            self._threads.append(
+                threading.Thread(target=sampler.run, name=f"cohort-gpu-{self.id}", daemon=True)
+            )
         for thread in self._threads:
             thread.start()
 
@@ -425,6 +442,38 @@ class Worker:
                     raise timeout_error()
                 self._cond.wait(remaining)
 
+    # ------------------------------------------------------------ GPU telemetry and advice
+    @property
+    def advice(self) -> GpuAdvice:
+        """The coordinator's current GPU advice for this worker (prefetch factor, delays)."""
+        return views.gpu_advice(self.view)
+
+    def on_advice(self, callback: Callable[[GpuAdvice], None]) -> None:
+        """Call `callback(advice)` from the journal thread whenever this worker's advice changes
+        (a data loader adjusts its prefetch depth there). Exceptions are logged, not raised."""
+        self._advice_callbacks.append(callback)
+
+    def _send_gpu(self, devices: tuple[GpuDevice, ...]) -> None:
+        if self.view.member:
+            self._send(
+                GpuReading(at=self.clock.now(), job=self.job, worker=self.id, devices=devices)
+            )
+
+    def _advice_changed(self, view: View) -> None:
+        advice = views.gpu_advice(view)
+        self.log.info(
+            "worker %s GPU advice now: prefetch x%g, delay %gs, model files first: %s",
+            self.id,
+            advice.prefetch_factor,
+            advice.delay_seconds,
+            advice.prioritise_model_files,
+        )
+        for callback in list(self._advice_callbacks):
+            try:
+                callback(advice)
+            except Exception:
+                self.log.exception("GPU advice callback %r failed", callback)
+
     def _fold(self, rows: list[Entry]) -> None:
         """Apply a reply's entries, then publish the view and wake waiters once."""
         if not rows:
@@ -445,6 +494,8 @@ class Worker:
             if view.config is not before.config:
                 self._wake.set()
             self._cond.notify_all()
+        if view.advice != before.advice:
+            self._advice_changed(view)
 
     def _undecodable_fact(self, entry: Entry, exc: DecodeError) -> None:
         kind = exc.reason.split("'")[1] if exc.reason.startswith("invalid '") else exc.reason

@@ -63,6 +63,8 @@ class View:
     plans: tuple[Plan, ...] = ()
     last_committed: int = -1
     paused: bool = False
+    advice: tuple[m.GpuAdviceIssued, ...] = ()
+    """This worker's active GPU advice, oldest first."""
 
     # ------------------------------------------------------------ the current plan
     @property
@@ -123,6 +125,31 @@ class View:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class GpuAdvice:
+    """What this worker's data loader should do now, all its active GPU advice combined.
+
+    The smallest reduce_prefetch factor (two hot GPUs do not quarter the prefetch depth),
+    the longest transfer delay, and whether any rule asks to load model files first.
+    """
+
+    prefetch_factor: float = 1.0
+    delay_seconds: float = 0.0
+    prioritise_model_files: bool = False
+    rules: tuple[str, ...] = ()
+
+
+def gpu_advice(view: View) -> GpuAdvice:
+    factors = [a.factor for a in view.advice if a.action == "reduce_prefetch" and a.factor]
+    delays = [a.seconds for a in view.advice if a.action == "delay_transfers" and a.seconds]
+    return GpuAdvice(
+        prefetch_factor=min(factors, default=1.0),
+        delay_seconds=max(delays, default=0.0),
+        prioritise_model_files=any(a.action == "prioritise_model_files" for a in view.advice),
+        rules=tuple(dict.fromkeys(a.rule for a in view.advice)),
+    )
+
+
 def apply(view: View, fact: m.Fact) -> View:
     """The view after `fact`. Facts about other workers only change the member set."""
     me = view.worker
@@ -161,7 +188,11 @@ def apply(view: View, fact: m.Fact) -> View:
             if fact.worker != me:
                 return view
             return replace(
-                view, status="outside", left=True, removed_reason=f"left ({fact.reason or 'left'})"
+                view,
+                status="outside",
+                left=True,
+                advice=(),
+                removed_reason=f"left ({fact.reason or 'left'})",
             )
         case m.WorkerFailed():
             view = replace(view, members=view.members - {fact.worker})
@@ -171,6 +202,7 @@ def apply(view: View, fact: m.Fact) -> View:
                 view,
                 status="outside",
                 failed=True,
+                advice=(),
                 removed_reason=f"declared failed: no heartbeat for {fact.timeout:g} s",
             )
         case m.WorldChanged():
@@ -195,6 +227,16 @@ def apply(view: View, fact: m.Fact) -> View:
             return view
         case m.StragglerDetected() | m.StragglerCleared() | m.WeightsDiverged():
             return view
+        case m.GpuAdviceIssued():
+            if fact.worker != me:
+                return view
+            kept = tuple(a for a in view.advice if (a.device, a.rule) != (fact.device, fact.rule))
+            return replace(view, advice=(*kept, fact))
+        case m.GpuAdviceCleared():
+            if fact.worker != me:
+                return view
+            kept = tuple(a for a in view.advice if (a.device, a.rule) != (fact.device, fact.rule))
+            return replace(view, advice=kept)
         case m.TrainingPaused():
             return replace(view, paused=True)
         case m.TrainingResumed():

@@ -5,6 +5,9 @@ from __future__ import annotations
 from coordinator.audit import audit
 from coordinator.state import dump, load, state_hash
 from events.models import (
+    GpuAdviceIssued,
+    GpuDevice,
+    GpuReading,
     JoinRefused,
     StepCommitted,
     StepDone,
@@ -251,3 +254,36 @@ def test_ranks_reporting_different_weight_digests_after_a_commit_are_named() -> 
         StepDone(at=job.now, job="unit", worker=w, step=2, world=1, digest="cc" * 8) for w in "abc"
     ]
     assert "WeightsDiverged" not in types([f for c in agreeing for f in job.send(c)])
+
+
+def _reading(job: Job, worker: str, used: int, temperature: float = 50.0):  # type: ignore[no-untyped-def]
+    device = GpuDevice(
+        index=0, name="A100", memory_total=100, memory_used=used, temperature=temperature
+    )
+    return job.send(GpuReading(at=job.now, job="unit", worker=worker, devices=(device,)))
+
+
+def test_gpu_memory_pressure_gets_reduce_prefetch_advice_that_clears_with_hysteresis() -> None:
+    job = Job()
+    job.start("a")
+    issued = _reading(job, "a", used=92)
+    assert "GpuAdviceIssued" in types(issued)
+    advice = next(
+        f for f in issued if isinstance(f, GpuAdviceIssued) and f.action == "reduce_prefetch"
+    )
+    assert (advice.worker, advice.device, advice.factor, advice.value) == ("a", 0, 0.5, 92.0)
+    assert _reading(job, "a", used=93) == ()  # still hot: nothing new
+    assert _reading(job, "a", used=83) == ()  # inside the hysteresis band: holds
+    cleared = _reading(job, "a", used=60)
+    assert {type(f).__name__ for f in cleared} == {"GpuAdviceCleared"}
+    assert job.state.advice == frozenset()
+    assert job.replayed() == job.state
+
+
+def test_a_departing_worker_takes_its_gpu_advice_with_it() -> None:
+    job = Job()
+    job.start("a")
+    _reading(job, "a", used=92)
+    assert job.state.advice
+    job.leave("a")
+    assert job.state.advice == frozenset()

@@ -229,3 +229,40 @@ def test_a_fact_the_worker_has_no_use_for_leaves_the_view_unchanged() -> None:
     newer = m.LeaderElected.model_construct(at=1.0, job=JOB, coordinator="c", epoch=1)
     assert apply(view, object()) is view  # type: ignore[arg-type]
     assert apply(view, newer) is view
+
+
+def test_gpu_advice_combines_to_the_smallest_factor_and_longest_delay() -> None:
+    from events.models import GpuAdviceCleared, GpuAdviceIssued
+    from worker.view import View, apply, gpu_advice
+
+    def issued(device: int, rule: str, action: str, **kw: float) -> GpuAdviceIssued:
+        return GpuAdviceIssued(
+            at=0,
+            job="j",
+            worker="me",
+            device=device,
+            rule=rule,
+            action=action,
+            metric="memory_pct",
+            value=95,
+            threshold=85,
+            **kw,
+        )
+
+    view = View(worker="me")
+    view = apply(view, issued(0, "mem", "reduce_prefetch", factor=0.5))
+    view = apply(view, issued(1, "mem2", "reduce_prefetch", factor=0.25))
+    view = apply(view, issued(0, "hot", "delay_transfers", seconds=30))
+    advice = gpu_advice(view)
+    assert (advice.prefetch_factor, advice.delay_seconds) == (0.25, 30)
+    view = apply(
+        view,
+        GpuAdviceCleared(
+            at=0, job="j", worker="me", device=1, rule="mem2", metric="memory_pct", value=40
+        ),
+    )
+    assert gpu_advice(view).prefetch_factor == 0.5
+    other = apply(
+        view, issued(0, "x", "prioritise_model_files").model_copy(update={"worker": "someone-else"})
+    )
+    assert not gpu_advice(other).prioritise_model_files
