@@ -42,7 +42,7 @@ def test_compose_runs_redis_with_aof_two_coordinators_and_workers() -> None:
     )
     coordinators = [s for s in services.values() if "coordinator" in s.get("command", [])]
     assert len(coordinators) == 2
-    assert services["worker"]["command"][0] == "worker"
+    assert services["worker"]["command"][0] == "example-worker"
     for name in ("coordinator-1", "coordinator-2", "worker"):
         assert services[name]["environment"]["COHORT_REDIS_URL"] == "redis://redis:6379/0"
 
