@@ -25,6 +25,7 @@ import numpy as np
 from worker.client import Worker
 from worker.collective import Collective
 from worker.errors import CommitTimeout, Removed, WaitTimeout, WorldChangedError
+from worker.view import Assignment
 
 from . import mlp
 
@@ -39,12 +40,13 @@ def train_step(
     ranges: Any,
     step: int,
     lr: float,
+    world: int | None = None,
 ) -> tuple[mlp.Params, float, int, int]:
     """One synchronous data-parallel step: (new params, global mean loss, samples, correct)."""
     x, y = data.take(ranges)
     grads, loss, correct = mlp.gradients(params, x, y)
     stats = np.array([len(y), loss, correct], dtype=np.float64)
-    mean = collective.allreduce({**grads, "_stats": stats}, step)
+    mean = collective.allreduce({**grads, "_stats": stats}, step, world=world)
     count = float(mean["_stats"][0])  # the mean count over ranks: every sum divided alike
     if count == 0:
         return params, 0.0, 0, 0
@@ -93,7 +95,7 @@ def run(
                 continue
             if assignment.world_version != world:
                 try:
-                    params = _sync(collective, params, assignment.start_step)
+                    params = _sync(collective, params, assignment)
                 except WorldChangedError:
                     continue
                 summary["world_changes"] += world != 0
@@ -104,7 +106,7 @@ def run(
             started = time.monotonic()
             try:
                 params, loss, samples, _ = train_step(
-                    params, collective, data, worker.batch(step), step, lr
+                    params, collective, data, worker.batch(step), step, lr, world
                 )
             except WorldChangedError:
                 continue  # aborted before anything was applied
@@ -133,10 +135,12 @@ def run(
     return _finish(summary, params, data)
 
 
-def _sync(collective: Collective, params: mlp.Params, start_step: int) -> mlp.Params:
+def _sync(collective: Collective, params: mlp.Params, assignment: Assignment) -> mlp.Params:
     """At the start of a world every rank takes rank 0's weights."""
-    me = collective.world()
-    got = collective.broadcast(params if me.rank == 0 else None, root=0, step=start_step)
+    mine = params if assignment.rank == 0 else None
+    got = collective.broadcast(
+        mine, root=0, step=assignment.start_step, world=assignment.world_version
+    )
     return {k: np.array(v, dtype=np.float64) for k, v in got.items()}
 
 

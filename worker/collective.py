@@ -39,11 +39,13 @@ an aborted step is retried in a new world and never collides with itself.
 from __future__ import annotations
 
 import hashlib
+import logging
+import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import redis
@@ -56,7 +58,11 @@ from events.streams import ZERO
 
 from . import tensors as blobs
 from .errors import WaitTimeout, WorkerError, WorldChangedError
+from .retry import Link, describe, with_retry
 from .view import Assignment
+
+T = TypeVar("T")
+LOG = logging.getLogger("cohort.collective")
 
 TTL_MS = 10 * 60 * 1000
 """Every collective key expires after this, whatever happens to the ranks that wrote it."""
@@ -242,10 +248,15 @@ class _Call:
 
     def notify(self, phase: str, **extra: str | int) -> None:
         fields: dict[str, str | int] = {"p": phase, "r": self.world.rank, **extra}
-        pipe = self.owner.conn.pipeline(transaction=False)
-        pipe.xadd(self.events, fields)  # type: ignore[arg-type]
-        pipe.pexpire(self.events, TTL_MS)
-        pipe.execute()
+
+        def send() -> None:
+            pipe = self.owner.conn.pipeline(transaction=False)
+            pipe.xadd(self.events, fields)  # type: ignore[arg-type]
+            pipe.pexpire(self.events, TTL_MS)
+            pipe.execute()
+
+        # A notice sent twice after a lost reply is harmless: readers keep one per rank.
+        self.owner.retry(send, self, f"notifying {phase!r}")
 
     def arrivals(self, phase: str, ranks: set[int]) -> Iterator[tuple[int, dict[bytes, bytes]]]:
         """Each of `ranks` with its notice of `phase`, as the notices arrive."""
@@ -284,7 +295,11 @@ class _Call:
                 f"{self.timeout:g} s; those ranks are slow, stuck or gone"
             )
         block = max(1, int(min(remaining, WAKE_S) * 1000))
-        reply = self.owner.conn.xread(self.positions, block=block)  # type: ignore[arg-type]
+        reply = self.owner.retry(
+            lambda: self.owner.conn.xread(self.positions, block=block),  # type: ignore[arg-type]
+            self,
+            "waiting for peers",
+        )
         for key, rows in _streams(reply):
             if rows:
                 self.positions[key] = rows[-1][0]
@@ -318,14 +333,26 @@ class Collective:
         pool_class = getattr(conn.connection_pool, "connection_class", type(None))
         self.fast_set = pool_class.__module__.split(".")[0] == "redis"
         """True: SETs hand array memory to the socket; False (fakeredis): join, then SET."""
+        link = getattr(worker, "link", None)
+        self.link: Link = link if isinstance(link, Link) else Link(LOG, describe(conn))
+        self._never = threading.Event()
 
     # ------------------------------------------------------------ public
     def allreduce(
-        self, tensors: Mapping[str, np.ndarray], step: int, timeout: float = 60.0
+        self,
+        tensors: Mapping[str, np.ndarray],
+        step: int,
+        timeout: float = 60.0,
+        world: int | None = None,
     ) -> dict[str, np.ndarray]:
-        """The mean of `tensors` over the ranks of the current world (same names and shapes)."""
+        """The mean of `tensors` over the ranks of the current world (same names and shapes).
+
+        `world`: the world version the caller prepared this step for. If the worker has
+        already moved on to another world, WorldChangedError is raised instead of running
+        the step in a world whose start (e.g. a weights broadcast) the caller never saw.
+        """
         layout, flats = flatten(tensors)
-        call = self._begin("allreduce", step, timeout)
+        call = self._begin("allreduce", step, timeout, world)
         if call is None:
             return unflatten(layout, {g: f.copy() for g, f in flats.items()})
         return self._run(call, lambda: self._allreduce(call, layout, flats))
@@ -336,9 +363,10 @@ class Collective:
         root: int,
         step: int,
         timeout: float = 60.0,
+        world: int | None = None,
     ) -> dict[str, np.ndarray]:
         """`root`'s tensors on every rank (read-only views on receivers; `root` passes its own)."""
-        call = self._begin("broadcast", step, timeout)
+        call = self._begin("broadcast", step, timeout, world)
         size = call.world.size if call else 1
         if not 0 <= root < size:
             raise CollectiveError(f"broadcast root {root} is not a rank of a world of {size}")
@@ -349,9 +377,9 @@ class Collective:
             return dict(tensors or {})
         return self._run(call, lambda: self._broadcast(call, tensors, root))
 
-    def barrier(self, step: int, timeout: float = 60.0) -> None:
+    def barrier(self, step: int, timeout: float = 60.0, world: int | None = None) -> None:
         """Return once every rank of the current world reached the barrier of `step`."""
-        call = self._begin("barrier", step, timeout)
+        call = self._begin("barrier", step, timeout, world)
         if call is None:
             return
         others = set(range(call.world.size)) - {call.world.rank}
@@ -373,9 +401,13 @@ class Collective:
             if member.world_version == version:
                 return world
 
-    def _begin(self, op: str, step: int, timeout: float) -> _Call | None:
+    def _begin(
+        self, op: str, step: int, timeout: float, expected: int | None = None
+    ) -> _Call | None:
         """Fix the world and the journal position; None for a world of one (nothing to do)."""
         world = self.world()
+        if expected is not None and world.version != expected:
+            raise WorldChangedError(step, self.worker.assignment)
         if world.size == 1:
             return None
         call = _Call(
@@ -412,8 +444,22 @@ class Collective:
             if keys:
                 self.conn.unlink(*keys)
 
+    def retry(self, op: Callable[[], T], call: _Call, what: str) -> T:
+        """`op` retried with backoff while Redis is unreachable, until the call's deadline.
+
+        Every Redis operation of a collective is idempotent (SET of the same bytes, GET,
+        XREAD from the same positions, a notice readers dedupe by rank), so a restart of
+        Redis with its AOF costs the step time, not the step.
+        """
+        return with_retry(
+            op, self._never, self.link, f"{call.what()}: {what}", deadline=call.deadline
+        )
+
     def _store(self, call: _Call, items: list[tuple[str, list[blobs.Part]]]) -> None:
         call.written.extend(key for key, _ in items)
+        self.retry(lambda: self._store_once(items), call, "storing chunks")
+
+    def _store_once(self, items: list[tuple[str, list[blobs.Part]]]) -> None:
         if not self.fast_set:
             pipe = self.conn.pipeline(transaction=False)
             for key, parts in items:
@@ -434,7 +480,7 @@ class Collective:
             pool.release(connection)
 
     def _fetch(self, call: _Call, key: str) -> dict[str, np.ndarray]:
-        raw: Any = self.conn.get(key)
+        raw: Any = self.retry(lambda: self.conn.get(key), call, f"reading {key}")
         if raw is None:
             call.check_world()
             raise CollectiveError(f"{call.what()}: {key} is gone (expired or deleted)")
