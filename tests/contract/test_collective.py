@@ -288,3 +288,13 @@ def test_barrier_waits_for_every_rank(connect_more: Callable[[], redis.Redis]) -
 def test_sets_bypass_the_joining_packer_only_on_a_real_server(conn: redis.Redis) -> None:
     c = Collective(conn, JOB, StandIn(id="w0", rank=0, world_size=1))
     assert c.fast_set is not isinstance(conn, fakeredis.FakeRedis)
+
+
+def test_a_call_prepared_for_an_older_world_is_refused_before_it_writes(conn: redis.Redis) -> None:
+    member = StandIn(id="w0", rank=0, world_size=2, world_version=4)
+    collective = Collective(conn, JOB, member)
+    with pytest.raises(WorldChangedError):
+        collective.allreduce({"x": np.ones(4, "<f4")}, 7, world=3)
+    with pytest.raises(WorldChangedError):
+        collective.broadcast({"x": np.ones(4, "<f4")}, root=0, step=7, world=3)
+    assert conn.keys(f"{KEYS.prefix}:*") == []
