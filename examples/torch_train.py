@@ -88,13 +88,15 @@ def train_step(
     data: Data,
     ranges: tuple[Range, ...],
     step: int,
+    world: int | None = None,
 ) -> float:
     """One synchronous data-parallel step; this rank's loss."""
     x, y = data.take(ranges)
     optimizer.zero_grad()
     loss = loss_of(model, x, y)
     loss.backward()
-    cohort_torch.sync_gradients(model, collective, step)  # the mean gradient, as DDP
+    # the mean gradient, as DDP; refused if the worker moved to a world it has not synced
+    cohort_torch.sync_gradients(model, collective, step, world=world)
     optimizer.step()
     return float(loss)
 
@@ -127,7 +129,11 @@ def run(
             if assignment.world_version != world:  # a new world: everyone takes rank 0's state
                 try:
                     cohort_torch.broadcast_state(
-                        model, optimizer, collective, assignment.start_step
+                        model,
+                        optimizer,
+                        collective,
+                        assignment.start_step,
+                        world=assignment.world_version,
                     )
                 except WorldChangedError:
                     continue
@@ -137,7 +143,9 @@ def run(
             before = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
             started = time.monotonic()
             try:
-                loss = train_step(model, optimizer, collective, data, worker.batch(step), step)
+                loss = train_step(
+                    model, optimizer, collective, data, worker.batch(step), step, world
+                )
             except WorldChangedError:
                 rollback(model, optimizer, before)
                 continue

@@ -135,13 +135,16 @@ def _average(
     step: int,
     channel: int,
     bucket_bytes: int,
+    world: int | None = None,
 ) -> list[tuple[torch.Tensor, np.ndarray]]:
     """Each tensor with its mean over the world, bucket by bucket; nothing is written yet."""
     out: list[tuple[torch.Tensor, np.ndarray]] = []
     try:
         for i, bucket in enumerate(buckets(named, bucket_bytes)):
             mean = collective.allreduce(
-                {name: _averaged_array(t) for name, t in bucket}, call_id(step, channel, i)
+                {name: _averaged_array(t) for name, t in bucket},
+                call_id(step, channel, i),
+                world=world,
             )
             out.extend((t, mean[name]) for name, t in bucket)
     except WorldChangedError as exc:  # say which training step was aborted, not the call id
@@ -154,8 +157,12 @@ def sync_gradients(
     collective: Collective,
     step: int,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    world: int | None = None,
 ) -> None:
     """Replace each parameter's `.grad` by its mean over the ranks of the world, as DDP does.
+
+    `world`: the world version the loop synced its state for (WorldChangedError if the
+    worker has moved on since).
 
     Call it after `backward()` and before `optimizer.step()`. A parameter without a gradient
     on this rank counts as a zero gradient (every rank must send the same tensors). Buckets
@@ -170,7 +177,7 @@ def sync_gradients(
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         named.append((name, param.grad))
-    for grad, mean in _average(named, collective, step, GRADIENTS, bucket_bytes):
+    for grad, mean in _average(named, collective, step, GRADIENTS, bucket_bytes, world):
         _write_back(grad, mean)
 
 
@@ -285,6 +292,7 @@ def broadcast_state(
     collective: Collective,
     step: int,
     root: int = 0,
+    world: int | None = None,
 ) -> None:
     """Give every rank `root`'s model and optimizer state (call it at the start of a world).
 
@@ -297,6 +305,7 @@ def broadcast_state(
             state_tensors(model, optimizer) if mine else None,
             root=root,
             step=call_id(step, STATE),
+            world=world,
         )
     except WorldChangedError as exc:
         raise WorldChangedError(step, exc.assignment) from exc

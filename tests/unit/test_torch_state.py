@@ -78,7 +78,9 @@ class FakeCollective:
         self.group.barrier.wait()
         return out
 
-    def allreduce(self, tensors: Mapping[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
+    def allreduce(
+        self, tensors: Mapping[str, np.ndarray], step: int, world: int | None = None
+    ) -> dict[str, np.ndarray]:
         def mean(got: dict[int, Any]) -> dict[str, np.ndarray]:
             return {
                 name: (sum(got[r][name].astype(np.float64) for r in got) / len(got)).astype(
@@ -90,7 +92,11 @@ class FakeCollective:
         return self._exchange("allreduce", step, dict(tensors), mean)  # type: ignore[no-any-return]
 
     def broadcast(
-        self, tensors: Mapping[str, np.ndarray] | None, root: int, step: int
+        self,
+        tensors: Mapping[str, np.ndarray] | None,
+        root: int,
+        step: int,
+        world: int | None = None,
     ) -> dict[str, np.ndarray]:
         def copy(got: dict[int, Any]) -> dict[str, np.ndarray]:
             return {k: np.array(v) for k, v in got[root].items()}
