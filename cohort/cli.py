@@ -358,17 +358,36 @@ def coordinator(
 # ---------------------------------------------------------------- worker
 
 
+def worker_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The options every worker command shares: its name and GPU sampling."""
+    command = click.option(
+        "--id", "worker_id", metavar="NAME", help="Worker name (default host-pid-random)."
+    )(command)
+    return click.option(
+        "--gpu-interval",
+        type=click.FloatRange(min=0),
+        default=5.0,
+        show_default=True,
+        help="Seconds between NVML GPU readings sent to the coordinator (0: none).",
+    )(command)
+
+
+def _worker_client(
+    ctx: click.Context, job: str, worker_id: str | None, gpu_interval: float, name: str
+) -> tuple[redis.Redis, Any]:
+    """A connected Worker whose first SIGINT/SIGTERM finishes the step and leaves."""
+    from worker.client import Worker
+
+    conn = _connect(ctx, name)
+    client = Worker(conn, job, worker_id=worker_id, gpu_interval=gpu_interval or None)
+    client.install_signal_handlers()
+    return conn, client
+
+
 @main.command()
 @job_option
 @redis_url_option
-@click.option(
-    "--gpu-interval",
-    type=click.FloatRange(min=0),
-    default=5.0,
-    show_default=True,
-    help="Seconds between NVML GPU readings sent to the coordinator (0: none).",
-)
-@click.option("--id", "worker_id", metavar="NAME", help="Worker name (default host-pid-random).")
+@worker_options
 @click.option(
     "--steps",
     type=click.IntRange(min=1),
@@ -397,13 +416,10 @@ def worker(
     It uses exactly the API a real training script uses (worker.Worker). The first
     SIGINT/SIGTERM finishes the current step and leaves; a second exits at once.
     """
-    from worker.client import Worker
     from worker.errors import WorkerError
     from worker.simulated import run
 
-    conn = _connect(ctx, "cohort-worker")
-    client = Worker(conn, job, worker_id=worker_id, gpu_interval=gpu_interval or None)
-    client.install_signal_handlers()
+    _, client = _worker_client(ctx, job, worker_id, gpu_interval, "cohort-worker")
     try:
         summary = run(client, steps=steps, step_time=step_time, stop=client.stopping)
     except WorkerError as exc:
@@ -414,14 +430,7 @@ def worker(
 @main.command("example-worker")
 @job_option
 @redis_url_option
-@click.option(
-    "--gpu-interval",
-    type=click.FloatRange(min=0),
-    default=5.0,
-    show_default=True,
-    help="Seconds between NVML GPU readings sent to the coordinator (0: none).",
-)
-@click.option("--id", "worker_id", metavar="NAME", help="Worker name (default host-pid-random).")
+@worker_options
 @click.option(
     "--steps",
     type=click.IntRange(min=1),
@@ -475,15 +484,12 @@ def example_worker(
     """
     import numpy as np
 
-    from worker.client import Worker
     from worker.collective import Collective
     from worker.errors import WorkerError
 
     from .example import run
 
-    conn = _connect(ctx, "cohort-example-worker")
-    client = Worker(conn, job, worker_id=worker_id, gpu_interval=gpu_interval or None)
-    client.install_signal_handlers()
+    conn, client = _worker_client(ctx, job, worker_id, gpu_interval, "cohort-example-worker")
     try:
         summary = run(
             client, Collective(conn, job, client), steps=steps, lr=lr, seed=seed, pace=pace

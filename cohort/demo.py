@@ -28,9 +28,11 @@ from rich.table import Table
 
 from coordinator.audit import audit
 from coordinator.replay import JournalWatch, describe, export, from_redis
+from coordinator.shards import leftover
 from events.connection import RedisSettings, connect
 from events.keys import Keys
 from events.models import LeaderElected, StepCommitted, WorkerFailed
+from events.shards import range_count
 from events.streams import Journal
 
 from .localredis import LocalRedis
@@ -115,10 +117,10 @@ def _epoch_done(watch: JournalWatch) -> tuple[int, int]:
     if state.config is None:
         return 0, 1
     total = state.config.dataset_size
-    left = sum(r for r in (s.size for s in state.shards)) - (
-        state.next_step - state.base_step
-    ) * state.config.batch_size * len(state.shards)
-    return max(0, min(total, total - max(0, left) - state.unassigned.size)), total
+    rest = leftover(
+        state.shards, state.base_step, state.next_step, state.config.batch_size, state.unassigned
+    )
+    return total - range_count(rest), total
 
 
 def _interrupt(signum: int, frame: object) -> None:

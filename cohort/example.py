@@ -24,7 +24,7 @@ import numpy as np
 
 from worker.client import Worker
 from worker.collective import Collective
-from worker.errors import CommitTimeout, Removed, WaitTimeout, WorldChangedError
+from worker.errors import Removed, WaitTimeout, WorldChangedError
 from worker.view import Assignment
 
 from . import mlp
@@ -119,7 +119,7 @@ def run(
                 digest=mlp.digest(params),
                 loss=loss,
             )
-            if not _committed(worker, step, stop):
+            if not worker.committed(step, stop):
                 params = before  # the step was aborted: undo it
                 continue
             summary["steps"] += 1
@@ -142,18 +142,6 @@ def _sync(collective: Collective, params: mlp.Params, assignment: Assignment) ->
         mine, root=0, step=assignment.start_step, world=assignment.world_version
     )
     return {k: np.array(v, dtype=np.float64) for k, v in got.items()}
-
-
-def _committed(worker: Worker, step: int, stop: threading.Event) -> bool:
-    while True:
-        try:
-            worker.wait_committed(step, POLL)
-            return True
-        except WorldChangedError:
-            return False
-        except CommitTimeout:
-            if stop.is_set():
-                return False
 
 
 def _finish(summary: dict[str, Any], params: mlp.Params, data: mlp.Dataset) -> dict[str, Any]:

@@ -40,13 +40,14 @@ def _member(state: JobState, worker: str, **changes: object) -> JobState:
     return replace(state, members={**state.members, worker: replace(old, **changes)})  # type: ignore[arg-type]
 
 
-def _without(state: JobState, worker: str) -> dict[str, Member]:
-    return {w: m for w, m in state.members.items() if w != worker}
-
-
-def _advice_without(state: JobState, worker: str) -> frozenset[tuple[str, int | None, str]]:
-    """A member that is gone takes its GPU advice with it."""
-    return frozenset(key for key in state.advice if key[0] != worker)
+def _gone(state: JobState, worker: str, **count: int) -> JobState:
+    """A member left or failed: it goes, with its GPU advice."""
+    return replace(
+        state,
+        members={w: m for w, m in state.members.items() if w != worker},
+        advice=frozenset(key for key in state.advice if key[0] != worker),
+        counters=_count(state.counters, **count),
+    )
 
 
 def _count(counters: Counters, **inc: int) -> Counters:
@@ -82,19 +83,9 @@ def evolve(state: JobState, fact: Fact) -> JobState:
         case WorkerLeaving():
             return _member(state, fact.worker, status="draining", leave_after=fact.after_step)
         case WorkerLeft():
-            return replace(
-                state,
-                members=_without(state, fact.worker),
-                advice=_advice_without(state, fact.worker),
-                counters=_count(state.counters, left=1),
-            )
+            return _gone(state, fact.worker, left=1)
         case WorkerFailed():
-            return replace(
-                state,
-                members=_without(state, fact.worker),
-                advice=_advice_without(state, fact.worker),
-                counters=_count(state.counters, failed=1),
-            )
+            return _gone(state, fact.worker, failed=1)
         case WorldChanged():
             return replace(
                 state,

@@ -40,7 +40,7 @@ from events.shards import Range  # noqa: E402
 from worker import torch as cohort_torch  # noqa: E402
 from worker.client import Worker  # noqa: E402
 from worker.collective import Collective  # noqa: E402
-from worker.errors import CommitTimeout, Removed, WaitTimeout, WorldChangedError  # noqa: E402
+from worker.errors import Removed, WaitTimeout, WorldChangedError  # noqa: E402
 
 log = logging.getLogger("cohort.torch_train")
 POLL = 0.5
@@ -150,7 +150,7 @@ def run(
                 rollback(model, optimizer, before)
                 continue
             worker.step_done(step, step_time=time.monotonic() - started, loss=loss)
-            if not committed(worker, step, stop):
+            if not worker.committed(step, stop):
                 rollback(model, optimizer, before)
                 continue
             summary["steps"] += 1
@@ -169,18 +169,6 @@ def run(
 def rollback(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> None:
     model.load_state_dict(state[0])
     optimizer.load_state_dict(state[1])
-
-
-def committed(worker: Worker, step: int, stop: threading.Event) -> bool:
-    while True:
-        try:
-            worker.wait_committed(step, POLL)
-            return True
-        except WorldChangedError:
-            return False
-        except CommitTimeout:
-            if stop.is_set():
-                return False
 
 
 def params_of(model: torch.nn.Module) -> dict[str, np.ndarray]:

@@ -317,6 +317,24 @@ class Worker:
             raise Removed(self.id, view.removed_reason)
         raise WorldChangedError(step, view.assignment)
 
+    def committed(self, step: int, stop: threading.Event | None = None, poll: float = 0.5) -> bool:
+        """Wait, without a deadline, for `step` to settle: True once it committed, False if a
+        world change aborted it or `stop` (default: `stopping`) was set meanwhile.
+
+        A training loop's "did my step count?": on False it rolls the step back and carries
+        on from the current assignment. Raises Removed if this worker was failed or left.
+        """
+        stop = self.stopping if stop is None else stop
+        while True:
+            try:
+                self.wait_committed(step, poll)
+                return True
+            except WorldChangedError:
+                return False
+            except CommitTimeout:
+                if stop.is_set():
+                    return False
+
     def wait_for_change(self, since_version: int, timeout: float) -> bool:
         """True once the world version exceeds `since_version`; False after `timeout`."""
         try:

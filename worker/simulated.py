@@ -21,7 +21,7 @@ from typing import Any
 from events.shards import Range, range_count
 
 from .client import Worker
-from .errors import CommitTimeout, Removed, Stopped, WaitTimeout, WorldChangedError
+from .errors import Removed, Stopped, WaitTimeout
 
 POLL = 0.5  # how often a long wait looks at the stop event
 
@@ -99,12 +99,9 @@ def run(
 
 def _commit(worker: Worker, step: int, stop: threading.Event) -> int | None:
     """Wait for `step` to commit: None if it did, else the step to continue from."""
-    while True:
-        try:
-            worker.wait_committed(step, POLL)
-            return None
-        except WorldChangedError as exc:
-            return exc.assignment.start_step if exc.assignment else worker.next_step
-        except CommitTimeout:
-            if stop.is_set():
-                return step
+    if worker.committed(step, stop, POLL):
+        return None
+    if stop.is_set():
+        return step
+    assignment = worker.assignment
+    return assignment.start_step if assignment else worker.next_step
