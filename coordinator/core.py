@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from events.models import Command, Fact, WorkerFailed, WorkerLeft
 
 from .decide import decide, tick
-from .fold import evolve
+from .fold import fold
 from .liveness import Liveness
 from .state import JobState
 
@@ -21,8 +21,8 @@ class Core:
     seen: Liveness = field(default_factory=Liveness)
 
     def apply(self, facts: tuple[Fact, ...] | list[Fact]) -> None:
+        self.state = fold(facts, self.state)
         for fact in facts:
-            self.state = evolve(self.state, fact)
             if isinstance(fact, WorkerLeft | WorkerFailed):
                 self.seen.forget(fact.worker)
 

@@ -33,21 +33,20 @@ from events.shards import Shard
 from .state import Counters, JobState, Member
 
 
-def _member(state: JobState, worker: str, **changes: object) -> JobState:
+def _member(state: JobState, worker: str, **changes: object) -> dict[str, object]:
     old = state.members.get(worker)
     if old is None:  # a fact about a worker that already left: nothing to change
-        return state
-    return replace(state, members={**state.members, worker: replace(old, **changes)})  # type: ignore[arg-type]
+        return {}
+    return {"members": {**state.members, worker: replace(old, **changes)}}  # type: ignore[arg-type]
 
 
-def _gone(state: JobState, worker: str, **count: int) -> JobState:
+def _gone(state: JobState, worker: str, **count: int) -> dict[str, object]:
     """A member left or failed: it goes, with its GPU advice."""
-    return replace(
-        state,
-        members={w: m for w, m in state.members.items() if w != worker},
-        advice=frozenset(key for key in state.advice if key[0] != worker),
-        counters=_count(state.counters, **count),
-    )
+    return {
+        "members": {w: m for w, m in state.members.items() if w != worker},
+        "advice": frozenset(key for key in state.advice if key[0] != worker),
+        "counters": _count(state.counters, **count),
+    }
 
 
 def _count(counters: Counters, **inc: int) -> Counters:
@@ -56,26 +55,28 @@ def _count(counters: Counters, **inc: int) -> Counters:
 
 def evolve(state: JobState, fact: Fact) -> JobState:
     """The state after `fact`. Pure; unknown facts cannot reach here (the codec rejects them)."""
-    state = replace(state, facts=state.facts + 1)
+    return replace(state, facts=state.facts + 1, **_changes(state, fact))  # type: ignore[arg-type]
+
+
+def _changes(state: JobState, fact: Fact) -> dict[str, object]:
+    """What `fact` changes, field by field (one new state per fact is built from it)."""
     match fact:
         case JobConfigured():
-            return replace(state, job=fact.job, config=fact.config)
+            return {"job": fact.job, "config": fact.config}
         case LeaderElected():
-            return replace(
-                state,
-                leader=fact.coordinator,
-                leader_epoch=fact.epoch,
-                counters=_count(state.counters, elections=1),
-            )
+            return {
+                "leader": fact.coordinator,
+                "leader_epoch": fact.epoch,
+                "counters": _count(state.counters, elections=1),
+            }
         case WorkerJoined():
             member = Member(fact.worker, "syncing", fact.at, fact.host, fact.pid)
-            return replace(
-                state,
-                members={**state.members, fact.worker: member},
-                counters=_count(state.counters, joined=1),
-            )
+            return {
+                "members": {**state.members, fact.worker: member},
+                "counters": _count(state.counters, joined=1),
+            }
         case JoinRefused():
-            return replace(state, counters=_count(state.counters, refused=1))
+            return {"counters": _count(state.counters, refused=1)}
         case WorkerSynced():
             return _member(state, fact.worker, status="ready", synced_step=fact.step)
         case WorkerActivated():
@@ -87,53 +88,71 @@ def evolve(state: JobState, fact: Fact) -> JobState:
         case WorkerFailed():
             return _gone(state, fact.worker, failed=1)
         case WorldChanged():
-            return replace(
-                state,
-                world_version=fact.version,
-                ranks=fact.ranks,
-                shards=fact.shards,
-                unassigned=fact.unassigned,
-                base_step=fact.start_step,
-                epoch=fact.epoch,
-                started=True,
-                counters=_count(state.counters, world_changes=1),
-            )
+            return {
+                "world_version": fact.version,
+                "ranks": fact.ranks,
+                "shards": fact.shards,
+                "unassigned": fact.unassigned,
+                "base_step": fact.start_step,
+                "epoch": fact.epoch,
+                "started": True,
+                "counters": _count(state.counters, world_changes=1),
+            }
         case StepCommitted():
-            return replace(
-                state,
-                last_committed=fact.step,
-                counters=_count(state.counters, steps_committed=1),
-            )
+            return {
+                "last_committed": fact.step,
+                "counters": _count(state.counters, steps_committed=1),
+            }
         case WeightsDiverged():
-            return replace(state, counters=_count(state.counters, divergences=1))
+            return {"counters": _count(state.counters, divergences=1)}
         case EpochFinished():
-            return replace(state, counters=_count(state.counters, epochs_finished=1))
+            return {"counters": _count(state.counters, epochs_finished=1)}
         case EpochStarted():
-            return replace(
-                state,
-                epoch=fact.epoch,
-                base_step=fact.start_step,
-                shards=fact.shards,
-                unassigned=Shard(),
-            )
+            return {
+                "epoch": fact.epoch,
+                "base_step": fact.start_step,
+                "shards": fact.shards,
+                "unassigned": Shard(),
+            }
         case StragglerDetected():
             return _member(state, fact.worker, straggler=True)
         case StragglerCleared():
             return _member(state, fact.worker, straggler=False)
         case GpuAdviceIssued():
-            return replace(state, advice=state.advice | {(fact.worker, fact.device, fact.rule)})
+            return {"advice": state.advice | {(fact.worker, fact.device, fact.rule)}}
         case GpuAdviceCleared():
-            return replace(state, advice=state.advice - {(fact.worker, fact.device, fact.rule)})
+            return {"advice": state.advice - {(fact.worker, fact.device, fact.rule)}}
         case TrainingPaused():
-            return replace(state, paused=True)
+            return {"paused": True}
         case TrainingResumed():
-            return replace(state, paused=False)
+            return {"paused": False}
     raise TypeError(f"evolve has no branch for {type(fact).__name__}")  # pragma: no cover
 
 
+def _commits(state: JobState, last: StepCommitted, count: int) -> JobState:
+    """`count` StepCommitted facts in a row, ending with `last`: what evolving each gives."""
+    return replace(
+        state,
+        facts=state.facts + count,
+        last_committed=last.step,
+        counters=_count(state.counters, steps_committed=count),
+    )
+
+
 def fold(facts: Iterable[Fact], state: JobState | None = None) -> JobState:
-    """Replay: the state after every fact, from `state` (a snapshot) or from nothing."""
+    """Replay: the state after every fact, from `state` (a snapshot) or from nothing.
+
+    Equal to evolving each fact in turn (a test holds it to that); a run of
+    StepCommitted facts, nearly all of a long journal, becomes one new state.
+    """
     state = JobState() if state is None else state
+    run: list[StepCommitted] = []  # a run of commits: most of a long journal, folded at once
     for fact in facts:
+        if type(fact) is StepCommitted:
+            run.append(fact)
+            continue
+        if run:
+            state = _commits(state, run[-1], len(run))
+            run.clear()
         state = evolve(state, fact)
-    return state
+    return _commits(state, run[-1], len(run)) if run else state

@@ -7,6 +7,7 @@ stream entry `{"stream": "journal"|"inbox"|"dead", "id": ID, "fields": {name: by
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,14 +16,14 @@ from typing import IO, Any
 import msgpack
 import redis
 
-from events.codec import decode_fact
+from events.codec import gc_paused
 from events.errors import DecodeError
 from events.keys import Keys
 from events.models import Fact, WorldChanged
 from events.streams import ZERO, Entry, Journal, Stream, id_after
 
 from .errors import CoordinatorError
-from .fold import evolve
+from .fold import fold
 from .state import JobState, dump, state_hash
 
 EXPORT_FORMAT = "cohort-export"
@@ -43,24 +44,27 @@ class Run:
     inbox: list[Entry] = field(default_factory=list)
     dead: list[Entry] = field(default_factory=list)
 
-    def facts(self, until: str | None = None) -> Iterator[tuple[str, Fact]]:
-        for entry in self.journal:
-            if until is not None and id_after(entry.id, until):
-                return
+    def facts(self, until: str | None = None, batch: int = 4096) -> Iterator[tuple[str, Fact]]:
+        entries = self.journal
+        if until is not None:
+            entries = list(itertools.takewhile(lambda e: not id_after(e.id, until), entries))
+        for start in range(0, len(entries), batch):
+            page = entries[start : start + batch]
             try:
-                yield entry.id, decode_fact(entry.raw or b"")
+                facts = Journal.decode_page(page)
             except DecodeError as exc:
-                raise ReplayError(
-                    f"journal entry {entry.id} cannot be read: {exc.reason}"
-                ) from None
+                bad = page[exc.index or 0].id
+                raise ReplayError(f"journal entry {bad} cannot be read: {exc.reason}") from None
+            yield from zip((entry.id for entry in page), facts, strict=True)
 
 
 def from_redis(conn: redis.Redis, job: str, with_inbox: bool = True) -> Run:
     keys = Keys(job)
-    run = Run(job, journal=_all(Stream(conn, keys.journal)))
-    if with_inbox:
-        run.inbox = _all(Stream(conn, keys.inbox))
-        run.dead = _all(Stream(conn, keys.dead))
+    with gc_paused():
+        run = Run(job, journal=_all(Stream(conn, keys.journal)))
+        if with_inbox:
+            run.inbox = _all(Stream(conn, keys.inbox))
+            run.dead = _all(Stream(conn, keys.dead))
     return run
 
 
@@ -145,23 +149,19 @@ class JournalWatch:
             else self.journal.range(self.journal_id)
         )
         while entries:
-            for entry in entries:
-                fact = self.journal.decode(entry)
-                self.state = evolve(self.state, fact)
-                self.journal_id = entry.id
-                self.facts.append((entry.id, fact))
-                new.append(fact)
+            facts = self.journal.decode_page(entries)
+            self.state = fold(facts, self.state)
+            self.journal_id = entries[-1].id
+            self.facts.extend(zip((entry.id for entry in entries), facts, strict=True))
+            new.extend(facts)
             entries = self.journal.range(self.journal_id, count=4096)
         return new
 
 
 def rebuild(run: Run, until: str | None = None) -> tuple[JobState, list[tuple[str, Fact]]]:
-    state = JobState()
-    timeline = []
-    for entry_id, fact in run.facts(until):
-        state = evolve(state, fact)
-        timeline.append((entry_id, fact))
-    return state, timeline
+    with gc_paused():
+        timeline = list(run.facts(until))
+    return fold(fact for _, fact in timeline), timeline
 
 
 def describe(fact: Fact) -> str:

@@ -186,23 +186,23 @@ class Coordinator:
             entries = self.journal.range(self.journal_id)
         count = 0
         while entries:
-            for entry in entries:
-                self._fold_entry(entry)
-                count += 1
+            self._fold_page(entries)
+            count += len(entries)
             entries = self.journal.range(self.journal_id, count=4096)
         return count
 
-    def _fold_entry(self, entry: Entry) -> None:
+    def _fold_page(self, entries: list[Entry]) -> None:
         try:
-            fact = Journal.decode(entry)
+            facts = Journal.decode_page(entries)
         except DecodeError as exc:
+            bad = entries[exc.index or 0].id
             raise CoordinatorError(
-                f"journal entry {entry.id} of job {self.settings.job!r} cannot be read "
+                f"journal entry {bad} of job {self.settings.job!r} cannot be read "
                 f"({exc.reason}); it was written by a newer cohort: upgrade this coordinator"
             ) from None
-        self.core.apply((fact,))
+        self.core.apply(facts)
         self.committed = self.core.state
-        self.journal_id = entry.id
+        self.journal_id = entries[-1].id
 
     def _follow_once(self) -> None:
         self.catch_up(block_ms=min(self.settings.block_ms, 500))

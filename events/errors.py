@@ -8,12 +8,16 @@ class EventsError(Exception):
 
 
 class DecodeError(EventsError):
-    """An entry could not be turned into an event; `raw` keeps the bytes as received."""
+    """An entry could not be turned into an event; `raw` keeps the bytes as received.
+
+    `index` is the entry's position when it came in a batch (`decode_facts`).
+    """
 
     def __init__(self, reason: str, raw: bytes | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.raw = raw
+        self.index: int | None = None
 
 
 class SettingsError(EventsError):

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.codec import decode_command, decode_fact, encode
+from events.codec import decode_command, decode_fact, decode_facts, encode
 from events.errors import DecodeError
 from events.models import (
     Heartbeat,
@@ -17,6 +17,7 @@ from events.models import (
     JobConfigured,
     Join,
     Leave,
+    StepCommitted,
     StepDone,
     WorldChanged,
 )
@@ -112,6 +113,17 @@ def test_bad_bytes_raise_decode_error_naming_the_problem_and_keeping_the_raw(raw
         decode_command(raw)
     assert reason in caught.value.reason
     assert caught.value.raw in (raw, None) or caught.value.raw == bytes(raw)
+
+
+def test_a_batch_of_facts_decodes_like_each_alone_and_names_its_bad_entry() -> None:
+    facts = [StepCommitted(at=float(i), job="j", step=i, world=1) for i in range(5)]
+    raws = [encode(f) for f in facts]
+    assert decode_facts(raws) == [decode_fact(r) for r in raws] == facts
+    bad = msgpack.packb({"type": "StepCommitted", "v": 1, "at": 0, "job": "j", "step": -1})
+    with pytest.raises(DecodeError) as caught:
+        decode_facts([*raws[:3], bad, *raws[3:]])
+    assert caught.value.index == 3
+    assert "step" in caught.value.reason and caught.value.raw == bad
 
 
 @settings(max_examples=300, deadline=None)

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from coordinator.audit import audit
-from coordinator.state import dump, load
+from coordinator.fold import evolve, fold
+from coordinator.state import JobState, dump, load
 from events.models import LeaderElected, WorldChanged
 
 from .job import Job
@@ -97,6 +98,13 @@ class Membership(RuleBasedStateMachine):
     @invariant()
     def replay_equals_live_state(self) -> None:
         assert self.job.replayed() == self.job.state
+
+    @invariant()
+    def the_batched_fold_equals_evolving_fact_by_fact(self) -> None:
+        state = JobState()
+        for fact in self.job.journal:
+            state = evolve(state, fact)
+        assert state == fold(self.job.journal)
 
     @invariant()
     def ranks_are_a_permutation_of_active_members(self) -> None:
