@@ -76,16 +76,24 @@ def long_run(facts: int, workers: int = 2) -> Iterator[bytes]:
         for rank, worker in enumerate(core.state.ranks):
             slow = step % 97 < 6 and rank == 0  # a straggling streak now and then
             took = STEP_S * (3.0 if slow else 1.0)
-            done = StepDone(at=now, job=JOB, worker=worker, step=step, world=world,
-                            step_time=took, samples=32, digest="ab" * 8, loss=1.0 / (step + 1))
+            done = StepDone(
+                at=now,
+                job=JOB,
+                worker=worker,
+                step=step,
+                world=world,
+                step_time=took,
+                samples=32,
+                digest="ab" * 8,
+                loss=1.0 / (step + 1),
+            )
             yield from emit(core.handle(done, now, now))
             if step % 4 == 0:
                 beat = Heartbeat(at=now, job=JOB, worker=worker, step=step, world=world)
                 yield from emit(core.handle(beat, now, now))
             if step % 50 == 0:
                 hot = 95.0 if step % 200 == 0 else 40.0
-                gpu = GpuDevice(index=0, memory_total=100, memory_used=int(hot),
-                                temperature=60.0)
+                gpu = GpuDevice(index=0, memory_total=100, memory_used=int(hot), temperature=60.0)
                 reading = GpuReading(at=now, job=JOB, worker=worker, devices=(gpu,))
                 yield from emit(core.handle(reading, now, now))
         if step % 1000 == 999 and core.state.ranks:  # the last rank falls silent

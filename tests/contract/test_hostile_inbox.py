@@ -24,20 +24,48 @@ VALID = [
 ]
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=True),
-    st.text(max_size=50), st.binary(max_size=50),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=True),
+    st.text(max_size=50),
+    st.binary(max_size=50),
 )
 values = st.recursive(
-    scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8),
-                                                                         inner, max_size=5),
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
     max_leaves=20,
 )
 hostile_maps = st.fixed_dictionaries(
-    {"type": st.sampled_from(["Join", "Heartbeat", "StepDone", "Leave", "GpuReading",
-                              "WeightsLoaded", "EpochDone", "WorkerJoined", "x" * 300])},
-    optional={"v": values, "at": values, "job": st.sampled_from([JOB, "other", "", "../x"]),
-              "worker": values, "step": values, "world": values, "devices": values,
-              "after_step": values, "digest": values, "extra": values},
+    {
+        "type": st.sampled_from(
+            [
+                "Join",
+                "Heartbeat",
+                "StepDone",
+                "Leave",
+                "GpuReading",
+                "WeightsLoaded",
+                "EpochDone",
+                "WorkerJoined",
+                "x" * 300,
+            ]
+        )
+    },
+    optional={
+        "v": values,
+        "at": values,
+        "job": st.sampled_from([JOB, "other", "", "../x"]),
+        "worker": values,
+        "step": values,
+        "world": values,
+        "devices": values,
+        "after_step": values,
+        "digest": values,
+        "extra": values,
+    },
 ).map(lambda body: msgpack.packb(body, use_bin_type=True))
 
 
@@ -54,14 +82,20 @@ def mutated(draw: st.DrawFn) -> bytes:
             if not raw:
                 break
         else:
-            raw[where:where] = raw[where:where + 8]
+            raw[where:where] = raw[where : where + 8]
     return bytes(raw)
 
 
 entries = st.lists(
-    st.one_of(st.binary(max_size=300), mutated(), hostile_maps, st.sampled_from(VALID),
-              st.just(b"\x00" * 70_000)),
-    min_size=1, max_size=25,
+    st.one_of(
+        st.binary(max_size=300),
+        mutated(),
+        hostile_maps,
+        st.sampled_from(VALID),
+        st.just(b"\x00" * 70_000),
+    ),
+    min_size=1,
+    max_size=25,
 )
 
 
@@ -72,8 +106,12 @@ def test_no_inbox_entry_stops_the_leader_and_each_is_decided_or_dead_lettered(
 ) -> None:
     conn = fakeredis.FakeRedis(server=fakeredis.FakeServer())
     keys = Keys(JOB)
-    leader = Coordinator(conn, ServiceSettings(job=JOB, coordinator="c", block_ms=1,
-                                               config=JobConfig(), allow_volatile=True))
+    leader = Coordinator(
+        conn,
+        ServiceSettings(
+            job=JOB, coordinator="c", block_ms=1, config=JobConfig(), allow_volatile=True
+        ),
+    )
     leader.start()
     leader.step()
     assert leader.leading
