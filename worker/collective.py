@@ -45,7 +45,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import numpy as np
 import redis
@@ -158,6 +158,36 @@ def unflatten(layout: Layout, flats: Mapping[str, np.ndarray]) -> dict[str, np.n
             count = int(np.prod(shape))
             out[name] = flats[g][at : at + count].reshape(shape)
             at += count
+    return out
+
+
+Transport = Literal["float32", "float16"]
+TRANSPORTS: tuple[Transport, ...] = ("float32", "float16")
+HALF_MAX = float(np.finfo(np.float16).max)
+
+
+def _same(chunk: dict[str, np.ndarray], call: _Call) -> dict[str, np.ndarray]:
+    return chunk
+
+
+def _half(chunk: dict[str, np.ndarray], call: _Call) -> dict[str, np.ndarray]:
+    """float32 (and the float64 sums of float32 values) as float16 on the wire; others as they are.
+
+    A finite value beyond float16's range would arrive as inf, so it is refused instead."""
+    out = {}
+    for g, a in chunk.items():
+        if g != "<f4":
+            out[g] = a
+            continue
+        with np.errstate(over="ignore"):  # an overflow is reported below, by value
+            half = a.astype("<f2")
+        if np.isinf(half).any() and not np.isinf(a[np.isinf(half)]).all():
+            biggest = float(np.nanmax(np.abs(a[np.isfinite(a)])))
+            raise CollectiveError(
+                f"{call.what()}: a float32 value of magnitude {biggest:.4g} exceeds float16's "
+                f"range ({HALF_MAX:g}); scale the values down or use transport='float32'"
+            )
+        out[g] = half
     return out
 
 
@@ -344,18 +374,28 @@ class Collective:
         step: int,
         timeout: float = 60.0,
         world: int | None = None,
+        transport: Transport = "float32",
     ) -> dict[str, np.ndarray]:
         """The mean of `tensors` over the ranks of the current world (same names and shapes).
 
         `world`: the world version the caller prepared this step for. If the worker has
         already moved on to another world, WorldChangedError is raised instead of running
         the step in a world whose start (e.g. a weights broadcast) the caller never saw.
+
+        `transport="float16"` sends float32 values as float16 (half the bytes through
+        Redis); sums are still taken in float64, and every rank gets the same result,
+        rounded to float16 once per contribution and once after the mean. Every rank
+        of a step must pass the same transport.
         """
+        if transport not in TRANSPORTS:
+            raise CollectiveError(
+                f"transport {transport!r} is not one of {', '.join(map(repr, TRANSPORTS))}"
+            )
         layout, flats = flatten(tensors)
         call = self._begin("allreduce", step, timeout, world)
         if call is None:
             return unflatten(layout, {g: f.copy() for g, f in flats.items()})
-        return self._run(call, lambda: self._allreduce(call, layout, flats))
+        return self._run(call, lambda: self._allreduce(call, layout, flats, transport))
 
     def broadcast(
         self,
@@ -487,9 +527,11 @@ class Collective:
         return blobs.unpack(raw)
 
     def _allreduce(
-        self, call: _Call, layout: Layout, flats: dict[str, np.ndarray]
+        self, call: _Call, layout: Layout, flats: dict[str, np.ndarray], transport: Transport
     ) -> dict[str, np.ndarray]:
         keys, world, step = self.keys, call.world, call.step
+        wire = _half if transport == "float16" else _same
+        shape = layout.digest if transport == "float32" else f"{layout.digest}/{transport}"
         n, me = world.size, world.rank
         total = sum(f.nbytes for f in flats.values())
         per_rank = blobs.pieces(-(-total // n), self.max_value_bytes)
@@ -514,20 +556,24 @@ class Collective:
         self._store(
             call,
             [
-                (keys.grad(world.version, step, me, i), blobs.pack(piece(i, flats)))
+                (keys.grad(world.version, step, me, i), blobs.pack(wire(piece(i, flats), call)))
                 for i in range(k)
                 if i not in owned
             ],
         )
-        call.notify("scatter", l=layout.digest)
+        call.notify("scatter", l=shape)
 
         # 2. reduce the chunks this rank owns, as contributions arrive
-        sums = {i: {g: a.astype(np.float64) for g, a in piece(i, flats).items()} for i in owned}
+        sums = {
+            i: {g: a.astype(np.float64) for g, a in wire(piece(i, flats), call).items()}
+            for i in owned
+        }
         for rank, notice in call.arrivals("scatter", others):
-            if _s(notice.get(b"l", b"")) != layout.digest:
+            if _s(notice.get(b"l", b"")) != shape:
                 raise CollectiveError(
-                    f"{call.what()}: rank {rank} passed tensors of another layout "
-                    f"(names, dtypes or shapes differ); every rank must pass the same"
+                    f"{call.what()}: rank {rank} passed tensors of another layout or transport "
+                    f"(names, dtypes, shapes or float16/float32 differ); every rank must pass "
+                    "the same"
                 )
             for i in owned:
                 got = check(self._fetch(call, keys.grad(world.version, step, rank, i)), i, rank)
@@ -535,14 +581,18 @@ class Collective:
                     sums[i][g] += a
         result = {g: np.empty(size, dtype=g) for g, size in layout.sizes().items()}
         for i in owned:
-            for g, a in sums[i].items():
+            for a in sums[i].values():
                 np.divide(a, n, out=a)
+            for g, a in wire(sums[i], call).items():  # the owner keeps what the others get
                 result[g][cuts[g][i]] = a
         del sums
         self._store(
             call,
             [
-                (keys.grad_reduced(world.version, step, i), blobs.pack(piece(i, result)))
+                (
+                    keys.grad_reduced(world.version, step, i),
+                    blobs.pack(wire(piece(i, result), call)),
+                )
                 for i in owned
             ],
         )

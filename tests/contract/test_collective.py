@@ -22,6 +22,7 @@ from tests.helpers import wait_until
 from worker.collective import Collective, CollectiveError, CollectiveTimeout, Member
 from worker.errors import WorldChangedError
 from worker.tensors import pieces
+from worker.tensors import unpack as unpack_blob
 from worker.view import Assignment
 
 JOB = "coll"
@@ -144,6 +145,51 @@ def test_allreduce_mixes_dtypes_and_splits_values_over_the_limit(
     assert per_rank > 1
     scattered = list(connect_more().scan_iter(match=KEYS.grad(1, 7, 0, 0)[:-1] + "*"))
     assert len(scattered) == (n - 1) * per_rank  # rank 0's pieces of the chunks it does not own
+
+
+def test_float16_transport_halves_the_bytes_and_every_rank_gets_the_same_result(
+    connect_more: Callable[[], redis.Redis],
+) -> None:
+    n = 3
+
+    def tensors(rank: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(20 + rank)
+        return {"a": rng.standard_normal(3001).astype("<f4"), "d": rng.standard_normal(50)}
+
+    def body(c: Collective, m: StandIn) -> Any:
+        return c.allreduce(tensors(m.rank), 0, transport="float16")
+
+    results = _ok(run_ranks(connect_more, _members(n), body))
+    want = np.mean([tensors(r)["a"].astype(np.float64) for r in range(n)], axis=0)
+    for got in results:
+        assert got["a"].dtype == np.float32
+        np.testing.assert_array_equal(got["a"], results[0]["a"])  # one answer on every rank
+        np.testing.assert_allclose(got["a"], want, rtol=2e-3, atol=2e-3)
+        assert not np.array_equal(got["a"], want.astype(np.float32))  # it did travel as f16
+        want_d = np.mean([tensors(r)["d"] for r in range(n)], axis=0)
+        np.testing.assert_allclose(got["d"], want_d, rtol=1e-12)  # float64 is untouched
+    scattered = connect_more().get(KEYS.grad(1, 0, 0, 1))
+    assert scattered is not None
+    assert unpack_blob(scattered)["<f4"].dtype == np.float16
+
+
+def test_float16_transport_refuses_values_beyond_its_range_and_mixed_transports(
+    connect_more: Callable[[], redis.Redis],
+) -> None:
+    big = {"x": np.full(8, 1e6, "<f4")}
+    for error in run_ranks(
+        connect_more, _members(2), lambda c, m: c.allreduce(big, 0, transport="float16")
+    ):
+        assert isinstance(error, CollectiveError) and "1e+06" in str(error)
+
+    def mixed(c: Collective, m: StandIn) -> Any:
+        transport = "float16" if m.rank else "float32"
+        return c.allreduce({"x": np.ones(4, "<f4")}, 1, timeout=10, transport=transport)
+
+    for error in run_ranks(connect_more, _members(2), mixed):
+        assert isinstance(error, CollectiveError) and "transport" in str(error)
+    with pytest.raises(CollectiveError, match="'bfloat16'"):
+        Collective(connect_more(), JOB, _members(1)[0]).allreduce(big, 2, transport="bfloat16")  # type: ignore[arg-type]
 
 
 def test_a_rank_that_never_contributes_and_a_world_change_wake_the_others_within_a_second(
