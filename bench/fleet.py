@@ -1,0 +1,100 @@
+"""Many simulated workers in one process, talking to a real `cohort coordinator` process.
+
+A worker here is only its commands: Join, WeightsLoaded, Heartbeat, StepDone,
+sent through pipelines, so one process can stand in for a thousand. The fleet
+learns the world and the committed steps by folding the journal, like workers do.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import redis
+
+from coordinator.replay import JournalWatch
+from events.codec import encode
+from events.keys import Keys
+from events.models import Command, Heartbeat, Join, StepDone, WeightsLoaded
+from events.streams import Journal
+
+
+def coordinator(url: str, job: str, *flags: str) -> tuple[subprocess.Popen[bytes], Path]:
+    """A `cohort coordinator` process (AOF-less bench server: --allow-volatile); its log."""
+    log = Path(tempfile.mkstemp(prefix=f"cohort-bench-{job}-", suffix=".log")[1])
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cohort", "--redis-url", url, "coordinator", "--job", job,
+             "--allow-volatile", *flags],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    return proc, log
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class Fleet:
+    def __init__(self, conn: redis.Redis, job: str, workers: int) -> None:
+        self.conn = conn
+        self.job = job
+        self.inbox = Keys(job).inbox
+        self.names = [f"w{i:05d}" for i in range(workers)]
+        self.watch = JournalWatch(Journal(conn, Keys(job).journal))
+
+    def send(self, commands: Iterable[Command]) -> str:
+        """XADD every command in one pipeline; returns the last entry ID."""
+        pipe = self.conn.pipeline(transaction=False)
+        for command in commands:
+            pipe.xadd(self.inbox, {b"e": encode(command)})
+        ids = pipe.execute()
+        return ids[-1].decode() if ids else ""
+
+    def until(self, predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout
+        while not predicate(self.watch.state):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not happen within {timeout} s")
+            self.watch.pull(block_ms=200)
+
+    def join_all(self, timeout: float = 120.0) -> None:
+        """Every worker joins and loads weights; returns once they form one world."""
+        for start in range(0, len(self.names), 500):
+            part = self.names[start : start + 500]
+            self.send(Join(at=time.time(), job=self.job, worker=w) for w in part)
+        self.until(lambda s: len(s.members) == len(self.names), timeout, "every join")
+        for start in range(0, len(self.names), 500):
+            part = self.names[start : start + 500]
+            self.send(WeightsLoaded(at=time.time(), job=self.job, worker=w) for w in part)
+        self.until(lambda s: len(s.ranks) == len(self.names), timeout, "the full world")
+
+    def step_done(self, workers: Iterable[str], step_time: float = 0.1) -> list[StepDone]:
+        state = self.watch.state
+        return [
+            StepDone(at=time.time(), job=self.job, worker=w, step=state.next_step,
+                     world=state.world_version, step_time=step_time, samples=32)
+            for w in workers
+        ]  # fmt: skip
+
+    def heartbeats(self, workers: Iterable[str]) -> list[Heartbeat]:
+        state = self.watch.state
+        last = state.last_committed if state.last_committed >= 0 else None
+        return [
+            Heartbeat(at=time.time(), job=self.job, worker=w, step=last,
+                      world=state.world_version if last is not None else None)
+            for w in workers
+        ]  # fmt: skip

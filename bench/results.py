@@ -1,0 +1,113 @@
+"""What a benchmark returns, and how BENCHMARKS.md is written from them.
+
+Every benchmark returns a `Section`: a table of medians (each beside its peer
+measured in the same run, and the issue's target), the command that produced
+it, notes that read the numbers, and the raw medians for anyone who wants to
+recompute a ratio.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Section:
+    key: str
+    title: str
+    command: str
+    header: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    def markdown(self) -> str:
+        lines = [f"## {self.title}", "", f"`{self.command}`", ""]
+        lines.append("| " + " | ".join(self.header) + " |")
+        lines.append("|" + "---|" * len(self.header))
+        lines += ["| " + " | ".join(row) + " |" for row in self.rows]
+        if self.notes:
+            lines.append("")
+            lines += self.notes
+        lines += ["", "<details><summary>raw medians</summary>", "", "```json"]
+        lines.append(json.dumps(self.raw, indent=1, sort_keys=True, default=str))
+        lines += ["```", "", "</details>", ""]
+        return "\n".join(lines)
+
+
+def verdict(value: float, target: float, higher_is_better: bool = True) -> str:
+    met = value >= target if higher_is_better else value <= target
+    return "met" if met else "**missed**"
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _memory_gib() -> str:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                return f"{int(line.split()[1]) / 2**20:.0f} GiB"
+    except OSError:
+        pass
+    return "unknown"
+
+
+def environment() -> dict[str, str]:
+    try:
+        redis_server = subprocess.run(
+            ["redis-server", "--version"], capture_output=True, text=True, check=False
+        ).stdout.split()[2]
+    except (OSError, IndexError):
+        redis_server = "not found"
+    return {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{os.cpu_count()} cores ({_cpu()}), {_memory_gib()}",
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "redis-server": redis_server.removeprefix("v="),
+        "redis-py": _version("redis"),
+        "hiredis": _version("hiredis"),
+        "pydantic": _version("pydantic"),
+        "msgpack": _version("msgpack"),
+        "numpy": _version("numpy"),
+        "torch": _version("torch"),
+    }
+
+
+def document(sections: list[Section], env: dict[str, str], command: str) -> str:
+    head = [
+        "# Benchmarks",
+        "",
+        f"Written by `{command}` on {env['date']}. Every figure is a median of several runs;",
+        "where a peer exists it was measured in the same run, on the same machine and data,",
+        "and the ratio is what to compare across machines. Targets are issue 7's.",
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in env.items()),
+        "",
+    ]
+    return "\n".join(head + [s.markdown() for s in sections])

@@ -1,0 +1,150 @@
+"""1,000 simulated workers at 1 Hz (a heartbeat and a StepDone each per second) for a while.
+
+One `cohort coordinator` process leads; the fleet (bench/fleet.py) sends each
+tenth of the workers' commands every 100 ms. Measured over the window after the
+full world formed:
+- inbox lag: from a batch's XADD until the coordinator's cursor passed it (the
+  cursor is polled every 10 ms by its own thread), p50/p99;
+- the coordinator process's CPU (utime + stime from /proc) per second of wall time;
+- its peak RSS (VmRSS, sampled every 200 ms).
+
+    python -m bench.soak [--workers 1000] [--seconds 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from cohort.localredis import LocalRedis
+from events.keys import Keys
+
+from .fleet import Fleet, coordinator, stop
+from .results import Section, verdict
+
+TICKS = 10  # per second: each tick sends one tenth of the fleet's commands
+
+
+def _id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def measure(workers: int = 1000, seconds: float = 60.0) -> Section:
+    job = "soak"
+    with LocalRedis(appendonly=False) as server:
+        conn = server.client()
+        proc, log = coordinator(
+            server.url, job, "--min-workers", str(workers), "--max-workers", str(workers),
+            "--heartbeat-interval", "1", "--heartbeat-timeout", "10", "--lease", "10",
+        )  # fmt: skip
+        try:
+            fleet = Fleet(conn, job, workers)
+            fleet.join_all()
+            pending: list[tuple[tuple[int, int], float]] = []
+            lags: list[float] = []
+            lock = threading.Lock()
+            done = threading.Event()
+            rss: list[float] = []
+
+            def monitor() -> None:
+                watcher = server.client()
+                key, last_rss = Keys(job).cursor, 0.0
+                while not done.wait(0.01):
+                    raw = watcher.get(key)
+                    now = time.perf_counter()
+                    if raw is None:
+                        continue
+                    cursor = _id(raw.decode())
+                    with lock:
+                        while pending and pending[0][0] <= cursor:
+                            lags.append(now - pending.pop(0)[1])
+                    if now - last_rss > 0.2:
+                        rss.append(_rss_mb(proc.pid))
+                        last_rss = now
+
+            thread = threading.Thread(target=monitor, daemon=True)
+            thread.start()
+            cpu0, wall0 = _cpu_seconds(proc.pid), time.perf_counter()
+            steps0 = fleet.watch.state.last_committed
+            slices = [fleet.names[i::TICKS] for i in range(TICKS)]
+            tick = sent = 0
+            while time.perf_counter() - wall0 < seconds:
+                fleet.watch.pull(block_ms=0)
+                part = slices[tick % TICKS]
+                sent_at = time.perf_counter()
+                last = fleet.send([*fleet.heartbeats(part), *fleet.step_done(part, 1.0)])
+                with lock:
+                    pending.append((_id(last), sent_at))
+                tick += 1
+                sent += 2 * len(part)
+                time.sleep(max(0.0, wall0 + tick / TICKS - time.perf_counter()))  # the pace
+            wall = time.perf_counter() - wall0
+            cpu = _cpu_seconds(proc.pid) - cpu0
+            fleet.watch.pull(block_ms=0)
+            steps = fleet.watch.state.last_committed - steps0
+            done.set()
+            thread.join()
+            assert proc.poll() is None, "the coordinator died"
+        except Exception:
+            print(log.read_text()[-3000:])
+            raise
+        finally:
+            stop(proc)
+    lags.sort()
+    p50 = statistics.median(lags)
+    p99 = lags[int(0.99 * (len(lags) - 1))]
+    load = cpu / wall
+    peak = max(rss)
+    section = Section(
+        key="soak",
+        title=f"{workers:,} simulated workers at 1 Hz for {seconds:.0f} s",
+        command=f"python -m bench.soak --workers {workers} --seconds {seconds:g}",
+        header=["what", "measured", "target", ""],
+    )
+    section.rows = [
+        ["inbox lag p99 (p50)", f"{p99 * 1e3:.0f} ms ({p50 * 1e3:.0f} ms)", "< 500 ms",
+         verdict(p99, 0.5, higher_is_better=False)],
+        ["coordinator CPU, share of one core", f"{load:.0%}", "< 30%",
+         verdict(load, 0.30, higher_is_better=False)],
+        ["coordinator peak RSS", f"{peak:.0f} MB", "< 300 MB",
+         verdict(peak, 300, higher_is_better=False)],
+        ["commands per second (steps committed)",
+         f"{sent / wall:,.0f} ({steps} steps in {wall:.0f} s)", "", ""],
+    ]  # fmt: skip
+    section.notes = [
+        "Each tenth of the fleet sends its heartbeats and StepDones every 100 ms, so a step "
+        "commits about once a second once all ranks have reported it. The fleet, the "
+        "coordinator and redis-server share this machine's cores.",
+    ]
+    section.raw = {"lag_p50_s": p50, "lag_p99_s": p99, "cpu_share": load, "rss_peak_mb": peak,
+                   "steps": steps, "seconds": wall, "batches": len(lags)}  # fmt: skip
+    return section
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=1000)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    args = parser.parse_args()
+    print(measure(args.workers, args.seconds).markdown())
+
+
+if __name__ == "__main__":
+    main()
