@@ -25,17 +25,21 @@ from events.models import Command, Heartbeat, Join, StepDone, WeightsLoaded
 from events.streams import Journal
 
 
-def coordinator(url: str, job: str, *flags: str) -> tuple[subprocess.Popen[bytes], Path]:
-    """A `cohort coordinator` process (AOF-less bench server: --allow-volatile); its log."""
-    log = Path(tempfile.mkstemp(prefix=f"cohort-bench-{job}-", suffix=".log")[1])
+def spawn(url: str, name: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
+    """`python -m cohort ARGS` against `url`, its output in a temp log file."""
+    log = Path(tempfile.mkstemp(prefix=f"cohort-bench-{name}-", suffix=".log")[1])
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cohort", "--redis-url", url, "coordinator", "--job", job,
-             "--allow-volatile", *flags],
+            [sys.executable, "-m", "cohort", "--redis-url", url, *args],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
     return proc, log
+
+
+def coordinator(url: str, job: str, *flags: str) -> tuple[subprocess.Popen[bytes], Path]:
+    """A `cohort coordinator` process (AOF-less bench server: --allow-volatile); its log."""
+    return spawn(url, job, "coordinator", "--job", job, "--allow-volatile", *flags)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

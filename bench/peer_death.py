@@ -1,0 +1,219 @@
+"""A peer dies (SIGKILL): how long until the survivors are training again. cohort vs torchrun.
+
+cohort: a coordinator and two `cohort example-worker` processes (heartbeat every
+0.5 s, failed after 2 s of silence). One worker is SIGKILLed; the time is from
+the kill to the first step the survivor commits in the new world (the
+StepCommitted fact's server time).
+
+torchrun (torch.distributed.run, c10d rendezvous, 2 agents on this machine,
+`--nnodes 1:2`, `--max-restarts 5`, `--monitor-interval 0.1`), each agent running
+bench/torch_trainer.py (gloo allreduce every step). Two kills:
+- the worker process of agent 2 (its agent notices and restarts every worker of the job);
+- agent 2 and its worker together (the machine is gone; agent 1 must re-rendezvous alone);
+- agent 1, which hosts the c10d store, and its worker.
+The time is from the kill to the first step any worker finishes after it.
+
+    python -m bench.peer_death [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from cohort.localredis import LocalRedis
+from coordinator.replay import JournalWatch
+from events.keys import Keys
+from events.models import StepCommitted
+from events.streams import Journal
+
+from .fleet import coordinator, spawn, stop
+from .results import Section, verdict
+
+TIMEOUT_S = 2.0
+LIMIT_S = 120.0  # give up on a resume after this long
+
+
+def _cohort_once(run: int) -> float:
+    job = f"death-{run}"
+    with LocalRedis(appendonly=False) as server:
+        conn = server.client()
+        procs = [
+            coordinator(server.url, job, "--heartbeat-interval", "0.5", "--heartbeat-timeout",
+                        str(TIMEOUT_S), "--min-workers", "1", "--dataset-size", "4096")[0]
+        ]  # fmt: skip
+        try:
+            for name in ("a", "b"):
+                procs.append(
+                    spawn(server.url, name, "example-worker", "--job", job, "--id", name,
+                          "--steps", "100000", "--pace", "0.05", "--gpu-interval", "0")[0]
+                )  # fmt: skip
+            watch = JournalWatch(Journal(conn, Keys(job).journal))
+            deadline = time.monotonic() + 60
+            while len(watch.state.ranks) < 2 or watch.state.last_committed < 20:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("cohort: the two workers never trained together")
+                watch.pull(block_ms=200)
+            world = watch.state.world_version
+            killed_at = time.time()
+            procs[2].kill()
+            deadline = time.monotonic() + LIMIT_S
+            while True:
+                for fact in watch.pull(block_ms=200):
+                    if isinstance(fact, StepCommitted) and fact.world > world:
+                        return fact.at - killed_at
+                if time.monotonic() > deadline:
+                    raise TimeoutError("cohort: the survivor never trained again")
+        finally:
+            for proc in procs:
+                stop(proc)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _lines(path: Path) -> list[dict[str, float]]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError):
+        return []
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _torchrun_once(kill: str) -> float:
+    """Seconds from the kill to the first step finished after it; inf if training never
+    came back within LIMIT_S, nan if the job died. `kill`: "worker" (agent 2's worker),
+    "agent" (agent 2 and its worker) or "host" (agent 1, which hosts the c10d store)."""
+    port = _free_port()
+    tmp = Path(tempfile.mkdtemp(prefix="cohort-bench-torchrun-"))
+    logs = [tmp / "agent1.jsonl", tmp / "agent2.jsonl"]
+    trainer = Path(__file__).with_name("torch_trainer.py")
+    agents: list[subprocess.Popen[bytes]] = []
+    try:
+        for i, log in enumerate(logs):
+            env = {**os.environ, "BENCH_LOG": str(log), "BENCH_PACE": "0.05"}
+            agents.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
+                     "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
+                     "--max-restarts", "5", "--monitor-interval", "0.1", str(trainer)],
+                    env=env, stdout=(tmp / f"agent{i + 1}.out").open("wb"),
+                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                )
+            )  # fmt: skip
+            deadline = time.monotonic() + 60
+            while i == 0 and not _listening(port):  # agent 1 hosts the store
+                if time.monotonic() > deadline or agents[0].poll() is not None:
+                    raise TimeoutError(f"torchrun's store never listened; see {tmp}")
+                time.sleep(0.05)  # another process binds the port: nothing to block on
+        deadline = time.monotonic() + 120
+        while not all(len(_lines(log)) >= 20 for log in logs):
+            if time.monotonic() > deadline or any(a.poll() is not None for a in agents):
+                raise TimeoutError(f"torchrun never trained on two agents; see {tmp}")
+            time.sleep(0.05)
+        lost = 0 if kill == "host" else 1
+        victim = int(_lines(logs[lost])[-1]["pid"])
+        killed_at = time.time()
+        if kill == "worker":
+            os.kill(victim, signal.SIGKILL)
+        else:
+            os.killpg(agents[lost].pid, signal.SIGKILL)  # the agent and its worker: a lost node
+        survivor = agents[1 - lost]
+        deadline = time.monotonic() + LIMIT_S
+        while True:
+            after = [x["t"] for log in logs for x in _lines(log)
+                     if x["t"] > killed_at and x["pid"] != victim and x["restart"] > 0]  # fmt: skip
+            if after:
+                return min(after) - killed_at
+            if survivor.poll() is not None:
+                return float("nan")
+            if time.monotonic() > deadline:
+                return float("inf")
+            time.sleep(0.05)
+    finally:
+        for agent in agents:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+
+
+def _shown(seconds: float) -> str:
+    if seconds != seconds:
+        return "job died"
+    return f"> {LIMIT_S:.0f}" if seconds == float("inf") else f"{seconds:.2f}"
+
+
+def measure(runs: int = 3) -> Section:
+    cohort = [_cohort_once(r) for r in range(runs)]
+    rows = [["cohort: survivors resume (worker SIGKILLed)", cohort]]
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        torchrun: dict[str, list[float]] = {}
+    else:
+        torchrun = {
+            kill: [_torchrun_once(kill) for _ in range(runs)]
+            for kill in ("worker", "agent", "host")
+        }
+        rows += [
+            ["torchrun: every worker restarted (worker SIGKILLed)", torchrun["worker"]],
+            ["torchrun: agent 2 + its worker SIGKILLed (a node lost)", torchrun["agent"]],
+            ["torchrun: agent 1, the c10d store host, + worker SIGKILLed", torchrun["host"]],
+        ]
+    mine = statistics.median(cohort)
+    section = Section(
+        key="peer_death",
+        title="Peer death: SIGKILL to survivors training again, cohort vs torchrun",
+        command=f"python -m bench.peer_death --runs {runs}",
+        header=["what", "median s", "runs, s", "x cohort", "target (cohort)", ""],
+    )
+    for i, (what, times) in enumerate(rows):
+        med = statistics.median(times)
+        section.rows.append(
+            [what, _shown(med), ", ".join(_shown(t) for t in times),
+             f"{med / mine:.1f}" if med == med and med != float("inf") else "",
+             f"<= {TIMEOUT_S + 1:g} (timeout {TIMEOUT_S:g} + 1)" if i == 0 else "",
+             verdict(med, TIMEOUT_S + 1, higher_is_better=False) if i == 0 else ""]
+        )  # fmt: skip
+    section.notes = [
+        "cohort's survivor never stops: it finds out from the journal (WorkerFailed, "
+        "WorldChanged), loads rank 0's weights and goes on. torchrun tears down and "
+        "restarts every worker of the job (new processes, imports, a new rendezvous and "
+        "process group) and, with no checkpoint in this script, starts over from step 0. "
+        "A lost node that hosted the c10d store takes the job with it: the other agent "
+        "exits with RendezvousConnectionError ('job died'); cohort keeps its state in "
+        "Redis and any coordinator can lead.",
+    ]
+    if not torchrun:
+        section.notes.append("torch is not installed here: the torchrun rows were skipped.")
+    section.raw = {"cohort": cohort, "torchrun": torchrun}
+    return section
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    print(measure(args.runs).markdown())
+
+
+if __name__ == "__main__":
+    main()
