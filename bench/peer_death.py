@@ -149,10 +149,14 @@ def _torchrun_once(kill: str) -> float:
                 return float("inf")
             time.sleep(0.05)
     finally:
+        # torchrun puts its workers in sessions of their own: kill each one it logged too
         for agent in agents:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(agent.pid, signal.SIGKILL)
             agent.wait()
+        for pid in {int(x["pid"]) for log in logs for x in _lines(log)}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _shown(seconds: float) -> str:

@@ -1,0 +1,118 @@
+"""Leader SIGKILL -> a follower leading and appending, while workers keep sending.
+
+Two `cohort coordinator` processes with a 1 s lease and 8 simulated workers
+heartbeating and finishing steps. The leader is SIGKILLed; the time is from the
+kill to the new leader's LeaderElected fact (its server time), the first fact it
+appends. Then the killed one is started again as a follower for the next run.
+
+There is no peer for this row: torchrun's c10d store lives in one agent and dies
+with it (see the peer-death table); the target is the lease + 1 s.
+
+    python -m bench.failover [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+from cohort.localredis import LocalRedis
+from events.models import LeaderElected
+
+from .fleet import Fleet, coordinator, stop
+from .results import Section, verdict
+
+LEASE_S = 1.0
+
+
+def _until_following(conn, name: str, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+    """Wait until coordinator `name` is in its follow loop (its connection's last command is
+    the journal XREAD or the lease GET), so the next kill has a follower ready."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for client in conn.client_list():
+            if client.get("name") == f"cohort-coordinator-{name}" and client.get("cmd") in (
+                "xread",
+                "get",
+            ):
+                return
+        time.sleep(0.05)  # CLIENT LIST has nothing to block on
+    raise TimeoutError(f"coordinator {name!r} did not start following within {timeout} s")
+
+
+def measure(runs: int = 5) -> Section:
+    job = "failover"
+    took: list[float] = []
+    with LocalRedis(appendonly=False) as server:
+        conn = server.client()
+        flags = ("--lease", str(LEASE_S), "--min-workers", "8", "--heartbeat-timeout", "30")
+        procs = {name: coordinator(server.url, job, "--id", name, *flags)[0] for name in "ab"}
+        fleet = Fleet(conn, job, 8)
+        busy = threading.Event()
+
+        def load() -> None:  # workers go on sending while the leader changes
+            sender = Fleet(server.client(), job, 8)
+            while not busy.wait(0.05):
+                sender.watch.pull(block_ms=0)
+                sender.send([*sender.heartbeats(sender.names), *sender.step_done(sender.names)])
+
+        try:
+            fleet.join_all()
+            thread = threading.Thread(target=load, daemon=True)
+            thread.start()
+            for _ in range(runs):
+                fleet.watch.pull(block_ms=0)
+                leader = fleet.watch.state.leader
+                assert leader in procs, f"unexpected leader {leader!r}"
+                epoch = fleet.watch.state.leader_epoch
+                killed_at = time.time()
+                procs[leader].kill()
+                procs[leader].wait()
+                fleet.until(lambda s, e=epoch: s.leader_epoch > e, 30, "a new leader")
+                elected = [f for _, f in fleet.watch.facts if isinstance(f, LeaderElected)][-1]
+                took.append(elected.at - killed_at)
+                procs[leader] = coordinator(server.url, job, "--id", leader, *flags)[0]
+                _until_following(conn, leader)
+                committed = fleet.watch.state.last_committed
+                fleet.until(lambda s, c=committed: s.last_committed > c, 30, "steps again")
+            busy.set()
+            thread.join()
+        finally:
+            busy.set()
+            for proc in procs.values():
+                stop(proc)
+    med = statistics.median(took)
+    section = Section(
+        key="failover",
+        title="Leader SIGKILL to a new leader appending",
+        command=f"python -m bench.failover --runs {runs}",
+        header=["what", "median s", "runs, s", "target", ""],
+        rows=[
+            [
+                f"lease {LEASE_S:g} s, 8 workers sending",
+                f"{med:.2f}",
+                ", ".join(f"{t:.2f}" for t in took),
+                f"<= {LEASE_S + 1:g} (lease + 1)",
+                verdict(med, LEASE_S + 1, higher_is_better=False),
+            ]
+        ],  # fmt: skip
+        notes=[
+            "After each takeover the test waits for a step to commit under the new leader "
+            "before the next kill, so every run fails over a working job."
+        ],
+        raw={"seconds": took, "lease_s": LEASE_S},
+    )
+    return section
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    print(measure(args.runs).markdown())
+
+
+if __name__ == "__main__":
+    main()
