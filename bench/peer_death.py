@@ -132,10 +132,9 @@ def _torchrun_once(kill: str) -> float:
         lost = 0 if kill == "host" else 1
         victim = int(_lines(logs[lost])[-1]["pid"])
         killed_at = time.time()
-        if kill == "worker":
-            os.kill(victim, signal.SIGKILL)
-        else:
-            os.killpg(agents[lost].pid, signal.SIGKILL)  # the agent and its worker: a lost node
+        if kill != "worker":  # the agent too: a lost node (its worker has a session of its own)
+            os.killpg(agents[lost].pid, signal.SIGKILL)
+        os.kill(victim, signal.SIGKILL)
         survivor = agents[1 - lost]
         deadline = time.monotonic() + LIMIT_S
         while True:

@@ -1,0 +1,81 @@
+"""Every benchmark in one command; BENCHMARKS.md is written from the results.
+
+    python -m bench                 # the full suite (about 15 min on 2 cores), writes BENCHMARKS.md
+    python -m bench --quick         # smaller sizes and fewer runs; prints, writes nothing
+    python -m bench --only replay,failover --out /tmp/b.md
+
+A benchmark that fails is reported by name and the others still run; the exit
+code is 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from . import allreduce, control_plane, failover, overhead, peer_death, replay, soak
+from .results import Section, document, environment
+
+FULL: dict[str, Callable[[], Section]] = {
+    "ingest": lambda: control_plane.measure(100_000, 1000, 3),
+    "replay": lambda: replay.measure(1_000_000, 3),
+    "soak": lambda: soak.measure(1000, 60),
+    "overhead": lambda: overhead.measure((8, 64, 256), 100),
+    "failover": lambda: failover.measure(5),
+    "peer_death": lambda: peer_death.measure(3),
+    "allreduce": lambda: allreduce.measure((1, 16, 64), (2, 4), 5),
+}
+QUICK: dict[str, Callable[[], Section]] = {
+    "ingest": lambda: control_plane.measure(20_000, 200, 1),
+    "replay": lambda: replay.measure(50_000, 1),
+    "soak": lambda: soak.measure(1000, 10),
+    "overhead": lambda: overhead.measure((8, 64), 20),
+    "failover": lambda: failover.measure(2),
+    "peer_death": lambda: peer_death.measure(1),
+    "allreduce": lambda: allreduce.measure((1,), (2,), 3),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer runs")
+    parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(FULL)}")
+    parser.add_argument("--out", type=Path, help="write here (default: BENCHMARKS.md, full only)")
+    args = parser.parse_args()
+    suite = QUICK if args.quick else FULL
+    chosen = [name.strip() for name in args.only.split(",") if name.strip()] or list(suite)
+    unknown = [name for name in chosen if name not in suite]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(suite)}")
+    out = args.out or (None if args.quick or args.only else Path("BENCHMARKS.md"))
+
+    sections, failed = [], []
+    for name in chosen:
+        print(f"== {name}", flush=True)
+        start = time.perf_counter()
+        try:
+            section = suite[name]()
+        except Exception:
+            traceback.print_exc()
+            failed.append(name)
+            continue
+        print(section.markdown(), flush=True)
+        print(f"({name}: {time.perf_counter() - start:.0f} s)", flush=True)
+        sections.append(section)
+    command = "python -m bench" + (" --quick" if args.quick else "")
+    command += f" --only {','.join(chosen)}" if args.only else ""
+    if out is not None and sections:
+        out.write_text(document(sections, environment(), command))
+        print(f"wrote {out}")
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
