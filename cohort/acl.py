@@ -24,6 +24,7 @@ from urllib.parse import quote, urlsplit
 
 import redis
 
+from events.connection import Client
 from events.keys import Keys
 
 from .errors import CohortError
@@ -208,7 +209,7 @@ def command_line(command: Sequence[str]) -> str:
     return " ".join(quote_arg(a) for a in command)
 
 
-def server_version(conn: redis.Redis) -> tuple[int, int]:
+def server_version(conn: Client) -> tuple[int, int]:
     """The server's (major, minor); MIN_VERSION if it will not say (INFO refused)."""
     try:
         info = conn.info("server")
@@ -218,7 +219,7 @@ def server_version(conn: redis.Redis) -> tuple[int, int]:
 
 
 def apply(
-    conn: redis.Redis,
+    conn: Client,
     job: str,
     passwords: Mapping[Role, str],
     redis_version: tuple[int, int] | None = None,

@@ -24,7 +24,7 @@ from typing import IO, Any
 
 import redis
 
-from events.connection import RedisSettings, connect
+from events.connection import Client, RedisSettings, connect
 
 from .errors import CohortError
 
@@ -194,7 +194,7 @@ class LocalRedis:
             return self.tls.settings(self.url, **kw)
         return RedisSettings(url=self.url, **kw)
 
-    def client(self) -> redis.Redis:
+    def client(self) -> Client:
         """A client through the one connection factory (the caller closes it)."""
         return connect(self.settings())
 

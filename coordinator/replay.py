@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import IO, Any
 
 import msgpack
-import redis
 
 from events.codec import decode_fact
+from events.connection import Client
 from events.errors import DecodeError
 from events.keys import Keys
 from events.models import Fact, WorldChanged
@@ -55,7 +55,7 @@ class Run:
                 ) from None
 
 
-def from_redis(conn: redis.Redis, job: str, with_inbox: bool = True) -> Run:
+def from_redis(conn: Client, job: str, with_inbox: bool = True) -> Run:
     keys = Keys(job)
     run = Run(job, journal=_all(Stream(conn, keys.journal)))
     if with_inbox:

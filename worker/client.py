@@ -24,9 +24,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TypeVar
 
-import redis
-
 from events.clock import Clock, SystemClock
+from events.connection import Client
 from events.errors import DecodeError
 from events.keys import Keys
 from events.models import (
@@ -78,7 +77,7 @@ class Worker:
 
     def __init__(
         self,
-        conn: redis.Redis,
+        conn: Client,
         job: str,
         worker_id: str | None = None,
         clock: Clock | None = None,

@@ -49,13 +49,16 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import redis
+from redis.cluster import RedisCluster
 
 from events.codec import decode_fact
+from events.connection import UNAVAILABLE, Client, is_cluster
 from events.errors import DecodeError
 from events.keys import Keys
 from events.models import WorldChanged
 from events.streams import ZERO
 
+from . import placement
 from . import tensors as blobs
 from .errors import WaitTimeout, WorkerError, WorldChangedError
 from .retry import Link, describe, with_retry
@@ -226,6 +229,27 @@ def _set_command(key: str, parts: list[blobs.Part], ttl_ms: int) -> list[blobs.P
     return out
 
 
+def _send_sets(pool: Any, items: list[tuple[str, list[blobs.Part]]]) -> list[Any]:
+    """Pipeline SETs of `items` on one connection of `pool`, array memory handed to the
+    socket; returns the items the server redirected (MOVED/ASK) instead of storing."""
+    redirected = []
+    connection = pool.get_connection()
+    try:
+        for key, parts in items:  # pipelined: the replies are a few bytes each
+            connection.send_packed_command(_set_command(key, parts, TTL_MS))
+        for item in items:
+            try:
+                connection.read_response()
+            except redis.exceptions.AskError:  # MovedError is an AskError
+                redirected.append(item)
+    except BaseException:
+        connection.disconnect()
+        raise
+    finally:
+        pool.release(connection)
+    return redirected
+
+
 @dataclass
 class _Call:
     """One collective call: its world, its notice stream and where it reads the journal."""
@@ -268,6 +292,13 @@ class _Call:
                 yield rank, seen[rank]
             if pending:
                 self._read(phase, pending)
+
+    def tags(self, notice: dict[bytes, bytes], rank: int) -> tuple[str, ...]:
+        """The chunk tags `rank` wrote with, as its notice names them."""
+        try:
+            return placement.decode(notice.get(b"t"))
+        except ValueError as exc:
+            raise CollectiveError(f"{self.what()}: rank {rank}'s notice: {exc}") from None
 
     def check_world(self) -> None:
         member = self.owner.worker
@@ -320,7 +351,7 @@ class Collective:
 
     def __init__(
         self,
-        conn: redis.Redis,
+        conn: Client,
         job: str,
         worker: Member,
         max_value_bytes: int = blobs.DEFAULT_MAX_VALUE_BYTES,
@@ -330,8 +361,10 @@ class Collective:
         self.worker = worker
         self.max_value_bytes = max_value_bytes
         self._done: deque[list[str]] = deque()
-        pool_class = getattr(conn.connection_pool, "connection_class", type(None))
-        self.fast_set = pool_class.__module__.split(".")[0] == "redis"
+        self.placement = placement.Placement(conn, self.keys)
+        pool = getattr(conn, "connection_pool", None)
+        pool_class = getattr(pool, "connection_class", type(None))
+        self.fast_set = is_cluster(conn) or pool_class.__module__.split(".")[0] == "redis"
         """True: SETs hand array memory to the socket; False (fakeredis): join, then SET."""
         link = getattr(worker, "link", None)
         self.link: Link = link if isinstance(link, Link) else Link(LOG, describe(conn))
@@ -461,23 +494,32 @@ class Collective:
 
     def _store_once(self, items: list[tuple[str, list[blobs.Part]]]) -> None:
         if not self.fast_set:
-            pipe = self.conn.pipeline(transaction=False)
-            for key, parts in items:
-                pipe.set(key, blobs.join(parts), px=TTL_MS)
-            pipe.execute()
+            self._store_routed(items)
             return
-        pool = self.conn.connection_pool
-        connection = pool.get_connection()
-        try:
-            for key, parts in items:  # pipelined: the replies are a few bytes each
-                connection.send_packed_command(_set_command(key, parts, TTL_MS))
-            for _ in items:
-                connection.read_response()
-        except BaseException:
-            connection.disconnect()
-            raise
-        finally:
-            pool.release(connection)
+        conn = self.conn
+        if not isinstance(conn, RedisCluster):
+            failed = _send_sets(conn.connection_pool, items)
+        else:
+            by_node: dict[str, tuple[Any, list[tuple[str, list[blobs.Part]]]]] = {}
+            for key, parts in items:
+                node = conn.get_node_from_key(key)
+                pool = conn.get_redis_connection(node).connection_pool
+                by_node.setdefault(node.name, (pool, []))[1].append((key, parts))
+            try:
+                failed = [
+                    item for pool, group in by_node.values() for item in _send_sets(pool, group)
+                ]
+            except UNAVAILABLE:
+                failed = items  # a primary is gone: let redis-py find the new slot owners
+        if failed:  # MOVED/ASK (or a node down): redis-py routes and refreshes its slot map
+            self._store_routed(failed)
+
+    def _store_routed(self, items: list[tuple[str, list[blobs.Part]]]) -> None:
+        """SETs through the client's own pipeline: one copy of each value (joined parts)."""
+        pipe = self.conn.pipeline(transaction=False)
+        for key, parts in items:
+            pipe.set(key, blobs.join(parts), px=TTL_MS)
+        pipe.execute()
 
     def _fetch(self, call: _Call, key: str) -> dict[str, np.ndarray]:
         raw: Any = self.retry(lambda: self.conn.get(key), call, f"reading {key}")
@@ -497,6 +539,8 @@ class Collective:
         cuts = _bounds(layout.sizes(), k)
         owned = range(me * per_rank, (me + 1) * per_rank)
         others = set(range(n)) - {me}
+        tags = self.placement.tags()
+        where = placement.encode(tags)
 
         def piece(i: int, vectors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             return {g: vectors[g][cuts[g][i]] for g in cuts}
@@ -514,12 +558,15 @@ class Collective:
         self._store(
             call,
             [
-                (keys.grad(world.version, step, me, i), blobs.pack(piece(i, flats)))
+                (
+                    keys.grad(world.version, step, me, i, placement.tag_of(tags, i)),
+                    blobs.pack(piece(i, flats)),
+                )
                 for i in range(k)
                 if i not in owned
             ],
         )
-        call.notify("scatter", l=layout.digest)
+        call.notify("scatter", l=layout.digest, t=where)
 
         # 2. reduce the chunks this rank owns, as contributions arrive
         sums = {i: {g: a.astype(np.float64) for g, a in piece(i, flats).items()} for i in owned}
@@ -529,8 +576,10 @@ class Collective:
                     f"{call.what()}: rank {rank} passed tensors of another layout "
                     f"(names, dtypes or shapes differ); every rank must pass the same"
                 )
+            theirs = call.tags(notice, rank)
             for i in owned:
-                got = check(self._fetch(call, keys.grad(world.version, step, rank, i)), i, rank)
+                key = keys.grad(world.version, step, rank, i, placement.tag_of(theirs, i))
+                got = check(self._fetch(call, key), i, rank)
                 for g, a in got.items():
                     sums[i][g] += a
         result = {g: np.empty(size, dtype=g) for g, size in layout.sizes().items()}
@@ -542,16 +591,21 @@ class Collective:
         self._store(
             call,
             [
-                (keys.grad_reduced(world.version, step, i), blobs.pack(piece(i, result)))
+                (
+                    keys.grad_reduced(world.version, step, i, placement.tag_of(tags, i)),
+                    blobs.pack(piece(i, result)),
+                )
                 for i in owned
             ],
         )
-        call.notify("reduced")
+        call.notify("reduced", t=where)
 
         # 3. gather the chunks the other ranks reduced
-        for rank, _ in call.arrivals("reduced", others):
+        for rank, notice in call.arrivals("reduced", others):
+            theirs = call.tags(notice, rank)
             for i in range(rank * per_rank, (rank + 1) * per_rank):
-                got = check(self._fetch(call, keys.grad_reduced(world.version, step, i)), i, rank)
+                key = keys.grad_reduced(world.version, step, i, placement.tag_of(theirs, i))
+                got = check(self._fetch(call, key), i, rank)
                 for g, a in got.items():
                     result[g][cuts[g][i]] = a
         return unflatten(layout, result)
@@ -565,20 +619,28 @@ class Collective:
         if world.rank == root:
             assert tensors is not None
             groups = self._groups(call, tensors)
+            tags = self.placement.tags()
             pieces = [
-                (self.keys.grad_broadcast(world.version, call.step, i), blobs.pack(group))
+                (
+                    self.keys.grad_broadcast(
+                        world.version, call.step, i, placement.tag_of(tags, i)
+                    ),
+                    blobs.pack(group),
+                )
                 for i, group in enumerate(groups)
             ]
             self._store(call, pieces)
-            call.notify("sent", n=len(pieces))
+            call.notify("sent", n=len(pieces), t=placement.encode(tags))
             result = dict(tensors)
         else:
             _, notice = next(call.arrivals("sent", {root}))
+            theirs = call.tags(notice, root)
             result = {}
             for i in range(int(notice.get(b"n", b"0"))):
-                result.update(
-                    self._fetch(call, self.keys.grad_broadcast(world.version, call.step, i))
+                key = self.keys.grad_broadcast(
+                    world.version, call.step, i, placement.tag_of(theirs, i)
                 )
+                result.update(self._fetch(call, key))
             call.notify("got")
         for _ in call.arrivals("got", receivers - {world.rank}):
             pass
