@@ -557,7 +557,10 @@ class LocalSentinel(LocalRedis):
             found: Any = probe.sentinel_get_master_addr_by_name(self.service)
         finally:
             probe.close()
-        return (str(found[0]), int(found[1])) if found else None
+        if not found:
+            return None
+        host = found[0].decode() if isinstance(found[0], bytes) else str(found[0])
+        return host, int(found[1])
 
 
 def _find_redis_cli(server: str | None) -> str | None:

@@ -202,11 +202,44 @@ class Coordinator:
             entries = self.journal.range(self.journal_id)
         count = 0
         while entries:
+            if self.journal_id != ZERO and _elects(entries) and not self._holds(self.journal_id):
+                # A new leader after a failover that lost what this coordinator folded.
+                self._rolled_back()
+                return count
             for entry in entries:
                 self._fold_entry(entry)
                 count += 1
             entries = self.journal.range(self.journal_id, count=4096)
         return count
+
+    def _holds(self, entry_id: str) -> bool:
+        """True if the journal still holds `entry_id` (it is never trimmed, so only a Redis
+        that lost acknowledged writes, e.g. a failover to a lagging replica, loses one)."""
+        return entry_id == ZERO or bool(self.conn.xrange(self.keys.journal, entry_id, entry_id))
+
+    def _rolled_back(self) -> None:
+        """The journal lost entries this coordinator folded: forget everything it knows,
+        fold the journal as it is now, and give up the lease if it held it, so the next
+        election appends a LeaderElected with a new token that every reader notices."""
+        self.counters.rollbacks += 1
+        log.error(
+            "the journal of job %r no longer holds entry %s, which %s had folded: Redis lost "
+            "acknowledged writes (a failover to a replica that had not received them?). "
+            "Folding the journal again from the start%s. See docs/redis-ha.md",
+            self.settings.job,
+            self.journal_id,
+            self.settings.coordinator,
+            " and stepping down" if self.token is not None else "",
+        )
+        if self.token is not None:
+            token, self.token = self.token, None
+            self.lease.release(token)
+        self.core = Core()
+        self.committed = self.core.state
+        self.journal_id = ZERO
+        self._load_snapshot()
+        self.catch_up()
+        self.cursor = self.store.cursor()
 
     def _fold_entry(self, entry: Entry) -> None:
         try:
@@ -374,6 +407,9 @@ class Coordinator:
         """Forget what was decided and fold what the journal holds."""
         self.counters.resyncs += 1
         self.core.state = self.committed
+        if not self._holds(self.journal_id):
+            self._rolled_back()
+            return
         self.catch_up()
         self.cursor = self.store.cursor()
 
@@ -474,6 +510,11 @@ class Coordinator:
     def _server_now(self) -> float:
         seconds, micros = self.conn.time()
         return seconds + micros / 1e6
+
+
+def _elects(entries: list[Entry]) -> bool:
+    """True if a LeaderElected is among `entries` (a cheap look at the raw bytes)."""
+    return any(b"LeaderElected" in (entry.raw or b"") for entry in entries)
 
 
 def _raw_of(entry: Entry) -> bytes:

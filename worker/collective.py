@@ -453,8 +453,12 @@ class Collective:
             events=self.keys.step_events(world.version, step, op),
         )
         try:
-            self._cleanup()
-            recent: Any = self.conn.xrevrange(self.keys.journal, "+", "-", count=JOURNAL_LOOKBACK)
+            self.retry(self._cleanup, call, "deleting finished keys")
+            recent: Any = self.retry(
+                lambda: self.conn.xrevrange(self.keys.journal, "+", "-", count=JOURNAL_LOOKBACK),
+                call,
+                "reading the journal",
+            )
         except redis.RedisError as exc:
             raise CollectiveError(f"{call.what()}: Redis failed: {exc}") from exc
         rows = [(_s(i), dict(f)) for i, f in recent or ()]
@@ -473,9 +477,10 @@ class Collective:
 
     def _cleanup(self) -> None:
         while len(self._done) > 1:
-            keys = self._done.popleft()
+            keys = self._done[0]
             if keys:
                 self.conn.unlink(*keys)
+            self._done.popleft()
 
     def retry(self, op: Callable[[], T], call: _Call, what: str) -> T:
         """`op` retried with backoff while Redis is unreachable, until the call's deadline.
@@ -646,7 +651,7 @@ class Collective:
             pass
         if world.rank == root:  # every receiver has its copy: the pieces can go now
             done = [key for key, _ in pieces]
-            self.conn.unlink(*done)
+            self.retry(lambda: self.conn.unlink(*done), call, "deleting the pieces")
             call.written = [key for key in call.written if key not in done]
         return result
 
