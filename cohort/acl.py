@@ -19,12 +19,13 @@ import os
 import re
 import secrets
 from collections.abc import Mapping, Sequence
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 from urllib.parse import quote, urlsplit
 
 import redis
+from redis.cluster import RedisCluster
 
-from events.connection import Client
+from events.connection import Client, is_cluster
 from events.keys import Keys
 
 from .errors import CohortError
@@ -103,6 +104,7 @@ def rules(job: str, role: Role, redis_version: tuple[int, int] = MIN_VERSION) ->
             f"%W~{keys.inbox}",
             f"%R~{keys.journal}",
             f"~{keys.prefix}:grad:*",  # chunks, reduced chunks, broadcasts, notice streams
+            f"~{keys.spread('g*')}:grad:*",  # chunks spread over a cluster's primaries
             f"~{keys.prefix}:weights:*",
         ]
     if role == "viewer":
@@ -235,9 +237,11 @@ def apply(
             "cohort's ACL users need Redis >= 7.0"
         )
     names = []
+    # users live on each server: on a cluster, every node (a replica may be promoted)
+    where: dict[str, Any] = {"target_nodes": RedisCluster.ALL_NODES} if is_cluster(conn) else {}
     for command in setuser_commands(job, passwords, version):
         try:
-            conn.execute_command(*command)
+            conn.execute_command(*command, **where)
         except redis.ResponseError as exc:
             raise _explain(exc, command[2]) from exc
         names.append(command[2])
