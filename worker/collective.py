@@ -31,6 +31,14 @@ out of the socket); `tensors.unpack` views them without copying. Measured by
 bench/allreduce.py (2 CPUs, redis-server 7.0, 64 MiB): SET through the default packer
 0.85 GB/s, through parts 3.1-3.5 GB/s; GET 1.3-1.4 GB/s.
 
+On Redis Cluster the chunk, reduced and broadcast keys carry a per-primary hash tag
+(`worker/placement.py`: chunk i on primary i mod M), so a step's bytes are spread over every
+primary; each notice names the writer's tags (field `t`) and readers use them, so ranks
+need not agree on the slot map. SETs go straight to the owning node's connection pool (the
+parts path); a MOVED/ASK reply or a node that is gone sends those SETs through redis-py's
+routed pipeline instead, which follows the slot and refreshes its map. The notice stream
+stays in the job's slot: it is XREAD together with the journal.
+
 A call is named by (world version, step, op): calling the same op twice for one step of one
 world mixes their notices. The coordinator starts a new world on every membership change, so
 an aborted step is retried in a new world and never collides with itself.
