@@ -19,11 +19,13 @@ import os
 import re
 import secrets
 from collections.abc import Mapping, Sequence
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 from urllib.parse import quote, urlsplit
 
 import redis
+from redis.cluster import RedisCluster
 
+from events.connection import Client, is_cluster
 from events.keys import Keys
 
 from .errors import CohortError
@@ -102,6 +104,7 @@ def rules(job: str, role: Role, redis_version: tuple[int, int] = MIN_VERSION) ->
             f"%W~{keys.inbox}",
             f"%R~{keys.journal}",
             f"~{keys.prefix}:grad:*",  # chunks, reduced chunks, broadcasts, notice streams
+            f"~{keys.spread('g*')}:grad:*",  # chunks spread over a cluster's primaries
             f"~{keys.prefix}:weights:*",
         ]
     if role == "viewer":
@@ -208,7 +211,7 @@ def command_line(command: Sequence[str]) -> str:
     return " ".join(quote_arg(a) for a in command)
 
 
-def server_version(conn: redis.Redis) -> tuple[int, int]:
+def server_version(conn: Client) -> tuple[int, int]:
     """The server's (major, minor); MIN_VERSION if it will not say (INFO refused)."""
     try:
         info = conn.info("server")
@@ -218,7 +221,7 @@ def server_version(conn: redis.Redis) -> tuple[int, int]:
 
 
 def apply(
-    conn: redis.Redis,
+    conn: Client,
     job: str,
     passwords: Mapping[Role, str],
     redis_version: tuple[int, int] | None = None,
@@ -234,9 +237,11 @@ def apply(
             "cohort's ACL users need Redis >= 7.0"
         )
     names = []
+    # users live on each server: on a cluster, every node (a replica may be promoted)
+    where: dict[str, Any] = {"target_nodes": RedisCluster.ALL_NODES} if is_cluster(conn) else {}
     for command in setuser_commands(job, passwords, version):
         try:
-            conn.execute_command(*command)
+            conn.execute_command(*command, **where)
         except redis.ResponseError as exc:
             raise _explain(exc, command[2]) from exc
         names.append(command[2])

@@ -19,7 +19,7 @@ import click
 import redis
 from pydantic import ValidationError
 
-from events.connection import RedisSettings, connect
+from events.connection import Client, RedisSettings, connect
 from events.errors import EventsError, SettingsError
 from events.keys import Keys, check_job
 from events.models import JobConfig
@@ -80,7 +80,9 @@ job_option = click.option(
     "--redis-url",
     envvar="COHORT_REDIS_URL",
     metavar="URL",
-    help="Redis to use, e.g. redis://host:6379/0 or rediss:// for TLS; env COHORT_REDIS_URL. "
+    help="Redis to use, e.g. redis://host:6379/0 or rediss:// for TLS, "
+    "redis+cluster://host:port[,host:port...] for Redis Cluster, "
+    "redis+sentinel://host:26379[,...]/SERVICE[/DB] for Sentinel; env COHORT_REDIS_URL. "
     "Default redis://127.0.0.1:6379/0 (`cohort demo` starts its own when unset).",
 )
 @click.option(
@@ -142,10 +144,10 @@ def _settings(ctx: click.Context, name: str) -> RedisSettings:
         fail(str(exc))
 
 
-def _connect(ctx: click.Context, name: str) -> redis.Redis:
+def _connect(ctx: click.Context, name: str) -> Client:
     settings = _settings(ctx, name)
-    conn = connect(settings)
     try:
+        conn = connect(settings)  # a cluster client asks for the slot map at once
         conn.ping()
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         if _tls_failure(settings, exc):
@@ -168,7 +170,7 @@ def _connect(ctx: click.Context, name: str) -> redis.Redis:
 
 def _tls_failure(settings: RedisSettings, exc: BaseException) -> bool:
     """True if `exc` came from the TLS layer of a rediss:// connection."""
-    if not settings.url.startswith("rediss://"):
+    if not settings.target.tls:
         return False
     text = str(exc).lower()
     return any(w in text for w in ("ssl", "tls", "certificate", "handshake")) or isinstance(
@@ -274,6 +276,14 @@ def _pydantic_message(exc: ValidationError, source: str) -> str:
     help="After each append, wait for the AOF fsync (WAITAOF; Redis >= 7.2).",
 )
 @click.option(
+    "--wait-replicas",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="After each append, WAIT until this many replicas have it, so a Sentinel or Cluster "
+    "failover cannot lose an acknowledged fact (docs/redis-ha.md). 0: do not wait.",
+)
+@click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     help="Serve Prometheus metrics on this port (0: any free port, logged).",
@@ -289,6 +299,7 @@ def coordinator(
     metrics_port: int | None,
     allow_volatile: bool,
     wait_aof: bool,
+    wait_replicas: int,
     gpu_rules_file: Path | None,
     **flags: Any,
 ) -> None:
@@ -330,9 +341,14 @@ def coordinator(
         snapshot_every=snapshot_every,
         allow_volatile=allow_volatile,
         wait_aof=wait_aof,
+        wait_replicas=wait_replicas,
         display_url=_settings(ctx, name).display_url,
     )
-    conn = connect(_settings(ctx, f"cohort-coordinator-{name}"))
+    redis_settings = _settings(ctx, f"cohort-coordinator-{name}")
+    try:
+        conn = connect(redis_settings)  # a cluster client asks for the slot map at once
+    except redis.ConnectionError as exc:
+        fail(f"cannot reach Redis at {redis_settings.display_url} ({exc})", Exit.REDIS)
     stop = threading.Event()
     _signals(stop, f"coordinator {name}")
     log.info("coordinator %s for job %r on %s", name, job, _settings(ctx, name).display_url)
@@ -374,7 +390,7 @@ def worker_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 def _worker_client(
     ctx: click.Context, job: str, worker_id: str | None, gpu_interval: float, name: str
-) -> tuple[redis.Redis, Any]:
+) -> tuple[Client, Any]:
     """A connected Worker whose first SIGINT/SIGTERM finishes the step and leaves."""
     from worker.client import Worker
 
@@ -544,7 +560,7 @@ def status(ctx: click.Context, job: str, as_json: bool, watch: bool, interval: f
     status_table(body)
 
 
-def _watch(conn: redis.Redis, job: str, interval: float) -> None:
+def _watch(conn: Client, job: str, interval: float) -> None:
     from rich.live import Live
 
     from coordinator.replay import JournalWatch, describe, view
@@ -572,7 +588,7 @@ def _watch(conn: redis.Redis, job: str, interval: float) -> None:
                 stop.wait(interval)
 
 
-def _leader_view(conn: redis.Redis, job: str) -> dict[str, Any] | None:
+def _leader_view(conn: Client, job: str) -> dict[str, Any] | None:
     import msgpack
 
     raw = conn.get(Keys(job).status)

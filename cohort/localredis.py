@@ -24,7 +24,7 @@ from typing import IO, Any
 
 import redis
 
-from events.connection import RedisSettings, connect
+from events.connection import Client, RedisSettings, connect
 
 from .errors import CohortError
 
@@ -194,7 +194,7 @@ class LocalRedis:
             return self.tls.settings(self.url, **kw)
         return RedisSettings(url=self.url, **kw)
 
-    def client(self) -> redis.Redis:
+    def client(self) -> Client:
         """A client through the one connection factory (the caller closes it)."""
         return connect(self.settings())
 
@@ -355,3 +355,218 @@ class LocalRedis:
 
 class _PortTaken(LocalRedisError):
     """redis-server lost the race for the port we picked; pick another."""
+
+
+class _ClusterNode(LocalRedis):
+    """A cluster-enabled redis-server whose bus port is picked free too (port + 10000, the
+    default, can exceed 65535 for the high ports the OS hands out)."""
+
+    def __init__(self, node_timeout_ms: int, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.node_timeout_ms = node_timeout_ms
+
+    def _argv(self, port: int) -> list[str]:
+        return [
+            *super()._argv(port),
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", "nodes.conf",
+            "--cluster-port", str(free_port()),
+            "--cluster-node-timeout", str(self.node_timeout_ms),
+        ]  # fmt: skip
+
+
+class LocalCluster:
+    """A private Redis Cluster: `primaries` primaries with `replicas` replicas each, every
+    node a redis-server on a free port in its own temp dir (AOF on), joined with
+    `redis-cli --cluster create`. Use as a context manager, or call start() and stop()."""
+
+    def __init__(
+        self,
+        primaries: int = 3,
+        replicas: int = 1,
+        *,
+        binary: str | None = None,
+        cli: str | None = None,
+        node_timeout_ms: int = 2000,
+        start_timeout: float = 60.0,
+        appendfsync: str = "everysec",
+        appendonly: bool = True,
+    ) -> None:
+        if primaries < 3:
+            raise LocalRedisError(f"Redis Cluster needs at least 3 primaries, not {primaries}")
+        self.binary = binary or find_redis_server()
+        self.cli = cli or _find_redis_cli(self.binary)
+        self.nodes = [
+            _ClusterNode(
+                node_timeout_ms,
+                binary=self.binary,
+                appendonly=appendonly,
+                appendfsync=appendfsync,
+                start_timeout=start_timeout,
+            )
+            for _ in range(primaries * (1 + replicas))
+        ]
+        self.primaries = primaries
+        self.replicas = replicas
+        self.start_timeout = start_timeout
+
+    def start(self) -> LocalCluster:
+        """Start every node, create the cluster, and return once all agree it is ok."""
+        if self.binary is None:
+            raise LocalRedisError(
+                "no redis-server binary found (looked at $COHORT_REDIS_SERVER and PATH)"
+            )
+        if self.cli is None:
+            raise LocalRedisError("no redis-cli binary found next to redis-server or on PATH")
+        try:
+            for node in self.nodes:
+                node.start()
+            create = subprocess.run(
+                [
+                    self.cli, "--cluster", "create",
+                    *(f"{HOST}:{node.port}" for node in self.nodes),
+                    "--cluster-replicas", str(self.replicas),
+                    "--cluster-yes",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=self.start_timeout,
+                check=False,
+            )  # fmt: skip
+            if create.returncode != 0:
+                raise LocalRedisError(
+                    f"redis-cli --cluster create failed ({create.returncode}):\n"
+                    f"{create.stdout[-2000:]}{create.stderr[-2000:]}"
+                )
+            self.wait_ok()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ok(self, timeout: float | None = None) -> None:
+        """Return once every live node says cluster_state:ok, knows every node, has every
+        slot covered and (replicas) is in sync with its primary; LocalRedisError after
+        `timeout` (default start_timeout)."""
+        deadline = time.monotonic() + (timeout or self.start_timeout)
+        pause = threading.Event()
+        last = ""
+        while time.monotonic() < deadline:
+            states = []
+            for node in self.nodes:
+                if not node.alive():
+                    continue
+                probe = redis.Redis(host=HOST, port=node.port, socket_timeout=1.0)
+                try:
+                    info = probe.cluster("INFO")
+                    replication = probe.info("replication")
+                    synced = (
+                        replication.get("role") == "master"
+                        or replication.get("master_link_status") == "up"
+                    )
+                    states.append(
+                        info.get("cluster_state") == "ok"
+                        and int(info.get("cluster_slots_ok", 0)) == 16384
+                        and int(info.get("cluster_known_nodes", 0)) == len(self.nodes)
+                        and synced
+                    )
+                    last = f"{node.port}: {info.get('cluster_state')}, synced={synced}"
+                except redis.RedisError as exc:
+                    states.append(False)
+                    last = f"{node.port}: {exc}"
+                finally:
+                    probe.close()
+            if states and all(states):
+                return
+            pause.wait(0.1)
+        raise LocalRedisError(f"cluster not ok within its timeout (last: {last})")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    @property
+    def url(self) -> str:
+        """redis+cluster:// naming every node as a startup node."""
+        return "redis+cluster://" + ",".join(f"{HOST}:{node.port}" for node in self.nodes)
+
+    def settings(self, **kw: Any) -> RedisSettings:
+        return RedisSettings(url=self.url, **kw)
+
+    def client(self) -> Client:
+        return connect(self.settings())
+
+    def roles(self) -> dict[int, str]:
+        """port -> 'master' or 'slave' for every live node, as each node says itself."""
+        out = {}
+        for node in self.nodes:
+            if node.alive():
+                probe = redis.Redis(host=HOST, port=node.port, socket_timeout=1.0)
+                try:
+                    out[node.port] = str(probe.info("replication")["role"])
+                finally:
+                    probe.close()
+        return out
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class LocalSentinel(LocalRedis):
+    """A redis-server in Sentinel mode watching one primary as `service`, for tests.
+
+    The config is written fresh on every start (Sentinel rewrites it as it learns)."""
+
+    def __init__(
+        self,
+        primary_port: int,
+        service: str = "cohort",
+        *,
+        quorum: int = 1,
+        down_after_ms: int = 1000,
+        failover_timeout_ms: int = 5000,
+        **kw: Any,
+    ) -> None:
+        super().__init__(appendonly=False, **kw)
+        self.primary_port = primary_port
+        self.service = service
+        self.quorum = quorum
+        self.down_after_ms = down_after_ms
+        self.failover_timeout_ms = failover_timeout_ms
+
+    def _argv(self, port: int) -> list[str]:
+        assert self.binary is not None and self.dir is not None
+        conf = self.dir / "sentinel.conf"
+        name = self.service
+        conf.write_text(
+            f"port {port}\nbind {HOST}\ndir {self.dir}\nlogfile {self.dir / 'redis.log'}\n"
+            f"sentinel monitor {name} {HOST} {self.primary_port} {self.quorum}\n"
+            f"sentinel down-after-milliseconds {name} {self.down_after_ms}\n"
+            f"sentinel failover-timeout {name} {self.failover_timeout_ms}\n"
+            f"sentinel parallel-syncs {name} 1\n"
+        )
+        return [self.binary, str(conf), "--sentinel"]
+
+    def primary(self) -> tuple[str, int] | None:
+        """The (host, port) this Sentinel names as the service's primary now."""
+        probe = redis.Redis(host=HOST, port=self.port, socket_timeout=1.0)
+        try:
+            found: Any = probe.sentinel_get_master_addr_by_name(self.service)
+        finally:
+            probe.close()
+        if not found:
+            return None
+        host = found[0].decode() if isinstance(found[0], bytes) else str(found[0])
+        return host, int(found[1])
+
+
+def _find_redis_cli(server: str | None) -> str | None:
+    """redis-cli next to `server`, else the first on PATH."""
+    if server is not None:
+        sibling = Path(server).with_name("redis-cli")
+        if os.access(sibling, os.X_OK):
+            return str(sibling)
+    return shutil.which("redis-cli")

@@ -15,6 +15,14 @@ it from then on). So:
 Where the server has WAITAOF (Redis >= 7.2) and `--wait-aof` is given, the
 leader also waits after each append until the AOF is fsynced locally, which gives
 `always` semantics for the journal under `everysec` for everything else.
+
+Replicas (Sentinel, Cluster) are another matter: replication is asynchronous, so a
+failover can lose what the old primary acknowledged but had not yet sent. With
+`--wait-replicas N` the leader sends WAIT N after each append, on the connection that
+made it, so an acknowledged fact is on N replicas too (docs/redis-ha.md).
+
+On Redis Cluster every primary is checked, not only the one owning the job's slot: a
+slot can move (resharding, failover) to any of them.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ import contextlib
 from dataclasses import dataclass
 
 import redis
+
+from events.connection import Client, primaries
 
 from .errors import CoordinatorError
 
@@ -71,11 +81,27 @@ def _at_least(version: str, wanted: tuple[int, int]) -> bool:
     return (major, minor) >= wanted
 
 
-def require(conn: redis.Redis, display_url: str, allow_volatile: bool) -> Persistence:
-    """The server's persistence, or CoordinatorError if it does not persist and that is not
-    explicitly allowed."""
-    found = inspect(conn)
-    problem = found.problem(display_url)
-    if problem and not allow_volatile:
-        raise CoordinatorError(problem)
-    return found
+def require(conn: Client, display_url: str, allow_volatile: bool) -> Persistence:
+    """The persistence of every primary (the least of them), or CoordinatorError naming the
+    first primary that does not persist, unless that is explicitly allowed."""
+    servers = primaries(conn)
+    found = [(name, inspect(server)) for name, server in servers]
+    for name, persistence in found:
+        where = display_url if len(servers) == 1 else f"{display_url} (primary {name})"
+        problem = persistence.problem(where)
+        if problem and not allow_volatile:
+            raise CoordinatorError(problem)
+    least = [p for _, p in found]
+    aofs = [p.aof for p in least]
+    return Persistence(
+        aof=None if None in aofs else all(aofs),
+        waitaof=all(p.waitaof for p in least),
+        version=min((p.version for p in least), key=_version_key),
+    )
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in version.split("."))
+    except ValueError:
+        return (0,)

@@ -18,6 +18,7 @@ from typing import Any
 
 import redis
 
+from events.connection import Client, primaries, server_for
 from events.keys import Keys
 from events.streams import ZERO
 
@@ -53,7 +54,7 @@ def _function_missing(exc: redis.ResponseError) -> bool:
     return "function not found" in str(exc).lower()
 
 
-def _too_old(conn: redis.Redis, exc: redis.ResponseError) -> CoordinatorError:
+def _too_old(conn: Client, exc: redis.ResponseError) -> CoordinatorError:
     try:
         version = conn.info("server").get("redis_version", "unknown")
     except redis.RedisError:
@@ -64,7 +65,7 @@ def _too_old(conn: redis.Redis, exc: redis.ResponseError) -> CoordinatorError:
     )
 
 
-def installed_version(conn: redis.Redis) -> int | None:
+def installed_version(conn: Client) -> int | None:
     """The version of the `cohort` library on the server, or None if it has none (or an old one
     without `cohort_version`)."""
     try:
@@ -77,8 +78,20 @@ def installed_version(conn: redis.Redis) -> int | None:
         raise
 
 
-def load_library(conn: redis.Redis) -> int:
-    """Make sure the server runs this package's library (or a newer one); return its version.
+def load_library(conn: Client) -> int:
+    """Make sure every primary runs this package's library (or a newer one); return the
+    oldest version found.
+
+    On Redis Cluster a function lives on each node separately (a replica gets its primary's
+    through replication, and so keeps it when promoted), so the library is loaded on every
+    primary the client's slot map names now. A primary added later is loaded when an FCALL
+    there first answers "function not found" (see `_fcall`).
+    """
+    return min(_load_on(server) for _, server in primaries(conn))
+
+
+def _load_on(conn: redis.Redis) -> int:
+    """Load the library on one server, unless it runs this version or a newer one.
 
     Loads with FUNCTION LOAD REPLACE only when the installed version is missing or older.
     Several coordinators may race here: REPLACE is atomic, and each re-checks after loading,
@@ -102,7 +115,7 @@ def load_library(conn: redis.Redis) -> int:
     )
 
 
-def _fcall(conn: redis.Redis, function: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+def _fcall(conn: Client, function: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
     """FCALL, loading the library first if the server lost it (fresh or flushed server)."""
     for attempt in (1, 2):
         try:
@@ -129,7 +142,7 @@ def new_nonce() -> str:
 class Lease:
     """The leader lease: a PX key holding `epoch:nonce`, the epoch counted up on every election."""
 
-    def __init__(self, conn: redis.Redis, keys: Keys, lease_ms: int) -> None:
+    def __init__(self, conn: Client, keys: Keys, lease_ms: int) -> None:
         if lease_ms <= 0:
             raise CoordinatorError(f"lease_ms must be a positive number of ms, not {lease_ms!r}")
         self.conn = conn
@@ -170,6 +183,16 @@ class Lease:
 
 
 @dataclass(frozen=True, slots=True)
+class Acked:
+    """What WAIT / WAITAOF confirmed after an append; None where nothing was asked."""
+
+    replicas: int | None
+    """Replicas that had the append when WAIT returned."""
+    aof: bool | None
+    """Whether the primary's AOF had it fsynced when WAITAOF returned."""
+
+
+@dataclass(frozen=True, slots=True)
 class DeadLetter:
     """An inbox entry the leader rejected, with why; `raw` is the entry's bytes as received."""
 
@@ -181,12 +204,31 @@ class DeadLetter:
 class FencedJournal:
     """The leader's writes: facts, the inbox cursor and dead letters in one fenced, atomic call."""
 
-    def __init__(self, conn: redis.Redis, keys: Keys, dead_maxlen: int = 10_000) -> None:
+    def __init__(
+        self,
+        conn: Client,
+        keys: Keys,
+        dead_maxlen: int = 10_000,
+        wait_replicas: int = 0,
+        wait_aof: bool = False,
+        wait_ms: int = 5000,
+    ) -> None:
         if dead_maxlen <= 0:
             raise CoordinatorError(f"dead_maxlen must be positive, not {dead_maxlen!r}")
+        if wait_replicas < 0 or wait_ms <= 0:
+            raise CoordinatorError(
+                f"wait_replicas ({wait_replicas!r}) must be >= 0 and wait_ms ({wait_ms!r}) > 0"
+            )
         self.conn = conn
         self.keys = keys
         self.dead_maxlen = dead_maxlen
+        self.wait_replicas = wait_replicas
+        """After each append, WAIT until this many replicas have it (0: do not wait)."""
+        self.wait_aof = wait_aof
+        """After each append, WAITAOF until the primary's AOF has it fsynced (Redis >= 7.2)."""
+        self.wait_ms = wait_ms
+        self.acked: Acked | None = None
+        """What the last append's waits confirmed (None: nothing was waited for)."""
 
     def append(
         self,
@@ -208,12 +250,64 @@ class FencedJournal:
         for letter in dead:
             args.extend((letter.inbox_id, letter.reason, letter.raw))
         keys = [self.keys.leader, self.keys.journal, self.keys.cursor, self.keys.dead]
+        self.acked = None
         try:
-            ids = _fcall(self.conn, "cohort_append", keys, args)
+            if self.wait_replicas or self.wait_aof:
+                ids = self._append_and_wait(keys, args)
+            else:
+                ids = _fcall(self.conn, "cohort_append", keys, args)
         except redis.ResponseError as exc:
             self._raise_translated(exc, token, expected_last)
             raise
         return [_text(i) for i in ids or ()]
+
+    def _append_and_wait(self, keys: list[str], args: list[Any]) -> Any:
+        """FCALL cohort_append, then WAIT / WAITAOF on the same connection of the primary
+        holding the journal: both wait for *this connection's* writes, so they must follow
+        the append on the connection that made it (one pipeline guarantees that)."""
+        server = server_for(self.conn, self.keys.journal)
+        for attempt in (1, 2):
+            pipe = server.pipeline(transaction=False)
+            pipe.fcall("cohort_append", len(keys), *keys, *args)
+            if self.wait_replicas:
+                pipe.execute_command("WAIT", self.wait_replicas, self.wait_ms)
+            if self.wait_aof:
+                pipe.execute_command("WAITAOF", 1, 0, self.wait_ms)
+            replies = pipe.execute(raise_on_error=False)
+            first = replies[0]
+            if isinstance(first, redis.ResponseError):
+                if attempt == 1 and _function_missing(first):
+                    load_library(self.conn)  # nothing ran, so calling again is safe
+                    continue
+                if isinstance(first, redis.exceptions.AskError):
+                    # The slot moved (failover, resharding): redis-py follows it and learns
+                    # the new owner; the wait then goes to that node's pooled connection,
+                    # the one the append just used in this single-threaded leader.
+                    ids = _fcall(self.conn, "cohort_append", keys, args)
+                    self._wait_after_redirect()
+                    return ids
+                raise first
+            self._record(replies[1:])
+            return first
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _wait_after_redirect(self) -> None:
+        server = server_for(self.conn, self.keys.journal)
+        replies: list[Any] = []
+        if self.wait_replicas:
+            replies.append(server.execute_command("WAIT", self.wait_replicas, self.wait_ms))
+        if self.wait_aof:
+            replies.append(server.execute_command("WAITAOF", 1, 0, self.wait_ms))
+        self._record(replies)
+
+    def _record(self, replies: list[Any]) -> None:
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        at = iter(replies)
+        replicas = int(next(at)) if self.wait_replicas else None
+        aof = bool(int(next(at)[0])) if self.wait_aof else None
+        self.acked = Acked(replicas=replicas, aof=aof)
 
     def save_snapshot(self, token: str, blob: bytes) -> None:
         """Store a snapshot blob, only if `token` leads (else Fenced)."""

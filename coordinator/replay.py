@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import IO, Any
 
 import msgpack
-import redis
 
 from events.codec import gc_paused
+from events.connection import Client
 from events.errors import DecodeError
 from events.keys import Keys
 from events.models import Fact, WorldChanged
@@ -58,7 +58,7 @@ class Run:
             yield from zip((entry.id for entry in page), facts, strict=True)
 
 
-def from_redis(conn: redis.Redis, job: str, with_inbox: bool = True) -> Run:
+def from_redis(conn: Client, job: str, with_inbox: bool = True) -> Run:
     keys = Keys(job)
     with gc_paused():
         run = Run(job, journal=_all(Stream(conn, keys.journal)))

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-import redis
 
 from events.clock import Clock, SystemClock
 from events.codec import decode_command, encode
+from events.connection import UNAVAILABLE, Client
 from events.errors import DecodeError
 from events.keys import Keys
 from events.models import Fact, JobConfig, StepDone
@@ -44,7 +44,7 @@ from .state import JobState, state_hash
 
 log = logging.getLogger("cohort.coordinator")
 
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+REDIS_DOWN = UNAVAILABLE
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,11 @@ class ServiceSettings:
     """Lead even when Redis keeps no AOF (a restart would lose the journal)."""
     wait_aof: bool = False
     """After each append, wait until the AOF is fsynced locally (WAITAOF, Redis >= 7.2)."""
+    wait_replicas: int = 0
+    """After each append, WAIT until this many replicas have it (Sentinel/Cluster failover
+    then cannot lose an acknowledged fact while one of them is promoted)."""
+    wait_ms: int = 5000
+    """How long each WAIT / WAITAOF may block before the leader logs a shortfall."""
     display_url: str = "redis"
 
 
@@ -74,12 +79,16 @@ class Counters:
     batches: int = 0
     elections_won: int = 0
     resyncs: int = 0
+    unreplicated: int = 0
+    """Appends that WAIT confirmed on fewer than --wait-replicas replicas in time."""
+    rollbacks: int = 0
+    """Times the journal was found to have lost entries this coordinator had folded."""
 
 
 class Coordinator:
     def __init__(
         self,
-        conn: redis.Redis,
+        conn: Client,
         settings: ServiceSettings,
         clock: Clock | None = None,
         metrics: Metrics | None = None,
@@ -93,7 +102,13 @@ class Coordinator:
         self.journal = Journal(conn, self.keys.journal)
         self.inbox = Inbox(conn, self.keys.inbox)
         self.lease = Lease(conn, self.keys, settings.lease_ms)
-        self.store = FencedJournal(conn, self.keys, dead_maxlen=settings.dead_maxlen)
+        self.store = FencedJournal(
+            conn,
+            self.keys,
+            dead_maxlen=settings.dead_maxlen,
+            wait_replicas=settings.wait_replicas,
+            wait_ms=settings.wait_ms,
+        )
         self.core = Core()
         self.committed = self.core.state  # the state as of journal_id: what Redis holds
         self.journal_id = ZERO  # the last journal entry folded into `committed`
@@ -156,6 +171,7 @@ class Coordinator:
                 "--wait-aof: Redis %s has no WAITAOF (needs >= 7.2); relying on appendfsync",
                 self.persistence.version,
             )
+        self.store.wait_aof = self.settings.wait_aof and self.persistence.waitaof
         load_library(self.conn)
         self._load_snapshot()
         self.catch_up()
@@ -186,10 +202,43 @@ class Coordinator:
             entries = self.journal.range(self.journal_id)
         count = 0
         while entries:
+            if self.journal_id != ZERO and _elects(entries) and not self._holds(self.journal_id):
+                # A new leader after a failover that lost what this coordinator folded.
+                self._rolled_back()
+                return count
             self._fold_page(entries)
             count += len(entries)
             entries = self.journal.range(self.journal_id, count=4096)
         return count
+
+    def _holds(self, entry_id: str) -> bool:
+        """True if the journal still holds `entry_id` (it is never trimmed, so only a Redis
+        that lost acknowledged writes, e.g. a failover to a lagging replica, loses one)."""
+        return entry_id == ZERO or bool(self.conn.xrange(self.keys.journal, entry_id, entry_id))
+
+    def _rolled_back(self) -> None:
+        """The journal lost entries this coordinator folded: forget everything it knows,
+        fold the journal as it is now, and give up the lease if it held it, so the next
+        election appends a LeaderElected with a new token that every reader notices."""
+        self.counters.rollbacks += 1
+        log.error(
+            "the journal of job %r no longer holds entry %s, which %s had folded: Redis lost "
+            "acknowledged writes (a failover to a replica that had not received them?). "
+            "Folding the journal again from the start%s. See docs/redis-ha.md",
+            self.settings.job,
+            self.journal_id,
+            self.settings.coordinator,
+            " and stepping down" if self.token is not None else "",
+        )
+        if self.token is not None:
+            token, self.token = self.token, None
+            self.lease.release(token)
+        self.core = Core()
+        self.committed = self.core.state
+        self.journal_id = ZERO
+        self._load_snapshot()
+        self.catch_up()
+        self.cursor = self.store.cursor()
 
     def _fold_page(self, entries: list[Entry]) -> None:
         try:
@@ -320,10 +369,7 @@ class Coordinator:
             raise
         if ids:
             self.journal_id = ids[-1]
-            if self.settings.wait_aof and self.persistence.waitaof:
-                local, _ = self.conn.execute_command("WAITAOF", 1, 0, 5000)
-                if int(local) < 1:
-                    log.warning("WAITAOF: the AOF was not fsynced within 5 s")
+        self._check_acked()
         self.committed = self.core.state
         if cursor is not None:
             self.cursor = cursor
@@ -337,10 +383,33 @@ class Coordinator:
         for letter in dead:
             log.warning("dead letter %s: %s", letter.inbox_id, letter.reason)
 
+    def _check_acked(self) -> None:
+        """Log (and count) an append that fewer replicas or no fsync confirmed in time: it
+        is in the journal and acted on, but a failover or power cut now could lose it."""
+        acked = self.store.acked
+        if acked is None:
+            return
+        wanted = self.settings.wait_replicas
+        if acked.replicas is not None and acked.replicas < wanted:
+            self.counters.unreplicated += 1
+            log.warning(
+                "WAIT: journal entry %s reached %d of %d replicas within %d ms; a failover "
+                "now could lose it (are the replicas up? see docs/redis-ha.md)",
+                self.journal_id,
+                acked.replicas,
+                wanted,
+                self.settings.wait_ms,
+            )
+        if acked.aof is False:
+            log.warning("WAITAOF: the AOF was not fsynced within %d ms", self.settings.wait_ms)
+
     def _resync(self) -> None:
         """Forget what was decided and fold what the journal holds."""
         self.counters.resyncs += 1
         self.core.state = self.committed
+        if not self._holds(self.journal_id):
+            self._rolled_back()
+            return
         self.catch_up()
         self.cursor = self.store.cursor()
 
@@ -441,6 +510,11 @@ class Coordinator:
     def _server_now(self) -> float:
         seconds, micros = self.conn.time()
         return seconds + micros / 1e6
+
+
+def _elects(entries: list[Entry]) -> bool:
+    """True if a LeaderElected is among `entries` (a cheap look at the raw bytes)."""
+    return any(b"LeaderElected" in (entry.raw or b"") for entry in entries)
 
 
 def _raw_of(entry: Entry) -> bytes:

@@ -1,21 +1,81 @@
-"""The one Redis connection factory. Settings are data; nothing holds a global client."""
+"""The one Redis connection factory. Settings are data; nothing holds a global client.
+
+Three kinds of deployment, chosen by the URL's scheme, each through redis-py's own client:
+
+- `redis://[user:pass@]host:port/db`, `rediss://...` (TLS), `unix:///path`: one server
+  (`redis.Redis`);
+- `redis+cluster://[user:pass@]host:port[,host:port...]` (`rediss+cluster://` for TLS):
+  Redis Cluster (`redis.cluster.RedisCluster`); the hosts are startup nodes, the client
+  discovers the rest and follows MOVED/ASK;
+- `redis+sentinel://[user:pass@]host:port[,host:port...]/SERVICE[/db]`
+  (`rediss+sentinel://` for TLS): the primary of SERVICE as the Sentinels name it
+  (`redis.sentinel.Sentinel(...).master_for(SERVICE)`), found again after a failover.
+  The credentials are for the Redis servers; the Sentinels are asked without them.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
-from urllib.parse import urlsplit
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+from urllib.parse import unquote, urlsplit
 
 import redis
 from pydantic import BaseModel, ConfigDict, Field
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainError
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from .errors import SettingsError
 
 ENV_URL = "COHORT_REDIS_URL"
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
-SCHEMES = ("redis", "rediss", "unix")
+SCHEMES = (
+    "redis", "rediss", "unix",
+    "redis+cluster", "rediss+cluster",
+    "redis+sentinel", "rediss+sentinel",
+)  # fmt: skip
+EXAMPLES = (
+    "redis://HOST:6379/0, rediss:// for TLS, unix:///path/to/socket, "
+    "redis+cluster://HOST:PORT[,HOST:PORT...] for Redis Cluster or "
+    "redis+sentinel://HOST:26379[,HOST:PORT...]/SERVICE[/DB] for Sentinel"
+)
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&]*")
+DEFAULT_PORTS = {"single": 6379, "cluster": 6379, "sentinel": 26379}
+
+Client: TypeAlias = "redis.Redis | RedisCluster"
+"""What the connection factory returns: one server (also via Sentinel) or a cluster."""
+
+Kind = Literal["single", "cluster", "sentinel"]
+
+UNAVAILABLE: tuple[type[BaseException], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    ClusterDownError,  # also MASTERDOWN: a replica cut off from its primary
+    TryAgainError,  # a slot in the middle of a migration
+    RedisClusterException,  # e.g. SlotNotCoveredError while a failover reshapes the cluster
+)
+"""Errors that mean "Redis is not there right now": wait and retry, nothing is decided."""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A checked Redis URL taken apart: which kind of deployment, where, as whom."""
+
+    kind: Kind
+    tls: bool
+    nodes: tuple[tuple[str, int], ...]
+    """Cluster startup nodes or Sentinels; empty for a single server (redis-py parses it)."""
+    service: str | None = None
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+
 # TLS files for rediss:// URLs: (field, env var, CLI flag, what it is)
 TLS_FILES = (
     ("tls_ca", "COHORT_REDIS_TLS_CA", "--redis-tls-ca", "CA certificate"),
@@ -63,27 +123,130 @@ class RedisSettings(BaseModel):
     @property
     def display_url(self) -> str:
         """The URL with any password masked, for logs and errors."""
-        parts = urlsplit(self.url)
-        if parts.password:
-            netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-            return parts._replace(netloc=netloc).geturl()
-        return self.url
+        return mask_password(self.url)
+
+    @property
+    def target(self) -> Target:
+        return parse_url(self.url)
+
+
+def mask_password(url: str) -> str:
+    """`url` with the password of its user info (or a `password=` query option) as ***."""
+    url = _QUERY_PASSWORD.sub(r"\1***", url)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    netloc, slash, path = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        user = userinfo.split(":", 1)[0]
+        return f"{scheme}://{user}:***@{hosts}{slash}{path}"
+    return url
 
 
 def check_url(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in SCHEMES:
-        raise SettingsError(
-            f"Redis URL {url!r} has scheme {parts.scheme!r}; use redis://HOST:PORT/DB, "
-            f"rediss:// for TLS or unix:///path/to/socket (set --redis-url or ${ENV_URL})"
-        )
-    if parts.scheme != "unix" and not parts.hostname:
-        raise SettingsError(f"Redis URL {url!r} names no host; e.g. redis://127.0.0.1:6379/0")
-    try:
-        parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError:
-        raise SettingsError(f"Redis URL {url!r} has a bad port; use a number 1-65535") from None
+    """Return `url` if it is usable, else raise SettingsError naming it and an example."""
+    parse_url(url)
     return url
+
+
+def parse_url(url: str) -> Target:
+    """Take a Redis URL apart (see the module docstring for the forms); SettingsError if bad."""
+    shown = mask_password(url)
+    scheme = urlsplit(url).scheme if "://" in url else ""
+    if scheme not in SCHEMES:
+        raise SettingsError(
+            f"Redis URL {shown!r} has scheme {scheme!r}; use {EXAMPLES} "
+            f"(set --redis-url or ${ENV_URL})"
+        )
+    base, _, kind_name = scheme.partition("+")
+    kind: Kind = kind_name if kind_name else "single"  # type: ignore[assignment]
+    tls = base == "rediss"
+    if kind == "single":
+        parts = urlsplit(url)
+        if scheme != "unix" and not parts.hostname:
+            raise SettingsError(f"Redis URL {shown!r} names no host; e.g. redis://127.0.0.1:6379/0")
+        try:
+            parts.port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError:
+            raise SettingsError(
+                f"Redis URL {shown!r} has a bad port; use a number 1-65535"
+            ) from None
+        return Target(kind="single", tls=tls, nodes=())
+    rest, _, query = url.split("://", 1)[1].partition("?")
+    netloc, _, path = rest.partition("/")
+    if query:
+        raise SettingsError(
+            f"Redis URL {shown!r} has query options ({query.split('=')[0]}=...), which "
+            f"{scheme}:// URLs do not take; e.g. {_example(kind)}"
+        )
+    userinfo, at, hosts = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, secret = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(secret) if colon else None
+    nodes = tuple(_host_port(h, shown, kind) for h in hosts.split(","))
+    segments = [p for p in path.split("/") if p]
+    service, db = None, 0
+    if kind == "cluster":
+        if segments and segments != ["0"]:
+            raise SettingsError(
+                f"Redis URL {shown!r} names database {'/'.join(segments)!r}; Redis Cluster has "
+                f"only database 0: use {_example(kind)}"
+            )
+    else:
+        if not segments or len(segments) > 2:
+            raise SettingsError(
+                f"Redis URL {shown!r} must name the Sentinel service (the master's name in "
+                f"sentinel.conf) and optionally a database: {_example(kind)}"
+            )
+        service = unquote(segments[0])
+        if len(segments) == 2:
+            if not segments[1].isdigit():
+                raise SettingsError(
+                    f"Redis URL {shown!r} has database {segments[1]!r}; use a number, "
+                    f"e.g. {_example(kind)}"
+                )
+            db = int(segments[1])
+    return Target(
+        kind=kind,
+        tls=tls,
+        nodes=nodes,
+        service=service,
+        db=db,
+        username=username,
+        password=password,
+    )
+
+
+def _example(kind: Kind) -> str:
+    if kind == "cluster":
+        return "redis+cluster://10.0.0.1:7000,10.0.0.2:7000"
+    return "redis+sentinel://10.0.0.1:26379,10.0.0.2:26379/mymaster"
+
+
+def _host_port(text: str, shown: str, kind: Kind) -> tuple[str, int]:
+    """(host, port) of one `host[:port]` or `[v6]:port` of a multi-host URL."""
+    if text.startswith("["):
+        host, bracket, after = text[1:].partition("]")
+        port_text = after[1:] if after.startswith(":") else ""
+        if not bracket or (after and not after.startswith(":")):
+            host = ""
+    else:
+        host, _, port_text = text.partition(":")
+    if not host:
+        raise SettingsError(
+            f"Redis URL {shown!r} has an empty or malformed host {text!r}; e.g. {_example(kind)}"
+        )
+    if not port_text:
+        return host, DEFAULT_PORTS[kind]
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise SettingsError(
+            f"Redis URL {shown!r} has a bad port {port_text!r} for host {host!r}; "
+            f"use a number 1-65535, e.g. {_example(kind)}"
+        )
+    return host, int(port_text)
 
 
 def check_tls(url: str, files: Mapping[str, str | None]) -> None:
@@ -94,7 +257,7 @@ def check_tls(url: str, files: Mapping[str, str | None]) -> None:
         return
     names = {field: f"{flag} / ${env_name}" for field, env_name, flag, _ in TLS_FILES}
     scheme = urlsplit(url).scheme
-    if scheme != "rediss":
+    if not scheme.startswith("rediss"):
         which = ", ".join(names[f] for f in given)
         raise SettingsError(
             f"TLS files are set ({which}) but the Redis URL uses {scheme}://; "
@@ -115,29 +278,119 @@ def check_tls(url: str, files: Mapping[str, str | None]) -> None:
         )
 
 
-def connect(settings: RedisSettings) -> redis.Redis:
+def connect(settings: RedisSettings) -> Client:
     """A client for `settings`: bytes in, bytes out, a few quick retries on connection errors.
 
     Longer outages are the caller's loop's business: it logs and backs off. rediss:// URLs
     verify the server's certificate (against `tls_ca`, else the system store) and present
-    `tls_cert` when given.
+    `tls_cert` when given. The URL's scheme picks the client: one server, a cluster, or the
+    primary a set of Sentinels names.
     """
+    target = settings.target
     tls: dict[str, object] = {}
-    if urlsplit(settings.url).scheme == "rediss":
+    if target.tls:
         tls = {
             "ssl_cert_reqs": "required",
             "ssl_ca_certs": settings.tls_ca,
             "ssl_certfile": settings.tls_cert,
             "ssl_keyfile": settings.tls_key,
         }
+    retry = Retry(ExponentialWithJitterBackoff(cap=0.5, base=0.02), settings.retries)
+    common: dict[str, object] = {
+        "socket_timeout": settings.socket_timeout,
+        "socket_connect_timeout": settings.connect_timeout,
+        "client_name": settings.client_name,
+        "decode_responses": False,
+    }
+    if target.kind == "cluster":
+        try:
+            return RedisCluster(
+                startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
+                retry=retry,
+                username=target.username,
+                password=target.password,
+                ssl=target.tls,
+                **common,  # type: ignore[arg-type]
+                **tls,  # type: ignore[arg-type]
+            )
+        except RedisClusterException as exc:  # the client asks for the slot map at once
+            raise redis.ConnectionError(
+                f"no startup node of the cluster at {settings.display_url} answered with a "
+                f"usable slot map: {exc}"
+            ) from exc
+    if target.kind == "sentinel":
+        assert target.service is not None
+        sentinel_kw: dict[str, object] = {
+            "socket_timeout": settings.socket_timeout,
+            "socket_connect_timeout": settings.connect_timeout,
+        }
+        if target.tls:
+            sentinel_kw.update(ssl=True, **tls)
+        sentinel = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kw)
+        return sentinel.master_for(  # type: ignore[no-any-return]
+            target.service,
+            db=target.db,
+            username=target.username,
+            password=target.password,
+            retry=retry,
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+            health_check_interval=30,
+            ssl=target.tls,
+            **common,
+            **tls,
+        )
     return redis.Redis.from_url(
         settings.url,
-        socket_timeout=settings.socket_timeout,
-        socket_connect_timeout=settings.connect_timeout,
-        retry=Retry(ExponentialWithJitterBackoff(cap=0.5, base=0.02), settings.retries),
+        retry=retry,
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         health_check_interval=30,
-        client_name=settings.client_name,
-        decode_responses=False,
+        **common,  # type: ignore[arg-type]
         **tls,  # type: ignore[arg-type]
     )
+
+
+def is_cluster(conn: Client) -> bool:
+    """True for a Redis Cluster client (keys are routed to the primary owning their slot)."""
+    return isinstance(conn, RedisCluster)
+
+
+def where(conn: Client) -> str:
+    """Where `conn` points, as a URL without credentials, for log lines and errors."""
+    if isinstance(conn, RedisCluster):
+        nodes = sorted(node.name for node in conn.get_primaries())
+        return f"redis+cluster://{','.join(nodes)}"
+    pool = conn.connection_pool
+    manager = getattr(pool, "sentinel_manager", None)
+    kw = pool.connection_kwargs
+    if manager is not None:
+        sentinels = ",".join(
+            "{host}:{port}".format_map(s.connection_pool.connection_kwargs)
+            for s in manager.sentinels
+        )
+        return (
+            f"redis+sentinel://{sentinels}/{getattr(pool, 'service_name', '?')}/{kw.get('db', 0)}"
+        )
+    if kw.get("path"):
+        return f"unix://{kw['path']}"
+    return f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+
+
+def primaries(conn: Client) -> list[tuple[str, redis.Redis]]:
+    """(name, client) of every primary `conn` writes to: the cluster's primaries (as its slot
+    map names them now), else the one server. For commands that act on one server's state,
+    such as FUNCTION LOAD and INFO, which a cluster client would send to one node only."""
+    if isinstance(conn, RedisCluster):
+        return [
+            (node.name, conn.get_redis_connection(node))
+            for node in sorted(conn.get_primaries(), key=lambda n: n.name)
+        ]
+    return [(where(conn), conn)]
+
+
+def server_for(conn: Client, key: str) -> redis.Redis:
+    """A client of the one server holding `key` (the cluster primary owning its slot), for
+    per-connection commands that must follow a write to that key on the same connection
+    (WAIT, WAITAOF)."""
+    if isinstance(conn, RedisCluster):
+        return conn.get_redis_connection(conn.get_node_from_key(key))
+    return conn

@@ -70,20 +70,29 @@ class Keys:
         """The leader's volatile view (liveness, lag, counters), refreshed every second."""
         return f"{self.prefix}:status"
 
-    def grad(self, world: int, step: int, rank: int, chunk: int) -> str:
-        return f"{self.prefix}:grad:{world}:{step}:{rank}:{chunk}"
+    def spread(self, tag: str | None) -> str:
+        """The prefix of a gradient key placed by `tag`: `cohort:{J/TAG}` hashes to another
+        Redis Cluster slot than the job's own keys (job names have no '/', so no job's tag
+        can equal it); None keeps the job's prefix (one server: key names as before)."""
+        return self.prefix if tag is None else f"cohort:{{{self.job}/{tag}}}"
+
+    def grad(self, world: int, step: int, rank: int, chunk: int, tag: str | None = None) -> str:
+        """Rank `rank`'s part of chunk `chunk` of a step's allreduce, placed by `tag`."""
+        return f"{self.spread(tag)}:grad:{world}:{step}:{rank}:{chunk}"
 
     def weights(self, step: int) -> str:
         return f"{self.prefix}:weights:{step}"
 
-    def grad_reduced(self, world: int, step: int, chunk: int) -> str:
+    def grad_reduced(self, world: int, step: int, chunk: int, tag: str | None = None) -> str:
         """Chunk `chunk` of a step's allreduce, averaged by the rank that owns it."""
-        return f"{self.prefix}:grad:{world}:{step}:reduced:{chunk}"
+        return f"{self.spread(tag)}:grad:{world}:{step}:reduced:{chunk}"
 
-    def grad_broadcast(self, world: int, step: int, piece: int) -> str:
+    def grad_broadcast(self, world: int, step: int, piece: int, tag: str | None = None) -> str:
         """Piece `piece` of the tensors a root broadcasts at `step`."""
-        return f"{self.prefix}:grad:{world}:{step}:broadcast:{piece}"
+        return f"{self.spread(tag)}:grad:{world}:{step}:broadcast:{piece}"
 
     def step_events(self, world: int, step: int, op: str = "allreduce") -> str:
-        """Stream of 'my part is written' notices for one collective `op` of one step."""
+        """Stream of 'my part is written' notices for one collective `op` of one step.
+
+        Always in the job's slot: a waiter XREADs it together with the journal."""
         return f"{self.prefix}:grad:{world}:{step}:{op}:events"

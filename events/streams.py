@@ -6,9 +6,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
 from .codec import FIELD, decode_fact, decode_facts, encode, gc_paused
+from .connection import Client
 from .models import Command, Fact
 
 ZERO = "0-0"
@@ -48,7 +47,7 @@ def id_after(a: str, b: str) -> bool:
 
 
 class Stream:
-    def __init__(self, conn: redis.Redis, key: str) -> None:
+    def __init__(self, conn: Client, key: str) -> None:
         self.conn = conn
         self.key = key
 

@@ -24,9 +24,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TypeVar
 
-import redis
-
 from events.clock import Clock, SystemClock
+from events.connection import Client
 from events.errors import DecodeError
 from events.keys import Keys
 from events.models import (
@@ -78,7 +77,7 @@ class Worker:
 
     def __init__(
         self,
-        conn: redis.Redis,
+        conn: Client,
         job: str,
         worker_id: str | None = None,
         clock: Clock | None = None,
@@ -532,12 +531,63 @@ class Worker:
                     self.link,
                     "following the journal",
                 )
+                if self._rolled_back(rows):
+                    self._refold()
+                    continue
                 self._fold(rows)
             except Stopped:
                 return
             except Exception:
                 self.log.exception("worker %s could not follow the journal; retrying", self.id)
                 self._stop.wait(1.0)
+
+    def _rolled_back(self, rows: list[Entry]) -> bool:
+        """True if a new leader's entries arrive and the journal no longer holds the entry
+        this worker folded up to: Redis lost acknowledged facts (a failover to a lagging
+        replica), and the coordinators have folded the journal again (docs/redis-ha.md)."""
+        position = self._position
+        if position == ZERO or not any(b"LeaderElected" in (r.raw or b"") for r in rows):
+            return False
+        held = with_retry(
+            lambda: self.conn.xrange(self.keys.journal, position, position),
+            self._stop,
+            self.link,
+            "checking the journal",
+        )
+        return not held
+
+    def _refold(self) -> None:
+        """Rebuild the view from the journal as it is now and publish it at once."""
+        self.log.error(
+            "worker %s: the journal of job %r lost entry %s and later ones (a Redis failover "
+            "with asynchronous replication?); folding it again from the start",
+            self.id,
+            self.job,
+            self._position,
+        )
+        view = View(worker=self.id)
+        after = ZERO
+        while True:
+            rows = with_retry(
+                lambda after=after: self.journal.range(after, count=HISTORY_BATCH),  # type: ignore[misc]
+                self._stop,
+                self.link,
+                "reading the journal",
+            )
+            for entry in rows:
+                try:
+                    view = views.apply(view, Journal.decode(entry))
+                except DecodeError as exc:
+                    self._undecodable_fact(entry, exc)
+            if rows:
+                after = rows[-1].id
+            if len(rows) < HISTORY_BATCH:
+                break
+        with self._cond:
+            self._view = view
+            self._position = after
+            self.world_changed.set()
+            self._cond.notify_all()
 
     def _beat(self) -> None:
         """Heartbeat every interval; a JobConfigured arriving later re-paces the next beat."""

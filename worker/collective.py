@@ -31,6 +31,14 @@ out of the socket); `tensors.unpack` views them without copying. Measured by
 bench/allreduce.py (2 CPUs, redis-server 7.0, 64 MiB): SET through the default packer
 0.85 GB/s, through parts 3.1-3.5 GB/s; GET 1.3-1.4 GB/s.
 
+On Redis Cluster the chunk, reduced and broadcast keys carry a per-primary hash tag
+(`worker/placement.py`: chunk i on primary i mod M), so a step's bytes are spread over every
+primary; each notice names the writer's tags (field `t`) and readers use them, so ranks
+need not agree on the slot map. SETs go straight to the owning node's connection pool (the
+parts path); a MOVED/ASK reply or a node that is gone sends those SETs through redis-py's
+routed pipeline instead, which follows the slot and refreshes its map. The notice stream
+stays in the job's slot: it is XREAD together with the journal.
+
 A call is named by (world version, step, op): calling the same op twice for one step of one
 world mixes their notices. The coordinator starts a new world on every membership change, so
 an aborted step is retried in a new world and never collides with itself.
@@ -49,13 +57,16 @@ from typing import Any, Literal, Protocol, TypeVar
 
 import numpy as np
 import redis
+from redis.cluster import RedisCluster
 
 from events.codec import decode_fact
+from events.connection import UNAVAILABLE, Client, is_cluster
 from events.errors import DecodeError
 from events.keys import Keys
 from events.models import WorldChanged
 from events.streams import ZERO
 
+from . import placement
 from . import tensors as blobs
 from .errors import WaitTimeout, WorkerError, WorldChangedError
 from .retry import Link, describe, with_retry
@@ -256,6 +267,27 @@ def _set_command(key: str, parts: list[blobs.Part], ttl_ms: int) -> list[blobs.P
     return out
 
 
+def _send_sets(pool: Any, items: list[tuple[str, list[blobs.Part]]]) -> list[Any]:
+    """Pipeline SETs of `items` on one connection of `pool`, array memory handed to the
+    socket; returns the items the server redirected (MOVED/ASK) instead of storing."""
+    redirected = []
+    connection = pool.get_connection()
+    try:
+        for key, parts in items:  # pipelined: the replies are a few bytes each
+            connection.send_packed_command(_set_command(key, parts, TTL_MS))
+        for item in items:
+            try:
+                connection.read_response()
+            except redis.exceptions.AskError:  # MovedError is an AskError
+                redirected.append(item)
+    except BaseException:
+        connection.disconnect()
+        raise
+    finally:
+        pool.release(connection)
+    return redirected
+
+
 @dataclass
 class _Call:
     """One collective call: its world, its notice stream and where it reads the journal."""
@@ -298,6 +330,13 @@ class _Call:
                 yield rank, seen[rank]
             if pending:
                 self._read(phase, pending)
+
+    def tags(self, notice: dict[bytes, bytes], rank: int) -> tuple[str, ...]:
+        """The chunk tags `rank` wrote with, as its notice names them."""
+        try:
+            return placement.decode(notice.get(b"t"))
+        except ValueError as exc:
+            raise CollectiveError(f"{self.what()}: rank {rank}'s notice: {exc}") from None
 
     def check_world(self) -> None:
         member = self.owner.worker
@@ -350,7 +389,7 @@ class Collective:
 
     def __init__(
         self,
-        conn: redis.Redis,
+        conn: Client,
         job: str,
         worker: Member,
         max_value_bytes: int = blobs.DEFAULT_MAX_VALUE_BYTES,
@@ -360,8 +399,10 @@ class Collective:
         self.worker = worker
         self.max_value_bytes = max_value_bytes
         self._done: deque[list[str]] = deque()
-        pool_class = getattr(conn.connection_pool, "connection_class", type(None))
-        self.fast_set = pool_class.__module__.split(".")[0] == "redis"
+        self.placement = placement.Placement(conn, self.keys)
+        pool = getattr(conn, "connection_pool", None)
+        pool_class = getattr(pool, "connection_class", type(None))
+        self.fast_set = is_cluster(conn) or pool_class.__module__.split(".")[0] == "redis"
         """True: SETs hand array memory to the socket; False (fakeredis): join, then SET."""
         link = getattr(worker, "link", None)
         self.link: Link = link if isinstance(link, Link) else Link(LOG, describe(conn))
@@ -460,8 +501,12 @@ class Collective:
             events=self.keys.step_events(world.version, step, op),
         )
         try:
-            self._cleanup()
-            recent: Any = self.conn.xrevrange(self.keys.journal, "+", "-", count=JOURNAL_LOOKBACK)
+            self.retry(self._cleanup, call, "deleting finished keys")
+            recent: Any = self.retry(
+                lambda: self.conn.xrevrange(self.keys.journal, "+", "-", count=JOURNAL_LOOKBACK),
+                call,
+                "reading the journal",
+            )
         except redis.RedisError as exc:
             raise CollectiveError(f"{call.what()}: Redis failed: {exc}") from exc
         rows = [(_s(i), dict(f)) for i, f in recent or ()]
@@ -480,9 +525,10 @@ class Collective:
 
     def _cleanup(self) -> None:
         while len(self._done) > 1:
-            keys = self._done.popleft()
+            keys = self._done[0]
             if keys:
                 self.conn.unlink(*keys)
+            self._done.popleft()
 
     def retry(self, op: Callable[[], T], call: _Call, what: str) -> T:
         """`op` retried with backoff while Redis is unreachable, until the call's deadline.
@@ -501,23 +547,32 @@ class Collective:
 
     def _store_once(self, items: list[tuple[str, list[blobs.Part]]]) -> None:
         if not self.fast_set:
-            pipe = self.conn.pipeline(transaction=False)
-            for key, parts in items:
-                pipe.set(key, blobs.join(parts), px=TTL_MS)
-            pipe.execute()
+            self._store_routed(items)
             return
-        pool = self.conn.connection_pool
-        connection = pool.get_connection()
-        try:
-            for key, parts in items:  # pipelined: the replies are a few bytes each
-                connection.send_packed_command(_set_command(key, parts, TTL_MS))
-            for _ in items:
-                connection.read_response()
-        except BaseException:
-            connection.disconnect()
-            raise
-        finally:
-            pool.release(connection)
+        conn = self.conn
+        if not isinstance(conn, RedisCluster):
+            failed = _send_sets(conn.connection_pool, items)
+        else:
+            by_node: dict[str, tuple[Any, list[tuple[str, list[blobs.Part]]]]] = {}
+            for key, parts in items:
+                node = conn.get_node_from_key(key)
+                pool = conn.get_redis_connection(node).connection_pool
+                by_node.setdefault(node.name, (pool, []))[1].append((key, parts))
+            try:
+                failed = [
+                    item for pool, group in by_node.values() for item in _send_sets(pool, group)
+                ]
+            except UNAVAILABLE:
+                failed = items  # a primary is gone: let redis-py find the new slot owners
+        if failed:  # MOVED/ASK (or a node down): redis-py routes and refreshes its slot map
+            self._store_routed(failed)
+
+    def _store_routed(self, items: list[tuple[str, list[blobs.Part]]]) -> None:
+        """SETs through the client's own pipeline: one copy of each value (joined parts)."""
+        pipe = self.conn.pipeline(transaction=False)
+        for key, parts in items:
+            pipe.set(key, blobs.join(parts), px=TTL_MS)
+        pipe.execute()
 
     def _fetch(self, call: _Call, key: str) -> dict[str, np.ndarray]:
         raw: Any = self.retry(lambda: self.conn.get(key), call, f"reading {key}")
@@ -539,6 +594,8 @@ class Collective:
         cuts = _bounds(layout.sizes(), k)
         owned = range(me * per_rank, (me + 1) * per_rank)
         others = set(range(n)) - {me}
+        tags = self.placement.tags()
+        where = placement.encode(tags)
 
         def piece(i: int, vectors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             return {g: vectors[g][cuts[g][i]] for g in cuts}
@@ -556,12 +613,15 @@ class Collective:
         self._store(
             call,
             [
-                (keys.grad(world.version, step, me, i), blobs.pack(wire(piece(i, flats), call)))
+                (
+                    keys.grad(world.version, step, me, i, placement.tag_of(tags, i)),
+                    blobs.pack(wire(piece(i, flats), call)),
+                )
                 for i in range(k)
                 if i not in owned
             ],
         )
-        call.notify("scatter", l=shape)
+        call.notify("scatter", l=shape, t=where)
 
         # 2. reduce the chunks this rank owns, as contributions arrive
         sums = {
@@ -575,8 +635,10 @@ class Collective:
                     f"(names, dtypes, shapes or float16/float32 differ); every rank must pass "
                     "the same"
                 )
+            theirs = call.tags(notice, rank)
             for i in owned:
-                got = check(self._fetch(call, keys.grad(world.version, step, rank, i)), i, rank)
+                key = keys.grad(world.version, step, rank, i, placement.tag_of(theirs, i))
+                got = check(self._fetch(call, key), i, rank)
                 for g, a in got.items():
                     sums[i][g] += a
         result = {g: np.empty(size, dtype=g) for g, size in layout.sizes().items()}
@@ -590,18 +652,20 @@ class Collective:
             call,
             [
                 (
-                    keys.grad_reduced(world.version, step, i),
+                    keys.grad_reduced(world.version, step, i, placement.tag_of(tags, i)),
                     blobs.pack(wire(piece(i, result), call)),
                 )
                 for i in owned
             ],
         )
-        call.notify("reduced")
+        call.notify("reduced", t=where)
 
         # 3. gather the chunks the other ranks reduced
-        for rank, _ in call.arrivals("reduced", others):
+        for rank, notice in call.arrivals("reduced", others):
+            theirs = call.tags(notice, rank)
             for i in range(rank * per_rank, (rank + 1) * per_rank):
-                got = check(self._fetch(call, keys.grad_reduced(world.version, step, i)), i, rank)
+                key = keys.grad_reduced(world.version, step, i, placement.tag_of(theirs, i))
+                got = check(self._fetch(call, key), i, rank)
                 for g, a in got.items():
                     result[g][cuts[g][i]] = a
         return unflatten(layout, result)
@@ -615,26 +679,34 @@ class Collective:
         if world.rank == root:
             assert tensors is not None
             groups = self._groups(call, tensors)
+            tags = self.placement.tags()
             pieces = [
-                (self.keys.grad_broadcast(world.version, call.step, i), blobs.pack(group))
+                (
+                    self.keys.grad_broadcast(
+                        world.version, call.step, i, placement.tag_of(tags, i)
+                    ),
+                    blobs.pack(group),
+                )
                 for i, group in enumerate(groups)
             ]
             self._store(call, pieces)
-            call.notify("sent", n=len(pieces))
+            call.notify("sent", n=len(pieces), t=placement.encode(tags))
             result = dict(tensors)
         else:
             _, notice = next(call.arrivals("sent", {root}))
+            theirs = call.tags(notice, root)
             result = {}
             for i in range(int(notice.get(b"n", b"0"))):
-                result.update(
-                    self._fetch(call, self.keys.grad_broadcast(world.version, call.step, i))
+                key = self.keys.grad_broadcast(
+                    world.version, call.step, i, placement.tag_of(theirs, i)
                 )
+                result.update(self._fetch(call, key))
             call.notify("got")
         for _ in call.arrivals("got", receivers - {world.rank}):
             pass
         if world.rank == root:  # every receiver has its copy: the pieces can go now
             done = [key for key, _ in pieces]
-            self.conn.unlink(*done)
+            self.retry(lambda: self.conn.unlink(*done), call, "deleting the pieces")
             call.written = [key for key in call.written if key not in done]
         return result
 

@@ -14,21 +14,18 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-import redis
+from events.connection import UNAVAILABLE, Client, where
 
 from .errors import Stopped
 
 T = TypeVar("T")
 
-RETRYABLE: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError)
+RETRYABLE: tuple[type[BaseException], ...] = UNAVAILABLE
 
 
-def describe(conn: redis.Redis) -> str:
+def describe(conn: Client) -> str:
     """Where `conn` points, for log lines (never includes a password)."""
-    kw = conn.connection_pool.connection_kwargs
-    if kw.get("path"):
-        return f"unix://{kw['path']}"
-    return f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+    return where(conn)
 
 
 class Link:

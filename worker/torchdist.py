@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import redis
 import torch
 import torch.distributed as dist
 
+from events.connection import Client
 from events.keys import Keys
 
 from .client import Worker
@@ -212,7 +212,7 @@ class Rendezvous:
     def __init__(
         self,
         worker: Worker,
-        conn: redis.Redis,
+        conn: Client,
         job: str,
         host: str | None = None,
         timeout: float = 60.0,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from cohort.localredis import LocalRedis
+from cohort.localredis import LocalCluster, LocalRedis
 from tests.helpers import require_redis_server
 
 from .cluster import Cluster
@@ -25,3 +25,12 @@ def cluster(server: LocalRedis, tmp_path: Path) -> Iterator[Cluster]:
     job = Cluster(url=server.url, conn=server.client(), job="itest", tmp=tmp_path)
     yield job
     job.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[LocalCluster]:
+    """A real Redis Cluster of this test module's own: 3 primaries, 3 replicas, AOF on."""
+    nodes = LocalCluster(primaries=3, replicas=1, binary=require_redis_server())
+    nodes.start()
+    yield nodes
+    nodes.stop()

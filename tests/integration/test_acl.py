@@ -124,7 +124,7 @@ def test_rules_deny_everything_first_and_grant_only_the_job_s_patterns() -> None
         rules = acl.rules(JOB, role)
         assert rules[:3] == ["resetkeys", "resetchannels", "-@all"]
         patterns = [r for r in rules if "~" in r]
-        assert patterns and all("cohort:{acl}:" in p for p in patterns)
+        assert patterns and all("cohort:{acl}:" in p or "cohort:{acl/g*}:" in p for p in patterns)
     worker = acl.rules(JOB, "worker")
     assert "+fcall" not in worker and "+fcall_ro" not in worker
     assert "%W~cohort:{acl}:inbox" in worker and "%R~cohort:{acl}:journal" in worker
@@ -156,6 +156,8 @@ def test_worker_writes_the_inbox_and_its_gradients_and_reads_the_journal(
     assert worker_conn.get(grad) == b"blob"
     assert worker_conn.pexpire(grad, 1000)
     assert worker_conn.unlink(grad) == 1
+    spread = KEYS.grad(1, 0, 0, 0, "g17")  # a chunk placed on another cluster primary
+    assert worker_conn.set(spread, b"blob", px=60_000) and worker_conn.unlink(spread) == 1
     events = KEYS.step_events(1, 0)
     worker_conn.xadd(events, {"r": "0"})
     assert worker_conn.xread({events: "0-0", KEYS.journal: "0-0"}, block=1)
@@ -221,6 +223,8 @@ def test_worker_cannot_touch_another_job(worker_conn: redis.Redis) -> None:
     refused(worker_conn, "SET", other.grad(1, 0, 0, 0), "x")
     refused(worker_conn, "GET", other.grad(1, 0, 0, 0))
     refused(worker_conn, "GET", "cohort:{acl2}:grad:1:0:0:0")  # a job whose name extends ours
+    refused(worker_conn, "SET", other.grad(1, 0, 0, 0, "g3"), "x")
+    refused(worker_conn, "SET", "cohort:{acl/x}:grad:1", "x")  # not a placement tag
     refused(worker_conn, "SET", "unrelated", "x")
 
 
