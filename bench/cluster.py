@@ -76,8 +76,8 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         for n in worlds:
             for size in sizes:
-                one = time_allreduce(single.url, n, size, args.runs)
-                three = time_allreduce(cluster.url, n, size, args.runs)
+                one, _ = time_allreduce(single.url, n, size, args.runs)
+                three, _ = time_allreduce(cluster.url, n, size, args.runs)
                 print(
                     f"| {n} | {size // MIB} | {one * 1e3:.1f} | {three * 1e3:.1f} | "
                     f"{one / three:.2f} | 3 |",
