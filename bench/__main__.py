@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from . import allreduce, control_plane, failover, overhead, peer_death, replay, soak
+from . import allreduce, cluster, control_plane, failover, overhead, peer_death, replay, soak
 from .results import Section, document, environment
 
 FULL: dict[str, Callable[[], Section]] = {
@@ -28,6 +28,7 @@ FULL: dict[str, Callable[[], Section]] = {
     "failover": lambda: failover.measure(5),
     "peer_death": lambda: peer_death.measure(3),
     "allreduce": lambda: allreduce.measure((1, 16, 64), (2, 4), 5),
+    "cluster": lambda: cluster.measure((16, 64), (3,), 5),
 }
 QUICK: dict[str, Callable[[], Section]] = {
     "ingest": lambda: control_plane.measure(20_000, 200, 1),
@@ -37,6 +38,7 @@ QUICK: dict[str, Callable[[], Section]] = {
     "failover": lambda: failover.measure(2),
     "peer_death": lambda: peer_death.measure(1),
     "allreduce": lambda: allreduce.measure((1,), (2,), 3),
+    "cluster": lambda: cluster.measure((16,), (3,), 3),
 }
 
 

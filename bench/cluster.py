@@ -25,28 +25,80 @@ import os
 from cohort.localredis import LocalCluster, LocalRedis
 
 from .allreduce import MIB, raw_throughput, time_allreduce
+from .results import Section
 
 GIB = 1024 * MIB
 
 
-def model(workers: int, size: int, rate: float, primaries: tuple[int, ...]) -> list[str]:
-    """Markdown rows: per-primary bytes and the server-bound step time for each M."""
+def model(workers: int, size: int, rate: float, primaries: tuple[int, ...]) -> list[list[str]]:
+    """Rows: per-primary bytes and the server-bound step time for each M."""
     through = (3 * workers - 2) * size
-    rows = [
-        "| primaries M | GB through the servers per step | GB per primary per step "
-        "| server-bound step time at R |",
-        "|---|---|---|---|",
+    return [
+        [str(m), f"{through / 1e9:.1f}", f"{through / m / 1e9:.1f}", f"{through / m / rate:.1f}"]
+        for m in primaries
     ]
-    for m in primaries:
-        rows.append(
-            f"| {m} | {through / 1e9:.1f} | {through / m / 1e9:.1f} | {through / m / rate:.1f} s |"
-        )
-    per_rank = 3 * size * (workers - 1) / workers
-    rows.append(
-        f"\nEach rank also moves {per_rank / 1e9:.2f} GB per step through its own link "
-        f"({per_rank / 12.5e9:.2f} s at 100 Gb/s), whatever M is."
-    )
-    return rows
+
+
+def measure(
+    sizes_mib: tuple[int, ...] = (16, 64),
+    worlds: tuple[int, ...] = (3,),
+    runs: int = 5,
+    model_workers: int = 64,
+    model_gib: float = 1.0,
+) -> Section:
+    sizes = [s * MIB for s in sizes_mib]
+    section = Section(
+        key="cluster",
+        title="allreduce on one Redis server vs a 3-primary Redis Cluster (same run)",
+        command=f"python -m bench.cluster --sizes {','.join(map(str, sizes_mib))} "
+        f"--ranks {','.join(map(str, worlds))} --runs {runs}",
+        header=["ranks", "MiB", "1 server ms", "3 primaries ms", "speedup",
+                "ideal (servers only)"],
+    )  # fmt: skip
+    raw: dict[str, object] = {}
+    with (
+        LocalRedis(appendonly=False) as single,
+        LocalCluster(primaries=3, replicas=0, appendonly=False) as cluster,
+    ):
+        rate = {}
+        for size in sizes:
+            got = raw_throughput(single.url, size, runs)
+            rate[size] = 2 / (1 / got["set_parts"] + 1 / got["get"])
+        for n in worlds:
+            for size in sizes:
+                one, _ = time_allreduce(single.url, n, size, runs)
+                three, _ = time_allreduce(cluster.url, n, size, runs)
+                section.rows.append(
+                    [str(n), str(size // MIB), f"{one * 1e3:.1f}", f"{three * 1e3:.1f}",
+                     f"{one / three:.2f}", "3"]
+                )  # fmt: skip
+                raw[f"{n}x{size // MIB}MiB"] = {"one_s": one, "three_s": three}
+    best = max(rate.values())
+    size = int(model_gib * GIB)
+    per_rank = 3 * size * (model_workers - 1) / model_workers
+    rows = model(model_workers, size, best, (1, 3, 6, 12))
+    section.notes = [
+        f"{os.cpu_count()} cores run the ranks and every redis-server here, so a cluster "
+        "cannot show its scaling on this machine: three server threads and the ranks share "
+        "two cores. The speedup column is what 2 cores allow, not what 3 machines give.",
+        "Per-server rate R (one client, SET parts + GET, in+out): "
+        + ", ".join(f"{s // MIB} MiB {r / 1e9:.2f} GB/s" for s, r in rate.items())
+        + ".",
+        f"Model: {model_workers} workers, {model_gib:g} GiB of gradients per step, "
+        f"R = {best / 1e9:.2f} GB/s per primary; (3N-2)S bytes through the servers, divided "
+        "over M primaries:",
+        "",
+        "| primaries M | GB through the servers per step | GB per primary per step "
+        "| server-bound step time at R, s |",
+        "|---|---|---|---|",
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+        f"Each rank also moves {per_rank / 1e9:.2f} GB per step through its own link "
+        f"({per_rank / 12.5e9:.2f} s at 100 Gb/s), whatever M is.",
+    ]
+    raw["rate_bytes_per_s"] = {s // MIB: r for s, r in rate.items()}
+    section.raw = raw
+    return section
 
 
 def main() -> None:
@@ -56,44 +108,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="timed runs per cell (median)")
     parser.add_argument("--model-workers", type=int, default=64)
     parser.add_argument("--model-gib", type=float, default=1.0, help="gradient GiB per step")
-    parser.add_argument(
-        "--model-rate", type=float, help="GB/s per primary for the model (default: measured)"
-    )
     args = parser.parse_args()
-    sizes = [int(s) * MIB for s in args.sizes.split(",")]
-    worlds = [int(n) for n in args.ranks.split(",")]
-
-    with (
-        LocalRedis(appendonly=False) as single,
-        LocalCluster(primaries=3, replicas=0, appendonly=False) as cluster,
-    ):
-        print(f"{os.cpu_count()} CPUs; one redis-server vs a cluster of 3 primaries (AOF off)\n")
-        rate = {}
-        for size in sizes:
-            raw = raw_throughput(single.url, size, args.runs)
-            rate[size] = 2 / (1 / raw["set_parts"] + 1 / raw["get"])
-        print("| ranks | MiB | 1 server ms | 3 primaries ms | speedup | ideal (servers only) |")
-        print("|---|---|---|---|---|---|")
-        for n in worlds:
-            for size in sizes:
-                one, _ = time_allreduce(single.url, n, size, args.runs)
-                three, _ = time_allreduce(cluster.url, n, size, args.runs)
-                print(
-                    f"| {n} | {size // MIB} | {one * 1e3:.1f} | {three * 1e3:.1f} | "
-                    f"{one / three:.2f} | 3 |",
-                    flush=True,
-                )
-        best = args.model_rate * 1e9 if args.model_rate else max(rate.values())
-        print(
-            "\nper-server rate R (one client, SET parts + GET, in+out): "
-            + ", ".join(f"{size // MIB} MiB {r / 1e9:.2f} GB/s" for size, r in rate.items())
-        )
-        size = int(args.model_gib * GIB)
-        print(
-            f"\nmodel: {args.model_workers} workers, {args.model_gib:g} GiB of gradients, "
-            f"R = {best / 1e9:.2f} GB/s per primary\n"
-        )
-        print("\n".join(model(args.model_workers, size, best, (1, 3, 6, 12))))
+    sizes = tuple(int(s) for s in args.sizes.split(","))
+    worlds = tuple(int(n) for n in args.ranks.split(","))
+    section = measure(sizes, worlds, args.runs, args.model_workers, args.model_gib)
+    print(section.markdown())
 
 
 if __name__ == "__main__":

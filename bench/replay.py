@@ -25,9 +25,10 @@ from coordinator import snapshot
 from coordinator.fold import fold
 from coordinator.replay import from_redis, rebuild
 from coordinator.state import state_hash
-from events.codec import gc_paused
+from events.codec import FACT_LIST, MAX_FACT_BYTES, gc_paused, unpack
 from events.keys import Keys
 from events.streams import Journal
+from events.upcasters import upcast
 
 from .journal import JOB, long_run
 from .results import Section, verdict
@@ -72,7 +73,9 @@ def measure(facts: int = 1_000_000, runs: int = 3) -> Section:
     start = time.perf_counter()
     raws = list(long_run(facts))
     made = time.perf_counter() - start
-    times: dict[str, list[float]] = {"zero": [], "peer": [], "snapshot": [], "fold": []}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("zero", "read", "peer", "snapshot", "fold", "unpack", "validate")
+    }
     with LocalRedis(appendonly=False) as server:
         conn = server.client()
         ids = _load(conn, raws)
@@ -86,8 +89,10 @@ def measure(facts: int = 1_000_000, runs: int = 3) -> Section:
         for _ in range(runs):
             start = time.perf_counter()
             run = from_redis(conn, JOB, with_inbox=False)
+            read = time.perf_counter()
             state, timeline = rebuild(run)
             times["zero"].append(time.perf_counter() - start)
+            times["read"].append(read - start)
             assert len(timeline) == n
             final = state_hash(state)
             del run, timeline
@@ -105,6 +110,15 @@ def measure(facts: int = 1_000_000, runs: int = 3) -> Section:
             fold(decoded)
             times["fold"].append(time.perf_counter() - start)
             del decoded
+            # where the decode time goes: msgpack + upcasters, then pydantic validation
+            with gc_paused():
+                start = time.perf_counter()
+                bodies = [upcast(unpack(raw, MAX_FACT_BYTES)) for raw in raws]
+                times["unpack"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                FACT_LIST.validate_python(bodies)
+                times["validate"].append(time.perf_counter() - start)
+                del bodies
     med = {k: statistics.median(v) for k, v in times.items()}
     rate, peer_rate = n / med["zero"], n / med["peer"]
     section = Section(
@@ -140,7 +154,29 @@ def measure(facts: int = 1_000_000, runs: int = 3) -> Section:
         ],
         ["fold alone (decoded facts), facts/s", f"{n / med['fold']:,.0f}", "", "", "", ""],
     ]
+    us = {k: v / n * 1e6 for k, v in med.items()}
+    section.rows += [
+        [f"per fact, from zero: {label}", f"{value:.2f} µs", "", "", "", ""]
+        for label, value in (
+            ("XRANGE into entries (redis-py, hiredis)", us["read"]),
+            ("decode + fold, all of it", us["zero"] - us["read"]),
+            ("  of which msgpack + upcasters", us["unpack"]),
+            ("  of which pydantic validation (one call per page)", us["validate"]),
+            ("  of which fold", us["fold"]),
+        )
+    ]
     section.notes = [
+        f"200,000 facts/s is 5 µs per fact. On this machine validating a fact into its "
+        f"pydantic model alone takes {us['validate']:.1f} µs, msgpack {us['unpack']:.1f} µs "
+        f"and reading it from Redis {us['read']:.1f} µs; the peer, which validates nothing, "
+        f"runs at {peer_rate:,.0f}/s. Every fact is validated because replay reads files "
+        "and journals that may not be cohort's own; that is the price of the missing "
+        "factor. What was fixed (profiled with cProfile on a 20k-fact journal): folding "
+        "built three new states per fact (28k facts/s, fold alone); it now builds one per "
+        "fact and one per run of StepCommitted facts (over 1M/s); pages are validated in "
+        "one pydantic call; cyclic GC is paused while a page of acyclic objects is built "
+        "(it halved the rate on 100k facts). Before: 20k facts/s decode + fold on this "
+        "journal's kind of facts; 72.6k/s on the older, join-heavy bench journal.",
         f"The journal ({n:,} facts, made in {made:.0f} s) is mostly StepCommitted, with "
         "world changes, epochs, GPU advice, failures and joins among them; snapshot + tail "
         "gives the same state hash as the fold from zero (checked in every run).",

@@ -294,6 +294,12 @@ def run_demo(redis_url: str | None, job: str, workers: int, steps: int, keep: bo
             f"{'identical' if len(digests) == 1 else 'DIFFERENT'} weights"
             + (f" ({', '.join(idle)} joined after the last step: trained none)" if idle else "")
         )
+        if len(digests) > 1:
+            for e in finished:
+                console.print(
+                    f"  {e['worker']}: {e['steps']} steps trained, "
+                    f"{e['world_changes']} world changes, weights {e['weights_digest']}"
+                )
         console.print(
             "audit (every sample exactly once per epoch): "
             f"{'[green]passed[/]' if report.ok else '[red]FAILED[/]'}"
