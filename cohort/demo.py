@@ -128,6 +128,16 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def run_demo(redis_url: str | None, job: str, workers: int, steps: int, keep: bool) -> int:
+    """The demo's exit code: 0 when it ran to an identical-weights, audited end; 130 on
+    Ctrl-C at any moment (every process stopped and every temp file removed first)."""
+    try:
+        return _run(redis_url, job, workers, steps, keep)
+    except KeyboardInterrupt:  # during start-up or shutdown; the live loop handles its own
+        console.print("[yellow]interrupted: every process stopped and temp files removed[/]")
+        return 130
+
+
+def _run(redis_url: str | None, job: str, workers: int, steps: int, keep: bool) -> int:
     cohort = [sys.executable, "-m", "cohort"]
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cohort-demo-")))
