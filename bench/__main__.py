@@ -2,7 +2,7 @@
 
     python -m bench                 # the full suite (about 15 min on 2 cores), writes BENCHMARKS.md
     python -m bench --quick         # smaller sizes and fewer runs; prints, writes nothing
-    python -m bench --only replay,failover --out /tmp/b.md
+    python -m bench --only replay,failover   # re-runs these two, keeps the other sections
 
 A benchmark that fails is reported by name and the others still run; the exit
 code is 1 if any failed.
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import allreduce, cluster, control_plane, failover, overhead, peer_death, replay, soak
-from .results import Section, document, environment
+from .results import Section, document, environment, merge
 
 FULL: dict[str, Callable[[], Section]] = {
     "ingest": lambda: control_plane.measure(100_000, 1000, 3),
@@ -53,7 +53,7 @@ def main() -> int:
     unknown = [name for name in chosen if name not in suite]
     if unknown:
         parser.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(suite)}")
-    out = args.out or (None if args.quick or args.only else Path("BENCHMARKS.md"))
+    out = args.out or (None if args.quick else Path("BENCHMARKS.md"))
 
     sections, failed = [], []
     for name in chosen:
@@ -71,8 +71,12 @@ def main() -> int:
     command = "python -m bench" + (" --quick" if args.quick else "")
     command += f" --only {','.join(chosen)}" if args.only else ""
     if out is not None and sections:
-        out.write_text(document(sections, environment(), command))
-        print(f"wrote {out}")
+        # the raw results beside the page: --only runs replace their own sections only
+        every = merge(out.with_suffix(".json"), sections)
+        order = list(FULL)
+        every.sort(key=lambda s: order.index(s.key) if s.key in order else len(order))
+        out.write_text(document(every, environment(), command))
+        print(f"wrote {out} and {out.with_suffix('.json')}")
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -14,7 +14,7 @@ import json
 import os
 import platform
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,10 @@ class Section:
     rows: list[list[str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict)
+    date: str = field(default_factory=lambda: datetime.date.today().isoformat())
 
     def markdown(self) -> str:
-        lines = [f"## {self.title}", "", f"`{self.command}`", ""]
+        lines = [f"## {self.title}", "", f"`{self.command}` ({self.date})", ""]
         lines.append("| " + " | ".join(self.header) + " |")
         lines.append("|" + "---|" * len(self.header))
         lines += ["| " + " | ".join(row) + " |" for row in self.rows]
@@ -97,11 +98,25 @@ def environment() -> dict[str, str]:
     }
 
 
+def merge(path: Path, sections: list[Section]) -> list[Section]:
+    """The sections stored at `path` (JSON) with `sections` replacing those of the same key,
+    in the suite's order; stores the result."""
+    stored: dict[str, Section] = {}
+    if path.exists():
+        for body in json.loads(path.read_text()):
+            stored[body["key"]] = Section(**body)
+    for section in sections:
+        stored[section.key] = section
+    path.write_text(json.dumps([asdict(s) for s in stored.values()], indent=1, default=str))
+    return list(stored.values())
+
+
 def document(sections: list[Section], env: dict[str, str], command: str) -> str:
     head = [
         "# Benchmarks",
         "",
-        f"Written by `{command}` on {env['date']}. Every figure is a median of several runs;",
+        f"Last written by `{command}` on {env['date']}; each section names the command that",
+        "produced it and its date. Every figure is a median of several runs;",
         "where a peer exists it was measured in the same run, on the same machine and data,",
         "and the ratio is what to compare across machines. Targets are issue 7's.",
         "",
