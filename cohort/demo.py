@@ -276,7 +276,10 @@ def run_demo(redis_url: str | None, job: str, workers: int, steps: int, keep: bo
             export(run, handle, time.time())
         report = audit(f for _, f in watch.facts)
         ends = [_last_json(p) for n, p in procs.items() if n.startswith("worker")]
-        finished = [e for e in ends if e]
+        # A worker activated only after the last step (a late joiner) trained nothing: its
+        # weights are its own initial ones, so it does not count among the finishers.
+        finished = [e for e in ends if e and e["steps"] > 0]
+        idle = [e["worker"] for e in ends if e and e["steps"] == 0]
         state = watch.state
         failed = sum(1 for _, f in watch.facts if isinstance(f, WorkerFailed))
         took = f"{failover:.2f} s" if failover is not None else "not observed"
@@ -289,6 +292,7 @@ def run_demo(redis_url: str | None, job: str, workers: int, steps: int, keep: bo
             f"{failed} worker failure(s) survived without restarting anyone; new leader {took} "
             f"after the leader's SIGKILL; {len(finished)} workers finished with "
             f"{'identical' if len(digests) == 1 else 'DIFFERENT'} weights"
+            + (f" ({', '.join(idle)} joined after the last step: trained none)" if idle else "")
         )
         console.print(
             "audit (every sample exactly once per epoch): "
