@@ -1,0 +1,71 @@
+"""The benchmark suite keeps working: a quick run of two sections writes a page and its JSON.
+
+Timing goals are not asserted here (BENCHMARKS.md holds them); this checks that the
+suite runs, measures something and records it the way `python -m bench` documents.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_quick_run_writes_each_section_with_its_command_and_raw_medians(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "B.md"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--quick",
+            "--only",
+            "overhead,failover",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    page = out.read_text()
+    assert "## Per-step coordination overhead" in page and "## Leader SIGKILL" in page
+    assert "`python -m bench.failover --runs 2`" in page
+    sections = {s["key"]: s for s in json.loads(out.with_suffix(".json").read_text())}
+    assert set(sections) == {"overhead", "failover"}
+    assert len(sections["failover"]["raw"]["seconds"]) == 2
+    assert all(0 < t < 60 for t in sections["failover"]["raw"]["seconds"])
+    assert {"8", "64"} == set(sections["overhead"]["raw"])
+
+    # --only again replaces its own section and keeps the other
+    again = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--only", "failover", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    kept = {s["key"]: s for s in json.loads(out.with_suffix(".json").read_text())}
+    assert kept["overhead"] == sections["overhead"]
+    assert kept["failover"]["raw"] != sections["failover"]["raw"]
+
+
+def test_an_unknown_benchmark_is_named_with_the_choices() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--only", "nosuch"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "nosuch" in result.stderr and "replay" in result.stderr
+    assert "Traceback" not in result.stderr
