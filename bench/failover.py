@@ -14,6 +14,7 @@ with it (see the peer-death table); the target is the lease + 1 s.
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import threading
 import time
@@ -21,7 +22,7 @@ import time
 from cohort.localredis import LocalRedis
 from events.models import LeaderElected
 
-from .fleet import Fleet, coordinator, stop
+from .fleet import Fleet, coordinator
 from .results import Section, verdict
 
 LEASE_S = 1.0
@@ -48,7 +49,7 @@ def measure(runs: int = 5) -> Section:
     with LocalRedis(appendonly=False) as server:
         conn = server.client()
         flags = ("--lease", str(LEASE_S), "--min-workers", "8", "--heartbeat-timeout", "30")
-        procs = {name: coordinator(server.url, job, "--id", name, *flags)[0] for name in "ab"}
+        procs = {name: coordinator(server.url, job, "--id", name, *flags) for name in "ab"}
         fleet = Fleet(conn, job, 8)
         busy = threading.Event()
 
@@ -68,12 +69,12 @@ def measure(runs: int = 5) -> Section:
                 assert leader in procs, f"unexpected leader {leader!r}"
                 epoch = fleet.watch.state.leader_epoch
                 killed_at = time.time()
-                procs[leader].kill()
-                procs[leader].wait()
+                procs[leader].signal(signal.SIGKILL)
+                procs[leader].stop()  # reaps it
                 fleet.until(lambda s, e=epoch: s.leader_epoch > e, 30, "a new leader")
                 elected = [f for _, f in fleet.watch.facts if isinstance(f, LeaderElected)][-1]
                 took.append(elected.at - killed_at)
-                procs[leader] = coordinator(server.url, job, "--id", leader, *flags)[0]
+                procs[leader] = coordinator(server.url, job, "--id", leader, *flags)
                 _until_following(conn, leader)
                 committed = fleet.watch.state.last_committed
                 fleet.until(lambda s, c=committed: s.last_committed > c, 30, "steps again")
@@ -82,7 +83,7 @@ def measure(runs: int = 5) -> Section:
         finally:
             busy.set()
             for proc in procs.values():
-                stop(proc)
+                proc.stop()
     med = statistics.median(took)
     section = Section(
         key="failover",

@@ -7,53 +7,36 @@ learns the world and the committed steps by folding the journal, like workers do
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
-import redis
-
+from cohort.demo import Proc
 from coordinator.replay import JournalWatch
 from events.codec import encode
+from events.connection import Client
 from events.keys import Keys
 from events.models import Command, Heartbeat, Join, StepDone, WeightsLoaded
 from events.streams import Journal
 
 
-def spawn(url: str, name: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
-    """`python -m cohort ARGS` against `url`, its output in a temp log file."""
+def spawn(url: str, name: str, *args: str) -> Proc:
+    """`python -m cohort ARGS` against `url`, started, its output in a temp log file."""
     log = Path(tempfile.mkstemp(prefix=f"cohort-bench-{name}-", suffix=".log")[1])
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cohort", "--redis-url", url, *args],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
-    return proc, log
+    proc = Proc(name, [sys.executable, "-m", "cohort", "--redis-url", url, *args], log)
+    proc.start()
+    return proc
 
 
-def coordinator(url: str, job: str, *flags: str) -> tuple[subprocess.Popen[bytes], Path]:
-    """A `cohort coordinator` process (AOF-less bench server: --allow-volatile); its log."""
+def coordinator(url: str, job: str, *flags: str) -> Proc:
+    """A `cohort coordinator` process (AOF-less bench server: --allow-volatile)."""
     return spawn(url, job, "coordinator", "--job", job, "--allow-volatile", *flags)
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 class Fleet:
-    def __init__(self, conn: redis.Redis, job: str, workers: int) -> None:
+    def __init__(self, conn: Client, job: str, workers: int) -> None:
         self.conn = conn
         self.job = job
         self.inbox = Keys(job).inbox

@@ -20,13 +20,13 @@ import time
 from cohort.localredis import LocalRedis
 from events.keys import Keys
 
-from .fleet import Fleet, coordinator, stop
+from .fleet import Fleet, coordinator
 from .results import Section
 
 
 def _one(url: str, conn, workers: int, steps: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
     job = f"overhead-{workers}"
-    proc, log = coordinator(
+    proc = coordinator(
         url, job, "--min-workers", str(workers), "--max-workers", str(workers),
         "--heartbeat-timeout", "3600", "--lease", "30", "--straggler-steps", "1000",
     )  # fmt: skip
@@ -51,10 +51,10 @@ def _one(url: str, conn, workers: int, steps: int) -> tuple[float, float]:  # ty
             peer.append(time.perf_counter() - start)
         return statistics.median(took[5:]), statistics.median(peer[5:])
     except Exception:
-        print(log.read_text()[-3000:])
+        print(proc.tail(40))
         raise
     finally:
-        stop(proc)
+        proc.stop()
 
 
 def measure(worlds: tuple[int, ...] = (8, 64, 256), steps: int = 100) -> Section:

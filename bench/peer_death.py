@@ -37,7 +37,7 @@ from events.keys import Keys
 from events.models import StepCommitted
 from events.streams import Journal
 
-from .fleet import coordinator, spawn, stop
+from .fleet import coordinator, spawn
 from .results import Section, verdict
 
 TIMEOUT_S = 2.0
@@ -50,13 +50,13 @@ def _cohort_once(run: int) -> float:
         conn = server.client()
         procs = [
             coordinator(server.url, job, "--heartbeat-interval", "0.5", "--heartbeat-timeout",
-                        str(TIMEOUT_S), "--min-workers", "1", "--dataset-size", "4096")[0]
+                        str(TIMEOUT_S), "--min-workers", "1", "--dataset-size", "4096")
         ]  # fmt: skip
         try:
             for name in ("a", "b"):
                 procs.append(
                     spawn(server.url, name, "example-worker", "--job", job, "--id", name,
-                          "--steps", "100000", "--pace", "0.05", "--gpu-interval", "0")[0]
+                          "--steps", "100000", "--pace", "0.05", "--gpu-interval", "0")
                 )  # fmt: skip
             watch = JournalWatch(Journal(conn, Keys(job).journal))
             deadline = time.monotonic() + 60
@@ -66,7 +66,7 @@ def _cohort_once(run: int) -> float:
                 watch.pull(block_ms=200)
             world = watch.state.world_version
             killed_at = time.time()
-            procs[2].kill()
+            procs[2].signal(signal.SIGKILL)
             deadline = time.monotonic() + LIMIT_S
             while True:
                 for fact in watch.pull(block_ms=200):
@@ -76,7 +76,7 @@ def _cohort_once(run: int) -> float:
                     raise TimeoutError("cohort: the survivor never trained again")
         finally:
             for proc in procs:
-                stop(proc)
+                proc.stop()
 
 
 def _free_port() -> int:

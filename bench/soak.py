@@ -23,7 +23,7 @@ from pathlib import Path
 from cohort.localredis import LocalRedis
 from events.keys import Keys
 
-from .fleet import Fleet, coordinator, stop
+from .fleet import Fleet, coordinator
 from .results import Section, verdict
 
 TICKS = 10  # per second: each tick sends one tenth of the fleet's commands
@@ -50,11 +50,13 @@ def measure(workers: int = 1000, seconds: float = 60.0) -> Section:
     job = "soak"
     with LocalRedis(appendonly=False) as server:
         conn = server.client()
-        proc, log = coordinator(
+        proc = coordinator(
             server.url, job, "--min-workers", str(workers), "--max-workers", str(workers),
             "--heartbeat-interval", "1", "--heartbeat-timeout", "10", "--lease", "10",
         )  # fmt: skip
         try:
+            assert proc.popen is not None
+            pid = proc.popen.pid
             fleet = Fleet(conn, job, workers)
             fleet.join_all()
             pending: list[tuple[tuple[int, int], float]] = []
@@ -76,12 +78,12 @@ def measure(workers: int = 1000, seconds: float = 60.0) -> Section:
                         while pending and pending[0][0] <= cursor:
                             lags.append(now - pending.pop(0)[1])
                     if now - last_rss > 0.2:
-                        rss.append(_rss_mb(proc.pid))
+                        rss.append(_rss_mb(pid))
                         last_rss = now
 
             thread = threading.Thread(target=monitor, daemon=True)
             thread.start()
-            cpu0, wall0 = _cpu_seconds(proc.pid), time.perf_counter()
+            cpu0, wall0 = _cpu_seconds(pid), time.perf_counter()
             steps0 = fleet.watch.state.last_committed
             slices = [fleet.names[i::TICKS] for i in range(TICKS)]
             tick = sent = 0
@@ -96,17 +98,17 @@ def measure(workers: int = 1000, seconds: float = 60.0) -> Section:
                 sent += 2 * len(part)
                 time.sleep(max(0.0, wall0 + tick / TICKS - time.perf_counter()))  # the pace
             wall = time.perf_counter() - wall0
-            cpu = _cpu_seconds(proc.pid) - cpu0
+            cpu = _cpu_seconds(pid) - cpu0
             fleet.watch.pull(block_ms=0)
             steps = fleet.watch.state.last_committed - steps0
             done.set()
             thread.join()
-            assert proc.poll() is None, "the coordinator died"
+            assert proc.alive(), "the coordinator died"
         except Exception:
-            print(log.read_text()[-3000:])
+            print(proc.tail(40))
             raise
         finally:
-            stop(proc)
+            proc.stop()
     lags.sort()
     p50 = statistics.median(lags)
     p99 = lags[int(0.99 * (len(lags) - 1))]
