@@ -99,10 +99,7 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:
                 "counters": _count(state.counters, world_changes=1),
             }
         case StepCommitted():
-            return {
-                "last_committed": fact.step,
-                "counters": _count(state.counters, steps_committed=1),
-            }
+            return _committed(state, fact.step, 1)
         case WeightsDiverged():
             return {"counters": _count(state.counters, divergences=1)}
         case EpochFinished():
@@ -129,14 +126,14 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:
     raise TypeError(f"evolve has no branch for {type(fact).__name__}")  # pragma: no cover
 
 
+def _committed(state: JobState, step: int, count: int) -> dict[str, object]:
+    """`count` steps committed, the last of them `step`."""
+    return {"last_committed": step, "counters": _count(state.counters, steps_committed=count)}
+
+
 def _commits(state: JobState, last: StepCommitted, count: int) -> JobState:
     """`count` StepCommitted facts in a row, ending with `last`: what evolving each gives."""
-    return replace(
-        state,
-        facts=state.facts + count,
-        last_committed=last.step,
-        counters=_count(state.counters, steps_committed=count),
-    )
+    return replace(state, facts=state.facts + count, **_committed(state, last.step, count))  # type: ignore[arg-type]
 
 
 def fold(facts: Iterable[Fact], state: JobState | None = None) -> JobState:
