@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -535,7 +536,7 @@ def example_worker(
 @click.pass_context
 def status(ctx: click.Context, job: str, as_json: bool, watch: bool, interval: float) -> None:
     """Leader, epoch, world and every worker of JOB, from the journal and the leader's view."""
-    from coordinator.replay import from_redis, rebuild, view
+    from coordinator.replay import from_redis, read_once, rebuild, view
 
     from .render import status_table
 
@@ -545,7 +546,8 @@ def status(ctx: click.Context, job: str, as_json: bool, watch: bool, interval: f
     if watch:
         _watch(conn, job, interval)
         return
-    state, _ = _or_fail(lambda: rebuild(from_redis(conn, job, with_inbox=False)))
+    with read_once():
+        state, _ = _or_fail(lambda: rebuild(from_redis(conn, job, with_inbox=False)))
     live = _leader_view(conn, job)
     body = view(state)
     body["leader_view"] = live
@@ -601,6 +603,19 @@ def _leader_view(conn: Client, job: str) -> dict[str, Any] | None:
         return None
 
 
+def _reads_whole_run(command: Callable[..., Any]) -> Callable[..., Any]:
+    """A one-shot command that reads a whole run: see coordinator.replay.read_once."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from coordinator.replay import read_once
+
+        with read_once():
+            return command(*args, **kwargs)
+
+    return wrapper
+
+
 def _or_fail(fn: Callable[[], Any]) -> Any:
     from coordinator.errors import CoordinatorError
 
@@ -629,6 +644,7 @@ def _or_fail(fn: Callable[[], Any]) -> Any:
 )
 @click.option("--quiet", "-q", is_flag=True, help="Only the final state, no timeline.")
 @click.pass_context
+@_reads_whole_run
 def replay(
     ctx: click.Context,
     job: str | None,
@@ -696,6 +712,7 @@ def _is_stream_id(value: str) -> bool:
     help="File to write (msgpack; `cohort replay --file` reads it).",
 )
 @click.pass_context
+@_reads_whole_run
 def export_cmd(ctx: click.Context, job: str, output: Path) -> None:
     """Write JOB's journal, retained inbox and dead letters to a file."""
     from coordinator.replay import export, from_redis
@@ -738,6 +755,7 @@ def export_cmd(ctx: click.Context, job: str, output: Path) -> None:
 )
 @click.option("--title", metavar="TEXT", help="Page title (default: cohort report: JOB).")
 @click.pass_context
+@_reads_whole_run
 def report_cmd(
     ctx: click.Context, job: str | None, path: Path | None, output: Path, title: str | None
 ) -> None:

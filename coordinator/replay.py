@@ -7,6 +7,8 @@ stream entry `{"stream": "journal"|"inbox"|"dead", "id": ID, "fields": {name: by
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,17 +47,23 @@ class Run:
     dead: list[Entry] = field(default_factory=list)
 
     def facts(self, until: str | None = None, batch: int = 4096) -> Iterator[tuple[str, Fact]]:
+        for page, facts in self.pages(until, batch):
+            yield from zip([entry.id for entry in page], facts, strict=True)
+
+    def pages(
+        self, until: str | None = None, batch: int = 4096
+    ) -> Iterator[tuple[list[Entry], list[Fact]]]:
+        """The journal up to `until`, a page of entries and their facts at a time."""
         entries = self.journal
         if until is not None:
             entries = list(itertools.takewhile(lambda e: not id_after(e.id, until), entries))
         for start in range(0, len(entries), batch):
             page = entries[start : start + batch]
             try:
-                facts = Journal.decode_page(page)
+                yield page, Journal.decode_page(page)
             except DecodeError as exc:
                 bad = page[exc.index or 0].id
                 raise ReplayError(f"journal entry {bad} cannot be read: {exc.reason}") from None
-            yield from zip((entry.id for entry in page), facts, strict=True)
 
 
 def from_redis(conn: Client, job: str, with_inbox: bool = True) -> Run:
@@ -158,10 +166,36 @@ class JournalWatch:
         return new
 
 
+@contextlib.contextmanager
+def read_once() -> Iterator[None]:
+    """Around a process's reading of a whole run that it then reports on and exits
+    (`cohort replay`, `status`, `report`, `export`): nothing it reads is cycle-collected.
+
+    A journal of a million facts is some four million tracked objects, none in a cycle.
+    Pausing the collector per page only defers the work: the first collection after it
+    walks every object made meanwhile (0.8 s of a 5 s replay of 1M facts), and the
+    interpreter walks them all again at exit. Here what was read is frozen instead
+    (`gc.freeze`), so no later collection walks it. Not for long-lived processes: a
+    frozen object is never cycle-collected, only freed by reference counting.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+
+
 def rebuild(run: Run, until: str | None = None) -> tuple[JobState, list[tuple[str, Fact]]]:
+    timeline: list[tuple[str, Fact]] = []
+    facts: list[Fact] = []
     with gc_paused():
-        timeline = list(run.facts(until))
-    return fold(fact for _, fact in timeline), timeline
+        for page, decoded in run.pages(until):
+            timeline += zip([entry.id for entry in page], decoded, strict=True)
+            facts += decoded
+    return fold(facts), timeline
 
 
 def describe(fact: Fact) -> str:

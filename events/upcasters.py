@@ -14,11 +14,14 @@ Body = dict[str, Any]
 Upcaster = Callable[[Body], Body]
 
 UPCASTERS: dict[tuple[str, int], Upcaster] = {}
+UPCASTED: set[str] = set()
+"""The types some upcaster applies to: a body of any other type is current as it is."""
 
 
 def upcaster(type_: str, from_v: int) -> Callable[[Upcaster], Upcaster]:
     def register(fn: Upcaster) -> Upcaster:
         UPCASTERS[(type_, from_v)] = fn
+        UPCASTED.add(type_)
         return fn
 
     return register

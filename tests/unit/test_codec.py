@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.codec import decode_command, decode_fact, decode_facts, encode
+from events.codec import (
+    MAX_FACT_BYTES,
+    MAX_MAP_LEN,
+    decode_command,
+    decode_fact,
+    decode_facts,
+    encode,
+)
 from events.errors import DecodeError
 from events.models import (
     Heartbeat,
@@ -133,3 +140,60 @@ def test_random_bytes_never_escape_as_anything_but_decode_error(raw: bytes) -> N
         decode_command(raw)
     except DecodeError as exc:
         assert exc.reason
+
+
+GOOD = encode(StepCommitted(at=1.0, job="j", step=1, world=1))
+FACT_BODY = msgpack.unpackb(GOOD)
+# bodies near a valid fact: a field dropped, changed in type or value, or one too many
+NEAR_FACTS = st.builds(
+    lambda key, value, drop: {
+        **{k: v for k, v in FACT_BODY.items() if not (drop and k == key)},
+        **({} if drop else {key: value}),
+    },
+    st.sampled_from([*FACT_BODY, "extra", "v"]),
+    st.none()
+    | st.integers(-3, 2**64 - 1)
+    | st.text(max_size=4)
+    | st.floats()
+    | st.lists(st.none(), max_size=2),
+    st.booleans(),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.binary(max_size=256)
+    | NEAR_FACTS.map(msgpack.packb)
+    | st.builds(
+        lambda body, tail: msgpack.packb(body) + tail, NEAR_FACTS, st.binary(min_size=1, max_size=4)
+    )
+)
+def test_a_batch_accepts_and_rejects_exactly_what_decoding_one_at_a_time_does(raw: bytes) -> None:
+    try:
+        alone = decode_fact(raw)
+    except DecodeError as exc:
+        with pytest.raises(DecodeError) as caught:
+            decode_facts([GOOD, raw, GOOD])
+        assert (caught.value.index, caught.value.reason) == (1, exc.reason)
+    else:
+        assert decode_facts([GOOD, raw, GOOD]) == [decode_fact(GOOD), alone, decode_fact(GOOD)]
+
+
+@pytest.mark.parametrize(
+    "raw, reason",
+    [
+        (b"\xc0" * (MAX_FACT_BYTES + 1), f"the limit is {MAX_FACT_BYTES}"),
+        (msgpack.packb({**FACT_BODY, **{f"k{i}": i for i in range(MAX_MAP_LEN)}}), "not msgpack"),
+        (msgpack.packb(msgpack.ExtType(5, b"x")), "extension"),
+        (msgpack.packb([FACT_BODY]), "not a map"),
+        (msgpack.packb({**FACT_BODY, "type": 7}), "no string 'type'"),
+        (
+            (FIXTURES / "Join.v1.msgpack").read_bytes(),
+            "invalid 'Join' fact",
+        ),  # upcast, then refused
+    ],
+)
+def test_a_batch_names_each_kind_of_bad_entry_as_one_alone_would(raw: bytes, reason: str) -> None:
+    with pytest.raises(DecodeError) as caught:
+        decode_facts([GOOD, GOOD, raw])
+    assert caught.value.index == 2 and reason in caught.value.reason
