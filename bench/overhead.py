@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 from cohort.localredis import LocalRedis
 from events.keys import Keys
@@ -66,12 +67,12 @@ def measure(worlds: tuple[int, ...] = (8, 64, 256), steps: int = 100) -> Section
         header=["workers", "StepDone -> StepCommitted seen, ms", "peer: Redis round trips, ms",
                 "ratio", "steps/s the coordinator allows"],
     )  # fmt: skip
-    raw = {}
+    raw: dict[str, Any] = {}
     with LocalRedis(appendonly=False) as server:
         conn = server.client()
         for w in worlds:
             took, peer = _one(server.url, conn, w, steps)
-            raw[w] = {"step_s": took, "peer_s": peer}
+            raw[str(w)] = {"step_s": took, "peer_s": peer}
             section.rows.append(
                 [str(w), f"{took * 1e3:.2f}", f"{peer * 1e3:.2f}", f"{took / peer:.1f}",
                  f"{1 / took:,.0f}"]

@@ -166,7 +166,7 @@ def _shown(seconds: float) -> str:
 
 def measure(runs: int = 3) -> Section:
     cohort = [_cohort_once(r) for r in range(runs)]
-    rows = [["cohort: survivors resume (worker SIGKILLed)", cohort]]
+    rows: list[tuple[str, list[float]]] = [("cohort: survivors resume (worker SIGKILLed)", cohort)]
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -177,9 +177,9 @@ def measure(runs: int = 3) -> Section:
             for kill in ("worker", "agent", "host")
         }
         rows += [
-            ["torchrun: every worker restarted (worker SIGKILLed)", torchrun["worker"]],
-            ["torchrun: agent 2 + its worker SIGKILLed (a node lost)", torchrun["agent"]],
-            ["torchrun: agent 1, the c10d store host, + worker SIGKILLed", torchrun["host"]],
+            ("torchrun: every worker restarted (worker SIGKILLed)", torchrun["worker"]),
+            ("torchrun: agent 2 + its worker SIGKILLed (a node lost)", torchrun["agent"]),
+            ("torchrun: agent 1, the c10d store host, + worker SIGKILLed", torchrun["host"]),
         ]
     mine = statistics.median(cohort)
     section = Section(

@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import msgpack
 import redis
@@ -60,12 +61,12 @@ def _peer(conn: redis.Redis) -> float:
     after = b"-"
     with gc_paused():
         while True:
-            rows = bare.xrange(key, after, "+", count=PAGE)
-            for _, fields in rows:  # type: ignore[union-attr]
+            rows: Any = bare.xrange(key, after, "+", count=PAGE)  # [[id, [field, value]], ...]
+            for _, fields in rows:
                 msgpack.unpackb(fields[1])
-            if len(rows) < PAGE:  # type: ignore[arg-type]
+            if len(rows) < PAGE:
                 break
-            after = b"(" + rows[-1][0]  # type: ignore[index]
+            after = b"(" + rows[-1][0]
     return time.perf_counter() - start
 
 
@@ -79,6 +80,7 @@ def measure(facts: int = 1_000_000, runs: int = 3) -> Section:
     }
     with LocalRedis(appendonly=False) as server:
         conn = server.client()
+        assert isinstance(conn, redis.Redis), "one server, not a cluster"
         ids = _load(conn, raws)
         n = len(ids)
         # the snapshot a coordinator would hold: the state TAIL facts before the end

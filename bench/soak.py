@@ -73,7 +73,7 @@ def measure(workers: int = 1000, seconds: float = 60.0) -> Section:
                     now = time.perf_counter()
                     if raw is None:
                         continue
-                    cursor = _id(raw.decode())
+                    cursor = _id(raw.decode() if isinstance(raw, bytes) else raw)
                     with lock:
                         while pending and pending[0][0] <= cursor:
                             lags.append(now - pending.pop(0)[1])
