@@ -22,6 +22,7 @@ import multiprocessing as mp
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,15 +243,28 @@ def measure(
     return section
 
 
+def cell_options(
+    parser: argparse.ArgumentParser, sizes: str, ranks: str
+) -> Callable[[argparse.Namespace], tuple[tuple[int, ...], tuple[int, ...]]]:
+    """--sizes, --ranks and --runs; returns what reads the sizes and world sizes back."""
+    parser.add_argument("--sizes", default=sizes, help="MiB of float32 per allreduce")
+    parser.add_argument("--ranks", default=ranks, help="world sizes")
+    parser.add_argument("--runs", type=int, default=5, help="timed runs per cell (median)")
+
+    def cells(args: argparse.Namespace) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        try:
+            return tuple(map(int, args.sizes.split(","))), tuple(map(int, args.ranks.split(",")))
+        except ValueError:
+            parser.error(f"--sizes {args.sizes!r} / --ranks {args.ranks!r}: give e.g. 1,16,64")
+
+    return cells
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1,16,64", help="MiB of float32 per allreduce")
-    parser.add_argument("--ranks", default="2,4", help="world sizes")
-    parser.add_argument("--runs", type=int, default=5, help="timed runs per cell (median)")
+    cells = cell_options(parser, sizes="1,16,64", ranks="2,4")
     args = parser.parse_args()
-    sizes = tuple(int(s) for s in args.sizes.split(","))
-    worlds = tuple(int(n) for n in args.ranks.split(","))
-    print(measure(sizes, worlds, args.runs).markdown())
+    print(measure(*cells(args), args.runs).markdown())
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import os
 
 from cohort.localredis import LocalCluster, LocalRedis
 
-from .allreduce import MIB, raw_throughput, time_allreduce
+from .allreduce import MIB, cell_options, raw_throughput, time_allreduce
 from .results import Section
 
 GIB = 1024 * MIB
@@ -103,15 +103,11 @@ def measure(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="16,64", help="MiB of float32 per allreduce")
-    parser.add_argument("--ranks", default="3", help="world sizes")
-    parser.add_argument("--runs", type=int, default=5, help="timed runs per cell (median)")
+    cells = cell_options(parser, sizes="16,64", ranks="3")
     parser.add_argument("--model-workers", type=int, default=64)
     parser.add_argument("--model-gib", type=float, default=1.0, help="gradient GiB per step")
     args = parser.parse_args()
-    sizes = tuple(int(s) for s in args.sizes.split(","))
-    worlds = tuple(int(n) for n in args.ranks.split(","))
-    section = measure(sizes, worlds, args.runs, args.model_workers, args.model_gib)
+    section = measure(*cells(args), args.runs, args.model_workers, args.model_gib)
     print(section.markdown())
 
 

@@ -184,27 +184,10 @@ def apply(view: View, fact: m.Fact) -> View:
                 return view
             return replace(view, status="draining", leaving_after=fact.after_step)
         case m.WorkerLeft():
-            view = replace(view, members=view.members - {fact.worker})
-            if fact.worker != me:
-                return view
-            return replace(
-                view,
-                status="outside",
-                left=True,
-                advice=(),
-                removed_reason=f"left ({fact.reason or 'left'})",
-            )
+            return _removed(view, fact.worker, f"left ({fact.reason or 'left'})", left=True)
         case m.WorkerFailed():
-            view = replace(view, members=view.members - {fact.worker})
-            if fact.worker != me:
-                return view
-            return replace(
-                view,
-                status="outside",
-                failed=True,
-                advice=(),
-                removed_reason=f"declared failed: no heartbeat for {fact.timeout:g} s",
-            )
+            reason = f"declared failed: no heartbeat for {fact.timeout:g} s"
+            return _removed(view, fact.worker, reason, failed=True)
         case m.WorldChanged():
             plan = Plan(
                 world_version=fact.version,
@@ -244,6 +227,23 @@ def apply(view: View, fact: m.Fact) -> View:
     # A fact this worker has no use for yet (e.g. one a newer coordinator writes): the
     # view stays as it is, so a worker keeps training through a coordinator upgrade.
     return view
+
+
+def _removed(
+    view: View, worker: str, reason: str, left: bool = False, failed: bool = False
+) -> View:
+    """`worker` is no longer a member; if that is this worker, it is outside, for `reason`."""
+    view = replace(view, members=view.members - {worker})
+    if worker != view.worker:
+        return view
+    return replace(
+        view,
+        status="outside",
+        advice=(),
+        removed_reason=reason,
+        left=view.left or left,
+        failed=view.failed or failed,
+    )
 
 
 def fold(view: View, facts: Iterable[m.Fact]) -> View:

@@ -21,6 +21,8 @@ from events.streams import ZERO, Journal
 
 from ..helpers import wait_until
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 @dataclass
 class Process:
@@ -59,13 +61,20 @@ class Cluster:
     facts: list[tuple[str, Fact]] = field(default_factory=list)
 
     def spawn(self, name: str, *args: str) -> Process:
+        """`cohort *args` against this job's Redis."""
+        return self.python(name, "-m", "cohort", "--redis-url", self.url, *args)
+
+    def python(self, name: str, *args: str) -> Process:
+        """`python *args`, run from the project's root, its output in `tmp/name.log`;
+        `stop` ends it."""
         log = self.tmp / f"{name}.log"
-        argv = [sys.executable, "-m", "cohort", "--redis-url", self.url, *args]
+        argv = [sys.executable, *args]
         handle = log.open("wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         popen = subprocess.Popen(
-            argv, stdout=handle, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL
-        )
+            argv, stdout=handle, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
+            cwd=ROOT,
+        )  # fmt: skip
         handle.close()
         proc = Process(name, argv, log, popen)
         self.procs.append(proc)
@@ -76,6 +85,17 @@ class Cluster:
 
     def worker(self, name: str, *flags: str) -> Process:
         return self.spawn(name, "worker", "--job", self.job, "--id", name, *flags)
+
+    def example_worker(self, name: str, steps: int, *flags: str, save: bool = False) -> Process:
+        """The bundled trainer for `steps` steps; with `save`, its weights go to `saved(name)`."""
+        saving = ("--save", str(self.saved(name))) if save else ()
+        return self.spawn(
+            name, "example-worker", "--job", self.job, "--id", name, "--steps", str(steps),
+            *saving, *flags,
+        )  # fmt: skip
+
+    def saved(self, name: str) -> Path:
+        return self.tmp / f"{name}.npz"
 
     def pull(self) -> JobState:
         """Fold what the journal gained since the last pull."""

@@ -57,18 +57,7 @@ def test_training_survives_chaos_and_keeps_every_invariant(
         nonlocal serial
         serial += 1
         name = f"w{serial}"
-        workers[name] = cluster.spawn(
-            name,
-            "example-worker",
-            "--job",
-            cluster.job,
-            "--id",
-            name,
-            "--steps",
-            str(STEPS),
-            "--pace",
-            "0.03",
-        )
+        workers[name] = cluster.example_worker(name, STEPS, "--pace", "0.03")
 
     for _ in range(3):
         start_worker()

@@ -206,21 +206,7 @@ def test_a_training_job_on_the_cluster_survives_a_sigkilled_worker(
                 "--lease", "1",
                 "--wait-replicas", "1",
             )  # fmt: skip
-        workers = {
-            name: job.spawn(
-                name,
-                "example-worker",
-                "--job",
-                job.job,
-                "--id",
-                name,
-                "--steps",
-                "120",
-                "--save",
-                str(tmp_path / f"{name}.npz"),
-            )  # fmt: skip
-            for name in ("a", "b", "c")
-        }
+        workers = {name: job.example_worker(name, 120, save=True) for name in ("a", "b", "c")}
         job.until(
             lambda s: len(s.ranks) == 3 and s.last_committed >= 15,
             timeout=60,

@@ -107,19 +107,7 @@ def test_training_continues_when_sentinel_promotes_the_replica(
                 "--heartbeat-timeout", "8",
                 "--lease", "1",
             )  # fmt: skip
-        workers = {
-            name: job.spawn(
-                name,
-                "example-worker",
-                "--job",
-                job.job,
-                "--id",
-                name,
-                "--steps",
-                "160",
-            )  # fmt: skip
-            for name in ("a", "b", "c")
-        }
+        workers = {name: job.example_worker(name, 160) for name in ("a", "b", "c")}
         job.until(
             lambda s: len(s.ranks) == 3 and s.last_committed >= 20,
             timeout=60,

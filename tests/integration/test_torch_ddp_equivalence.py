@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -30,7 +29,7 @@ else:
 
 from coordinator.audit import committed_batches  # noqa: E402
 
-from .cluster import Cluster, Process  # noqa: E402
+from .cluster import Cluster  # noqa: E402
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 
@@ -78,23 +77,6 @@ def ddp_rank(rank: int, port: int, batches_file: Path, out: Path) -> None:
 
 
 # ------------------------------------------------------------------ the test
-def spawn(cluster: Cluster, name: str, argv: list[str]) -> Process:
-    log = cluster.tmp / f"{name}.log"
-    handle = log.open("wb")
-    popen = subprocess.Popen(
-        [sys.executable, *argv],
-        stdout=handle,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    handle.close()
-    proc = Process(name, argv, log, popen)
-    cluster.procs.append(proc)
-    return proc
-
-
 def free_port() -> int:
     import socket
 
@@ -119,29 +101,26 @@ def test_sync_gradients_ends_with_the_parameters_of_ddp_over_gloo(cluster: Clust
         "c1", "--min-workers", "2", "--dataset-size", str(dataset_size), "--batch-size", "32"
     )
     workers = [
-        spawn(
-            cluster,
+        cluster.python(
             f"w{i}",
-            [
-                "examples/torch_train.py",
-                "--redis-url",
-                cluster.url,
-                "--job",
-                cluster.job,
-                "--id",
-                f"w{i}",
-                "--steps",
-                str(STEPS),
-                "--lr",
-                str(LR),
-                "--seed",
-                str(SEED),
-                "--threads",
-                "1",
-                "--save",
-                str(cluster.tmp / f"w{i}.npz"),
-            ],
-        )
+            "examples/torch_train.py",
+            "--redis-url",
+            cluster.url,
+            "--job",
+            cluster.job,
+            "--id",
+            f"w{i}",
+            "--steps",
+            str(STEPS),
+            "--lr",
+            str(LR),
+            "--seed",
+            str(SEED),
+            "--threads",
+            "1",
+            "--save",
+            str(cluster.saved(f"w{i}")),
+        )  # fmt: skip
         for i in range(2)
     ]
     for proc in workers:
@@ -161,21 +140,19 @@ def test_sync_gradients_ends_with_the_parameters_of_ddp_over_gloo(cluster: Clust
     port = str(free_port())
     module = "tests.integration.test_torch_ddp_equivalence"
     ranks = [
-        spawn(
-            cluster,
-            f"ddp{r}",
-            ["-m", module, str(r), port, str(plan), str(cluster.tmp / f"ddp{r}.npz")],
+        cluster.python(
+            f"ddp{r}", "-m", module, str(r), port, str(plan), str(cluster.saved(f"ddp{r}"))
         )
         for r in range(2)
     ]
     for proc in ranks:
         assert cluster.finished(proc, 180) == 0, proc.output()[-3000:]
 
-    ddp = load(cluster.tmp / "ddp0.npz")
-    assert max_abs_diff(ddp, load(cluster.tmp / "ddp1.npz")) == 0.0
+    ddp = load(cluster.saved("ddp0"))
+    assert max_abs_diff(ddp, load(cluster.saved("ddp1"))) == 0.0
     start = {k: v.detach().numpy() for k, v in example().build(SEED).named_parameters()}
     assert max_abs_diff(ddp, start) > 1e-2  # the model did train
-    diffs = [max_abs_diff(load(cluster.tmp / f"w{i}.npz"), ddp) for i in range(2)]
+    diffs = [max_abs_diff(load(cluster.saved(f"w{i}")), ddp) for i in range(2)]
     print(
         f"cohort sync_gradients vs DDP over gloo after {STEPS} steps: max |diff| {max(diffs):.3g}"
     )

@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,7 +41,6 @@ INTERVAL, TIMEOUT = 0.5, 2.0
 """The coordinator's heartbeat interval and timeout (a worker is failed after TIMEOUT s)."""
 GLOO_TIMEOUT = 20.0
 """Gloo's own timeout in the plain run: what the survivor would otherwise wait for."""
-ROOT = Path(__file__).resolve().parents[2]
 PACE = 0.01
 
 
@@ -149,21 +147,7 @@ def last(proc: Process, kind: str) -> dict[str, Any] | None:
 
 
 def spawn(cluster: Cluster, name: str, *args: str) -> Process:
-    log = cluster.tmp / f"{name}.log"
-    argv = [sys.executable, "-m", "tests.integration.test_torch_hang_breaker", *args]
-    handle = log.open("wb")
-    popen = subprocess.Popen(
-        argv,
-        stdout=handle,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    handle.close()
-    proc = Process(name, argv, log, popen)
-    cluster.procs.append(proc)
-    return proc
+    return cluster.python(name, "-m", "tests.integration.test_torch_hang_breaker", *args)
 
 
 def end_keeper(proc: Process) -> None:

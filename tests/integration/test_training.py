@@ -50,21 +50,7 @@ def test_n_workers_reach_the_weights_of_one_process_on_the_same_global_batches(
     cluster: Cluster, n: int
 ) -> None:
     coordinator(cluster, min_workers=n)
-    procs = [
-        cluster.spawn(
-            f"w{i}",
-            "example-worker",
-            "--job",
-            cluster.job,
-            "--id",
-            f"w{i}",
-            "--steps",
-            "80",
-            "--save",
-            str(cluster.tmp / f"w{i}.npz"),
-        )
-        for i in range(n)
-    ]
+    procs = [cluster.example_worker(f"w{i}", 80, save=True) for i in range(n)]
     for proc in procs:
         assert proc.wait(120) == 0, proc.output()[-3000:]
     digests = {summary(p)["weights_digest"] for p in procs}
@@ -72,7 +58,7 @@ def test_n_workers_reach_the_weights_of_one_process_on_the_same_global_batches(
     cluster.pull()
     expected = example.reference(f for _, f in cluster.facts)
     for i in range(n):
-        with np.load(cluster.tmp / f"w{i}.npz") as saved:
+        with np.load(cluster.saved(f"w{i}")) as saved:
             got = {k: saved[k] for k in saved.files}
         assert relative_difference(got, expected) <= 1e-6
     assert summary(procs[0])["accuracy"] > 0.9
@@ -83,22 +69,8 @@ def test_a_killed_worker_and_a_newcomer_leave_survivors_equal_and_every_sample_u
     cluster: Cluster,
 ) -> None:
     coordinator(cluster, min_workers=2)
-    steps = "150"
-    workers = {
-        name: cluster.spawn(
-            name,
-            "example-worker",
-            "--job",
-            cluster.job,
-            "--id",
-            name,
-            "--steps",
-            steps,
-            "--save",
-            str(cluster.tmp / f"{name}.npz"),
-        )
-        for name in ("a", "b", "c")
-    }
+    steps = 150
+    workers = {name: cluster.example_worker(name, steps, save=True) for name in ("a", "b", "c")}
     cluster.until(
         lambda s: len(s.ranks) == 3 and s.last_committed >= 20,
         timeout=60,
@@ -120,18 +92,7 @@ def test_a_killed_worker_and_a_newcomer_leave_survivors_equal_and_every_sample_u
     )
     assert resumed <= TIMEOUT + 2.0
 
-    newcomer = cluster.spawn(
-        "d",
-        "example-worker",
-        "--job",
-        cluster.job,
-        "--id",
-        "d",
-        "--steps",
-        steps,
-        "--save",
-        str(cluster.tmp / "d.npz"),
-    )
+    newcomer = cluster.example_worker("d", steps, save=True)
     cluster.until(lambda s: "d" in s.ranks, timeout=60, message="d joins the world")
     for name in ("a", "c"):
         assert cluster.finished(workers[name], 120) == 0, workers[name].output()[-3000:]
@@ -147,7 +108,7 @@ def test_a_killed_worker_and_a_newcomer_leave_survivors_equal_and_every_sample_u
     # The survivors' weights are what one process gets on the committed global batches:
     # nothing of an aborted step survived, nothing of a committed one was lost.
     expected = example.reference(f for _, f in cluster.facts)
-    with np.load(cluster.tmp / "a.npz") as saved:
+    with np.load(cluster.saved("a")) as saved:
         got = {k: saved[k] for k in saved.files}
     assert relative_difference(got, expected) <= 1e-6
     worlds = [f for _, f in cluster.of_type(WorldChanged)]
