@@ -46,6 +46,7 @@ an aborted step is retried in a new world and never collides with itself.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
@@ -81,6 +82,8 @@ WAKE_S = 0.25
 """How often a blocked waiter rechecks the worker's view (the journal wakes it at once)."""
 JOURNAL_LOOKBACK = 16
 """Journal entries checked at call start for a WorldChanged the worker has not folded yet."""
+FETCH_BYTES = 32 * 1024 * 1024
+"""Chunks fetched in one round trip, at most (their replies are held until unpacked)."""
 SMALL_PART = 64 * 1024
 FLOATS = ("<f2", "<f4", "<f8")
 
@@ -322,12 +325,21 @@ class _Call:
 
     def arrivals(self, phase: str, ranks: set[int]) -> Iterator[tuple[int, dict[bytes, bytes]]]:
         """Each of `ranks` with its notice of `phase`, as the notices arrive."""
+        for batch in self.arrived(phase, ranks):
+            yield from batch
+
+    def arrived(
+        self, phase: str, ranks: set[int]
+    ) -> Iterator[list[tuple[int, dict[bytes, bytes]]]]:
+        """The notices of `phase` from `ranks`, every one already there at once, in rank
+        order (so their chunks can be fetched in one round trip)."""
         pending = set(ranks)
         while pending:
             seen = self.notices.get(phase, {})
-            for rank in sorted(pending & seen.keys()):
-                pending.discard(rank)
-                yield rank, seen[rank]
+            ready = sorted(pending & seen.keys())
+            if ready:
+                pending.difference_update(ready)
+                yield [(rank, seen[rank]) for rank in ready]
             if pending:
                 self._read(phase, pending)
 
@@ -575,11 +587,30 @@ class Collective:
         pipe.execute()
 
     def _fetch(self, call: _Call, key: str) -> dict[str, np.ndarray]:
-        raw: Any = self.retry(lambda: self.conn.get(key), call, f"reading {key}")
-        if raw is None:
-            call.check_world()
-            raise CollectiveError(f"{call.what()}: {key} is gone (expired or deleted)")
-        return blobs.unpack(raw)
+        return next(self._fetch_all(call, [key], 0))
+
+    def _fetch_all(
+        self, call: _Call, keys: list[str], chunk_bytes: int
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """The chunks at `keys`, in order: GETs pipelined, at most FETCH_BYTES per round trip
+        (`chunk_bytes`: the size of one)."""
+        per_trip = max(1, FETCH_BYTES // max(chunk_bytes, 1))
+        for start in range(0, len(keys), per_trip):
+            group = keys[start : start + per_trip]
+            raws = self.retry(functools.partial(self._get_all, group), call, f"reading {group[0]}")
+            for key, raw in zip(group, raws, strict=True):
+                if raw is None:
+                    call.check_world()
+                    raise CollectiveError(f"{call.what()}: {key} is gone (expired or deleted)")
+                yield blobs.unpack(raw)
+
+    def _get_all(self, keys: list[str]) -> list[Any]:
+        if len(keys) == 1:
+            return [self.conn.get(keys[0])]
+        pipe = self.conn.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+        return pipe.execute()
 
     def _allreduce(
         self, call: _Call, layout: Layout, flats: dict[str, np.ndarray], transport: Transport
@@ -628,18 +659,23 @@ class Collective:
             i: {g: a.astype(np.float64) for g, a in wire(piece(i, flats), call).items()}
             for i in owned
         }
-        for rank, notice in call.arrivals("scatter", others):
-            if _s(notice.get(b"l", b"")) != shape:
-                raise CollectiveError(
-                    f"{call.what()}: rank {rank} passed tensors of another layout or transport "
-                    f"(names, dtypes, shapes or float16/float32 differ); every rank must pass "
-                    "the same"
-                )
-            theirs = call.tags(notice, rank)
-            for i in owned:
-                key = keys.grad(world.version, step, rank, i, placement.tag_of(theirs, i))
-                got = check(self._fetch(call, key), i, rank)
-                for g, a in got.items():
+        chunk_bytes = -(-total // k)
+        for batch in call.arrived("scatter", others):
+            wanted = []
+            for rank, notice in batch:
+                if _s(notice.get(b"l", b"")) != shape:
+                    raise CollectiveError(
+                        f"{call.what()}: rank {rank} passed tensors of another layout or "
+                        "transport (names, dtypes, shapes or float16/float32 differ); every "
+                        "rank must pass the same"
+                    )
+                theirs = call.tags(notice, rank)
+                for i in owned:
+                    tag = placement.tag_of(theirs, i)
+                    wanted.append((rank, i, keys.grad(world.version, step, rank, i, tag)))
+            chunks = self._fetch_all(call, [key for _, _, key in wanted], chunk_bytes)
+            for (rank, i, _), chunk in zip(wanted, chunks, strict=True):
+                for g, a in check(chunk, i, rank).items():
                     sums[i][g] += a
         result = {g: np.empty(size, dtype=g) for g, size in layout.sizes().items()}
         for i in owned:
@@ -661,12 +697,16 @@ class Collective:
         call.notify("reduced", t=where)
 
         # 3. gather the chunks the other ranks reduced
-        for rank, notice in call.arrivals("reduced", others):
-            theirs = call.tags(notice, rank)
-            for i in range(rank * per_rank, (rank + 1) * per_rank):
-                key = keys.grad_reduced(world.version, step, i, placement.tag_of(theirs, i))
-                got = check(self._fetch(call, key), i, rank)
-                for g, a in got.items():
+        for batch in call.arrived("reduced", others):
+            wanted = []
+            for rank, notice in batch:
+                theirs = call.tags(notice, rank)
+                for i in range(rank * per_rank, (rank + 1) * per_rank):
+                    tag = placement.tag_of(theirs, i)
+                    wanted.append((rank, i, keys.grad_reduced(world.version, step, i, tag)))
+            chunks = self._fetch_all(call, [key for _, _, key in wanted], chunk_bytes)
+            for (rank, i, _), chunk in zip(wanted, chunks, strict=True):
+                for g, a in check(chunk, i, rank).items():
                     result[g][cuts[g][i]] = a
         return unflatten(layout, result)
 

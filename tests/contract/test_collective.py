@@ -19,6 +19,7 @@ from events.keys import Keys
 from events.models import WorldChanged
 from events.shards import Shard
 from tests.helpers import wait_until
+from worker import collective as collective_module
 from worker.collective import Collective, CollectiveError, CollectiveTimeout, Member
 from worker.errors import WorldChangedError
 from worker.tensors import pieces
@@ -344,3 +345,42 @@ def test_a_call_prepared_for_an_older_world_is_refused_before_it_writes(conn: re
     with pytest.raises(WorldChangedError):
         collective.broadcast({"x": np.ones(4, "<f4")}, root=0, step=7, world=3)
     assert conn.keys(f"{KEYS.prefix}:*") == []
+
+
+@pytest.mark.parametrize("fetch_bytes, trips", [(32 * 1024 * 1024, [3]), (1, [1, 1, 1])])
+def test_chunks_of_ranks_already_there_come_in_one_round_trip_up_to_fetch_bytes(
+    connect_more: Callable[[], redis.Redis],
+    monkeypatch: pytest.MonkeyPatch,
+    fetch_bytes: int,
+    trips: list[int],
+) -> None:
+    """Rank 0 arrives last: the other three ranks' chunks of the part it owns are all stored,
+    so it reads them in as few GETs round trips as FETCH_BYTES allows, and still sums right."""
+    monkeypatch.setattr(collective_module, "FETCH_BYTES", fetch_bytes)
+    fetched: list[int] = []
+    get_all = Collective._get_all
+
+    def counted(self: Collective, keys: list[str]) -> list[Any]:
+        if self.worker.rank == 0:
+            fetched.append(len(keys))
+        return get_all(self, keys)
+
+    monkeypatch.setattr(Collective, "_get_all", counted)
+    events = KEYS.step_events(1, 3, "allreduce")
+    probe = connect_more()
+
+    def body(c: Collective, m: StandIn) -> Any:
+        if m.rank == 0:
+            wait_until(
+                lambda: sum(f[b"p"] == b"scatter" for _, f in probe.xrange(events)) == 3,
+                10,
+                0.01,
+                "the other ranks scattered",
+            )
+        return c.allreduce(_tensors(m.rank, "<f4"), 3)
+
+    results = _ok(run_ranks(connect_more, _members(4), body))
+    assert fetched[: len(trips)] == trips
+    want = np.mean([_tensors(r, "<f4")["w"].astype(np.float64) for r in range(4)], axis=0)
+    for got in results:
+        np.testing.assert_allclose(got["w"], want, rtol=1e-6)
