@@ -60,10 +60,11 @@ class Run:
         for start in range(0, len(entries), batch):
             page = entries[start : start + batch]
             try:
-                yield page, Journal.decode_page(page)
+                facts = Journal.decode_page(page)
             except DecodeError as exc:
                 bad = page[exc.index or 0].id
                 raise ReplayError(f"journal entry {bad} cannot be read: {exc.reason}") from None
+            yield page, facts
 
 
 def from_redis(conn: Client, job: str, with_inbox: bool = True) -> Run:
