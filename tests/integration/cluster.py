@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -42,6 +44,10 @@ class Process:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON line a worker prints last, as it exits."""
+        return dict(json.loads(self.output().strip().splitlines()[-1]))
 
     def wait(self, timeout: float) -> int:
         return self.popen.wait(timeout)
@@ -82,6 +88,18 @@ class Cluster:
 
     def coordinator(self, name: str, *flags: str) -> Process:
         return self.spawn(name, "coordinator", "--job", self.job, "--id", name, *flags)
+
+    def trainer_coordinator(
+        self, name: str, *flags: str, workers: int = 2, interval: float = 0.5, timeout: float = 2.0
+    ) -> Process:
+        """A coordinator for the bundled trainer's data (2048 samples, batches of 32), at
+        least `workers` to train, heartbeats every `interval` s, failed after `timeout` s,
+        a 1 s lease."""
+        return self.coordinator(
+            name, "--min-workers", str(workers), "--dataset-size", "2048", "--batch-size", "32",
+            "--heartbeat-interval", str(interval), "--heartbeat-timeout", str(timeout),
+            "--lease", "1", *flags,
+        )  # fmt: skip
 
     def worker(self, name: str, *flags: str) -> Process:
         return self.spawn(name, "worker", "--job", self.job, "--id", name, *flags)

@@ -3,7 +3,6 @@ real model trains; afterwards the invariants of DESIGN.md must hold. Bounded in 
 
 from __future__ import annotations
 
-import json
 import random
 import signal
 import threading
@@ -144,6 +143,6 @@ def test_training_survives_chaos_and_keeps_every_invariant(
     assert max(joined.values()) == 1
 
     # Invariant 7: everyone who finished holds the same weights.
-    ends = [json.loads(p.output().strip().splitlines()[-1]) for p in finishers]
+    ends = [p.summary() for p in finishers]
     assert len({e["weights_digest"] for e in ends}) == 1, ends
     assert all(e["steps"] > 0 for e in ends)

@@ -186,26 +186,15 @@ def test_allreduce_across_the_primaries_equals_the_numpy_mean(
     assert len(held) == 3 and all(held.values()), f"chunks not on every primary: {held}"
 
 
-def _summary(proc: Any) -> dict[str, Any]:
-    return json.loads(proc.output().strip().splitlines()[-1])
-
-
 def test_a_training_job_on_the_cluster_survives_a_sigkilled_worker(
     redis_cluster: LocalCluster, conn: RedisCluster, tmp_path: Path
 ) -> None:
     job = Cluster(url=redis_cluster.url, conn=conn, job="clustertrain", tmp=tmp_path)
     try:
         for name in ("c1", "c2"):
-            job.coordinator(
-                name,
-                "--min-workers", "2",
-                "--dataset-size", "2048",
-                "--batch-size", "32",
-                "--heartbeat-interval", str(INTERVAL),
-                "--heartbeat-timeout", str(TIMEOUT),
-                "--lease", "1",
-                "--wait-replicas", "1",
-            )  # fmt: skip
+            job.trainer_coordinator(
+                name, "--wait-replicas", "1", interval=INTERVAL, timeout=TIMEOUT
+            )
         workers = {name: job.example_worker(name, 120, save=True) for name in ("a", "b", "c")}
         job.until(
             lambda s: len(s.ranks) == 3 and s.last_committed >= 15,
@@ -222,7 +211,7 @@ def test_a_training_job_on_the_cluster_survives_a_sigkilled_worker(
         )
         for name in ("a", "c"):
             assert job.finished(workers[name], 120) == 0, workers[name].output()[-3000:]
-        ends = [_summary(workers["a"]), _summary(workers["c"])]
+        ends = [workers["a"].summary(), workers["c"].summary()]
         assert ends[0]["weights_digest"] == ends[1]["weights_digest"]
         assert ends[0]["accuracy"] > 0.9
         job.pull()

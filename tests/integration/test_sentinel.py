@@ -3,7 +3,6 @@ replica, and the job carries on to the end through redis+sentinel:// alone."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,15 +97,7 @@ def test_training_continues_when_sentinel_promotes_the_replica(
     job = Cluster(url=watched.url, conn=conn, job="sentineltrain", tmp=tmp_path)
     try:
         for name in ("c1", "c2"):
-            job.coordinator(
-                name,
-                "--min-workers", "2",
-                "--dataset-size", "2048",
-                "--batch-size", "32",
-                "--heartbeat-interval", "0.5",
-                "--heartbeat-timeout", "8",
-                "--lease", "1",
-            )  # fmt: skip
+            job.trainer_coordinator(name, timeout=8)
         workers = {name: job.example_worker(name, 160) for name in ("a", "b", "c")}
         job.until(
             lambda s: len(s.ranks) == 3 and s.last_committed >= 20,
@@ -135,7 +126,7 @@ def test_training_continues_when_sentinel_promotes_the_replica(
             raise
         for name, proc in workers.items():
             assert job.finished(proc, 120) == 0, f"{name}: {proc.output()[-3000:]}"
-        ends = [json.loads(p.output().strip().splitlines()[-1]) for p in workers.values()]
+        ends = [p.summary() for p in workers.values()]
         assert all(end["removed"] is None for end in ends), ends
         assert len({end["weights_digest"] for end in ends}) == 1, ends
         # The journal as the new primary holds it (the test saw the old primary's too).

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 
 import numpy as np
@@ -19,28 +18,6 @@ pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 INTERVAL, TIMEOUT = 0.5, 2.0
 
 
-def coordinator(cluster: Cluster, min_workers: int) -> None:
-    cluster.coordinator(
-        "c1",
-        "--min-workers",
-        str(min_workers),
-        "--dataset-size",
-        "2048",
-        "--batch-size",
-        "32",
-        "--heartbeat-interval",
-        str(INTERVAL),
-        "--heartbeat-timeout",
-        str(TIMEOUT),
-        "--lease",
-        "1",
-    )
-
-
-def summary(proc) -> dict:  # type: ignore[no-untyped-def]
-    return json.loads(proc.output().strip().splitlines()[-1])
-
-
 def relative_difference(a: mlp.Params, b: mlp.Params) -> float:
     return max(float(np.abs(a[k] - b[k]).max() / (np.abs(b[k]).max() + 1e-12)) for k in b)
 
@@ -49,11 +26,11 @@ def relative_difference(a: mlp.Params, b: mlp.Params) -> float:
 def test_n_workers_reach_the_weights_of_one_process_on_the_same_global_batches(
     cluster: Cluster, n: int
 ) -> None:
-    coordinator(cluster, min_workers=n)
+    cluster.trainer_coordinator("c1", workers=n, interval=INTERVAL, timeout=TIMEOUT)
     procs = [cluster.example_worker(f"w{i}", 80, save=True) for i in range(n)]
     for proc in procs:
         assert proc.wait(120) == 0, proc.output()[-3000:]
-    digests = {summary(p)["weights_digest"] for p in procs}
+    digests = {p.summary()["weights_digest"] for p in procs}
     assert len(digests) == 1
     cluster.pull()
     expected = example.reference(f for _, f in cluster.facts)
@@ -61,14 +38,14 @@ def test_n_workers_reach_the_weights_of_one_process_on_the_same_global_batches(
         with np.load(cluster.saved(f"w{i}")) as saved:
             got = {k: saved[k] for k in saved.files}
         assert relative_difference(got, expected) <= 1e-6
-    assert summary(procs[0])["accuracy"] > 0.9
+    assert procs[0].summary()["accuracy"] > 0.9
     assert audit(f for _, f in cluster.facts).ok
 
 
 def test_a_killed_worker_and_a_newcomer_leave_survivors_equal_and_every_sample_used_once(
     cluster: Cluster,
 ) -> None:
-    coordinator(cluster, min_workers=2)
+    cluster.trainer_coordinator("c1", interval=INTERVAL, timeout=TIMEOUT)
     steps = 150
     workers = {name: cluster.example_worker(name, steps, save=True) for name in ("a", "b", "c")}
     cluster.until(
@@ -98,7 +75,7 @@ def test_a_killed_worker_and_a_newcomer_leave_survivors_equal_and_every_sample_u
         assert cluster.finished(workers[name], 120) == 0, workers[name].output()[-3000:]
     assert cluster.finished(newcomer, 120) == 0, newcomer.output()[-3000:]
 
-    ends = [summary(workers["a"]), summary(workers["c"]), summary(newcomer)]
+    ends = [workers["a"].summary(), workers["c"].summary(), newcomer.summary()]
     assert len({end["weights_digest"] for end in ends}) == 1
     assert 0 < ends[2]["steps"] < min(ends[0]["steps"], ends[1]["steps"])
     cluster.pull()
