@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 import redis
 
+from cohort.events.connection import RedisSettings, connect
 from cohort.localredis import LocalRedis
-from events.connection import RedisSettings, connect
-from worker.collective import TTL_MS, Collective, Transport, _set_command
-from worker.tensors import pack
+from cohort.worker.collective import TTL_MS, Collective, Transport, _set_command
+from cohort.worker.tensors import pack
 
 from .results import Section, verdict
 

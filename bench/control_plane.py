@@ -14,12 +14,12 @@ import statistics
 import threading
 import time
 
+from cohort.coordinator.service import Coordinator, ServiceSettings
+from cohort.events.codec import encode
+from cohort.events.keys import Keys
+from cohort.events.models import Heartbeat, JobConfig, Join, StepDone, WeightsLoaded
+from cohort.events.streams import ZERO, Inbox, Stream
 from cohort.localredis import LocalRedis
-from coordinator.service import Coordinator, ServiceSettings
-from events.codec import encode
-from events.keys import Keys
-from events.models import Heartbeat, JobConfig, Join, StepDone, WeightsLoaded
-from events.streams import ZERO, Inbox, Stream
 
 from .results import Section, verdict
 

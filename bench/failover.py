@@ -19,8 +19,8 @@ import statistics
 import threading
 import time
 
+from cohort.events.models import LeaderElected
 from cohort.localredis import LocalRedis
-from events.models import LeaderElected
 
 from .fleet import Fleet, coordinator
 from .results import Section, verdict

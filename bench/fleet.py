@@ -13,13 +13,13 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from cohort.coordinator.replay import JournalWatch
 from cohort.demo import Proc
-from coordinator.replay import JournalWatch
-from events.codec import encode
-from events.connection import Client
-from events.keys import Keys
-from events.models import Command, Heartbeat, Join, StepDone, WeightsLoaded
-from events.streams import Journal
+from cohort.events.codec import encode
+from cohort.events.connection import Client
+from cohort.events.keys import Keys
+from cohort.events.models import Command, Heartbeat, Join, StepDone, WeightsLoaded
+from cohort.events.streams import Journal
 
 
 def spawn(url: str, name: str, *args: str) -> Proc:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from coordinator.core import Core
-from coordinator.decide import configure, elect
-from events.codec import encode
-from events.models import (
+from cohort.coordinator.core import Core
+from cohort.coordinator.decide import configure, elect
+from cohort.events.codec import encode
+from cohort.events.models import (
     Fact,
     GpuDevice,
     GpuReading,

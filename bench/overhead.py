@@ -18,8 +18,8 @@ import statistics
 import time
 from typing import Any
 
+from cohort.events.keys import Keys
 from cohort.localredis import LocalRedis
-from events.keys import Keys
 
 from .fleet import Fleet, coordinator
 from .results import Section

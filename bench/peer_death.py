@@ -31,11 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from cohort.coordinator.replay import JournalWatch
+from cohort.events.keys import Keys
+from cohort.events.models import StepCommitted
+from cohort.events.streams import Journal
 from cohort.localredis import LocalRedis
-from coordinator.replay import JournalWatch
-from events.keys import Keys
-from events.models import StepCommitted
-from events.streams import Journal
 
 from .fleet import coordinator, spawn
 from .results import Section, verdict

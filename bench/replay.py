@@ -23,14 +23,14 @@ from typing import Any
 import msgpack
 import redis
 
+from cohort.coordinator import snapshot
+from cohort.coordinator.fold import fold
+from cohort.coordinator.replay import from_redis, read_once, rebuild
+from cohort.coordinator.state import state_hash
+from cohort.events.codec import FACT_LIST, fact_bodies, gc_paused
+from cohort.events.keys import Keys
+from cohort.events.streams import Journal
 from cohort.localredis import LocalRedis
-from coordinator import snapshot
-from coordinator.fold import fold
-from coordinator.replay import from_redis, read_once, rebuild
-from coordinator.state import state_hash
-from events.codec import FACT_LIST, fact_bodies, gc_paused
-from events.keys import Keys
-from events.streams import Journal
 
 from .journal import JOB, long_run
 from .results import Section, verdict

@@ -20,8 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+from cohort.events.keys import Keys
 from cohort.localredis import LocalRedis
-from events.keys import Keys
 
 from .fleet import Fleet, coordinator
 from .results import Section, verdict

@@ -1,0 +1,111 @@
+"""cohort: elastic data-parallel training coordinated through Redis Streams.
+
+Everything a training script needs is here::
+
+    import cohort
+
+    conn = cohort.connect(cohort.RedisSettings.resolve())   # --redis-url / $COHORT_REDIS_URL
+    worker = cohort.Worker(conn, "mnist")
+    collective = cohort.Collective(conn, "mnist", worker)
+    ...
+    except cohort.WorldChangedError: ...
+
+`cohort.torch` holds the PyTorch helpers (gradient averaging, state broadcast, local
+SGD) and `cohort.Rendezvous` keeps torch.distributed with cohort as its membership
+service; both need the `torch` extra and import torch only when first used. Names load
+on first use, so `import cohort` (and the `cohort` command) stays quick.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from cohort.events.connection import RedisSettings, connect
+    from cohort.events.shards import Range, Shard
+    from cohort.worker.client import Worker
+    from cohort.worker.collective import Collective, CollectiveError, CollectiveTimeout
+    from cohort.worker.errors import (
+        ActivationTimeout,
+        CommitTimeout,
+        JoinRefusedError,
+        JoinTimeout,
+        NotAssigned,
+        Removed,
+        Stopped,
+        WaitTimeout,
+        WorkerError,
+        WorldChangedError,
+    )
+    from cohort.worker.torchdist import Rendezvous
+    from cohort.worker.view import Assignment, GpuAdvice
+
+    torch: ModuleType
+
+__all__ = [
+    "ActivationTimeout",
+    "Assignment",
+    "Collective",
+    "CollectiveError",
+    "CollectiveTimeout",
+    "CommitTimeout",
+    "GpuAdvice",
+    "JoinRefusedError",
+    "JoinTimeout",
+    "NotAssigned",
+    "Range",
+    "RedisSettings",
+    "Removed",
+    "Rendezvous",
+    "Shard",
+    "Stopped",
+    "WaitTimeout",
+    "Worker",
+    "WorkerError",
+    "WorldChangedError",
+    "connect",
+    "torch",
+]
+
+_HOMES = {
+    "RedisSettings": "cohort.events.connection",
+    "connect": "cohort.events.connection",
+    "Range": "cohort.events.shards",
+    "Shard": "cohort.events.shards",
+    "Worker": "cohort.worker.client",
+    "Collective": "cohort.worker.collective",
+    "CollectiveError": "cohort.worker.collective",
+    "CollectiveTimeout": "cohort.worker.collective",
+    "ActivationTimeout": "cohort.worker.errors",
+    "CommitTimeout": "cohort.worker.errors",
+    "JoinRefusedError": "cohort.worker.errors",
+    "JoinTimeout": "cohort.worker.errors",
+    "NotAssigned": "cohort.worker.errors",
+    "Removed": "cohort.worker.errors",
+    "Stopped": "cohort.worker.errors",
+    "WaitTimeout": "cohort.worker.errors",
+    "WorkerError": "cohort.worker.errors",
+    "WorldChangedError": "cohort.worker.errors",
+    "Assignment": "cohort.worker.view",
+    "GpuAdvice": "cohort.worker.view",
+    "Rendezvous": "cohort.worker.torchdist",
+}
+_MODULES = {"torch": "cohort.worker.torch_sync"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        value: Any = importlib.import_module(_MODULES[name])
+    elif name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+    else:
+        raise AttributeError(f"module 'cohort' has no attribute {name!r}")
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -25,8 +25,8 @@ from urllib.parse import quote, urlsplit
 import redis
 from redis.cluster import RedisCluster
 
-from events.connection import Client, is_cluster
-from events.keys import Keys
+from cohort.events.connection import Client, is_cluster
+from cohort.events.keys import Keys
 
 from .errors import CohortError
 

@@ -20,10 +20,10 @@ import click
 import redis
 from pydantic import ValidationError
 
-from events.connection import Client, RedisSettings, connect
-from events.errors import EventsError, SettingsError
-from events.keys import Keys, check_job
-from events.models import JobConfig
+from cohort.events.connection import Client, RedisSettings, connect
+from cohort.events.errors import EventsError, SettingsError
+from cohort.events.keys import Keys, check_job
+from cohort.events.models import JobConfig
 
 from . import logs
 
@@ -109,7 +109,7 @@ job_option = click.option(
     metavar="PEM",
     help="Private key of --redis-tls-cert; env COHORT_REDIS_TLS_KEY.",
 )
-@click.version_option(package_name="cohort")
+@click.version_option(package_name="cohort-elastic")
 @click.pass_context
 def main(
     ctx: click.Context,
@@ -308,9 +308,9 @@ def coordinator(
 
     The job's settings are journaled by the first leader; later coordinators keep them.
     """
-    from coordinator.errors import CoordinatorError
-    from coordinator.gpu_rules import RulesError, load_rules, parse_rules
-    from coordinator.service import Coordinator, ServiceSettings
+    from cohort.coordinator.errors import CoordinatorError
+    from cohort.coordinator.gpu_rules import RulesError, load_rules, parse_rules
+    from cohort.coordinator.service import Coordinator, ServiceSettings
 
     values = _load_config_file(config_file)
     values.update({k: v for k, v in flags.items() if v is not None})
@@ -355,7 +355,7 @@ def coordinator(
     log.info("coordinator %s for job %r on %s", name, job, _settings(ctx, name).display_url)
     metrics = None
     if metrics_port is not None:
-        from coordinator.metrics import Metrics
+        from cohort.coordinator.metrics import Metrics
 
         metrics = Metrics(job, name)
         try:
@@ -393,7 +393,7 @@ def _worker_client(
     ctx: click.Context, job: str, worker_id: str | None, gpu_interval: float, name: str
 ) -> tuple[Client, Any]:
     """A connected Worker whose first SIGINT/SIGTERM finishes the step and leaves."""
-    from worker.client import Worker
+    from cohort.worker.client import Worker
 
     conn = _connect(ctx, name)
     client = Worker(conn, job, worker_id=worker_id, gpu_interval=gpu_interval or None)
@@ -433,8 +433,8 @@ def worker(
     It uses exactly the API a real training script uses (worker.Worker). The first
     SIGINT/SIGTERM finishes the current step and leaves; a second exits at once.
     """
-    from worker.errors import WorkerError
-    from worker.simulated import run
+    from cohort.worker.errors import WorkerError
+    from cohort.worker.simulated import run
 
     _, client = _worker_client(ctx, job, worker_id, gpu_interval, "cohort-worker")
     try:
@@ -501,8 +501,8 @@ def example_worker(
     """
     import numpy as np
 
-    from worker.collective import Collective
-    from worker.errors import WorkerError
+    from cohort.worker.collective import Collective
+    from cohort.worker.errors import WorkerError
 
     from .example import run
 
@@ -536,7 +536,7 @@ def example_worker(
 @click.pass_context
 def status(ctx: click.Context, job: str, as_json: bool, watch: bool, interval: float) -> None:
     """Leader, epoch, world and every worker of JOB, from the journal and the leader's view."""
-    from coordinator.replay import from_redis, read_once, rebuild, view
+    from cohort.coordinator.replay import from_redis, read_once, rebuild, view
 
     from .render import status_table
 
@@ -565,8 +565,8 @@ def status(ctx: click.Context, job: str, as_json: bool, watch: bool, interval: f
 def _watch(conn: Client, job: str, interval: float) -> None:
     from rich.live import Live
 
-    from coordinator.replay import JournalWatch, describe, view
-    from events.streams import Journal
+    from cohort.coordinator.replay import JournalWatch, describe, view
+    from cohort.events.streams import Journal
 
     from .render import console, status_view
 
@@ -608,7 +608,7 @@ def _reads_whole_run(command: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from coordinator.replay import read_once
+        from cohort.coordinator.replay import read_once
 
         with read_once():
             return command(*args, **kwargs)
@@ -617,7 +617,7 @@ def _reads_whole_run(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _or_fail(fn: Callable[[], Any]) -> Any:
-    from coordinator.errors import CoordinatorError
+    from cohort.coordinator.errors import CoordinatorError
 
     try:
         return fn()
@@ -655,8 +655,8 @@ def replay(
     quiet: bool,
 ) -> None:
     """Rebuild a job's state at any journal entry, with its timeline and a stable hash."""
-    from coordinator.audit import audit as run_audit
-    from coordinator.replay import describe, from_file, from_redis, rebuild, view
+    from cohort.coordinator.audit import audit as run_audit
+    from cohort.coordinator.replay import describe, from_file, from_redis, rebuild, view
 
     from .render import audit_table, state_summary
 
@@ -715,7 +715,7 @@ def _is_stream_id(value: str) -> bool:
 @_reads_whole_run
 def export_cmd(ctx: click.Context, job: str, output: Path) -> None:
     """Write JOB's journal, retained inbox and dead letters to a file."""
-    from coordinator.replay import export, from_redis
+    from cohort.coordinator.replay import export, from_redis
 
     conn = _connect(ctx, "cohort-export")
     run = from_redis(conn, job)
@@ -761,8 +761,8 @@ def report_cmd(
 ) -> None:
     """Write one HTML page with plots of a run: membership, step times, loss, GPU memory and
     temperature, with failures, leader changes and advice marked on a shared time axis."""
-    from coordinator.replay import from_file, from_redis
-    from coordinator.report import render, series
+    from cohort.coordinator.replay import from_file, from_redis
+    from cohort.coordinator.report import render, series
 
     if (job is None) == (path is None):
         fail("give exactly one of --job J (from Redis) or --file F (from `cohort export`)")

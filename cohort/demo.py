@@ -26,14 +26,14 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from coordinator.audit import audit
-from coordinator.replay import JournalWatch, describe, export, from_redis
-from coordinator.shards import leftover
-from events.connection import RedisSettings, connect
-from events.keys import Keys
-from events.models import LeaderElected, StepCommitted, WorkerFailed
-from events.shards import range_count
-from events.streams import Journal
+from cohort.coordinator.audit import audit
+from cohort.coordinator.replay import JournalWatch, describe, export, from_redis
+from cohort.coordinator.shards import leftover
+from cohort.events.connection import RedisSettings, connect
+from cohort.events.keys import Keys
+from cohort.events.models import LeaderElected, StepCommitted, WorkerFailed
+from cohort.events.shards import range_count
+from cohort.events.streams import Journal
 
 from .localredis import LocalRedis
 

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from worker.client import Worker
-from worker.collective import Collective
-from worker.errors import Removed, WaitTimeout, WorldChangedError
-from worker.view import Assignment
+from cohort.worker.client import Worker
+from cohort.worker.collective import Collective
+from cohort.worker.errors import Removed, WaitTimeout, WorldChangedError
+from cohort.worker.view import Assignment
 
 from . import mlp
 
@@ -161,7 +161,7 @@ def reference(facts: Any, lr: float = 0.2, seed: int = 0) -> mlp.Params:
     For each StepCommitted, in order, the global batch is the union of the ranks' batches
     (recomputed from the facts alone); its summed gradient over its size is applied.
     """
-    from coordinator.audit import committed_batches
+    from cohort.coordinator.audit import committed_batches
 
     params = mlp.init(seed)
     data: mlp.Dataset | None = None

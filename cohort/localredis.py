@@ -24,7 +24,7 @@ from typing import IO, Any
 
 import redis
 
-from events.connection import Client, RedisSettings, connect
+from cohort.events.connection import Client, RedisSettings, connect
 
 from .errors import CohortError
 

@@ -12,8 +12,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from events.models import EpochFinished, Fact, StepCommitted, WorldChanged
-from events.shards import Range
+from cohort.events.models import EpochFinished, Fact, StepCommitted, WorldChanged
+from cohort.events.shards import Range
 
 from .fold import evolve
 from .shards import batch, merge

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from events.models import Command, Fact, WorkerFailed, WorkerLeft
+from cohort.events.models import Command, Fact, WorkerFailed, WorkerLeft
 
 from .decide import decide, tick
 from .fold import fold

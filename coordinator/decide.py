@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from events.models import (
+from cohort.events.models import (
     Command,
     EpochDone,
     EpochFinished,
@@ -59,7 +59,7 @@ from events.models import (
     WorkerSynced,
     WorldChanged,
 )
-from events.shards import Shard
+from cohort.events.shards import Shard
 
 from . import gpu_rules, shards, stragglers
 from .fold import evolve

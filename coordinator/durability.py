@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import redis
 
-from events.connection import Client, primaries
+from cohort.events.connection import Client, primaries
 
 from .errors import CoordinatorError
 

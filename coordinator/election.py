@@ -18,9 +18,9 @@ from typing import Any
 
 import redis
 
-from events.connection import Client, primaries, server_for
-from events.keys import Keys
-from events.streams import ZERO
+from cohort.events.connection import Client, primaries, server_for
+from cohort.events.keys import Keys
+from cohort.events.streams import ZERO
 
 from .errors import Conflict, CoordinatorError, Fenced
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from events.models import (
+from cohort.events.models import (
     EpochFinished,
     EpochStarted,
     Fact,
@@ -28,7 +28,7 @@ from events.models import (
     WorkerSynced,
     WorldChanged,
 )
-from events.shards import Shard
+from cohort.events.shards import Shard
 
 from .state import Counters, JobState, Member
 

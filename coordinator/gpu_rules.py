@@ -42,7 +42,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from events.models import (
+from cohort.events.models import (
     GpuAction,
     GpuAdviceCleared,
     GpuAdviceIssued,

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 from statistics import median
 
-from events.models import Command, GpuReading, Heartbeat, Join, StepDone
+from cohort.events.models import Command, GpuReading, Heartbeat, Join, StepDone
 
 KEEP_STEPS = 256  # step reports and times older than this many steps are dropped
 

@@ -17,12 +17,12 @@ from typing import IO, Any
 
 import msgpack
 
-from events.codec import gc_paused
-from events.connection import Client
-from events.errors import DecodeError
-from events.keys import Keys
-from events.models import Fact, WorldChanged
-from events.streams import ZERO, Entry, Journal, Stream, id_after
+from cohort.events.codec import gc_paused
+from cohort.events.connection import Client
+from cohort.events.errors import DecodeError
+from cohort.events.keys import Keys
+from cohort.events.models import Fact, WorldChanged
+from cohort.events.streams import ZERO, Entry, Journal, Stream, id_after
 
 from .errors import CoordinatorError
 from .fold import fold

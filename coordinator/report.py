@@ -15,11 +15,12 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import events.models
-from events.codec import decode_command
-from events.errors import DecodeError
-from events.models import (
+from cohort.events.codec import decode_command
+from cohort.events.errors import DecodeError
+from cohort.events.models import (
     Fact,
+    GpuAdviceCleared,
+    GpuAdviceIssued,
     GpuReading,
     LeaderElected,
     StepDone,
@@ -34,10 +35,6 @@ from events.models import (
 )
 
 from .replay import Run, describe
-
-# Being added to events.models concurrently; the report works with or without them.
-_ADVICE_ISSUED: type | None = getattr(events.models, "GpuAdviceIssued", None)
-_ADVICE_CLEARED: type | None = getattr(events.models, "GpuAdviceCleared", None)
 
 TIMELINE_ROWS = 500
 MAX_POINTS = 2000  # per series; more only makes the page heavier, not the plot clearer
@@ -238,30 +235,32 @@ def _marker(entry_id: str, fact: Fact) -> Marker | None:
         label = f"{fact.worker} straggles ({fact.step_time:.3g}s vs median {fact.median:.3g}s)"
     elif isinstance(fact, WeightsDiverged):
         kind, label = "diverged", f"weights diverged at step {fact.step}"
-    elif _ADVICE_ISSUED is not None and isinstance(fact, _ADVICE_ISSUED):
+    elif isinstance(fact, GpuAdviceIssued):
         kind, label = "advice", f"advice {_advice(fact)}"
-    elif _ADVICE_CLEARED is not None and isinstance(fact, _ADVICE_CLEARED):
+    elif isinstance(fact, GpuAdviceCleared):
         kind, label = "advice-cleared", f"advice cleared {_advice(fact)}"
     if kind is None:
         return None
     return Marker(fact.at, kind, label, entry_id)
 
 
-def _advice(fact: Fact) -> str:
-    """worker/device, rule, action and evidence, read by name: the models may lack them."""
-    device = getattr(fact, "device", None)
-    where = f"{getattr(fact, 'worker', '?')}" + ("" if device is None else f" gpu{device}")
-    parts = [where + ":", str(getattr(fact, "rule", ""))]
-    action = getattr(fact, "action", None)
-    if action:
-        factor, seconds = getattr(fact, "factor", None), getattr(fact, "seconds", None)
-        extra = f" x{factor:g}" if factor else f" {seconds:g}s" if seconds else ""
-        parts.append(f"{action}{extra}")
-    metric, value = getattr(fact, "metric", None), getattr(fact, "value", None)
-    if metric:
-        threshold = getattr(fact, "threshold", None)
-        evidence = f"{metric}={value:g}" if value is not None else f"{metric} unmeasured"
-        parts.append(f"({evidence}" + ("" if threshold is None else f", over {threshold:g}") + ")")
+def _advice(fact: GpuAdviceIssued | GpuAdviceCleared) -> str:
+    """worker/device, rule, action and evidence."""
+    where = fact.worker + ("" if fact.device is None else f" gpu{fact.device}")
+    parts = [where + ":", fact.rule]
+    if isinstance(fact, GpuAdviceIssued):
+        extra = (
+            f" x{fact.factor:g}" if fact.factor else f" {fact.seconds:g}s" if fact.seconds else ""
+        )
+        parts.append(f"{fact.action}{extra}")
+        parts.append(f"({fact.metric}={fact.value:g}, over {fact.threshold:g})")
+    elif fact.metric:
+        evidence = (
+            f"{fact.metric}={fact.value:g}"
+            if fact.value is not None
+            else f"{fact.metric} unmeasured"
+        )
+        parts.append(f"({evidence})")
     return " ".join(parts)
 
 

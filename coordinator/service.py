@@ -25,13 +25,13 @@ from typing import Any
 
 import msgpack
 
-from events.clock import Clock, SystemClock
-from events.codec import decode_command, encode
-from events.connection import UNAVAILABLE, Client
-from events.errors import DecodeError
-from events.keys import Keys
-from events.models import Fact, JobConfig, StepDone
-from events.streams import ZERO, Entry, Inbox, Journal
+from cohort.events.clock import Clock, SystemClock
+from cohort.events.codec import decode_command, encode
+from cohort.events.connection import UNAVAILABLE, Client
+from cohort.events.errors import DecodeError
+from cohort.events.keys import Keys
+from cohort.events.models import Fact, JobConfig, StepDone
+from cohort.events.streams import ZERO, Entry, Inbox, Journal
 
 from . import durability, snapshot
 from .core import Core

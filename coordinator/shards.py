@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from events.shards import Range, Shard, range_count
+from cohort.events.shards import Range, Shard, range_count
 
 
 def merge(ranges: Iterable[Range]) -> tuple[Range, ...]:

@@ -16,8 +16,8 @@ from typing import Any, Literal
 import msgpack
 from pydantic import TypeAdapter
 
-from events.models import JobConfig
-from events.shards import Shard
+from cohort.events.models import JobConfig
+from cohort.events.shards import Shard
 
 from .gpu_rules import DEFAULT_RULES, Rules, parse_rules
 

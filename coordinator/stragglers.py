@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from events.models import JobConfig
+from cohort.events.models import JobConfig
 
 from .liveness import Liveness
 from .state import JobState

@@ -33,14 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, not installed
-
-from events.connection import RedisSettings, connect  # noqa: E402
-from events.shards import Range  # noqa: E402
-from worker import torch as cohort_torch  # noqa: E402
-from worker.client import Worker  # noqa: E402
-from worker.collective import Collective  # noqa: E402
-from worker.errors import Removed, WaitTimeout, WorldChangedError  # noqa: E402
+import cohort
 
 log = logging.getLogger("cohort.torch_train")
 POLL = 0.5
@@ -84,9 +77,9 @@ def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    collective: Collective,
+    collective: cohort.Collective,
     data: Data,
-    ranges: tuple[Range, ...],
+    ranges: tuple[cohort.Range, ...],
     step: int,
     world: int | None = None,
 ) -> float:
@@ -96,14 +89,14 @@ def train_step(
     loss = loss_of(model, x, y)
     loss.backward()
     # the mean gradient, as DDP; refused if the worker moved to a world it has not synced
-    cohort_torch.sync_gradients(model, collective, step, world=world)
+    cohort.torch.sync_gradients(model, collective, step, world=world)
     optimizer.step()
     return float(loss)
 
 
 def run(
-    worker: Worker,
-    collective: Collective,
+    worker: cohort.Worker,
+    collective: cohort.Collective,
     steps: int,
     lr: float = 0.05,
     seed: int = 0,
@@ -124,18 +117,18 @@ def run(
         while worker.view.last_committed < steps - 1 and not stop.is_set():
             try:
                 assignment = worker.wait_active(POLL)
-            except WaitTimeout:
+            except cohort.WaitTimeout:
                 continue
             if assignment.world_version != world:  # a new world: everyone takes rank 0's state
                 try:
-                    cohort_torch.broadcast_state(
+                    cohort.torch.broadcast_state(
                         model,
                         optimizer,
                         collective,
                         assignment.start_step,
                         world=assignment.world_version,
                     )
-                except WorldChangedError:
+                except cohort.WorldChangedError:
                     continue
                 summary["world_changes"] += world != 0
                 world, step = assignment.world_version, assignment.start_step
@@ -146,7 +139,7 @@ def run(
                 loss = train_step(
                     model, optimizer, collective, data, worker.batch(step), step, world
                 )
-            except WorldChangedError:
+            except cohort.WorldChangedError:
                 rollback(model, optimizer, before)
                 continue
             worker.step_done(step, step_time=time.monotonic() - started, loss=loss)
@@ -158,7 +151,7 @@ def run(
             if step % 20 == 0:
                 log.info("%s step %d loss %.4f", worker.id, step, loss)
             step += 1
-    except Removed as exc:
+    except cohort.Removed as exc:
         summary["removed"] = exc.reason
         worker.stop()
         return summary, model
@@ -191,10 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    conn = connect(RedisSettings.resolve(args.redis_url))
-    worker = Worker(conn, args.job, worker_id=args.id)
+    conn = cohort.connect(cohort.RedisSettings.resolve(args.redis_url))
+    worker = cohort.Worker(conn, args.job, worker_id=args.id)
     worker.install_signal_handlers()
-    summary, model = run(worker, Collective(conn, args.job, worker), args.steps, args.lr, args.seed)
+    summary, model = run(
+        worker, cohort.Collective(conn, args.job, worker), args.steps, args.lr, args.seed
+    )
     if args.save:
         np.savez(args.save, **params_of(model))
     print(json.dumps(summary), flush=True)

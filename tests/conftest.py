@@ -11,8 +11,8 @@ import fakeredis
 import pytest
 import redis
 
+from cohort.events.connection import RedisSettings, connect
 from cohort.localredis import LocalRedis
-from events.connection import RedisSettings, connect
 from tests.helpers import require_redis_server
 
 

@@ -24,11 +24,11 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TypeVar
 
-from events.clock import Clock, SystemClock
-from events.connection import Client
-from events.errors import DecodeError
-from events.keys import Keys
-from events.models import (
+from cohort.events.clock import Clock, SystemClock
+from cohort.events.connection import Client
+from cohort.events.errors import DecodeError
+from cohort.events.keys import Keys
+from cohort.events.models import (
     Command,
     GpuDevice,
     GpuReading,
@@ -38,15 +38,15 @@ from events.models import (
     StepDone,
     WeightsLoaded,
 )
-from events.shards import Range
-from events.streams import ZERO, Entry, Inbox, Journal
+from cohort.events.shards import Range
+from cohort.events.streams import ZERO, Entry, Inbox, Journal
 
 from . import gpu
 from . import view as views
 from .errors import (
     ActivationTimeout,
     CommitTimeout,
-    JoinRefused,
+    JoinRefusedError,
     JoinTimeout,
     NotAssigned,
     Removed,
@@ -158,7 +158,7 @@ class Worker:
 
     # ------------------------------------------------------------ joining
     def join(self, timeout: float = 30.0) -> None:
-        """Become a member of the job; raises JoinRefused or JoinTimeout."""
+        """Become a member of the job; raises JoinRefusedError or JoinTimeout."""
         deadline = time.monotonic() + timeout
         try:
             if not self._threads:
@@ -199,7 +199,7 @@ class Worker:
             raise
         if view.refusals > refusals:
             self.stop()
-            raise JoinRefused(self.id, view.refused or "no reason given")
+            raise JoinRefusedError(self.id, view.refused or "no reason given")
         self.log.info("worker %s joined job %r", self.id, self.job)
 
     def _start(self, deadline: float) -> None:

@@ -60,12 +60,12 @@ import numpy as np
 import redis
 from redis.cluster import RedisCluster
 
-from events.codec import decode_fact
-from events.connection import UNAVAILABLE, Client, is_cluster
-from events.errors import DecodeError
-from events.keys import Keys
-from events.models import WorldChanged
-from events.streams import ZERO
+from cohort.events.codec import decode_fact
+from cohort.events.connection import UNAVAILABLE, Client, is_cluster
+from cohort.events.errors import DecodeError
+from cohort.events.keys import Keys
+from cohort.events.models import WorldChanged
+from cohort.events.streams import ZERO
 
 from . import placement
 from . import tensors as blobs

@@ -28,7 +28,7 @@ class ActivationTimeout(WaitTimeout):
     pass
 
 
-class JoinRefused(WorkerError):
+class JoinRefusedError(WorkerError):
     """The coordinator refused the join; `reason` is its explanation."""
 
     def __init__(self, worker: str, reason: str) -> None:

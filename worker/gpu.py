@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from events.clock import Clock, SystemClock
-from events.models import MAX_GPU_PROCESSES, GpuDevice, GpuProcess
+from cohort.events.clock import Clock, SystemClock
+from cohort.events.models import MAX_GPU_PROCESSES, GpuDevice, GpuProcess
 
 LOG = logging.getLogger("cohort.worker.gpu")
 

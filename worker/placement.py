@@ -20,8 +20,8 @@ import re
 
 from redis.cluster import RedisCluster
 
-from events.connection import Client
-from events.keys import Keys
+from cohort.events.connection import Client
+from cohort.events.keys import Keys
 
 _TAG = re.compile(r"g[0-9]{1,7}")
 SEARCH_LIMIT = 1_000_000

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from events.connection import UNAVAILABLE, Client, where
+from cohort.events.connection import UNAVAILABLE, Client, where
 
 from .errors import Stopped
 

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from events.shards import Range, range_count
+from cohort.events.shards import Range, range_count
 
 from .client import Worker
 from .errors import Removed, Stopped, WaitTimeout

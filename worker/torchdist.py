@@ -44,8 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from events.connection import Client
-from events.keys import Keys
+from cohort.events.connection import Client
+from cohort.events.keys import Keys
 
 from .client import Worker
 from .errors import Removed, Stopped, WaitTimeout, WorkerError, WorldChangedError

@@ -11,8 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from events import models as m
-from events.shards import Range, Shard
+from cohort.events import models as m
+from cohort.events.shards import Range, Shard
 
 from .errors import NotAssigned
 

@@ -8,7 +8,7 @@ import fakeredis
 import pytest
 import redis
 
-from events.connection import RedisSettings, connect
+from cohort.events.connection import RedisSettings, connect
 
 
 @pytest.fixture

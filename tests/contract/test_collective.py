@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 import redis
 
-from events.codec import FIELD, encode
-from events.keys import Keys
-from events.models import WorldChanged
-from events.shards import Shard
+from cohort.events.codec import FIELD, encode
+from cohort.events.keys import Keys
+from cohort.events.models import WorldChanged
+from cohort.events.shards import Shard
+from cohort.worker import collective as collective_module
+from cohort.worker.collective import Collective, CollectiveError, CollectiveTimeout, Member
+from cohort.worker.errors import WorldChangedError
+from cohort.worker.tensors import pieces
+from cohort.worker.tensors import unpack as unpack_blob
+from cohort.worker.view import Assignment
 from tests.helpers import wait_until
-from worker import collective as collective_module
-from worker.collective import Collective, CollectiveError, CollectiveTimeout, Member
-from worker.errors import WorldChangedError
-from worker.tensors import pieces
-from worker.tensors import unpack as unpack_blob
-from worker.view import Assignment
 
 JOB = "coll"
 KEYS = Keys(JOB)
@@ -92,7 +92,7 @@ def _tensors(rank: int, dtype: str) -> dict[str, np.ndarray]:
 
 
 def test_the_real_worker_satisfies_the_member_protocol() -> None:
-    from worker.client import Worker
+    from cohort.worker.client import Worker
 
     worker: Member = Worker(fakeredis.FakeRedis(), JOB, worker_id="w0")
     assert worker.id == "w0"

@@ -9,7 +9,7 @@ import fakeredis
 import pytest
 import redis
 
-from coordinator.election import (
+from cohort.coordinator.election import (
     DeadLetter,
     FencedJournal,
     Lease,
@@ -17,9 +17,9 @@ from coordinator.election import (
     library_version,
     load_library,
 )
-from coordinator.errors import Conflict, CoordinatorError, Fenced
-from events.keys import Keys
-from events.streams import ZERO, Stream
+from cohort.coordinator.errors import Conflict, CoordinatorError, Fenced
+from cohort.events.keys import Keys
+from cohort.events.streams import ZERO, Stream
 
 KEYS = Keys("fencing")
 LEASE_MS = 30_000

@@ -8,11 +8,11 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.service import Coordinator, ServiceSettings
-from events.codec import FIELD, decode_command, encode
-from events.errors import DecodeError
-from events.keys import Keys
-from events.models import Heartbeat, JobConfig, Join, Leave, StepDone, WeightsLoaded
+from cohort.coordinator.service import Coordinator, ServiceSettings
+from cohort.events.codec import FIELD, decode_command, encode
+from cohort.events.errors import DecodeError
+from cohort.events.keys import Keys
+from cohort.events.models import Heartbeat, JobConfig, Join, Leave, StepDone, WeightsLoaded
 
 JOB = "fuzz"
 VALID = [

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.fold import fold
-from coordinator.service import Coordinator
-from events.keys import Keys
-from events.models import Heartbeat, LeaderElected, WorkerJoined
-from events.streams import Inbox, Journal
+from cohort.coordinator.fold import fold
+from cohort.coordinator.service import Coordinator
+from cohort.events.keys import Keys
+from cohort.events.models import Heartbeat, LeaderElected, WorkerJoined
+from cohort.events.streams import Inbox, Journal
 
 from .test_service import JOB, drive, join, settings
 

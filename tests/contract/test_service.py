@@ -5,12 +5,12 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from coordinator.fold import fold
-from coordinator.service import Coordinator, ServiceSettings
-from coordinator.state import state_hash
-from events.codec import FIELD, encode
-from events.keys import Keys
-from events.models import (
+from cohort.coordinator.fold import fold
+from cohort.coordinator.service import Coordinator, ServiceSettings
+from cohort.coordinator.state import state_hash
+from cohort.events.codec import FIELD, encode
+from cohort.events.keys import Keys
+from cohort.events.models import (
     Heartbeat,
     JobConfig,
     Join,
@@ -19,7 +19,7 @@ from events.models import (
     WeightsLoaded,
     WorkerJoined,
 )
-from events.streams import Inbox, Journal
+from cohort.events.streams import Inbox, Journal
 
 JOB = "svc"
 

@@ -7,10 +7,10 @@ import time
 
 import redis
 
-from events.codec import decode_command, encode
-from events.keys import Keys
-from events.models import Join, WorkerJoined
-from events.streams import ZERO, Entry, Inbox, Journal
+from cohort.events.codec import decode_command, encode
+from cohort.events.keys import Keys
+from cohort.events.models import Join, WorkerJoined
+from cohort.events.streams import ZERO, Entry, Inbox, Journal
 from tests.helpers import wait_until
 
 JOB = "contract"

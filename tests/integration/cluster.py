@@ -14,12 +14,12 @@ from typing import Any
 
 import redis
 
-from coordinator.fold import evolve
-from coordinator.state import JobState
-from events.codec import decode_fact
-from events.keys import Keys
-from events.models import Fact
-from events.streams import ZERO, Journal
+from cohort.coordinator.fold import evolve
+from cohort.coordinator.state import JobState
+from cohort.events.codec import decode_fact
+from cohort.events.keys import Keys
+from cohort.events.models import Fact
+from cohort.events.streams import ZERO, Journal
 
 from ..helpers import wait_until
 

@@ -21,18 +21,18 @@ import redis
 from redis.exceptions import NoPermissionError
 
 from cohort import acl
+from cohort.coordinator.election import load_library
+from cohort.coordinator.service import Coordinator, ServiceSettings
+from cohort.events.codec import encode
+from cohort.events.connection import RedisSettings, connect
+from cohort.events.keys import Keys
+from cohort.events.models import JobConfig, Join, WorkerJoined
+from cohort.events.streams import Inbox, Journal
 from cohort.example import run as train
 from cohort.localredis import LocalRedis
-from coordinator.election import load_library
-from coordinator.service import Coordinator, ServiceSettings
-from events.codec import encode
-from events.connection import RedisSettings, connect
-from events.keys import Keys
-from events.models import JobConfig, Join, WorkerJoined
-from events.streams import Inbox, Journal
+from cohort.worker.client import Worker
+from cohort.worker.collective import Collective
 from tests.helpers import require_redis_server
-from worker.client import Worker
-from worker.collective import Collective
 
 pytestmark = pytest.mark.redis_server
 

@@ -12,14 +12,14 @@ from collections import Counter
 import msgpack
 import pytest
 
+from cohort.coordinator.audit import audit
+from cohort.coordinator.fold import fold
+from cohort.coordinator.state import state_hash
+from cohort.events.codec import decode_command
+from cohort.events.errors import DecodeError
+from cohort.events.keys import Keys
+from cohort.events.models import Join, LeaderElected, WorkerJoined, WorldChanged
 from cohort.localredis import LocalRedis
-from coordinator.audit import audit
-from coordinator.fold import fold
-from coordinator.state import state_hash
-from events.codec import decode_command
-from events.errors import DecodeError
-from events.keys import Keys
-from events.models import Join, LeaderElected, WorkerJoined, WorldChanged
 
 from ..helpers import wait_until
 from .cluster import Cluster, Process

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from events.keys import Keys
-from events.models import Join, StepDone, WeightsLoaded
-from events.streams import Inbox
+from cohort.events.keys import Keys
+from cohort.events.models import Join, StepDone, WeightsLoaded
+from cohort.events.streams import Inbox
 
 from ..helpers import wait_until
 from .cluster import Cluster

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 from redis.cluster import RedisCluster
 
+from cohort.coordinator.audit import audit
+from cohort.coordinator.election import FencedJournal, Lease, load_library
+from cohort.coordinator.errors import Conflict, Fenced
+from cohort.events.connection import RedisSettings, connect, primaries
+from cohort.events.keys import Keys
+from cohort.events.models import StepCommitted, WorkerFailed
 from cohort.localredis import LocalCluster
-from coordinator.audit import audit
-from coordinator.election import FencedJournal, Lease, load_library
-from coordinator.errors import Conflict, Fenced
-from events.connection import RedisSettings, connect, primaries
-from events.keys import Keys
-from events.models import StepCommitted, WorkerFailed
-from worker import placement
-from worker.collective import Collective
+from cohort.worker import placement
+from cohort.worker.collective import Collective
 
 from .cluster import Cluster
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from cohort.coordinator.election import FencedJournal, Lease, load_library
+from cohort.events.codec import encode
+from cohort.events.keys import Keys
+from cohort.events.models import WorkerJoined
 from cohort.localredis import LocalRedis
-from coordinator.election import FencedJournal, Lease, load_library
-from events.codec import encode
-from events.keys import Keys
-from events.models import WorkerJoined
 from tests.helpers import require_redis_server
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]

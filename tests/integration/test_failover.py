@@ -13,9 +13,9 @@ from collections import Counter
 import msgpack
 import pytest
 
-from events.keys import Keys
-from events.models import Heartbeat, Join, JoinRefused, LeaderElected, WorkerJoined
-from events.streams import Inbox
+from cohort.events.keys import Keys
+from cohort.events.models import Heartbeat, Join, JoinRefused, LeaderElected, WorkerJoined
+from cohort.events.streams import Inbox
 
 from ..helpers import wait_until
 from .cluster import Cluster, ms

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from events.models import GpuAdviceCleared, GpuAdviceIssued, GpuDevice
-from worker.client import Worker
-from worker.view import GpuAdvice
+from cohort.events.models import GpuAdviceCleared, GpuAdviceIssued, GpuDevice
+from cohort.worker.client import Worker
+from cohort.worker.view import GpuAdvice
 
 from ..helpers import wait_until
 from .cluster import Cluster

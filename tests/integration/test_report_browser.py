@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.replay import Run, export
+from cohort.coordinator.replay import Run, export
 from tests.unit.test_report import PLOTS, T0, a_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import redis
 
+from cohort.coordinator.audit import audit
+from cohort.coordinator.state import JobState
+from cohort.events.connection import RedisSettings, connect
+from cohort.events.models import LeaderElected, StepCommitted
 from cohort.localredis import HOST, LocalRedis, LocalSentinel
-from coordinator.audit import audit
-from coordinator.state import JobState
-from events.connection import RedisSettings, connect
-from events.models import LeaderElected, StepCommitted
 from tests.helpers import require_redis_server, wait_until
 
 from .cluster import Cluster

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import redis
 
+from cohort.coordinator.service import Coordinator, ServiceSettings
+from cohort.events.connection import RedisSettings, connect
+from cohort.events.errors import SettingsError
+from cohort.events.keys import Keys
+from cohort.events.models import JobConfig, Join, WeightsLoaded
+from cohort.events.streams import Inbox
 from cohort.localredis import LocalRedis, LocalRedisError, TlsFiles
-from coordinator.service import Coordinator, ServiceSettings
-from events.connection import RedisSettings, connect
-from events.errors import SettingsError
-from events.keys import Keys
-from events.models import JobConfig, Join, WeightsLoaded
-from events.streams import Inbox
 from tests.helpers import require_redis_server, wait_until
 
 JOB = "tls"

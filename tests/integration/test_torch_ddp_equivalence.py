@@ -27,7 +27,7 @@ if os.environ.get("CI") == "true":
 else:
     torch = pytest.importorskip("torch")
 
-from coordinator.audit import committed_batches  # noqa: E402
+from cohort.coordinator.audit import committed_batches  # noqa: E402
 
 from .cluster import Cluster  # noqa: E402
 

@@ -85,10 +85,10 @@ def plain_rank(rank: int, port: int, victim: int) -> None:
 
 def cohort_rank(url: str, job: str, name: str, victim: bool, steps_alone: int) -> None:
     """A cohort worker: a gloo group per world from Rendezvous, all_reduce through its guard."""
-    from events.connection import RedisSettings, connect
-    from worker.client import Worker
-    from worker.errors import WorldChangedError
-    from worker.torchdist import Rendezvous
+    from cohort.events.connection import RedisSettings, connect
+    from cohort.worker.client import Worker
+    from cohort.worker.errors import WorldChangedError
+    from cohort.worker.torchdist import Rendezvous
 
     conn = connect(RedisSettings(url=url))
     worker = Worker(conn, job, worker_id=name)

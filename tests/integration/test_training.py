@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from cohort import example, mlp
-from coordinator.audit import audit
-from events.models import StepCommitted, WorkerFailed, WorldChanged
+from cohort.coordinator.audit import audit
+from cohort.events.models import StepCommitted, WorkerFailed, WorldChanged
 
 from .cluster import Cluster, ms
 

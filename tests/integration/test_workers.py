@@ -7,11 +7,11 @@ import signal
 
 import pytest
 
+from cohort.coordinator.audit import audit
+from cohort.coordinator.fold import fold
+from cohort.coordinator.shards import leftover, merge
+from cohort.events.models import StepCommitted, WorkerFailed, WorldChanged
 from cohort.localredis import LocalRedis
-from coordinator.audit import audit
-from coordinator.fold import fold
-from coordinator.shards import leftover, merge
-from events.models import StepCommitted, WorkerFailed, WorldChanged
 
 from .cluster import Cluster, ms
 

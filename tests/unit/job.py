@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.core import Core
-from coordinator.decide import configure, elect
-from coordinator.fold import fold
-from events.models import (
+from cohort.coordinator.core import Core
+from cohort.coordinator.decide import configure, elect
+from cohort.coordinator.fold import fold
+from cohort.events.models import (
     Fact,
     Heartbeat,
     JobConfig,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.codec import (
+from cohort.events.codec import (
     MAX_FACT_BYTES,
     MAX_MAP_LEN,
     decode_command,
@@ -17,8 +17,8 @@ from events.codec import (
     decode_facts,
     encode,
 )
-from events.errors import DecodeError
-from events.models import (
+from cohort.events.errors import DecodeError
+from cohort.events.models import (
     Heartbeat,
     JobConfig,
     JobConfigured,
@@ -28,8 +28,8 @@ from events.models import (
     StepDone,
     WorldChanged,
 )
-from events.shards import Shard
-from events.upcasters import UPCASTERS
+from cohort.events.shards import Shard
+from cohort.events.upcasters import UPCASTERS
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "events"
 

@@ -7,8 +7,8 @@ import pytest
 import redis
 from redis.sentinel import SentinelConnectionPool
 
-from events.connection import RedisSettings, connect, mask_password, parse_url
-from events.errors import SettingsError
+from cohort.events.connection import RedisSettings, connect, mask_password, parse_url
+from cohort.events.errors import SettingsError
 
 
 def test_a_cluster_url_lists_its_startup_nodes_with_credentials() -> None:

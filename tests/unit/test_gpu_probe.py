@@ -11,9 +11,9 @@ from typing import Any
 import pynvml
 import pytest
 
-from events.clock import ManualClock
-from events.models import GpuDevice
-from worker.gpu import GpuProbe, GpuSampler, NoGpuProbe, NvmlProbe, probe
+from cohort.events.clock import ManualClock
+from cohort.events.models import GpuDevice
+from cohort.worker.gpu import GpuProbe, GpuSampler, NoGpuProbe, NvmlProbe, probe
 
 GiB = 2**30
 

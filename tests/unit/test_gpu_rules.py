@@ -9,7 +9,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.gpu_rules import (
+from cohort.coordinator.gpu_rules import (
     DEFAULT_RULES,
     Action,
     ActiveKey,
@@ -24,7 +24,7 @@ from coordinator.gpu_rules import (
     metric_value,
     next_active,
 )
-from events.models import FACTS, GpuDevice, GpuReading
+from cohort.events.models import FACTS, GpuDevice, GpuReading
 
 GiB = 2**30
 

@@ -6,10 +6,10 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from coordinator.audit import audit
-from coordinator.fold import evolve, fold
-from coordinator.state import JobState, dump, load
-from events.models import LeaderElected, WorldChanged
+from cohort.coordinator.audit import audit
+from cohort.coordinator.fold import evolve, fold
+from cohort.coordinator.state import JobState, dump, load
+from cohort.events.models import LeaderElected, WorldChanged
 
 from .job import Job
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from coordinator.audit import audit
-from coordinator.state import dump, load, state_hash
-from events.models import (
+from cohort.coordinator.audit import audit
+from cohort.coordinator.state import dump, load, state_hash
+from cohort.events.models import (
     GpuAdviceIssued,
     GpuDevice,
     GpuReading,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,80 @@ def test_docker_compose_config_accepts_the_file() -> None:
         ["docker", "compose", "config", "--quiet"], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------- one namespace
+
+PRODUCT_FOLDERS = {
+    "events": "cohort.events",
+    "coordinator": "cohort.coordinator",
+    "worker": "cohort.worker",
+}
+
+
+def _pyproject() -> dict:  # type: ignore[type-arg]
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_the_product_folders_install_under_the_cohort_namespace_only() -> None:
+    setup = _pyproject()["tool"]["setuptools"]
+    mapping = setup["package-dir"]
+    assert mapping == {"cohort": "cohort", **{v: k for k, v in PRODUCT_FOLDERS.items()}}
+    installed = set()
+    for folder, package in {"cohort": "cohort", **PRODUCT_FOLDERS}.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            inner = init.parent.relative_to(ROOT / folder).parts
+            installed.add(".".join((package, *inner)))
+    assert set(setup["packages"]) == installed, "pyproject.toml lists every package folder"
+
+
+def test_no_module_imports_the_product_folders_as_top_level_packages() -> None:
+    import ast
+
+    offenders = []
+    for path in ROOT.rglob("*.py"):
+        if any(part.startswith(".") or part in ("build", "dist") for part in path.parts):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                if name.split(".")[0] in PRODUCT_FOLDERS:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+    assert offenders == []
+
+
+def test_the_distribution_name_is_not_the_unrelated_pypi_cohort() -> None:
+    project = _pyproject()["project"]
+    assert project["name"] == "cohort-elastic"
+    assert project["scripts"] == {"cohort": "cohort.cli:main"}
+
+
+def test_outside_the_repository_only_cohort_imports_and_it_exposes_the_api(tmp_path: Path) -> None:
+    """Run where the repository is not on sys.path: the installed package is all there is."""
+    probe = (
+        "import importlib, sys\n"
+        "for name in ('events', 'worker', 'coordinator'):\n"
+        "    try:\n"
+        "        found = importlib.import_module(name).__file__ or ''\n"
+        "    except ImportError:\n"
+        "        continue\n"
+        "    if found.startswith(sys.argv[1]):  # another project's `events` is not ours\n"
+        "        sys.exit(f'{name} imported from {found}')\n"
+        "import cohort\n"
+        "lazy = ('torch', 'Rendezvous')  # need the torch extra\n"
+        "missing = [n for n in cohort.__all__ if n not in lazy and not hasattr(cohort, n)]\n"
+        "assert not missing, missing\n"
+        "print(' '.join(sorted(cohort.__all__)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", probe, str(ROOT)], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    exported = set(result.stdout.split())
+    assert {"Worker", "Collective", "RedisSettings", "connect", "WorldChangedError"} <= exported

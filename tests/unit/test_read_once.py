@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from coordinator.replay import read_once
-from events.codec import gc_paused
+from cohort.coordinator.replay import read_once
+from cohort.events.codec import gc_paused
 
 
 @pytest.fixture(autouse=True)

@@ -14,13 +14,14 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import events.models
 from cohort.cli import main
-from coordinator.replay import Run, export
-from coordinator.report import MAX_POINTS, TIMELINE_ROWS, ReportData, Series, render, series
-from events.codec import FIELD, encode
-from events.models import (
+from cohort.coordinator.replay import Run, export
+from cohort.coordinator.report import MAX_POINTS, TIMELINE_ROWS, ReportData, Series, render, series
+from cohort.events.codec import FIELD, encode
+from cohort.events.models import (
     Event,
+    GpuAdviceCleared,
+    GpuAdviceIssued,
     GpuDevice,
     GpuReading,
     Heartbeat,
@@ -36,8 +37,8 @@ from events.models import (
     WorkerLeft,
     WorldChanged,
 )
-from events.shards import Shard
-from events.streams import Entry
+from cohort.events.shards import Shard
+from cohort.events.streams import Entry
 
 JOB = "rep"
 T0 = 1_732_350_000.0
@@ -51,8 +52,6 @@ PLOTS = (
     "plot-gpu-temperature",
     "plot-events",
 )
-ADVICE_ISSUED = getattr(events.models, "GpuAdviceIssued", None)
-ADVICE_CLEARED = getattr(events.models, "GpuAdviceCleared", None)
 
 
 class Streams:
@@ -131,16 +130,16 @@ def a_run() -> Run:
         if step == 15:
             s.fact(WorkerFailed(at=T0 + 20, job=JOB, worker="w3", last_seen=T0 + 15, timeout=5))
             s.fact(_world(2, T0 + 20, WORKERS[:2], "w3 failed"))
-        if step == 12 and ADVICE_ISSUED is not None and ADVICE_CLEARED is not None:
+        if step == 12:
             s.fact(
-                ADVICE_ISSUED(
+                GpuAdviceIssued(
                     at=at, job=JOB, worker="w1", device=0, rule="mem-high",
                     action="reduce_prefetch", factor=0.5, metric="memory_pct", value=93.0,
                     threshold=90.0,
                 )
             )  # fmt: skip
             s.fact(
-                ADVICE_CLEARED(
+                GpuAdviceCleared(
                     at=at + 2, job=JOB, worker="w1", device=0, rule="mem-high",
                     metric="memory_pct", value=60.0,
                 )
@@ -216,8 +215,7 @@ def test_series_follow_membership_steps_losses_and_gpu_readings_of_each_worker()
     kinds = Counter(m.kind for m in data.markers)
     assert kinds["failure"] == 1 and kinds["leader"] == 2 and kinds["world"] == 2
     assert kinds["pause"] == 1 and kinds["resume"] == 1
-    if ADVICE_ISSUED is not None:
-        assert kinds["advice"] == 1 and kinds["advice-cleared"] == 1
+    assert kinds["advice"] == 1 and kinds["advice-cleared"] == 1
     assert (data.start, data.end) == (T0, T0 + 26)
 
 
@@ -276,8 +274,7 @@ def test_failure_and_leader_change_are_marked_on_the_event_lanes_and_every_plot(
     assert len(page.within("plot-events", "line", "marker-failure")) == 1
     assert len(page.within("plot-events", "line", "marker-leader")) == 2
     assert len(page.within("plot-events", "line", "marker-world")) == 2
-    if ADVICE_ISSUED is not None:
-        assert len(page.within("plot-events", "line", "marker-advice")) == 1
+    assert len(page.within("plot-events", "line", "marker-advice")) == 1
     for plot in PLOTS[:-1]:
         failures = page.within(plot, "line", "marker-failure")
         assert len(failures) == 1, plot

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from worker.errors import BlobError
-from worker.tensors import (
+from cohort.worker.errors import BlobError
+from cohort.worker.tensors import (
     DTYPES,
     MAX_HEADER_BYTES,
     MAX_TENSORS,

@@ -1,4 +1,4 @@
-"""worker/torch.py without Redis: state blobs, bucketed gradient averaging, local SGD math.
+"""cohort.worker.torch_sync without Redis: state blobs, bucketed gradient averaging, local SGD math.
 
 Ranks are threads sharing a `FakeGroup` whose allreduce averages in float64 and casts back,
 as `Collective` does.
@@ -21,8 +21,8 @@ if os.environ.get("CI") == "true":
 else:
     torch = pytest.importorskip("torch")
 
-from worker import torch as ct  # noqa: E402
-from worker.collective import World  # noqa: E402
+from cohort.worker import torch_sync as ct  # noqa: E402
+from cohort.worker.collective import World  # noqa: E402
 
 
 class FakeGroup:

@@ -17,15 +17,15 @@ from typing import Any
 import fakeredis
 import pytest
 
-from events import decode_command, encode
-from events import models as m
-from events.keys import Keys
-from events.shards import Shard
-from events.streams import ZERO, Inbox, Journal
-from worker import simulated
-from worker.client import Worker
-from worker.errors import (
-    JoinRefused,
+from cohort.events import decode_command, encode
+from cohort.events import models as m
+from cohort.events.keys import Keys
+from cohort.events.shards import Shard
+from cohort.events.streams import ZERO, Inbox, Journal
+from cohort.worker import simulated
+from cohort.worker.client import Worker
+from cohort.worker.errors import (
+    JoinRefusedError,
     JoinTimeout,
     Removed,
     Stopped,
@@ -146,7 +146,7 @@ def test_join_refused_raises_with_the_coordinators_reason(leader, make_worker, p
     done = pool.submit(worker.join, 5)
     leader.expect("Join")
     leader.say(fact(m.JoinRefused, worker=ME, reason="job 'unit' already has max_workers=1"))
-    with pytest.raises(JoinRefused, match="max_workers=1") as info:
+    with pytest.raises(JoinRefusedError, match="max_workers=1") as info:
         done.result(timeout=5)
     assert info.value.reason == "job 'unit' already has max_workers=1"
 

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events import models as m
-from events.shards import Range, Shard
-from worker.errors import NotAssigned
-from worker.view import KEEP_PLANS, View, apply, batch, fold, take
+from cohort.events import models as m
+from cohort.events.shards import Range, Shard
+from cohort.worker.errors import NotAssigned
+from cohort.worker.view import KEEP_PLANS, View, apply, batch, fold, take
 
 JOB = "unit"
 ME = "me"
@@ -232,8 +232,8 @@ def test_a_fact_the_worker_has_no_use_for_leaves_the_view_unchanged() -> None:
 
 
 def test_gpu_advice_combines_to_the_smallest_factor_and_longest_delay() -> None:
-    from events.models import GpuAdviceCleared, GpuAdviceIssued
-    from worker.view import View, apply, gpu_advice
+    from cohort.events.models import GpuAdviceCleared, GpuAdviceIssued
+    from cohort.worker.view import View, apply, gpu_advice
 
     def issued(device: int, rule: str, action: str, **kw: float) -> GpuAdviceIssued:
         return GpuAdviceIssued(

@@ -1,6 +1,6 @@
 """PyTorch on cohort: gradient averaging, state broadcast and blobs, local SGD / DiLoCo.
 
-Import it as `from worker import torch as cohort_torch` (needs the `cohort[torch]` extra);
+Use it as `cohort.torch` (needs the `torch` extra: `pip install cohort-elastic[torch]`);
 no other worker module imports it, so cohort itself never needs torch.
 
 Tensors travel through `Collective` (Redis) as numpy arrays:
