@@ -20,18 +20,15 @@ import threading
 import time
 from pathlib import Path
 
+from cohort.events.connection import text
 from cohort.events.keys import Keys
+from cohort.events.streams import id_key
 from cohort.localredis import LocalRedis
 
 from .fleet import Fleet, coordinator
 from .results import Section, verdict
 
 TICKS = 10  # per second: each tick sends one tenth of the fleet's commands
-
-
-def _id(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -73,7 +70,7 @@ def measure(workers: int = 1000, seconds: float = 60.0) -> Section:
                     now = time.perf_counter()
                     if raw is None:
                         continue
-                    cursor = _id(raw.decode() if isinstance(raw, bytes) else raw)
+                    cursor = id_key(text(raw))
                     with lock:
                         while pending and pending[0][0] <= cursor:
                             lags.append(now - pending.pop(0)[1])
@@ -93,7 +90,7 @@ def measure(workers: int = 1000, seconds: float = 60.0) -> Section:
                 sent_at = time.perf_counter()
                 last = fleet.send([*fleet.heartbeats(part), *fleet.step_done(part, 1.0)])
                 with lock:
-                    pending.append((_id(last), sent_at))
+                    pending.append((id_key(last), sent_at))
                 tick += 1
                 sent += 2 * len(part)
                 time.sleep(max(0.0, wall0 + tick / TICKS - time.perf_counter()))  # the pace

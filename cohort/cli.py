@@ -20,7 +20,7 @@ import click
 import redis
 from pydantic import ValidationError
 
-from cohort.events.connection import Client, RedisSettings, connect
+from cohort.events.connection import Client, RedisSettings, connect, text
 from cohort.events.errors import EventsError, SettingsError
 from cohort.events.keys import Keys, check_job
 from cohort.events.models import JobConfig
@@ -552,7 +552,7 @@ def status(ctx: click.Context, job: str, as_json: bool, watch: bool, interval: f
     body = view(state)
     body["leader_view"] = live
     holder = conn.get(Keys(job).leader)
-    body["lease_holder"] = holder.decode() if isinstance(holder, bytes) else holder
+    body["lease_holder"] = text(holder) if holder is not None else None
     if as_json:
         click.echo(json.dumps(body, default=str))
         return

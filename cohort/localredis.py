@@ -24,7 +24,7 @@ from typing import IO, Any
 
 import redis
 
-from cohort.events.connection import Client, RedisSettings, connect
+from cohort.events.connection import Client, RedisSettings, connect, text
 
 from .errors import CohortError
 
@@ -559,7 +559,7 @@ class LocalSentinel(LocalRedis):
             probe.close()
         if not found:
             return None
-        host = found[0].decode() if isinstance(found[0], bytes) else str(found[0])
+        host = text(found[0])
         return host, int(found[1])
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from cohort.events.connection import Client, primaries, server_for
+from cohort.events.connection import Client, primaries, server_for, text
 from cohort.events.keys import Keys
 from cohort.events.streams import ZERO
 
@@ -34,8 +34,8 @@ _LOAD_ATTEMPTS = 5
 
 @cache
 def library_source() -> str:
-    """The text of fencing.lua, as shipped in the `coordinator` package."""
-    return resources.files("coordinator").joinpath("fencing.lua").read_text(encoding="utf-8")
+    """The text of fencing.lua, as shipped in the `cohort.coordinator` package."""
+    return resources.files("cohort.coordinator").joinpath("fencing.lua").read_text(encoding="utf-8")
 
 
 def library_version() -> int:
@@ -130,10 +130,6 @@ def _fcall(conn: Client, function: str, keys: Sequence[str], args: Sequence[Any]
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def new_nonce() -> str:
     """A random nonce: makes each token unique even if two coordinators share a host and pid."""
     return secrets.token_hex(8)
@@ -158,7 +154,7 @@ class Lease:
             self.conn, "cohort_acquire", [self.keys.leader, self.keys.epoch], [nonce, self.lease_ms]
         )
         # nil from Lua is None on RESP2 and RESP3; guard against a boolean too
-        return _text(reply) if reply else None
+        return text(reply) if reply else None
 
     def renew(self, token: str) -> bool:
         """Extend the lease by lease_ms if `token` still holds it. False means: stop leading."""
@@ -171,7 +167,7 @@ class Lease:
     def holder(self) -> str | None:
         """The current token, or None if no one leads."""
         value = self.conn.get(self.keys.leader)
-        return _text(value) if value is not None else None  # type: ignore[arg-type]
+        return text(value) if value is not None else None  # type: ignore[arg-type]
 
     @staticmethod
     def epoch_of(token: str) -> int:
@@ -259,7 +255,7 @@ class FencedJournal:
         except redis.ResponseError as exc:
             self._raise_translated(exc, token, expected_last)
             raise
-        return [_text(i) for i in ids or ()]
+        return [text(i) for i in ids or ()]
 
     def _append_and_wait(self, keys: list[str], args: list[Any]) -> Any:
         """FCALL cohort_append, then WAIT / WAITAOF on the same connection of the primary
@@ -321,7 +317,7 @@ class FencedJournal:
     def cursor(self) -> str:
         """The inbox ID consumed up to ("0-0" before the first append that moved it)."""
         value = self.conn.get(self.keys.cursor)
-        return _text(value) if value is not None else ZERO  # type: ignore[arg-type]
+        return text(value) if value is not None else ZERO  # type: ignore[arg-type]
 
     def load_snapshot(self) -> bytes | None:
         value: Any = self.conn.get(self.keys.snapshot)

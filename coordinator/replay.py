@@ -78,14 +78,7 @@ def from_redis(conn: Client, job: str, with_inbox: bool = True) -> Run:
 
 
 def _all(stream: Stream, batch: int = 10_000) -> list[Entry]:
-    out: list[Entry] = []
-    after = ZERO
-    while True:
-        rows = stream.range(after, count=batch)
-        out.extend(rows)
-        if len(rows) < batch:
-            return out
-        after = rows[-1].id
+    return [entry for page in stream.pages(count=batch) for entry in page]
 
 
 def export(run: Run, out: IO[bytes], exported_at: float) -> int:
@@ -152,18 +145,12 @@ class JournalWatch:
     def pull(self, block_ms: int = 200) -> list[Fact]:
         """Fold what the journal gained; waits up to `block_ms` for the first new fact."""
         new = []
-        entries = (
-            self.journal.tail(self.journal_id, block_ms)
-            if block_ms
-            else self.journal.range(self.journal_id)
-        )
-        while entries:
+        for entries in self.journal.pages(self.journal_id, block_ms=block_ms):
             facts = self.journal.decode_page(entries)
             self.state = fold(facts, self.state)
             self.journal_id = entries[-1].id
             self.facts.extend(zip((entry.id for entry in entries), facts, strict=True))
             new.extend(facts)
-            entries = self.journal.range(self.journal_id, count=4096)
         return new
 
 

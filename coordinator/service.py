@@ -31,7 +31,7 @@ from cohort.events.connection import UNAVAILABLE, Client
 from cohort.events.errors import DecodeError
 from cohort.events.keys import Keys
 from cohort.events.models import Fact, JobConfig, StepDone
-from cohort.events.streams import ZERO, Entry, Inbox, Journal
+from cohort.events.streams import ZERO, Entry, Inbox, Journal, id_ms
 
 from . import durability, snapshot
 from .core import Core
@@ -43,8 +43,6 @@ from .metrics import Metrics
 from .state import JobState, state_hash
 
 log = logging.getLogger("cohort.coordinator")
-
-REDIS_DOWN = UNAVAILABLE
 
 
 @dataclass(frozen=True)
@@ -147,7 +145,7 @@ class Coordinator:
                     self._down_since = None
                     self._resync()
                 backoff = 0.1
-            except REDIS_DOWN as exc:
+            except UNAVAILABLE as exc:
                 if self._down_since is None:
                     self._down_since = self.clock.monotonic()
                     log.error("Redis unreachable (%s); retrying with backoff, nothing is lost", exc)
@@ -189,26 +187,21 @@ class Coordinator:
             try:
                 self.lease.release(self.token)
                 log.info("%s released the lease", self.settings.coordinator)
-            except REDIS_DOWN:
+            except UNAVAILABLE:
                 pass
             self.token = None
 
     # ------------------------------------------------------------ following
     def catch_up(self, block_ms: int = 0) -> int:
         """Fold journal facts after `journal_id`; returns how many."""
-        if block_ms:
-            entries = self.journal.tail(self.journal_id, block_ms)
-        else:
-            entries = self.journal.range(self.journal_id)
         count = 0
-        while entries:
+        for entries in self.journal.pages(self.journal_id, block_ms=block_ms):
             if self.journal_id != ZERO and _elects(entries) and not self._holds(self.journal_id):
                 # A new leader after a failover that lost what this coordinator folded.
                 self._rolled_back()
                 return count
             self._fold_page(entries)
             count += len(entries)
-            entries = self.journal.range(self.journal_id, count=4096)
         return count
 
     def _holds(self, entry_id: str) -> bool:
@@ -296,7 +289,7 @@ class Coordinator:
     def _rebuild_liveness(self, now: float) -> None:
         """Observe (never decide) the inbox window before the cursor: who was alive when."""
         window = self.state.config.heartbeat_timeout if self.state.config else 30.0
-        cursor_ms = int(self.cursor.split("-")[0])
+        cursor_ms = id_ms(self.cursor)
         start = f"{max(0, cursor_ms - int((window + 1) * 1000))}-0"
         seen = self.core.seen
         if self.cursor != ZERO:
@@ -445,14 +438,14 @@ class Coordinator:
         if now - self._trimmed_at >= 10.0 and self.cursor != ZERO:
             self._trimmed_at = now
             keep_ms = int((self._server_now() - self.settings.inbox_retention) * 1000)
-            cursor_ms = int(self.cursor.split("-")[0])
+            cursor_ms = id_ms(self.cursor)
             self.conn.xtrim(self.keys.inbox, minid=f"{min(keep_ms, cursor_ms)}-0", approximate=True)
 
     def _publish_status(self) -> None:
         """The leader's volatile view for `cohort status`; expires if the leader dies."""
         seen = self.core.seen
         last = self.inbox.last_id()
-        lag_ms = max(0, int(last.split("-")[0]) - int(self.cursor.split("-")[0]))
+        lag_ms = max(0, id_ms(last) - id_ms(self.cursor))
         self._lag = lag_ms / 1000 if last != self.cursor else 0.0
         if self.metrics is not None:
             self.metrics.update(self.state, leading=True, lag_seconds=self._lag)

@@ -62,6 +62,11 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
 """Errors that mean "Redis is not there right now": wait and retry, nothing is decided."""
 
 
+def text(value: bytes | str) -> str:
+    """A reply's bytes as text (clients made with decode_responses=True already give str)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 @dataclass(frozen=True, slots=True)
 class Target:
     """A checked Redis URL taken apart: which kind of deployment, where, as whom."""

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from .codec import FIELD, decode_fact, decode_facts, encode, gc_paused
-from .connection import Client
+from .connection import Client, text
 from .models import Command, Fact
 
 ZERO = "0-0"
+PAGE = 4096
+"""Entries read per round trip when a whole stream is read a page at a time."""
 
 
 class Entry(NamedTuple):
@@ -29,25 +32,44 @@ class Entry(NamedTuple):
     @property
     def ms(self) -> int:
         """The Redis server's clock (ms) when the entry was added."""
-        return int(self.id.split("-", 1)[0])
+        return id_ms(self.id)
 
 
-def _entries(rows: Any) -> list[Entry]:
-    # redis-py hands each entry's fields over as a fresh dict (RESP2 and RESP3 alike);
-    # anything else (a pair list) is made into one
-    with gc_paused():
-        return [Entry(_s(i), f if type(f) is dict else dict(f)) for i, f in rows or ()]
+def id_ms(entry_id: str) -> int:
+    """The milliseconds part of a stream entry ID: the server's clock when it was added."""
+    return int(entry_id.partition("-")[0])
 
 
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def id_key(entry_id: str) -> tuple[int, int]:
+    """A stream entry ID as (ms, seq), which sorts as Redis orders entries."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def id_after(a: str, b: str) -> bool:
     """True if stream ID `a` sorts after `b`."""
-    am, _, asq = a.partition("-")
-    bm, _, bsq = b.partition("-")
-    return (int(am), int(asq or 0)) > (int(bm), int(bsq or 0))
+    return id_key(a) > id_key(b)
+
+
+def entries(rows: Any) -> list[Entry]:
+    """XRANGE rows (or one stream's XREAD rows) as entries."""
+    # redis-py hands each entry's fields over as a fresh dict (RESP2 and RESP3 alike);
+    # anything else (a pair list) is made into one
+    with gc_paused():
+        return [Entry(text(i), f if type(f) is dict else dict(f)) for i, f in rows or ()]
+
+
+def read_reply(reply: Any) -> dict[str, list[Entry]]:
+    """XREAD's answer as {stream key: entries}, on RESP2 (a list of pairs) and RESP3 (a map)."""
+    if not reply:
+        return {}
+    pairs = reply.items() if isinstance(reply, dict) else reply
+    out = {}
+    for key, rows in pairs:
+        if rows and isinstance(rows[0], list) and rows[0] and isinstance(rows[0][0], list):
+            rows = rows[0]  # RESP3 wraps the rows once more
+        out[text(key)] = entries(rows)
+    return out
 
 
 class Stream:
@@ -56,27 +78,47 @@ class Stream:
         self.key = key
 
     def append_raw(self, raw: bytes, maxlen: int | None = None) -> str:
-        return _s(self.conn.xadd(self.key, {FIELD: raw}, maxlen=maxlen, approximate=True))
+        return text(self.conn.xadd(self.key, {FIELD: raw}, maxlen=maxlen, approximate=True))
 
     def range(self, after: str = ZERO, until: str = "+", count: int | None = None) -> list[Entry]:
         """Entries with after < ID <= until, oldest first."""
         start = "-" if after == ZERO else f"({after}"
-        return _entries(self.conn.xrange(self.key, start, until, count=count))
+        return entries(self.conn.xrange(self.key, start, until, count=count))
 
     def tail(self, after: str, block_ms: int, count: int = 512) -> list[Entry]:
         """Entries after `after`, waiting up to `block_ms` for the first one (XREAD BLOCK)."""
         reply: Any = self.conn.xread({self.key: after}, count=count, block=max(block_ms, 1))
-        if not reply:
-            return []
-        if isinstance(reply, dict):  # RESP3 answers with a map
-            rows: Any = next(iter(reply.values()), [[]])
-            rows = rows[0] if rows and isinstance(rows[0], list) else rows
-            return _entries(rows)
-        return _entries(reply[0][1])
+        return read_reply(reply).get(self.key, [])
+
+    def pages(
+        self,
+        after: str = ZERO,
+        until: str = "+",
+        count: int = PAGE,
+        block_ms: int = 0,
+        attempt: Callable[[Callable[[], list[Entry]]], list[Entry]] | None = None,
+    ) -> Iterator[list[Entry]]:
+        """The entries after `after` (up to `until`), a page of at most `count` at a time.
+
+        With `block_ms` the first page waits that long for an entry (XREAD BLOCK); later
+        pages never wait. `attempt` runs each read (a retry policy, say).
+        """
+        waited = block_ms <= 0  # only the first page may wait; a short page after it ends
+        while True:
+            if waited:
+                read = functools.partial(self.range, after, until, count)
+            else:
+                read = functools.partial(self.tail, after, block_ms, count)
+            rows = read() if attempt is None else attempt(read)
+            if rows:
+                yield rows
+            if not rows or (waited and len(rows) < count):
+                return
+            waited, after = True, rows[-1].id
 
     def last_id(self) -> str:
         rows: Any = self.conn.xrevrange(self.key, "+", "-", count=1)
-        return _s(rows[0][0]) if rows else ZERO
+        return text(rows[0][0]) if rows else ZERO
 
     def length(self) -> int:
         return int(self.conn.xlen(self.key))
@@ -93,14 +135,10 @@ class Journal(Stream):
     """The facts. Read by anyone; appended to only by the fenced leader function."""
 
     def facts(
-        self, after: str = ZERO, until: str = "+", batch: int = 4096
+        self, after: str = ZERO, until: str = "+", batch: int = PAGE
     ) -> Iterator[tuple[str, Fact]]:
-        while True:
-            rows = self.range(after, until, count=batch)
+        for rows in self.pages(after, until, batch):
             yield from zip((entry.id for entry in rows), self.decode_page(rows), strict=True)
-            if len(rows) < batch:
-                return
-            after = rows[-1].id
 
     @staticmethod
     def decode(entry: Entry) -> Fact:

@@ -20,12 +20,12 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TypeVar
 
 from cohort.events.clock import Clock, SystemClock
-from cohort.events.connection import Client
+from cohort.events.connection import UNAVAILABLE, Client
 from cohort.events.errors import DecodeError
 from cohort.events.keys import Keys
 from cohort.events.models import (
@@ -56,7 +56,7 @@ from .errors import (
     WorldChangedError,
 )
 from .gpu import GpuProbe
-from .retry import RETRYABLE, Link, describe, with_retry
+from .retry import Link, describe, with_retry
 from .view import Assignment, GpuAdvice, View
 
 T = TypeVar("T")
@@ -188,7 +188,7 @@ class Worker:
                 ),
                 check_removed=False,
             )
-        except RETRYABLE as exc:
+        except UNAVAILABLE as exc:
             self.stop()
             raise JoinTimeout(
                 f"could not reach Redis at {self.link.where} within {timeout:g} s "
@@ -209,13 +209,8 @@ class Worker:
         last = with_retry(
             self.journal.last_id, self._stop, self.link, "reading the journal", deadline=deadline
         )
-        after = ZERO
-        while True:
-            rows = self._history(after, last, deadline)
+        for rows in self._journal_pages(ZERO, last, deadline):
             self._fold(rows)
-            if len(rows) < HISTORY_BATCH:
-                break
-            after = rows[-1].id
         with self._cond:
             self._position = last
         self._threads = [
@@ -233,14 +228,15 @@ class Worker:
         for thread in self._threads:
             thread.start()
 
-    def _history(self, after: str, until: str, deadline: float) -> list[Entry]:
-        return with_retry(
-            lambda: self.journal.range(after, until, count=HISTORY_BATCH),
-            self._stop,
-            self.link,
-            "reading the journal",
-            deadline=deadline,
-        )
+    def _journal_pages(
+        self, after: str, until: str = "+", deadline: float | None = None
+    ) -> Iterator[list[Entry]]:
+        """The journal after `after`, a page at a time, each read retried through outages."""
+
+        def attempt(read: Callable[[], list[Entry]]) -> list[Entry]:
+            return with_retry(read, self._stop, self.link, "reading the journal", deadline=deadline)
+
+        return self.journal.pages(after, until, HISTORY_BATCH, attempt=attempt)
 
     def ready(self, step: int = 0, digest: str | None = None) -> None:
         """Tell the coordinator this worker loaded the weights of `step`."""
@@ -496,14 +492,8 @@ class Worker:
         if not rows:
             return
         with self._cond:
-            view = before = self._view
-            for entry in rows:
-                try:
-                    fact = Journal.decode(entry)
-                except DecodeError as exc:
-                    self._undecodable_fact(entry, exc)
-                    continue
-                view = views.apply(view, fact)
+            before = self._view
+            view = self._evolved(before, rows)
             self._view = view
             self._position = rows[-1].id
             if view.world_version > before.world_version:
@@ -513,6 +503,18 @@ class Worker:
             self._cond.notify_all()
         if view.advice != before.advice:
             self._advice_changed(view)
+
+    def _evolved(self, view: View, rows: list[Entry]) -> View:
+        """`view` after the facts of `rows`; a fact this worker cannot read is logged, once
+        per kind, and skipped."""
+        for entry in rows:
+            try:
+                fact = Journal.decode(entry)
+            except DecodeError as exc:
+                self._undecodable_fact(entry, exc)
+                continue
+            view = views.evolve(view, fact)
+        return view
 
     def _undecodable_fact(self, entry: Entry, exc: DecodeError) -> None:
         kind = exc.reason.split("'")[1] if exc.reason.startswith("invalid '") else exc.reason
@@ -565,24 +567,9 @@ class Worker:
             self.job,
             self._position,
         )
-        view = View(worker=self.id)
-        after = ZERO
-        while True:
-            rows = with_retry(
-                lambda after=after: self.journal.range(after, count=HISTORY_BATCH),  # type: ignore[misc]
-                self._stop,
-                self.link,
-                "reading the journal",
-            )
-            for entry in rows:
-                try:
-                    view = views.apply(view, Journal.decode(entry))
-                except DecodeError as exc:
-                    self._undecodable_fact(entry, exc)
-            if rows:
-                after = rows[-1].id
-            if len(rows) < HISTORY_BATCH:
-                break
+        view, after = View(worker=self.id), ZERO
+        for rows in self._journal_pages(ZERO):
+            view, after = self._evolved(view, rows), rows[-1].id
         with self._cond:
             self._view = view
             self._position = after

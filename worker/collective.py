@@ -61,11 +61,11 @@ import redis
 from redis.cluster import RedisCluster
 
 from cohort.events.codec import decode_fact
-from cohort.events.connection import UNAVAILABLE, Client, is_cluster
+from cohort.events.connection import UNAVAILABLE, Client, is_cluster, text
 from cohort.events.errors import DecodeError
 from cohort.events.keys import Keys
 from cohort.events.models import WorldChanged
-from cohort.events.streams import ZERO
+from cohort.events.streams import ZERO, Entry, entries, read_reply
 
 from . import placement
 from . import tensors as blobs
@@ -233,23 +233,6 @@ def _new_assignment(fact: WorldChanged, worker: str) -> Assignment | None:
     )
 
 
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _streams(reply: Any) -> list[tuple[str, list[tuple[str, dict[bytes, bytes]]]]]:
-    """XREAD's answer as (stream, [(id, fields)]) on RESP2 and RESP3 alike."""
-    if not reply:
-        return []
-    pairs = reply.items() if isinstance(reply, dict) else reply
-    out = []
-    for key, rows in pairs:
-        if rows and isinstance(rows[0], list) and rows[0] and isinstance(rows[0][0], list):
-            rows = rows[0]  # RESP3 wraps the rows once more
-        out.append((_s(key), [(_s(i), dict(f)) for i, f in rows or ()]))
-    return out
-
-
 def _set_command(key: str, parts: list[blobs.Part], ttl_ms: int) -> list[blobs.Part]:
     """SET key <parts joined> PX ttl as RESP pieces; big parts are passed through, not copied."""
     raw_key, ttl = key.encode(), str(ttl_ms).encode()
@@ -355,7 +338,7 @@ class _Call:
         if member.world_version > self.world.version:
             raise WorldChangedError(self.step, member.assignment)
 
-    def see_journal(self, rows: list[tuple[str, dict[bytes, bytes]]]) -> None:
+    def see_journal(self, rows: list[Entry]) -> None:
         for _, fields in rows:
             raw = fields.get(b"e")
             if raw is None or b"WorldChanged" not in raw:
@@ -381,16 +364,16 @@ class _Call:
             self,
             "waiting for peers",
         )
-        for key, rows in _streams(reply):
+        for key, rows in read_reply(reply).items():
             if rows:
-                self.positions[key] = rows[-1][0]
+                self.positions[key] = rows[-1].id
             if key == self.owner.keys.journal:
                 self.see_journal(rows)
                 continue
             for _, fields in rows:
                 try:
                     rank = int(fields[b"r"])
-                    kind = _s(fields[b"p"])
+                    kind = text(fields[b"p"])
                 except (KeyError, ValueError, UnicodeDecodeError):
                     continue
                 self.notices.setdefault(kind, {}).setdefault(rank, fields)
@@ -521,9 +504,9 @@ class Collective:
             )
         except redis.RedisError as exc:
             raise CollectiveError(f"{call.what()}: Redis failed: {exc}") from exc
-        rows = [(_s(i), dict(f)) for i, f in recent or ()]
+        rows = entries(recent)
         call.see_journal(rows)
-        call.positions = {call.events: ZERO, self.keys.journal: rows[0][0] if rows else ZERO}
+        call.positions = {call.events: ZERO, self.keys.journal: rows[0].id if rows else ZERO}
         call.written.append(call.events)
         return call
 
@@ -663,7 +646,7 @@ class Collective:
         for batch in call.arrived("scatter", others):
             wanted = []
             for rank, notice in batch:
-                if _s(notice.get(b"l", b"")) != shape:
+                if text(notice.get(b"l", b"")) != shape:
                     raise CollectiveError(
                         f"{call.what()}: rank {rank} passed tensors of another layout or "
                         "transport (names, dtypes, shapes or float16/float32 differ); every "

@@ -20,8 +20,6 @@ from .errors import Stopped
 
 T = TypeVar("T")
 
-RETRYABLE: tuple[type[BaseException], ...] = UNAVAILABLE
-
 
 def describe(conn: Client) -> str:
     """Where `conn` points, for log lines (never includes a password)."""
@@ -89,7 +87,7 @@ def with_retry(
     while True:
         try:
             result = op()
-        except RETRYABLE as exc:
+        except UNAVAILABLE as exc:
             link.lost(exc, what)
             delay = backoff(attempt, cap=cap)
             attempt += 1

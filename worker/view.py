@@ -1,6 +1,6 @@
 """What one worker knows of its job: a pure fold of journal facts into a frozen View.
 
-`apply(view, fact)` has one branch per fact type and never does I/O, so the
+`evolve(view, fact)` has one branch per fact type and never does I/O, so the
 client's tail thread, replays and tests all share it. `batch` answers "which
 samples does this worker train on at step S" from the same data.
 """
@@ -150,7 +150,7 @@ def gpu_advice(view: View) -> GpuAdvice:
     )
 
 
-def apply(view: View, fact: m.Fact) -> View:
+def evolve(view: View, fact: m.Fact) -> View:
     """The view after `fact`. Facts about other workers only change the member set."""
     me = view.worker
     match fact:
@@ -246,10 +246,10 @@ def _removed(
     )
 
 
-def fold(view: View, facts: Iterable[m.Fact]) -> View:
-    """`apply` over `facts`, in order."""
+def fold(facts: Iterable[m.Fact], view: View) -> View:
+    """`view` after `facts`, evolved in order (as `coordinator.fold.fold` folds a JobState)."""
     for fact in facts:
-        view = apply(view, fact)
+        view = evolve(view, fact)
     return view
 
 

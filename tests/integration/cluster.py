@@ -19,7 +19,7 @@ from cohort.coordinator.state import JobState
 from cohort.events.codec import decode_fact
 from cohort.events.keys import Keys
 from cohort.events.models import Fact
-from cohort.events.streams import ZERO, Journal
+from cohort.events.streams import ZERO, Journal, id_ms
 
 from ..helpers import wait_until
 
@@ -165,4 +165,4 @@ def journal(conn: redis.Redis, job: str) -> Journal:
 
 
 def ms(entry_id: str) -> float:
-    return int(entry_id.split("-")[0]) / 1000
+    return id_ms(entry_id) / 1000

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from cohort.events import models as m
 from cohort.events.shards import Range, Shard
 from cohort.worker.errors import NotAssigned
-from cohort.worker.view import KEEP_PLANS, View, apply, batch, fold, take
+from cohort.worker.view import KEEP_PLANS, View, batch, evolve, fold, take
 
 JOB = "unit"
 ME = "me"
@@ -39,7 +39,7 @@ def world(version: int, start: int, ranks: tuple[str, ...], shards: tuple[Shard,
 
 
 def configured(**config: Any) -> View:
-    return apply(View(worker=ME), fact(m.JobConfigured, config=m.JobConfig(**config)))
+    return evolve(View(worker=ME), fact(m.JobConfigured, config=m.JobConfig(**config)))
 
 
 def indices(ranges: tuple[Range, ...]) -> list[int]:
@@ -54,22 +54,22 @@ def test_job_configured_sets_the_config() -> None:
 
 def test_membership_path_from_join_to_active() -> None:
     view = fold(
-        configured(),
         [
             fact(m.WorkerJoined, worker=ME),
             fact(m.WorkerJoined, worker="other"),
         ],
+        configured(),
     )
     assert view.member and view.status == "syncing" and view.joins == 1
     assert view.members == {ME, "other"}
-    view = apply(view, fact(m.WorkerSynced, worker=ME, step=0))
+    view = evolve(view, fact(m.WorkerSynced, worker=ME, step=0))
     assert view.status == "ready"
-    view = apply(view, fact(m.WorkerActivated, worker="other"))
+    view = evolve(view, fact(m.WorkerActivated, worker="other"))
     assert view.status == "ready"
-    view = apply(view, fact(m.WorkerActivated, worker=ME))
+    view = evolve(view, fact(m.WorkerActivated, worker=ME))
     assert view.status == "active"
     assert not view.active  # active status, but no world holds it yet
-    view = apply(view, world(1, 0, ("other", ME), split(((0, 10),), 2)))
+    view = evolve(view, world(1, 0, ("other", ME), split(((0, 10),), 2)))
     assert view.active
     assignment = view.assignment
     assert assignment is not None
@@ -79,11 +79,11 @@ def test_membership_path_from_join_to_active() -> None:
 
 def test_join_refused_for_this_worker_records_the_reason() -> None:
     view = fold(
-        configured(),
         [
             fact(m.JoinRefused, worker="other", reason="not me"),
             fact(m.JoinRefused, worker=ME, reason="job is full"),
         ],
+        configured(),
     )
     assert view.refusals == 1 and view.refused == "job is full"
     assert not view.member and view.joins == 0
@@ -97,40 +97,40 @@ def test_join_refused_for_this_worker_records_the_reason() -> None:
     ],
 )
 def test_worker_removed_when_it_fails_or_leaves_and_rejoin_clears_it(gone, reason) -> None:
-    view = fold(configured(), [fact(m.WorkerJoined, worker=ME), gone])
+    view = fold([fact(m.WorkerJoined, worker=ME), gone], configured())
     assert view.removed and not view.member and view.status == "outside"
     assert reason in view.removed_reason
-    view = apply(view, fact(m.WorkerJoined, worker=ME))
+    view = evolve(view, fact(m.WorkerJoined, worker=ME))
     assert not view.removed and view.member and view.joins == 2
 
 
 def test_other_workers_leaving_does_not_remove_this_one() -> None:
     view = fold(
-        configured(),
         [
             fact(m.WorkerJoined, worker=ME),
             fact(m.WorkerJoined, worker="x"),
             fact(m.WorkerFailed, worker="x", last_seen=0.0, timeout=5.0),
         ],
+        configured(),
     )
     assert not view.removed and view.members == {ME}
 
 
 def test_pause_makes_a_rank_inactive_until_resumed() -> None:
     view = fold(
-        configured(),
         [
             fact(m.WorkerJoined, worker=ME),
             world(1, 0, (ME,), split(((0, 10),), 1)),
             fact(m.TrainingPaused, reason="few", active=1, min_workers=2),
         ],
+        configured(),
     )
     assert view.paused and not view.active and view.assignment is not None
-    assert apply(view, fact(m.TrainingResumed, active=2)).active
+    assert evolve(view, fact(m.TrainingResumed, active=2)).active
 
 
 def test_batches_walk_the_shard_from_the_world_start() -> None:
-    view = fold(configured(batch_size=4), [world(1, 10, ("a", ME), split(((0, 20),), 2))])
+    view = fold([world(1, 10, ("a", ME), split(((0, 20),), 2))], configured(batch_size=4))
     assert batch(view, 10) == ((10, 14),)
     assert batch(view, 11) == ((14, 18),)
     assert batch(view, 12) == ((18, 20),)  # the last batch of the shard is short
@@ -141,11 +141,11 @@ def test_batches_walk_the_shard_from_the_world_start() -> None:
 
 def test_batch_of_a_step_uses_the_plan_it_ran_under() -> None:
     view = fold(
-        configured(batch_size=2),
         [
             world(1, 0, (ME,), (Shard(ranges=((0, 10),)),)),
             world(2, 3, ("b", ME), (Shard(ranges=((6, 8),)), Shard(ranges=((8, 10),)))),
         ],
+        configured(batch_size=2),
     )
     assert batch(view, 2) == ((4, 6),)  # step 2 ran in world 1
     assert batch(view, 3) == ((8, 10),)  # world 2 from step 3
@@ -154,13 +154,13 @@ def test_batch_of_a_step_uses_the_plan_it_ran_under() -> None:
 
 def test_epoch_started_restarts_the_shards_but_keeps_the_world() -> None:
     view = fold(
-        configured(batch_size=5),
         [
             world(1, 0, (ME,), (Shard(ranges=((0, 10),)),)),
             fact(m.StepCommitted, step=1, world=1),
             fact(m.EpochFinished, epoch=0, step=1),
             fact(m.EpochStarted, epoch=1, start_step=2, shards=(Shard(ranges=((0, 10),)),)),
         ],
+        configured(batch_size=5),
     )
     assert view.epoch == 1 and view.base_step == 2 and view.world_version == 1
     assert batch(view, 1) == ((5, 10),)
@@ -173,16 +173,16 @@ def test_epoch_started_restarts_the_shards_but_keeps_the_world() -> None:
 def test_step_committed_never_goes_back_and_plans_are_bounded() -> None:
     view = configured()
     for v in range(1, KEEP_PLANS + 5):
-        view = apply(view, world(v, v, (ME,), (Shard(ranges=((0, 10),)),)))
+        view = evolve(view, world(v, v, (ME,), (Shard(ranges=((0, 10),)),)))
     assert len(view.plans) == KEEP_PLANS and view.world_version == KEEP_PLANS + 4
     view = fold(
-        view, [fact(m.StepCommitted, step=5, world=1), fact(m.StepCommitted, step=3, world=1)]
+        [fact(m.StepCommitted, step=5, world=1), fact(m.StepCommitted, step=3, world=1)], view
     )
     assert view.last_committed == 5
 
 
 def test_batch_needs_a_configured_job() -> None:
-    view = apply(View(worker=ME), world(1, 0, (ME,), (Shard(ranges=((0, 10),)),)))
+    view = evolve(View(worker=ME), world(1, 0, (ME,), (Shard(ranges=((0, 10),)),)))
     with pytest.raises(NotAssigned, match="not configured"):
         batch(view, 0)
 
@@ -215,7 +215,7 @@ def test_every_sample_is_used_exactly_once_across_a_world_change(
     used: list[int] = []
     last_step = change_at + size // batch_size + 2
     for worker in old_ranks + new_ranks:
-        view = fold(View(worker=worker, config=base.config), facts)
+        view = fold(facts, View(worker=worker, config=base.config))
         for step in range(last_step):
             try:
                 used += indices(batch(view, step))
@@ -227,13 +227,13 @@ def test_every_sample_is_used_exactly_once_across_a_world_change(
 def test_a_fact_the_worker_has_no_use_for_leaves_the_view_unchanged() -> None:
     view = configured()
     newer = m.LeaderElected.model_construct(at=1.0, job=JOB, coordinator="c", epoch=1)
-    assert apply(view, object()) is view  # type: ignore[arg-type]
-    assert apply(view, newer) is view
+    assert evolve(view, object()) is view  # type: ignore[arg-type]
+    assert evolve(view, newer) is view
 
 
 def test_gpu_advice_combines_to_the_smallest_factor_and_longest_delay() -> None:
     from cohort.events.models import GpuAdviceCleared, GpuAdviceIssued
-    from cohort.worker.view import View, apply, gpu_advice
+    from cohort.worker.view import View, evolve, gpu_advice
 
     def issued(device: int, rule: str, action: str, **kw: float) -> GpuAdviceIssued:
         return GpuAdviceIssued(
@@ -250,19 +250,19 @@ def test_gpu_advice_combines_to_the_smallest_factor_and_longest_delay() -> None:
         )
 
     view = View(worker="me")
-    view = apply(view, issued(0, "mem", "reduce_prefetch", factor=0.5))
-    view = apply(view, issued(1, "mem2", "reduce_prefetch", factor=0.25))
-    view = apply(view, issued(0, "hot", "delay_transfers", seconds=30))
+    view = evolve(view, issued(0, "mem", "reduce_prefetch", factor=0.5))
+    view = evolve(view, issued(1, "mem2", "reduce_prefetch", factor=0.25))
+    view = evolve(view, issued(0, "hot", "delay_transfers", seconds=30))
     advice = gpu_advice(view)
     assert (advice.prefetch_factor, advice.delay_seconds) == (0.25, 30)
-    view = apply(
+    view = evolve(
         view,
         GpuAdviceCleared(
             at=0, job="j", worker="me", device=1, rule="mem2", metric="memory_pct", value=40
         ),
     )
     assert gpu_advice(view).prefetch_factor == 0.5
-    other = apply(
+    other = evolve(
         view, issued(0, "x", "prioritise_model_files").model_copy(update={"worker": "someone-else"})
     )
     assert not gpu_advice(other).prioritise_model_files
