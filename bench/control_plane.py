@@ -79,7 +79,7 @@ def ingest(server: LocalRedis, commands: int, workers: int) -> tuple[float, floa
         dataset_size=10_000_000,
         batch_size=32,
     )
-    coord = Coordinator(
+    coord = Coordinator.on_redis(
         conn,
         ServiceSettings(
             job=job,

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from cohort.coordinator.core import Core
-from cohort.coordinator.decide import configure, elect
 from cohort.events.codec import encode
 from cohort.events.models import (
     Fact,
@@ -48,14 +47,10 @@ def long_run(facts: int, workers: int = 2) -> Iterator[bytes]:
     def emit(new: tuple[Fact, ...]) -> Iterator[bytes]:
         nonlocal made
         made += len(new)
+        core.commit()  # as if journaled at once
         return (encode(f) for f in new)
 
-    setup = configure(core.state, JOB, config(workers), now)
-    core.apply(setup)
-    yield from emit(setup)
-    elected = elect(core.state, "bench", 1, now)
-    core.apply(elected)
-    yield from emit(elected)
+    yield from emit(core.take_over(JOB, config(workers), "bench", 1, now))
 
     serial = 0
 

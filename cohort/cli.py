@@ -367,7 +367,7 @@ def coordinator(
             )
         log.info("metrics on http://0.0.0.0:%d/metrics", port)
     try:
-        Coordinator(conn, settings, metrics=metrics).run(stop)
+        Coordinator.on_redis(conn, settings, metrics=metrics).run(stop)
     except CoordinatorError as exc:
         fail(str(exc), Exit.DATA)
 

@@ -1,10 +1,11 @@
-"""decide(state, seen, command, now) -> facts: every rule of the protocol, and nothing else.
+"""decide(state, seen, command, now) -> Decision: every rule of the protocol, and nothing else.
 
 Pure: the state, the leader's volatile view (`Liveness`, read only) and the
-time come in, facts come out. A decision that takes several facts (a commit
-that activates a joiner and changes the world) is built by a `_Plan` that folds
-each fact as it is emitted, so every later rule sees the state the journal
-will hold at that point.
+time come in; the facts come out, with the state after them. A decision that
+takes several facts (a commit that activates a joiner and changes the world) is
+built by a `_Plan` that folds each fact as it is emitted, so every later rule
+sees the state the journal will hold at that point, and the caller adopts the
+plan's state instead of folding the facts again.
 
 The rules (DESIGN.md "Membership", "Data shards"):
 - Join: a member already → nothing; `max_workers` reached → JoinRefused; else WorkerJoined.
@@ -27,7 +28,7 @@ The rules (DESIGN.md "Membership", "Data shards"):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from cohort.events.models import (
     Command,
@@ -73,6 +74,13 @@ def _some(items: list[str], sep: str = ", ", most: int = 8) -> str:
     return shown if len(items) <= most else f"{shown}{sep}and {len(items) - most} more"
 
 
+class Decision(NamedTuple):
+    """The facts of one decision and the state after them (folded as they were made)."""
+
+    facts: tuple[Fact, ...]
+    state: JobState
+
+
 class _Plan:
     """Facts of one decision, each folded as it is emitted."""
 
@@ -93,29 +101,33 @@ class _Plan:
         assert self.state.config is not None, "decide needs a configured job"
         return self.state.config
 
+    def decision(self) -> Decision:
+        return Decision(tuple(self.facts), self.state)
+
 
 # ---------------------------------------------------------------- leadership
 
 
-def configure(state: JobState, job: str, config: JobConfig, now: float) -> tuple[Fact, ...]:
-    """The journal's first fact. A configured job keeps its journaled config."""
-    if state.configured:
-        return ()
-    return (JobConfigured(at=now, job=job, config=config),)
-
-
-def elect(state: JobState, coordinator: str, epoch: int, now: float) -> tuple[Fact, ...]:
-    return (LeaderElected(at=now, job=state.job, coordinator=coordinator, epoch=epoch),)
+def take_over(
+    state: JobState, job: str, config: JobConfig, coordinator: str, epoch: int, now: float
+) -> Decision:
+    """A new leader's first facts: the job's config if the journal has none yet (the
+    journal's first fact; a configured job keeps its journaled config), then itself."""
+    plan = _Plan(state, now)
+    if not state.configured:
+        plan.record(JobConfigured(at=now, job=job, config=config))
+    plan.emit(LeaderElected, coordinator=coordinator, epoch=epoch)
+    return plan.decision()
 
 
 # ---------------------------------------------------------------- commands
 
 
-def decide(state: JobState, seen: Liveness, command: Command, now: float) -> tuple[Fact, ...]:
+def decide(state: JobState, seen: Liveness, command: Command, now: float) -> Decision:
     """Facts that follow from `command` (already observed into `seen`)."""
-    if not state.configured:
-        return ()
     plan = _Plan(state, now)
+    if not state.configured:
+        return plan.decision()
     match command:
         case Join():
             _join(plan, command)
@@ -129,7 +141,7 @@ def decide(state: JobState, seen: Liveness, command: Command, now: float) -> tup
             _gpu(plan, command)
         case EpochDone():
             pass  # observed only
-    return tuple(plan.facts)
+    return plan.decision()
 
 
 def _join(plan: _Plan, command: Join) -> None:
@@ -188,11 +200,11 @@ def _gpu(plan: _Plan, reading: GpuReading) -> None:
 # ---------------------------------------------------------------- time
 
 
-def tick(state: JobState, seen: Liveness, now: float) -> tuple[Fact, ...]:
+def tick(state: JobState, seen: Liveness, now: float) -> Decision:
     """Facts that follow from time passing: members silent too long have failed."""
-    if not state.configured:
-        return ()
     plan = _Plan(state, now)
+    if not state.configured:
+        return plan.decision()
     timeout = plan.config.heartbeat_timeout
     lost = [
         (worker, seen.last_seen.get(worker, member.joined_at))
@@ -200,7 +212,7 @@ def tick(state: JobState, seen: Liveness, now: float) -> tuple[Fact, ...]:
         if now - seen.last_seen.get(worker, member.joined_at) > timeout
     ]
     if not lost:
-        return ()
+        return plan.decision()
     held_rank = any(worker in state.ranks for worker, _ in lost)
     running = held_rank and not state.paused
     if running and seen.any_reported(state.ranks, state.world_version, state.next_step):
@@ -211,7 +223,7 @@ def tick(state: JobState, seen: Liveness, now: float) -> tuple[Fact, ...]:
     if held_rank:
         names = _some([w for w, _ in lost])
         _new_world(plan, f"{names} failed")
-    return tuple(plan.facts)
+    return plan.decision()
 
 
 # ---------------------------------------------------------------- steps and worlds

@@ -1,4 +1,4 @@
-"""Leader lease and fenced writes, on top of the `cohort` Redis Functions library.
+"""The lease and the fenced writes on Redis, on top of the `cohort` Redis Functions library.
 
 Only code holding the current token can append to the journal, move the inbox
 cursor, dead-letter entries or save a snapshot: the check happens inside Redis,
@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -23,6 +22,7 @@ from cohort.events.keys import Keys
 from cohort.events.streams import ZERO
 
 from .errors import Conflict, CoordinatorError, Fenced
+from .stores import Acked, DeadLetter
 
 LIBRARY = "cohort"
 MIN_REDIS = "7.0"
@@ -135,7 +135,7 @@ def new_nonce() -> str:
     return secrets.token_hex(8)
 
 
-class Lease:
+class RedisLease:
     """The leader lease: a PX key holding `epoch:nonce`, the epoch counted up on every election."""
 
     def __init__(self, conn: Client, keys: Keys, lease_ms: int) -> None:
@@ -168,33 +168,6 @@ class Lease:
         """The current token, or None if no one leads."""
         value = self.conn.get(self.keys.leader)
         return text(value) if value is not None else None  # type: ignore[arg-type]
-
-    @staticmethod
-    def epoch_of(token: str) -> int:
-        """The leader epoch a token was issued for: tokens are `epoch:nonce`."""
-        epoch, sep, _ = token.partition(":")
-        if not sep or not epoch.isdigit():
-            raise CoordinatorError(f"token {token!r} is not of the form 'epoch:nonce'")
-        return int(epoch)
-
-
-@dataclass(frozen=True, slots=True)
-class Acked:
-    """What WAIT / WAITAOF confirmed after an append; None where nothing was asked."""
-
-    replicas: int | None
-    """Replicas that had the append when WAIT returned."""
-    aof: bool | None
-    """Whether the primary's AOF had it fsynced when WAITAOF returned."""
-
-
-@dataclass(frozen=True, slots=True)
-class DeadLetter:
-    """An inbox entry the leader rejected, with why; `raw` is the entry's bytes as received."""
-
-    inbox_id: str
-    reason: str
-    raw: bytes
 
 
 class FencedJournal:

@@ -1,17 +1,22 @@
 """The coordinator's one I/O loop: follow the journal, win the lease, lead, step down.
 
 Every coordinator of a job runs this loop. A follower tails the journal so its
-state is hot and tries for the lease whenever nobody holds it. The leader reads
-the inbox after the cursor in batches; each batch becomes facts through the
-pure `Core`, and facts, dead letters and the new cursor go to Redis in one
-fenced Function call. If that call is refused (another leader, a moved
-journal) or its outcome is unknown (Redis went away), the leader forgets what
-it decided and folds the journal again: the journal is the only truth.
+state is hot and tries for the lease whenever nobody holds it. A leader's turn
+reads as load, decide, save, account: it loads a batch of inbox commands after
+the cursor, decides them with the pure `Core` (each fact folded once, as it is
+decided), saves facts, dead letters and the new cursor in one fenced write, and
+accounts for what it did. If the write is refused (another leader, a moved
+journal) or its outcome is unknown (Redis went away), the core rolls back to
+what the journal holds and the journal is folded again: it is the only truth.
+
+Storage is behind two Protocols (`stores.JobLog`, `stores.Lease`): Redis in
+production (`Coordinator.on_redis`), memory in the unit tests.
 
 Time: a command is decided as of its inbox entry's ID (the Redis server's
-clock); silence is judged against the server's clock, and only once the inbox
-is drained, so a leader working through a backlog never fails a worker whose
-heartbeats are still in the queue.
+clock); silence is judged against the clock the coordinator is given (Redis's
+own, `ServerClock`, in production), and only once the inbox is drained, so a
+leader working through a backlog never fails a worker whose heartbeats are
+still in the queue.
 """
 
 from __future__ import annotations
@@ -25,22 +30,22 @@ from typing import Any
 
 import msgpack
 
-from cohort.events.clock import Clock, SystemClock
+from cohort.events.clock import Clock, ServerClock
 from cohort.events.codec import decode_command, encode
 from cohort.events.connection import UNAVAILABLE, Client
 from cohort.events.errors import DecodeError
 from cohort.events.keys import Keys
-from cohort.events.models import Fact, JobConfig, StepDone
-from cohort.events.streams import ZERO, Entry, Inbox, Journal, id_ms
+from cohort.events.models import Command, Fact, JobConfig, StepDone
+from cohort.events.streams import ZERO, Entry, Journal, id_ms
 
-from . import durability, snapshot
+from . import snapshot
 from .core import Core
-from .decide import configure, elect
-from .election import DeadLetter, FencedJournal, Lease, load_library
+from .election import RedisLease
 from .errors import Conflict, CoordinatorError, Fenced
-from .fold import fold
+from .joblog import Durability, RedisJobLog
 from .metrics import Metrics
 from .state import JobState, state_hash
+from .stores import DeadLetter, JobLog, Lease, epoch_of
 
 log = logging.getLogger("cohort.coordinator")
 
@@ -70,7 +75,9 @@ class ServiceSettings:
 
 
 @dataclass
-class Counters:
+class ServiceCounters:
+    """What this coordinator process did (the job's own counts are in `JobState.counters`)."""
+
     commands: int = 0
     facts: int = 0
     dead: int = 0
@@ -83,45 +90,81 @@ class Counters:
     """Times the journal was found to have lost entries this coordinator had folded."""
 
 
+@dataclass
+class Turn:
+    """One leader turn: the inbox entries it loaded and what it decided of them."""
+
+    cursor: str | None = None
+    """The last inbox entry loaded (None: the inbox had nothing new)."""
+    drained: bool = True
+    """Fewer entries than a full batch came: the backlog is read."""
+    commands: list[tuple[float, Command]] = field(default_factory=list)
+    """Each valid command with the server time (s) it arrived at."""
+    dead: list[DeadLetter] = field(default_factory=list)
+    facts: list[Fact] = field(default_factory=list)
+    saved: bool = False
+
+    @property
+    def entries(self) -> int:
+        return len(self.commands) + len(self.dead)
+
+    @property
+    def writes(self) -> bool:
+        return bool(self.facts or self.dead or self.cursor)
+
+
 class Coordinator:
     def __init__(
         self,
-        conn: Client,
+        joblog: JobLog,
+        lease: Lease,
         settings: ServiceSettings,
-        clock: Clock | None = None,
+        clock: Clock,
         metrics: Metrics | None = None,
     ) -> None:
-        self.conn = conn
-        self.metrics = metrics
-        self._lag = 0.0
+        self.joblog = joblog
+        self.lease = lease
         self.settings = settings
-        self.clock = clock or SystemClock()
-        self.keys = Keys(settings.job)
-        self.journal = Journal(conn, self.keys.journal)
-        self.inbox = Inbox(conn, self.keys.inbox)
-        self.lease = Lease(conn, self.keys, settings.lease_ms)
-        self.store = FencedJournal(
-            conn,
-            self.keys,
-            dead_maxlen=settings.dead_maxlen,
-            wait_replicas=settings.wait_replicas,
-            wait_ms=settings.wait_ms,
-        )
+        self.clock = clock
+        self.metrics = metrics
         self.core = Core()
-        self.committed = self.core.state  # the state as of journal_id: what Redis holds
-        self.journal_id = ZERO  # the last journal entry folded into `committed`
+        self.journal_id = ZERO  # the last journal entry `core.committed` includes
         self.cursor = ZERO
         self.token: str | None = None
-        self.counters = Counters()
+        self.counters = ServiceCounters()
+        self._lag = 0.0
         self._renewed_at = 0.0
         self._status_at = -1e9
         self._trimmed_at = 0.0
         self._facts_since_snapshot = 0
         self._down_since: float | None = None
-        self.persistence = durability.Persistence(aof=None, waitaof=False, version="unknown")
         self._nonce = f"{settings.coordinator}:{random.getrandbits(32):08x}"
 
-    # ------------------------------------------------------------ the loop
+    @classmethod
+    def on_redis(
+        cls,
+        conn: Client,
+        settings: ServiceSettings,
+        clock: Clock | None = None,
+        metrics: Metrics | None = None,
+    ) -> Coordinator:
+        """A coordinator whose journal, inbox and lease live in Redis, judging time by
+        Redis's own clock unless given another."""
+        durability = Durability(
+            allow_volatile=settings.allow_volatile,
+            wait_aof=settings.wait_aof,
+            wait_replicas=settings.wait_replicas,
+            wait_ms=settings.wait_ms,
+            dead_maxlen=settings.dead_maxlen,
+        )
+        return cls(
+            RedisJobLog(conn, settings.job, durability, settings.display_url),
+            RedisLease(conn, Keys(settings.job), settings.lease_ms),
+            settings,
+            clock or ServerClock(conn),
+            metrics,
+        )
+
     @property
     def state(self) -> JobState:
         return self.core.state
@@ -130,6 +173,7 @@ class Coordinator:
     def leading(self) -> bool:
         return self.token is not None
 
+    # ------------------------------------------------------------ the loop
     def run(self, stop: threading.Event) -> None:
         """Follow or lead until `stop` is set; Redis outages are waited out, never fatal."""
         backoff = 0.1
@@ -155,22 +199,7 @@ class Coordinator:
         self.close()
 
     def start(self) -> None:
-        self.persistence = durability.require(
-            self.conn, self.settings.display_url, self.settings.allow_volatile
-        )
-        if not self.persistence.aof:
-            log.warning(
-                "leading without persistence (--allow-volatile): a Redis restart "
-                "loses the journal of job %r",
-                self.settings.job,
-            )
-        if self.settings.wait_aof and not self.persistence.waitaof:
-            log.warning(
-                "--wait-aof: Redis %s has no WAITAOF (needs >= 7.2); relying on appendfsync",
-                self.persistence.version,
-            )
-        self.store.wait_aof = self.settings.wait_aof and self.persistence.waitaof
-        load_library(self.conn)
+        self.joblog.prepare()
         self._load_snapshot()
         self.catch_up()
 
@@ -195,8 +224,12 @@ class Coordinator:
     def catch_up(self, block_ms: int = 0) -> int:
         """Fold journal facts after `journal_id`; returns how many."""
         count = 0
-        for entries in self.journal.pages(self.journal_id, block_ms=block_ms):
-            if self.journal_id != ZERO and _elects(entries) and not self._holds(self.journal_id):
+        for entries in self.joblog.pages(self.journal_id, block_ms=block_ms):
+            if (
+                self.journal_id != ZERO
+                and _elects(entries)
+                and not self.joblog.holds(self.journal_id)
+            ):
                 # A new leader after a failover that lost what this coordinator folded.
                 self._rolled_back()
                 return count
@@ -204,10 +237,200 @@ class Coordinator:
             count += len(entries)
         return count
 
-    def _holds(self, entry_id: str) -> bool:
-        """True if the journal still holds `entry_id` (it is never trimmed, so only a Redis
-        that lost acknowledged writes, e.g. a failover to a lagging replica, loses one)."""
-        return entry_id == ZERO or bool(self.conn.xrange(self.keys.journal, entry_id, entry_id))
+    def _fold_page(self, entries: list[Entry]) -> None:
+        try:
+            facts = Journal.decode_page(entries)
+        except DecodeError as exc:
+            bad = entries[exc.index or 0].id
+            raise CoordinatorError(
+                f"journal entry {bad} of job {self.settings.job!r} cannot be read "
+                f"({exc.reason}); it was written by a newer cohort: upgrade this coordinator"
+            ) from None
+        self.core.fold(facts)
+        self.journal_id = entries[-1].id
+
+    def _follow_once(self) -> None:
+        self.catch_up(block_ms=min(self.settings.block_ms, 500))
+        if self.metrics is not None:
+            self.metrics.update(self.state, leading=False, lag_seconds=0.0)
+        if self.lease.holder() is None:
+            token = self.lease.acquire(self._nonce)
+            if token is not None:
+                self._take_over(token)
+
+    def _take_over(self, token: str) -> None:
+        """Lead from the journal's end and the inbox cursor: config (if new) and election
+        are the first facts; then `_lead_once` runs every turn."""
+        self.token = token
+        self._renewed_at = self.clock.monotonic()
+        self.counters.elections_won += 1
+        if self.metrics is not None:
+            self.metrics.failovers.inc()
+        self.catch_up()
+        self.cursor = self.joblog.cursor()
+        now = self.clock.now()
+        self._rebuild_liveness(now)
+        epoch = epoch_of(token)
+        settings = self.settings
+        facts = self.core.take_over(settings.job, settings.config, settings.coordinator, epoch, now)
+        turn = Turn(facts=list(facts))
+        if self.state.config is not None and self.state.config != settings.config:
+            log.warning(
+                "job %r keeps its journaled config %s; this coordinator's flags differ and are "
+                "ignored",
+                settings.job,
+                self.state.config.model_dump(),
+            )
+        self._save(turn)
+        self._account(turn)
+        if turn.saved:
+            log.info(
+                "%s leads job %r (epoch %d) from journal %s, inbox cursor %s",
+                settings.coordinator,
+                settings.job,
+                epoch,
+                self.journal_id,
+                self.cursor,
+            )
+
+    def _rebuild_liveness(self, now: float) -> None:
+        """Observe (never decide) the inbox window before the cursor: who was alive when."""
+        window = self.state.config.heartbeat_timeout if self.state.config else 30.0
+        cursor_ms = id_ms(self.cursor)
+        start = f"{max(0, cursor_ms - int((window + 1) * 1000))}-0"
+        seen = self.core.seen
+        if self.cursor != ZERO:
+            for entry in self.joblog.commands_between(start, self.cursor, count=100_000):
+                try:
+                    command = self._command_of(entry)
+                except DecodeError:
+                    continue
+                seen.observe(command, entry.ms / 1000)
+        since = cursor_ms / 1000 if self.cursor != ZERO else now
+        seen.grace(list(self.state.members), since)
+
+    # ------------------------------------------------------------ leading
+    def _lead_once(self) -> None:
+        """One leader turn: load, decide, save, account."""
+        if not self._renew_if_due():
+            return
+        turn = self._load()
+        self._decide(turn)
+        self._save(turn)
+        self._account(turn)
+        self._housekeeping()
+
+    def _load(self) -> Turn:
+        """The inbox after the cursor: this job's valid commands, dead letters for the rest."""
+        batch = self.settings.batch
+        entries = self.joblog.commands(self.cursor, self.settings.block_ms, batch)
+        turn = Turn(cursor=entries[-1].id if entries else None, drained=len(entries) < batch)
+        for entry in entries:
+            try:
+                turn.commands.append((entry.ms / 1000, self._command_of(entry)))
+            except DecodeError as exc:
+                turn.dead.append(DeadLetter(entry.id, exc.reason, _raw_of(entry)))
+        return turn
+
+    def _command_of(self, entry: Entry) -> Command:
+        command = decode_command(entry.raw if entry.raw is not None else _no_field(entry))
+        if command.job != self.settings.job:
+            raise DecodeError(
+                f"command is for job {command.job!r} but sits in the inbox of {self.settings.job!r}"
+            )
+        return command
+
+    def _decide(self, turn: Turn) -> None:
+        """Each command decided as of its arrival; silence judged once the backlog is read."""
+        for received_at, command in turn.commands:
+            turn.facts.extend(self.core.handle(command, received_at, received_at))
+        if turn.drained:
+            turn.facts.extend(self.core.tick(self.clock.now()))
+
+    def _save(self, turn: Turn) -> None:
+        """Append what the core decided, with the cursor and dead letters, in one fenced
+        write; on a refusal or an unknown outcome, back to what the journal holds."""
+        if not turn.writes:
+            return
+        assert self.token is not None
+        try:
+            ids = self.joblog.append(
+                self.token, self.journal_id, [encode(f) for f in turn.facts], turn.cursor, turn.dead
+            )
+        except Fenced as exc:
+            log.warning(
+                "%s is no longer the leader (lease held by %s); following again",
+                self.settings.coordinator,
+                exc.holder or "nobody",
+            )
+            self.token = None
+            self._resync()
+            return
+        except Conflict:
+            log.warning("journal moved under %s; folding it again", self.settings.coordinator)
+            self._resync()
+            return
+        except BaseException:
+            self.core.rollback()  # the outcome is unknown: _resync decides once Redis is back
+            raise
+        self.core.commit()
+        turn.saved = True
+        if ids:
+            self.journal_id = ids[-1]
+        if turn.cursor is not None:
+            self.cursor = turn.cursor
+        self._check_acked()
+
+    def _account(self, turn: Turn) -> None:
+        """Counters, metrics and log lines for a turn."""
+        self.counters.commands += turn.entries
+        if self.metrics is not None:
+            self.metrics.commands.inc(turn.entries)
+            for _, command in turn.commands:
+                if isinstance(command, StepDone):
+                    self.metrics.step_time.observe(command.step_time)
+        if not turn.saved:
+            return
+        self.counters.facts += len(turn.facts)
+        self.counters.dead += len(turn.dead)
+        self.counters.batches += 1
+        self._facts_since_snapshot += len(turn.facts)
+        if self.metrics is not None:
+            self.metrics.facts.inc(len(turn.facts))
+            self.metrics.dead.inc(len(turn.dead))
+        for letter in turn.dead:
+            log.warning("dead letter %s: %s", letter.inbox_id, letter.reason)
+
+    def _check_acked(self) -> None:
+        """Log (and count) an append that fewer replicas or no fsync confirmed in time: it
+        is in the journal and acted on, but a failover or power cut now could lose it."""
+        acked = self.joblog.acked
+        if acked is None:
+            return
+        wanted = self.settings.wait_replicas
+        if acked.replicas is not None and acked.replicas < wanted:
+            self.counters.unreplicated += 1
+            log.warning(
+                "WAIT: journal entry %s reached %d of %d replicas within %d ms; a failover "
+                "now could lose it (are the replicas up? see docs/redis-ha.md)",
+                self.journal_id,
+                acked.replicas,
+                wanted,
+                self.settings.wait_ms,
+            )
+        if acked.aof is False:
+            log.warning("WAITAOF: the AOF was not fsynced within %d ms", self.settings.wait_ms)
+
+    # ------------------------------------------------------------ going back to the journal
+    def _resync(self) -> None:
+        """Forget what was decided and fold what the journal holds."""
+        self.counters.resyncs += 1
+        self.core.rollback()
+        if not self.joblog.holds(self.journal_id):
+            self._rolled_back()
+            return
+        self.catch_up()
+        self.cursor = self.joblog.cursor()
 
     def _rolled_back(self) -> None:
         """The journal lost entries this coordinator folded: forget everything it knows,
@@ -227,184 +450,10 @@ class Coordinator:
             token, self.token = self.token, None
             self.lease.release(token)
         self.core = Core()
-        self.committed = self.core.state
         self.journal_id = ZERO
         self._load_snapshot()
         self.catch_up()
-        self.cursor = self.store.cursor()
-
-    def _fold_page(self, entries: list[Entry]) -> None:
-        try:
-            facts = Journal.decode_page(entries)
-        except DecodeError as exc:
-            bad = entries[exc.index or 0].id
-            raise CoordinatorError(
-                f"journal entry {bad} of job {self.settings.job!r} cannot be read "
-                f"({exc.reason}); it was written by a newer cohort: upgrade this coordinator"
-            ) from None
-        self.core.apply(facts)
-        self.committed = self.core.state
-        self.journal_id = entries[-1].id
-
-    def _follow_once(self) -> None:
-        self.catch_up(block_ms=min(self.settings.block_ms, 500))
-        if self.metrics is not None:
-            self.metrics.update(self.state, leading=False, lag_seconds=0.0)
-        if self.lease.holder() is None:
-            token = self.lease.acquire(self._nonce)
-            if token is not None:
-                self._take_over(token)
-
-    def _take_over(self, token: str) -> None:
-        self.token = token
-        self._renewed_at = self.clock.monotonic()
-        self.counters.elections_won += 1
-        if self.metrics is not None:
-            self.metrics.failovers.inc()
-        self.catch_up()
-        self.cursor = self.store.cursor()
-        now = self._server_now()
-        self._rebuild_liveness(now)
-        epoch = Lease.epoch_of(token)
-        facts = configure(self.state, self.settings.job, self.settings.config, now)
-        facts += elect(fold(facts, self.state), self.settings.coordinator, epoch, now)
-        self.core.apply(facts)
-        if self.state.config is not None and self.state.config != self.settings.config:
-            log.warning(
-                "job %r keeps its journaled config %s; this coordinator's flags differ and are "
-                "ignored",
-                self.settings.job,
-                self.state.config.model_dump(),
-            )
-        self._commit(list(facts), cursor=None, dead=[])
-        log.info(
-            "%s leads job %r (epoch %d) from journal %s, inbox cursor %s",
-            self.settings.coordinator,
-            self.settings.job,
-            epoch,
-            self.journal_id,
-            self.cursor,
-        )
-
-    def _rebuild_liveness(self, now: float) -> None:
-        """Observe (never decide) the inbox window before the cursor: who was alive when."""
-        window = self.state.config.heartbeat_timeout if self.state.config else 30.0
-        cursor_ms = id_ms(self.cursor)
-        start = f"{max(0, cursor_ms - int((window + 1) * 1000))}-0"
-        seen = self.core.seen
-        if self.cursor != ZERO:
-            for item in self.inbox.range(start, self.cursor, count=100_000):
-                try:
-                    command = decode_command(item.raw or b"")
-                except DecodeError:
-                    continue
-                if command.job == self.settings.job:
-                    seen.observe(command, item.ms / 1000)
-        since = cursor_ms / 1000 if self.cursor != ZERO else now
-        seen.grace(list(self.state.members), since)
-
-    # ------------------------------------------------------------ leading
-    def _lead_once(self) -> None:
-        if not self._renew_if_due():
-            return
-        entries = self.inbox.tail(self.cursor, self.settings.block_ms, count=self.settings.batch)
-        facts: list[Fact] = []
-        dead: list[DeadLetter] = []
-        for entry in entries:
-            try:
-                command = decode_command(entry.raw if entry.raw is not None else _no_field(entry))
-            except DecodeError as exc:
-                dead.append(DeadLetter(entry.id, exc.reason, _raw_of(entry)))
-                continue
-            if command.job != self.settings.job:
-                reason = (
-                    f"command is for job {command.job!r} but sits in the inbox of "
-                    f"{self.settings.job!r}"
-                )
-                dead.append(DeadLetter(entry.id, reason, _raw_of(entry)))
-                continue
-            facts.extend(self.core.handle(command, entry.ms / 1000, entry.ms / 1000))
-            if self.metrics is not None and isinstance(command, StepDone):
-                self.metrics.step_time.observe(command.step_time)
-        drained = len(entries) < self.settings.batch
-        if drained:
-            facts.extend(self.core.tick(self._server_now()))
-        self.counters.commands += len(entries)
-        if self.metrics is not None:
-            self.metrics.commands.inc(len(entries))
-        cursor = entries[-1].id if entries else None
-        if facts or dead or cursor:
-            self._commit(facts, cursor, dead)
-        self._housekeeping()
-
-    def _commit(self, facts: list[Fact], cursor: str | None, dead: list[DeadLetter]) -> None:
-        """Append what `core.state` already folded; on refusal go back to what Redis holds."""
-        assert self.token is not None
-        try:
-            ids = self.store.append(
-                self.token, self.journal_id, [encode(f) for f in facts], cursor, dead
-            )
-        except Fenced as exc:
-            log.warning(
-                "%s is no longer the leader (lease held by %s); following again",
-                self.settings.coordinator,
-                exc.holder or "nobody",
-            )
-            self.token = None
-            self._resync()
-            return
-        except Conflict:
-            log.warning("journal moved under %s; folding it again", self.settings.coordinator)
-            self._resync()
-            return
-        except BaseException:
-            self.core.state = self.committed  # the outcome is unknown: _resync decides later
-            raise
-        if ids:
-            self.journal_id = ids[-1]
-        self._check_acked()
-        self.committed = self.core.state
-        if cursor is not None:
-            self.cursor = cursor
-        self.counters.facts += len(facts)
-        self.counters.dead += len(dead)
-        if self.metrics is not None:
-            self.metrics.facts.inc(len(facts))
-            self.metrics.dead.inc(len(dead))
-        self.counters.batches += 1
-        self._facts_since_snapshot += len(facts)
-        for letter in dead:
-            log.warning("dead letter %s: %s", letter.inbox_id, letter.reason)
-
-    def _check_acked(self) -> None:
-        """Log (and count) an append that fewer replicas or no fsync confirmed in time: it
-        is in the journal and acted on, but a failover or power cut now could lose it."""
-        acked = self.store.acked
-        if acked is None:
-            return
-        wanted = self.settings.wait_replicas
-        if acked.replicas is not None and acked.replicas < wanted:
-            self.counters.unreplicated += 1
-            log.warning(
-                "WAIT: journal entry %s reached %d of %d replicas within %d ms; a failover "
-                "now could lose it (are the replicas up? see docs/redis-ha.md)",
-                self.journal_id,
-                acked.replicas,
-                wanted,
-                self.settings.wait_ms,
-            )
-        if acked.aof is False:
-            log.warning("WAITAOF: the AOF was not fsynced within %d ms", self.settings.wait_ms)
-
-    def _resync(self) -> None:
-        """Forget what was decided and fold what the journal holds."""
-        self.counters.resyncs += 1
-        self.core.state = self.committed
-        if not self._holds(self.journal_id):
-            self._rolled_back()
-            return
-        self.catch_up()
-        self.cursor = self.store.cursor()
+        self.cursor = self.joblog.cursor()
 
     def _lost_redis(self) -> None:
         """Redis went away mid-turn: whether the last append landed is unknown."""
@@ -427,36 +476,36 @@ class Coordinator:
         self._resync()
         return False
 
+    # ------------------------------------------------------------ housekeeping
     def _housekeeping(self) -> None:
         now = self.clock.monotonic()
         if self.token and self._facts_since_snapshot >= self.settings.snapshot_every:
-            self.store.save_snapshot(self.token, snapshot.encode(self.state, self.journal_id))
+            self.joblog.save_snapshot(self.token, snapshot.encode(self.state, self.journal_id))
             self._facts_since_snapshot = 0
         if now - self._status_at >= self.settings.status_interval:
             self._status_at = now
             self._publish_status()
         if now - self._trimmed_at >= 10.0 and self.cursor != ZERO:
             self._trimmed_at = now
-            keep_ms = int((self._server_now() - self.settings.inbox_retention) * 1000)
-            cursor_ms = id_ms(self.cursor)
-            self.conn.xtrim(self.keys.inbox, minid=f"{min(keep_ms, cursor_ms)}-0", approximate=True)
+            keep_ms = int((self.clock.now() - self.settings.inbox_retention) * 1000)
+            self.joblog.trim_inbox(f"{min(keep_ms, id_ms(self.cursor))}-0")
 
     def _publish_status(self) -> None:
         """The leader's volatile view for `cohort status`; expires if the leader dies."""
         seen = self.core.seen
-        last = self.inbox.last_id()
-        lag_ms = max(0, id_ms(last) - id_ms(self.cursor))
-        self._lag = lag_ms / 1000 if last != self.cursor else 0.0
+        last = self.joblog.inbox_end()
+        lag_ms = max(0, id_ms(last) - id_ms(self.cursor)) if last != self.cursor else 0
+        self._lag = lag_ms / 1000
         if self.metrics is not None:
             self.metrics.update(self.state, leading=True, lag_seconds=self._lag)
         body: dict[str, Any] = {
             "coordinator": self.settings.coordinator,
-            "epoch": Lease.epoch_of(self.token) if self.token else 0,
+            "epoch": epoch_of(self.token) if self.token else 0,
             "journal_id": self.journal_id,
             "cursor": self.cursor,
-            "inbox_lag_ms": lag_ms if last != self.cursor else 0,
+            "inbox_lag_ms": lag_ms,
             "state_hash": state_hash(self.state),
-            "at": self._server_now(),
+            "at": self.clock.now(),
             "counters": self.counters.__dict__,
             "workers": {
                 w: {
@@ -479,10 +528,10 @@ class Coordinator:
             },
         }
         ttl = int(max(self.settings.status_interval * 5, 3) * 1000)
-        self.conn.set(self.keys.status, msgpack.packb(body, use_bin_type=True), px=ttl)
+        self.joblog.publish_status(msgpack.packb(body, use_bin_type=True), ttl)
 
     def _load_snapshot(self) -> None:
-        blob = self.store.load_snapshot()
+        blob = self.joblog.load_snapshot()
         if not blob:
             return
         try:
@@ -490,19 +539,15 @@ class Coordinator:
         except snapshot.SnapshotUnusable as exc:
             log.warning("ignoring the snapshot of job %r: %s", self.settings.job, exc)
             return
-        if journal_id != ZERO and not self.conn.xrange(self.keys.journal, journal_id, journal_id):
+        if not self.joblog.holds(journal_id):
             log.warning(
                 "snapshot covers journal entry %s, which the journal does not hold; "
                 "folding from zero",
                 journal_id,
             )
             return
-        self.core.state, self.journal_id = state, journal_id
-        self.committed = state
-
-    def _server_now(self) -> float:
-        seconds, micros = self.conn.time()
-        return seconds + micros / 1e6
+        self.core.restore(state)
+        self.journal_id = journal_id
 
 
 def _elects(entries: list[Entry]) -> bool:

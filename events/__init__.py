@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .clock import Clock, ManualClock, SystemClock
+from .clock import Clock, ManualClock, ServerClock, SystemClock
 from .codec import decode_command, decode_fact, encode
 from .connection import RedisSettings, connect
 from .errors import DecodeError, EventsError, RedisUnavailable, SettingsError
@@ -14,6 +14,7 @@ from .streams import Entry, Inbox, Journal, Stream
 __all__ = [
     "Clock",
     "ManualClock",
+    "ServerClock",
     "SystemClock",
     "decode_command",
     "decode_fact",

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .connection import Client
 
 
 class Clock(Protocol):
@@ -20,6 +23,24 @@ class Clock(Protocol):
 class SystemClock:
     def now(self) -> float:
         return time.time()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+class ServerClock:
+    """Redis's own clock (TIME): the clock that stamps stream entry IDs.
+
+    The coordinator judges silence against it, so workers' and coordinators' clocks never
+    matter; intervals still come from this host's monotonic clock.
+    """
+
+    def __init__(self, conn: Client) -> None:
+        self.conn = conn
+
+    def now(self) -> float:
+        seconds, micros = self.conn.time()
+        return seconds + micros / 1e6
 
     def monotonic(self) -> float:
         return time.monotonic()

@@ -10,14 +10,14 @@ import pytest
 import redis
 
 from cohort.coordinator.election import (
-    DeadLetter,
     FencedJournal,
-    Lease,
+    RedisLease,
     installed_version,
     library_version,
     load_library,
 )
 from cohort.coordinator.errors import Conflict, CoordinatorError, Fenced
+from cohort.coordinator.stores import DeadLetter, epoch_of
 from cohort.events.keys import Keys
 from cohort.events.streams import ZERO, Stream
 
@@ -30,9 +30,9 @@ redis.register_function{function_name='cohort_version', callback=function() retu
 
 
 @pytest.fixture
-def lease(conn: redis.Redis) -> Lease:
+def lease(conn: redis.Redis) -> RedisLease:
     load_library(conn)
-    return Lease(conn, KEYS, LEASE_MS)
+    return RedisLease(conn, KEYS, LEASE_MS)
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def state(conn: redis.Redis, journal: FencedJournal) -> tuple[int, str, str]:
 # -------------------------------------------------------------------- lease
 
 
-def test_epochs_grow_by_one_per_election(lease: Lease) -> None:
+def test_epochs_grow_by_one_per_election(lease: RedisLease) -> None:
     first = lease.acquire("a")
     assert first is not None
     assert lease.release(first)
@@ -58,17 +58,17 @@ def test_epochs_grow_by_one_per_election(lease: Lease) -> None:
 
     assert first == "1:a"
     assert second == "2:b"
-    assert Lease.epoch_of(second) > Lease.epoch_of(first)
+    assert epoch_of(second) > epoch_of(first)
 
 
-def test_acquire_while_held_returns_none_and_keeps_the_holder(lease: Lease) -> None:
+def test_acquire_while_held_returns_none_and_keeps_the_holder(lease: RedisLease) -> None:
     token = lease.acquire("a")
 
     assert lease.acquire("b") is None
     assert lease.holder() == token
 
 
-def test_acquire_without_nonce_makes_a_unique_token(lease: Lease) -> None:
+def test_acquire_without_nonce_makes_a_unique_token(lease: RedisLease) -> None:
     token = lease.acquire()
     assert token is not None and lease.release(token)
     other = lease.acquire()
@@ -77,7 +77,7 @@ def test_acquire_without_nonce_makes_a_unique_token(lease: Lease) -> None:
     assert token.split(":", 1)[1] != other.split(":", 1)[1]
 
 
-def test_renew_extends_only_the_current_token(conn: redis.Redis, lease: Lease) -> None:
+def test_renew_extends_only_the_current_token(conn: redis.Redis, lease: RedisLease) -> None:
     token = lease.acquire("a")
     assert token is not None
     conn.pexpire(KEYS.leader, 1_000)
@@ -88,14 +88,16 @@ def test_renew_extends_only_the_current_token(conn: redis.Redis, lease: Lease) -
     assert int(conn.pttl(KEYS.leader)) > 1_000
 
 
-def test_release_with_a_wrong_token_keeps_the_lease(lease: Lease) -> None:
+def test_release_with_a_wrong_token_keeps_the_lease(lease: RedisLease) -> None:
     token = lease.acquire("a")
 
     assert not lease.release("1:b")
     assert lease.holder() == token
 
 
-def test_expired_lease_can_be_taken_with_the_next_epoch(conn: redis.Redis, lease: Lease) -> None:
+def test_expired_lease_can_be_taken_with_the_next_epoch(
+    conn: redis.Redis, lease: RedisLease
+) -> None:
     token = lease.acquire("a")
     assert token is not None
     conn.delete(KEYS.leader)  # what expiry does, without waiting for it
@@ -104,23 +106,23 @@ def test_expired_lease_can_be_taken_with_the_next_epoch(conn: redis.Redis, lease
     assert lease.acquire("b") == "2:b"
 
 
-def test_lease_is_set_with_the_lease_time(conn: redis.Redis, lease: Lease) -> None:
+def test_lease_is_set_with_the_lease_time(conn: redis.Redis, lease: RedisLease) -> None:
     lease.acquire("a")
 
     assert 0 < int(conn.pttl(KEYS.leader)) <= LEASE_MS
 
 
 def test_epoch_of_rejects_a_malformed_token() -> None:
-    assert Lease.epoch_of("12:abc:def") == 12
+    assert epoch_of("12:abc:def") == 12
     with pytest.raises(CoordinatorError, match="'nonsense'"):
-        Lease.epoch_of("nonsense")
+        epoch_of("nonsense")
 
 
 # -------------------------------------------------------------------- journal
 
 
 def test_append_with_current_token_writes_facts_and_cursor_together(
-    conn: redis.Redis, lease: Lease, journal: FencedJournal
+    conn: redis.Redis, lease: RedisLease, journal: FencedJournal
 ) -> None:
     token = lease.acquire("a")
     assert token is not None
@@ -134,7 +136,7 @@ def test_append_with_current_token_writes_facts_and_cursor_together(
 
 
 def test_append_continues_from_the_last_id_it_returned(
-    lease: Lease, journal: FencedJournal
+    lease: RedisLease, journal: FencedJournal
 ) -> None:
     token = lease.acquire("a")
     assert token is not None
@@ -146,7 +148,9 @@ def test_append_continues_from_the_last_id_it_returned(
     assert journal.cursor() == "1-0", "cursor=None leaves the cursor alone"
 
 
-def test_append_of_no_facts_can_move_only_the_cursor(lease: Lease, journal: FencedJournal) -> None:
+def test_append_of_no_facts_can_move_only_the_cursor(
+    lease: RedisLease, journal: FencedJournal
+) -> None:
     token = lease.acquire("a")
     assert token is not None
 
@@ -155,7 +159,7 @@ def test_append_of_no_facts_can_move_only_the_cursor(lease: Lease, journal: Fenc
 
 
 def test_stale_token_is_fenced_and_writes_nothing(
-    conn: redis.Redis, lease: Lease, journal: FencedJournal
+    conn: redis.Redis, lease: RedisLease, journal: FencedJournal
 ) -> None:
     old = lease.acquire("old")
     assert old is not None
@@ -180,7 +184,7 @@ def test_append_without_any_leader_is_fenced(journal: FencedJournal) -> None:
 
 
 def test_wrong_expected_last_is_a_conflict_and_writes_nothing(
-    conn: redis.Redis, lease: Lease, journal: FencedJournal
+    conn: redis.Redis, lease: RedisLease, journal: FencedJournal
 ) -> None:
     token = lease.acquire("a")
     assert token is not None
@@ -196,7 +200,7 @@ def test_wrong_expected_last_is_a_conflict_and_writes_nothing(
 
 
 def test_retrying_a_successful_append_is_detected_as_conflict(
-    conn: redis.Redis, lease: Lease, journal: FencedJournal
+    conn: redis.Redis, lease: RedisLease, journal: FencedJournal
 ) -> None:
     """A reply lost after the write: the retry must not append the facts a second time."""
     token = lease.acquire("a")
@@ -211,7 +215,7 @@ def test_retrying_a_successful_append_is_detected_as_conflict(
 
 
 def test_dead_letters_keep_inbox_id_reason_and_raw_bytes(
-    conn: redis.Redis, lease: Lease, journal: FencedJournal
+    conn: redis.Redis, lease: RedisLease, journal: FencedJournal
 ) -> None:
     token = lease.acquire("a")
     assert token is not None
@@ -228,7 +232,7 @@ def test_dead_letters_keep_inbox_id_reason_and_raw_bytes(
 
 
 def test_dead_letters_are_capped_near_maxlen(
-    conn: redis.Redis, lease: Lease, journal: FencedJournal
+    conn: redis.Redis, lease: RedisLease, journal: FencedJournal
 ) -> None:
     """MAXLEN ~ trims whole stream nodes (100 entries by default), so the cap is approximate."""
     token = lease.acquire("a")
@@ -261,7 +265,7 @@ def test_bad_arguments_are_an_error_reply_not_a_crash(conn: redis.Redis) -> None
 
 
 def test_snapshot_is_saved_by_the_leader_and_refused_to_others(
-    conn: redis.Redis, lease: Lease, journal: FencedJournal
+    conn: redis.Redis, lease: RedisLease, journal: FencedJournal
 ) -> None:
     assert journal.load_snapshot() is None
     token = lease.acquire("a")
@@ -290,7 +294,7 @@ def test_load_library_replaces_an_older_version(conn: redis.Redis) -> None:
     assert installed_version(conn) == 0
 
     assert load_library(conn) == library_version()
-    assert Lease(conn, KEYS, LEASE_MS).acquire("a") == "1:a"
+    assert RedisLease(conn, KEYS, LEASE_MS).acquire("a") == "1:a"
 
 
 def test_load_library_keeps_a_newer_version(conn: redis.Redis) -> None:
@@ -305,7 +309,7 @@ def test_calls_load_the_library_when_the_server_has_none(conn: redis.Redis) -> N
     """A fresh or flushed server: the first fenced call loads the library itself."""
     assert installed_version(conn) is None
 
-    assert Lease(conn, KEYS, LEASE_MS).acquire("a") == "1:a"
+    assert RedisLease(conn, KEYS, LEASE_MS).acquire("a") == "1:a"
     assert installed_version(conn) == library_version()
 
 
@@ -315,4 +319,4 @@ def test_a_server_without_functions_is_refused_with_the_version_needed() -> None
     with pytest.raises(CoordinatorError, match=r"cohort needs Redis >= 7\.0"):
         load_library(old_server)
     with pytest.raises(CoordinatorError, match=r"no FUNCTION/FCALL support"):
-        Lease(old_server, KEYS, LEASE_MS).acquire("a")
+        RedisLease(old_server, KEYS, LEASE_MS).acquire("a")

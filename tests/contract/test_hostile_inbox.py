@@ -106,7 +106,7 @@ def test_no_inbox_entry_stops_the_leader_and_each_is_decided_or_dead_lettered(
 ) -> None:
     conn = fakeredis.FakeRedis(server=fakeredis.FakeServer())
     keys = Keys(JOB)
-    leader = Coordinator(
+    leader = Coordinator.on_redis(
         conn,
         ServiceSettings(
             job=JOB, coordinator="c", block_ms=1, config=JobConfig(), allow_volatile=True

@@ -46,7 +46,10 @@ def test_a_rolled_back_journal_is_folded_again_and_re_decided_once_under_a_new_t
     conn,  # type: ignore[no-untyped-def]
     lease_survived: bool,
 ) -> None:
-    leader, follower = Coordinator(conn, settings("c1")), Coordinator(conn, settings("c2"))
+    leader, follower = (
+        Coordinator.on_redis(conn, settings("c1")),
+        Coordinator.on_redis(conn, settings("c2")),
+    )
     drive(leader, 1)
     drive(follower, 1)
     inbox = Inbox(conn, KEYS.inbox)

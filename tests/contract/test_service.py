@@ -54,7 +54,7 @@ def journal_facts(conn):  # type: ignore[no-untyped-def]
 
 
 def test_leader_turns_commands_into_facts_that_replay_to_its_state(conn) -> None:  # type: ignore[no-untyped-def]
-    leader = Coordinator(conn, settings("c1"))
+    leader = Coordinator.on_redis(conn, settings("c1"))
     drive(leader, 1)
     assert leader.leading
     inbox = Inbox(conn, Keys(JOB).inbox)
@@ -69,7 +69,10 @@ def test_leader_turns_commands_into_facts_that_replay_to_its_state(conn) -> None
 
 
 def test_follower_folds_the_journal_and_has_the_same_state(conn) -> None:  # type: ignore[no-untyped-def]
-    leader, follower = Coordinator(conn, settings("c1")), Coordinator(conn, settings("c2"))
+    leader, follower = (
+        Coordinator.on_redis(conn, settings("c1")),
+        Coordinator.on_redis(conn, settings("c2")),
+    )
     drive(leader, 1)
     drive(follower, 1)
     assert leader.leading and not follower.leading
@@ -80,7 +83,10 @@ def test_follower_folds_the_journal_and_has_the_same_state(conn) -> None:  # typ
 
 
 def test_follower_takes_over_at_the_cursor_without_losing_or_repeating_commands(conn) -> None:  # type: ignore[no-untyped-def]
-    leader, follower = Coordinator(conn, settings("c1")), Coordinator(conn, settings("c2"))
+    leader, follower = (
+        Coordinator.on_redis(conn, settings("c1")),
+        Coordinator.on_redis(conn, settings("c2")),
+    )
     drive(leader, 1)
     drive(follower, 1)
     inbox = Inbox(conn, Keys(JOB).inbox)
@@ -98,7 +104,10 @@ def test_follower_takes_over_at_the_cursor_without_losing_or_repeating_commands(
 
 
 def test_a_stale_leader_cannot_append(conn) -> None:  # type: ignore[no-untyped-def]
-    stale, fresh = Coordinator(conn, settings("c1")), Coordinator(conn, settings("c2"))
+    stale, fresh = (
+        Coordinator.on_redis(conn, settings("c1")),
+        Coordinator.on_redis(conn, settings("c2")),
+    )
     drive(stale, 1)
     conn.delete(Keys(JOB).leader)  # its lease ran out while it was paused
     drive(fresh, 2)
@@ -130,7 +139,7 @@ def test_a_stale_leader_cannot_append(conn) -> None:  # type: ignore[no-untyped-
     ],
 )
 def test_bad_inbox_entries_are_dead_lettered_and_the_leader_keeps_going(conn, raw, reason) -> None:  # type: ignore[no-untyped-def]
-    leader = Coordinator(conn, settings("c1"))
+    leader = Coordinator.on_redis(conn, settings("c1"))
     drive(leader, 1)
     keys = Keys(JOB)
     bad_id = conn.xadd(keys.inbox, {FIELD: raw}).decode()
@@ -144,7 +153,7 @@ def test_bad_inbox_entries_are_dead_lettered_and_the_leader_keeps_going(conn, ra
 
 
 def test_entry_without_the_event_field_is_dead_lettered(conn) -> None:  # type: ignore[no-untyped-def]
-    leader = Coordinator(conn, settings("c1"))
+    leader = Coordinator.on_redis(conn, settings("c1"))
     drive(leader, 1)
     conn.xadd(Keys(JOB).inbox, {"x": "y"})
     drive(leader)
@@ -153,7 +162,7 @@ def test_entry_without_the_event_field_is_dead_lettered(conn) -> None:  # type: 
 
 
 def test_restart_from_a_snapshot_equals_folding_from_zero(conn) -> None:  # type: ignore[no-untyped-def]
-    leader = Coordinator(conn, settings("c1"))
+    leader = Coordinator.on_redis(conn, settings("c1"))
     drive(leader, 1)
     inbox = Inbox(conn, Keys(JOB).inbox)
     for name in "abcd":
@@ -164,7 +173,7 @@ def test_restart_from_a_snapshot_equals_folding_from_zero(conn) -> None:  # type
         drive(leader)
     assert conn.get(Keys(JOB).snapshot)
     leader.close()
-    again = Coordinator(conn, settings("c2"))
+    again = Coordinator.on_redis(conn, settings("c2"))
     again._load_snapshot()
     assert again.journal_id != "0-0"
     again.catch_up()
@@ -172,7 +181,7 @@ def test_restart_from_a_snapshot_equals_folding_from_zero(conn) -> None:  # type
 
 
 def test_status_key_carries_the_leaders_view(conn) -> None:  # type: ignore[no-untyped-def]
-    leader = Coordinator(conn, settings("c1"))
+    leader = Coordinator.on_redis(conn, settings("c1"))
     drive(leader, 1)
     join(Inbox(conn, Keys(JOB).inbox), "a")
     drive(leader)

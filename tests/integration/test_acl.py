@@ -162,7 +162,9 @@ def test_worker_writes_the_inbox_and_its_gradients_and_reads_the_journal(
     worker_conn.xadd(events, {"r": "0"})
     assert worker_conn.xread({events: "0-0", KEYS.journal: "0-0"}, block=1)
     assert worker_conn.set(KEYS.weights(0), b"w", px=60_000)
-    coord = Coordinator(coordinator_conn, ServiceSettings(job=JOB, coordinator="c1", block_ms=10))
+    coord = Coordinator.on_redis(
+        coordinator_conn, ServiceSettings(job=JOB, coordinator="c1", block_ms=10)
+    )
     coord.start()
     coord.step()
     assert coord.leading
@@ -175,7 +177,9 @@ def test_worker_writes_the_inbox_and_its_gradients_and_reads_the_journal(
 def test_a_fact_forged_with_worker_credentials_never_reaches_the_journal(
     worker_conn: redis.Redis, coordinator_conn: redis.Redis
 ) -> None:
-    coord = Coordinator(coordinator_conn, ServiceSettings(job=JOB, coordinator="c1", block_ms=10))
+    coord = Coordinator.on_redis(
+        coordinator_conn, ServiceSettings(job=JOB, coordinator="c1", block_ms=10)
+    )
     coord.start()
     coord.step()
     before: Any = coordinator_conn.xrange(KEYS.journal)
@@ -280,7 +284,7 @@ def test_coordinator_runs_every_step_of_its_loop_and_nothing_is_refused(
     admin.function_flush()  # so the coordinator loads the library itself (FUNCTION LOAD)
     admin.acl_log_reset()
     settings = ServiceSettings(job=JOB, coordinator="c1", block_ms=10, snapshot_every=1)
-    coord = Coordinator(coordinator_conn, settings)
+    coord = Coordinator.on_redis(coordinator_conn, settings)
     coord.start()  # INFO persistence, FUNCTION LOAD, the snapshot, the journal
     coord.step()
     assert coord.leading
@@ -299,7 +303,9 @@ def test_coordinator_runs_every_step_of_its_loop_and_nothing_is_refused(
 def test_viewer_reads_the_job_and_writes_nothing(
     viewer_conn: redis.Redis, coordinator_conn: redis.Redis
 ) -> None:
-    coord = Coordinator(coordinator_conn, ServiceSettings(job=JOB, coordinator="c1", block_ms=10))
+    coord = Coordinator.on_redis(
+        coordinator_conn, ServiceSettings(job=JOB, coordinator="c1", block_ms=10)
+    )
     coord.start()
     coord.step()
     coord._publish_status()
@@ -340,7 +346,7 @@ def test_a_job_trains_with_coordinator_and_worker_credentials_and_the_viewer_run
     coordinator_conn = as_role(server, "coordinator")
     stop = threading.Event()
     coordinator = threading.Thread(
-        target=Coordinator(coordinator_conn, settings).run, args=(stop,), daemon=True
+        target=Coordinator.on_redis(coordinator_conn, settings).run, args=(stop,), daemon=True
     )
     coordinator.start()
     results: dict[str, Any] = {}

@@ -18,7 +18,7 @@ import pytest
 from redis.cluster import RedisCluster
 
 from cohort.coordinator.audit import audit
-from cohort.coordinator.election import FencedJournal, Lease, load_library
+from cohort.coordinator.election import FencedJournal, RedisLease, load_library
 from cohort.coordinator.errors import Conflict, Fenced
 from cohort.events.connection import RedisSettings, connect, primaries
 from cohort.events.keys import Keys
@@ -86,7 +86,7 @@ def test_the_fenced_functions_run_through_fcall_on_the_cluster(conn: RedisCluste
     for name, server in primaries(conn):  # the library is on every primary
         listed = server.function_list(library="cohort")
         assert listed, f"primary {name} has no cohort library"
-    lease = Lease(conn, keys, lease_ms=5000)
+    lease = RedisLease(conn, keys, lease_ms=5000)
     token = lease.acquire()
     assert token is not None and lease.holder() == token
     store = FencedJournal(conn, keys)
@@ -109,14 +109,14 @@ def test_a_function_lost_on_the_jobs_primary_is_loaded_again_by_the_next_fcall(
     load_library(conn)
     owner = conn.get_redis_connection(conn.get_node_from_key(keys.leader))
     owner.function_delete("cohort")
-    token = Lease(conn, keys, lease_ms=5000).acquire()
+    token = RedisLease(conn, keys, lease_ms=5000).acquire()
     assert token is not None
     assert owner.function_list(library="cohort")
 
 
 def test_wait_replicas_confirms_each_append_on_a_replica(conn: RedisCluster) -> None:
     keys = Keys("waited")
-    token = Lease(conn, keys, lease_ms=30_000).acquire()
+    token = RedisLease(conn, keys, lease_ms=30_000).acquire()
     assert token is not None
     store = FencedJournal(conn, keys, wait_replicas=1, wait_ms=10_000)
     last = "0-0"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cohort.coordinator.election import FencedJournal, Lease, load_library
+from cohort.coordinator.election import FencedJournal, RedisLease, load_library
 from cohort.events.codec import encode
 from cohort.events.keys import Keys
 from cohort.events.models import WorkerJoined
@@ -24,7 +24,7 @@ def test_acknowledged_facts_survive_a_redis_sigkill_and_restart(fsync: str) -> N
     with LocalRedis(appendonly=True, appendfsync=fsync, binary=require_redis_server()) as server:
         conn = server.client()
         load_library(conn)
-        token = Lease(conn, keys, 60_000).acquire("n")
+        token = RedisLease(conn, keys, 60_000).acquire("n")
         assert token is not None
         store, last, acknowledged = FencedJournal(conn, keys), "0-0", []
         for n in range(500):

@@ -232,7 +232,7 @@ def test_ca_and_client_certificate_reach_the_server_and_a_coordinator_leads_over
         assert conn.ping()
         # no plain-text listener: TLS is the only way in
         assert conn.config_get("port") == {"port": "0"}
-        coord = Coordinator(
+        coord = Coordinator.on_redis(
             conn,
             ServiceSettings(
                 job=JOB, coordinator="c1", config=JobConfig(min_workers=1), block_ms=10

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from cohort.coordinator.core import Core
-from cohort.coordinator.decide import configure, elect
 from cohort.coordinator.fold import fold
 from cohort.events.models import (
     Fact,
@@ -25,25 +24,21 @@ class Job:
         self.core = Core()
         self.now = 1_000.0
         self.journal: list[Fact] = []
-        self._record(configure(self.core.state, JOB, JobConfig(**config), self.now))
-        self._record(elect(self.core.state, "c1", 1, self.now))
+        self._record(self.core.take_over(JOB, JobConfig(**config), "c1", 1, self.now))
 
     # ------------------------------------------------------------ plumbing
     def _record(self, facts: tuple[Fact, ...]) -> tuple[Fact, ...]:
-        self.core.apply(facts)
+        """Every decision is journaled at once: the core commits it."""
+        self.core.commit()
         self.journal.extend(facts)
         return facts
 
     def send(self, command: Any) -> tuple[Fact, ...]:
-        facts = self.core.handle(command, self.now, self.now)
-        self.journal.extend(facts)
-        return facts
+        return self._record(self.core.handle(command, self.now, self.now))
 
     def advance(self, seconds: float) -> tuple[Fact, ...]:
         self.now += seconds
-        facts = self.core.tick(self.now)
-        self.journal.extend(facts)
-        return facts
+        return self._record(self.core.tick(self.now))
 
     @property
     def state(self):  # type: ignore[no-untyped-def]

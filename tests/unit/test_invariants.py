@@ -92,7 +92,7 @@ class Membership(RuleBasedStateMachine):
     @rule()
     def new_leader_from_snapshot(self) -> None:
         """A leader change: a snapshot round trip loses nothing of the state."""
-        self.job.core.state = load(dump(self.job.core.state))
+        self.job.core.restore(load(dump(self.job.core.state)))
 
     # ------------------------------------------------------------ what must hold
     @invariant()

@@ -1,0 +1,127 @@
+"""A job's log on Redis: the `JobLog` the coordinator's loop reads and writes.
+
+The journal and the inbox are streams under the job's hash tag; every write the
+leader makes (facts, cursor, dead letters, snapshot) goes through the fenced
+Function library (`election.FencedJournal`), so a coordinator that lost the lease
+is refused by Redis itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from cohort.events.connection import Client
+from cohort.events.keys import Keys
+from cohort.events.streams import ZERO, Entry, Inbox, Journal
+
+from . import durability
+from .election import FencedJournal, load_library
+from .stores import Acked, DeadLetter
+
+log = logging.getLogger("cohort.coordinator")
+
+
+@dataclass(frozen=True)
+class Durability:
+    """What the leader asks of Redis before it acts on an append."""
+
+    allow_volatile: bool = False
+    """Lead even when Redis keeps no AOF (a restart would lose the journal)."""
+    wait_aof: bool = False
+    """After each append, wait until the AOF is fsynced locally (WAITAOF, Redis >= 7.2)."""
+    wait_replicas: int = 0
+    """After each append, WAIT until this many replicas have it."""
+    wait_ms: int = 5000
+    """How long each WAIT / WAITAOF may block before the leader logs a shortfall."""
+    dead_maxlen: int = 10_000
+    """Dead letters kept (oldest trimmed first)."""
+
+
+class RedisJobLog:
+    """`stores.JobLog` on a Redis server, Sentinel-managed primary or Cluster."""
+
+    def __init__(
+        self, conn: Client, job: str, durability: Durability, display_url: str = "redis"
+    ) -> None:
+        self.conn = conn
+        self.keys = Keys(job)
+        self.durability = durability
+        self.display_url = display_url
+        self.journal = Journal(conn, self.keys.journal)
+        self.inbox = Inbox(conn, self.keys.inbox)
+        self.fenced = FencedJournal(
+            conn,
+            self.keys,
+            dead_maxlen=durability.dead_maxlen,
+            wait_replicas=durability.wait_replicas,
+            wait_ms=durability.wait_ms,
+        )
+
+    @property
+    def acked(self) -> Acked | None:
+        return self.fenced.acked
+
+    def prepare(self) -> None:
+        """Refuse a Redis that would lose the journal on a restart (unless allowed), and load
+        the fencing library on every primary."""
+        wanted = self.durability
+        persistence = durability.require(self.conn, self.display_url, wanted.allow_volatile)
+        if not persistence.aof:
+            log.warning(
+                "leading without persistence (--allow-volatile): a Redis restart "
+                "loses the journal of job %r",
+                self.keys.job,
+            )
+        if wanted.wait_aof and not persistence.waitaof:
+            log.warning(
+                "--wait-aof: Redis %s has no WAITAOF (needs >= 7.2); relying on appendfsync",
+                persistence.version,
+            )
+        self.fenced.wait_aof = wanted.wait_aof and persistence.waitaof
+        load_library(self.conn)
+
+    # ------------------------------------------------------------ the journal
+    def pages(self, after: str, block_ms: int = 0) -> Iterator[list[Entry]]:
+        return self.journal.pages(after, block_ms=block_ms)
+
+    def holds(self, entry_id: str) -> bool:
+        # The journal is never trimmed: only a Redis that lost acknowledged writes (a
+        # failover to a lagging replica) loses an entry.
+        return entry_id == ZERO or bool(self.conn.xrange(self.keys.journal, entry_id, entry_id))
+
+    def append(
+        self,
+        token: str,
+        expected_last: str,
+        facts: Sequence[bytes],
+        cursor: str | None,
+        dead: Sequence[DeadLetter],
+    ) -> list[str]:
+        return self.fenced.append(token, expected_last, facts, cursor, dead)
+
+    def cursor(self) -> str:
+        return self.fenced.cursor()
+
+    def load_snapshot(self) -> bytes | None:
+        return self.fenced.load_snapshot()
+
+    def save_snapshot(self, token: str, blob: bytes) -> None:
+        self.fenced.save_snapshot(token, blob)
+
+    # ------------------------------------------------------------ the inbox
+    def commands(self, after: str, block_ms: int, count: int) -> list[Entry]:
+        return self.inbox.tail(after, block_ms, count=count)
+
+    def commands_between(self, after: str, until: str, count: int) -> list[Entry]:
+        return self.inbox.range(after, until, count=count)
+
+    def inbox_end(self) -> str:
+        return self.inbox.last_id()
+
+    def trim_inbox(self, before: str) -> None:
+        self.conn.xtrim(self.keys.inbox, minid=before, approximate=True)
+
+    def publish_status(self, blob: bytes, ttl_ms: int) -> None:
+        self.conn.set(self.keys.status, blob, px=ttl_ms)

@@ -1,0 +1,180 @@
+"""The coordinator's storage seam in memory: a lease and a job log that behave as Redis's do.
+
+`MemoryLease` and `MemoryLog` implement `cohort.coordinator.stores.Lease` and `JobLog`
+with the same refusals (Fenced, Conflict) as the fenced Function library, and let a test
+break a write the way a network does: refuse it, or let it land and lose the reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import redis
+
+from cohort.coordinator.errors import Conflict, Fenced
+from cohort.coordinator.stores import Acked, DeadLetter
+from cohort.events.clock import ManualClock
+from cohort.events.codec import FIELD, decode_fact, encode
+from cohort.events.models import Command, Fact
+from cohort.events.streams import ZERO, Entry, id_key
+
+PAGE = 3  # small, so that reading a journal takes several pages
+
+
+class MemoryLease:
+    def __init__(self, clock: ManualClock, lease_ms: int = 3000) -> None:
+        self.clock = clock
+        self.lease_ms = lease_ms
+        self.epoch = 0
+        self.token: str | None = None
+        self.until = 0.0
+
+    def holder(self) -> str | None:
+        if self.token is not None and self.clock.monotonic() >= self.until:
+            self.token = None  # expired, as a PX key would
+        return self.token
+
+    def acquire(self, nonce: str) -> str | None:
+        if self.holder() is not None:
+            return None
+        self.epoch += 1
+        self.token = f"{self.epoch}:{nonce}"
+        self.until = self.clock.monotonic() + self.lease_ms / 1000
+        return self.token
+
+    def renew(self, token: str) -> bool:
+        if self.holder() != token:
+            return False
+        self.until = self.clock.monotonic() + self.lease_ms / 1000
+        return True
+
+    def release(self, token: str) -> bool:
+        if self.holder() != token:
+            return False
+        self.token = None
+        return True
+
+
+@dataclass
+class MemoryLog:
+    """One job's inbox and journal in lists; entry IDs follow the clock, as Redis's do."""
+
+    clock: ManualClock
+    lease: MemoryLease
+    journal: list[Entry] = field(default_factory=list)
+    inbox: list[Entry] = field(default_factory=list)
+    dead: list[DeadLetter] = field(default_factory=list)
+    cursor_id: str = ZERO
+    snapshot: bytes | None = None
+    status: bytes | None = None
+    prepared: bool = False
+    appends: int = 0
+    fail_next: str | None = None
+    """'refuse': the next append raises ConnectionError and writes nothing; 'lose reply': it
+    writes everything, then raises ConnectionError (the caller cannot know it landed)."""
+    _last_ms: int = 0
+    _seq: int = 0
+
+    # ------------------------------------------------------------ test side
+    def new_id(self) -> str:
+        ms = int(self.clock.now() * 1000)
+        if ms <= self._last_ms:
+            ms, self._seq = self._last_ms, self._seq + 1
+        else:
+            self._seq = 0
+        self._last_ms = ms
+        return f"{ms}-{self._seq}"
+
+    def send(self, command: Command) -> str:
+        return self.send_raw(encode(command))
+
+    def send_raw(self, raw: bytes) -> str:
+        entry = Entry(self.new_id(), {FIELD: raw})
+        self.inbox.append(entry)
+        return entry.id
+
+    def write(self, fact: Fact) -> str:
+        """A fact written past the fence (another writer, as a Conflict test needs)."""
+        entry = Entry(self.new_id(), {FIELD: encode(fact)})
+        self.journal.append(entry)
+        return entry.id
+
+    def facts(self) -> list[Fact]:
+        return [decode_fact(entry.fields[FIELD]) for entry in self.journal]
+
+    # ------------------------------------------------------------ JobLog
+    @property
+    def acked(self) -> Acked | None:
+        return None
+
+    def prepare(self) -> None:
+        self.prepared = True
+
+    def pages(self, after: str, block_ms: int = 0) -> Iterator[list[Entry]]:
+        rows = _after(self.journal, after)
+        for start in range(0, len(rows), PAGE):
+            yield rows[start : start + PAGE]
+
+    def holds(self, entry_id: str) -> bool:
+        return entry_id == ZERO or any(entry.id == entry_id for entry in self.journal)
+
+    def append(
+        self,
+        token: str,
+        expected_last: str,
+        facts: Sequence[bytes],
+        cursor: str | None,
+        dead: Sequence[DeadLetter],
+    ) -> list[str]:
+        failure, self.fail_next = self.fail_next, None
+        if failure == "refuse":
+            raise redis.ConnectionError("connection refused (injected)")
+        holder = self.lease.holder()
+        if holder != token:
+            raise Fenced(token, holder)
+        last = self.journal[-1].id if self.journal else ZERO
+        if last != expected_last:
+            raise Conflict(expected_last, last)
+        self.appends += 1
+        ids = []
+        for raw in facts:
+            entry = Entry(self.new_id(), {FIELD: raw})
+            self.journal.append(entry)
+            ids.append(entry.id)
+        if cursor:
+            self.cursor_id = cursor
+        self.dead.extend(dead)
+        if failure == "lose reply":
+            raise redis.ConnectionError("connection reset while reading the reply (injected)")
+        return ids
+
+    def cursor(self) -> str:
+        return self.cursor_id
+
+    def load_snapshot(self) -> bytes | None:
+        return self.snapshot
+
+    def save_snapshot(self, token: str, blob: bytes) -> None:
+        if self.lease.holder() != token:
+            raise Fenced(token, self.lease.holder())
+        self.snapshot = blob
+
+    def commands(self, after: str, block_ms: int, count: int) -> list[Entry]:
+        return _after(self.inbox, after)[:count]
+
+    def commands_between(self, after: str, until: str, count: int) -> list[Entry]:
+        return [e for e in _after(self.inbox, after) if id_key(e.id) <= id_key(until)][:count]
+
+    def inbox_end(self) -> str:
+        return self.inbox[-1].id if self.inbox else ZERO
+
+    def trim_inbox(self, before: str) -> None:
+        self.inbox = [e for e in self.inbox if id_key(e.id) >= id_key(before)]
+
+    def publish_status(self, blob: bytes, ttl_ms: int) -> None:
+        self.status = blob
+
+
+def _after(entries: list[Entry], after: str) -> list[Entry]:
+    return [e for e in entries if id_key(e.id) > id_key(after)]

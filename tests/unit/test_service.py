@@ -1,0 +1,245 @@
+"""The coordinator's loop over an in-memory lease and job log: every way a turn can end.
+
+A leader turn loads inbox commands, decides them, saves facts + cursor + dead letters in
+one fenced append, and accounts. These tests break the save the ways Redis and the network
+do (another leader, a moved journal, a refused write, a write whose reply is lost) and
+check the one promise behind all of them: the leader's state is the fold of the journal,
+and no command is decided twice or skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import pytest
+import redis
+
+from cohort.coordinator import decide as decide_module
+from cohort.coordinator import fold as fold_module
+from cohort.coordinator.fold import fold
+from cohort.coordinator.service import Coordinator, ServiceSettings
+from cohort.events.clock import ManualClock
+from cohort.events.models import (
+    Heartbeat,
+    JobConfig,
+    JobConfigured,
+    Join,
+    LeaderElected,
+    StepDone,
+    TrainingPaused,
+    WeightsLoaded,
+    WorkerFailed,
+    WorkerJoined,
+)
+
+from .memory import MemoryLease, MemoryLog
+
+JOB = "mem"
+
+
+class Setup:
+    def __init__(self, lease_ms: int = 3000, **config: Any) -> None:
+        self.clock = ManualClock()
+        self.lease_ms = lease_ms
+        self.lease = MemoryLease(self.clock, lease_ms=lease_ms)
+        self.log = MemoryLog(self.clock, self.lease)
+        self.config = JobConfig(**{"min_workers": 1, "heartbeat_timeout": 5.0, **config})
+
+    def coordinator(self, name: str = "c1", batch: int = 1024, **config: Any) -> Coordinator:
+        settings = ServiceSettings(
+            job=JOB,
+            coordinator=name,
+            config=self.config.model_copy(update=config),
+            lease_ms=self.lease_ms,
+            batch=batch,
+        )
+        coordinator = Coordinator(self.log, self.lease, settings, self.clock)
+        coordinator.start()
+        return coordinator
+
+    def join(self, *workers: str) -> None:
+        for worker in workers:
+            self.log.send(Join(at=0, job=JOB, worker=worker))
+            self.log.send(WeightsLoaded(at=0, job=JOB, worker=worker))
+
+    def done(self, worker: str, step: int, world: int = 1) -> None:
+        self.log.send(StepDone(at=0, job=JOB, worker=worker, step=step, world=world))
+
+    def types(self) -> list[str]:
+        return [type(f).__name__ for f in self.log.facts()]
+
+
+def leader_of(setup: Setup, **kw: Any) -> Coordinator:
+    leader = setup.coordinator(**kw)
+    leader.step()  # follow: nobody leads, so it takes over
+    assert leader.leading
+    return leader
+
+
+def test_a_turn_loads_decides_saves_and_the_state_is_the_fold_of_the_journal() -> None:
+    setup = Setup()
+    leader = leader_of(setup)
+    setup.join("a")
+    setup.done("a", 0)
+    leader.step()
+    assert setup.types()[:2] == ["JobConfigured", "LeaderElected"]
+    assert "StepCommitted" in setup.types()
+    assert leader.state == fold(setup.log.facts())
+    assert leader.cursor == setup.log.inbox_end() == setup.log.cursor()
+    assert leader.counters.commands == 3 and leader.counters.facts == len(setup.log.facts())
+    assert not leader.core.pending
+
+
+def test_every_decided_fact_is_folded_exactly_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    evolved: Counter[str] = Counter()
+    original, commits = fold_module.evolve, fold_module._commits
+
+    def counting(state: Any, fact: Any) -> Any:
+        evolved[type(fact).__name__] += 1
+        return original(state, fact)
+
+    def counting_commits(state: Any, last: Any, count: int) -> Any:
+        evolved["StepCommitted"] += count
+        return commits(state, last, count)
+
+    monkeypatch.setattr(fold_module, "evolve", counting)
+    monkeypatch.setattr(fold_module, "_commits", counting_commits)
+    monkeypatch.setattr(decide_module, "evolve", counting)
+    setup = Setup()
+    leader = leader_of(setup)
+    setup.join("a", "b")
+    for step in range(5):
+        setup.done("a", step)
+        setup.done("b", step)
+    leader.step()
+    assert evolved == Counter(type(f).__name__ for f in setup.log.facts())
+
+
+def test_taking_over_journals_the_config_once_and_keeps_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    setup = Setup()
+    first = leader_of(setup)
+    first.close()  # gives the lease back
+    second = setup.coordinator("c2", max_workers=3)
+    with caplog.at_level(logging.WARNING, logger="cohort.coordinator"):
+        second.step()
+    assert second.leading
+    assert setup.types() == ["JobConfigured", "LeaderElected", "LeaderElected"]
+    assert second.state.config == setup.config  # the journaled one, not the new flags
+    assert second.state.leader == "c2" and second.state.leader_epoch == 2
+    assert "keeps its journaled config" in caplog.text
+
+
+def test_an_append_refused_by_the_fence_rolls_back_and_follows() -> None:
+    setup = Setup()
+    leader = leader_of(setup)
+    setup.join("a")
+    setup.clock.advance(4)  # the lease (3 s) ran out without a renewal ...
+    assert setup.lease.acquire("usurper") is not None  # ... and someone else took it
+    leader._renewed_at = setup.clock.monotonic()  # it believes its lease fresh: the fence decides
+    before = list(setup.log.facts())
+    leader.step()
+    assert not leader.leading
+    assert setup.log.facts() == before  # nothing of the refused decision was written
+    assert leader.state == fold(before) and not leader.core.pending
+    assert setup.log.cursor() == leader.cursor  # the commands stay for the next leader
+
+
+def test_a_moved_journal_is_folded_again_and_the_commands_decided_once() -> None:
+    setup = Setup()
+    leader = leader_of(setup)
+    setup.join("a")
+    setup.log.write(TrainingPaused(at=0, job=JOB, reason="another writer", active=0, min_workers=1))
+    leader.step()  # Conflict: it folds what moved, keeps the cursor
+    assert leader.state == fold(setup.log.facts())
+    assert leader.counters.resyncs == 1 and setup.types().count("WorkerJoined") == 0
+    leader.step()
+    assert setup.types().count("WorkerJoined") == 1
+    assert leader.state == fold(setup.log.facts())
+
+
+def test_a_refused_write_decides_nothing_and_the_turn_is_tried_again() -> None:
+    setup = Setup()
+    leader = leader_of(setup)
+    setup.join("a")
+    setup.log.fail_next = "refuse"
+    with pytest.raises(redis.ConnectionError):
+        leader.step()
+    assert not leader.core.pending  # back to what the journal holds
+    assert leader.state == fold(setup.log.facts()) and "a" not in leader.state.members
+    leader.step()
+    assert setup.types().count("WorkerJoined") == 1 and "a" in leader.state.members
+
+
+def test_a_write_whose_reply_was_lost_is_not_decided_twice() -> None:
+    setup = Setup()
+    leader = leader_of(setup)
+    setup.join("a")
+    setup.log.fail_next = "lose reply"
+    with pytest.raises(redis.ConnectionError):
+        leader.step()
+    assert "a" not in leader.state.members  # it cannot know the write landed
+    leader.step()  # the journal moved past what it knows: Conflict, fold, cursor re-read
+    leader.step()
+    assert setup.types().count("WorkerJoined") == 1
+    assert leader.state == fold(setup.log.facts()) and "a" in leader.state.members
+    assert leader.cursor == setup.log.inbox_end()
+
+
+def test_a_leader_whose_lease_renewal_fails_follows_again() -> None:
+    setup = Setup()
+    leader = leader_of(setup)
+    setup.clock.advance(4)
+    assert setup.lease.acquire("usurper") is not None
+    leader.step()
+    assert not leader.leading and leader.counters.resyncs == 1
+
+
+def test_silence_is_judged_only_once_the_backlog_is_read() -> None:
+    setup = Setup(heartbeat_timeout=5.0, lease_ms=60_000)
+    leader = leader_of(setup, batch=2)
+    setup.join("a")
+    setup.done("a", 0)
+    for _ in range(8):  # heartbeats queued while the leader was busy elsewhere
+        setup.clock.advance(1)
+        setup.log.send(Heartbeat(at=0, job=JOB, worker="a"))
+    while leader.cursor != setup.log.inbox_end():
+        leader.step()
+    leader.step()  # drained: time is judged now
+    assert "WorkerFailed" not in setup.types()
+    setup.clock.advance(6)
+    leader.step()
+    assert setup.types().count("WorkerFailed") == 1
+    failed = [f for f in setup.log.facts() if isinstance(f, WorkerFailed)][0]
+    assert failed.worker == "a" and failed.timeout == 5.0
+
+
+def test_a_journal_that_lost_what_the_leader_folded_is_folded_again_and_it_steps_down() -> None:
+    setup = Setup()
+    leader = leader_of(setup)
+    setup.join("a")
+    leader.step()
+    kept = setup.log.journal[:2]  # JobConfigured, LeaderElected: the rest was lost
+    setup.log.journal[:] = kept
+    setup.join("b")
+    leader.step()  # its append conflicts, and the journal no longer holds what it folded
+    assert not leader.leading and leader.counters.rollbacks == 1
+    assert setup.lease.holder() is None  # released, so the next election shows a new token
+    assert leader.state == fold(setup.log.facts())
+    assert [type(f) for f in setup.log.facts()] == [JobConfigured, LeaderElected]
+
+
+def test_bad_entries_are_dead_lettered_beside_the_facts_of_good_ones() -> None:
+    setup = Setup()
+    leader = leader_of(setup)
+    setup.log.send_raw(b"\xc1 not msgpack")
+    setup.log.send(Join(at=0, job="other-job", worker="x"))
+    setup.log.send(Join(at=0, job=JOB, worker="a"))
+    leader.step()
+    reasons = [letter.reason for letter in setup.log.dead]
+    assert len(reasons) == 2 and "other-job" in reasons[1]
+    assert [type(f) for f in setup.log.facts()][-1] is WorkerJoined
+    assert leader.counters.dead == 2 and setup.log.appends == 2  # take over, then one turn
