@@ -36,16 +36,19 @@ def cohort(
     )
 
 
-def processes_mentioning(text: str) -> list[str]:
+def processes_mentioning(text: str, parent: int | None = None) -> list[str]:
+    """Processes whose command line holds `text` (only children of `parent`, if given:
+    other test runs on this machine may run demos too)."""
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if text in cmdline:
+        if text in cmdline and (parent is None or ppid == parent):
             found.append(f"{pid}: {cmdline}")
     return found
 
@@ -147,15 +150,20 @@ def test_interrupted_demo_stops_every_process_and_removes_its_files(tmp_path: Pa
     )
     # Wait until it is well under way: coordinators and workers are running.
     wait_until(
-        lambda: len(processes_mentioning("example-worker --job demo")) >= 3,
+        lambda: len(processes_mentioning("example-worker --job demo", parent=demo.pid)) >= 3,
         60,
         message="demo workers running",
     )
+    children = processes_mentioning(" --job demo", parent=demo.pid)
+    assert len(children) >= 5  # two coordinators and the workers
     demo.send_signal(signal.SIGINT)
     _, err = demo.communicate(timeout=60)
     assert demo.returncode == 130, err.decode()[-2000:]
+    gone = [line.split(":")[0] for line in children]
     wait_until(
-        lambda: processes_mentioning(" --job demo") == [], 20, message="no demo process left"
+        lambda: not any(Path(f"/proc/{pid}").exists() for pid in gone),
+        20,
+        message="no demo process left",
     )
     assert processes_mentioning(str(tmp_path / "tmp")) == []
     assert list((tmp_path / "tmp").iterdir()) == []
