@@ -6,7 +6,10 @@ and wait for it to commit. What makes it elastic:
 
 - every new world starts with a `broadcast` of rank 0's weights (rank 0 is a
   survivor whenever one is left: survivors keep their ranks' order), so a
-  joiner starts from exactly the survivors' weights;
+  joiner starts from exactly the survivors' weights; when no rank survived, the
+  world names a checkpoint instead, which rank 0 loads first;
+- after every `--checkpoint-every` steps the worker the leader asks writes the
+  weights in the background (`CheckpointWriter`) while training goes on;
 - the weights before a step are kept until the step commits; a step aborted by
   a world change is rolled back, so an aborted step leaves no trace;
 - gradients travel as sums with the sample count, so unequal batches (the
@@ -22,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from cohort.events.models import Rewound
+from cohort.worker import checkpoints, tensors
 from cohort.worker.client import Worker
 from cohort.worker.collective import Collective
 from cohort.worker.errors import Removed, WaitTimeout, WorldChangedError
@@ -87,15 +92,27 @@ def run(
     }
     world = 0
     step = 0
+    writer: checkpoints.CheckpointWriter | None = None
+    lost_logged = False
     try:
         while worker.view.last_committed < steps - 1 and not stop.is_set():
             try:
                 assignment = worker.wait_active(POLL)
             except WaitTimeout:
+                lost = worker.view.weights_lost
+                if lost is not None and not lost_logged:
+                    log.warning(
+                        "%s waits: the weights of step %d are lost (no member held them, no "
+                        "checkpoint existed); continue with `cohort resume --job %s`",
+                        worker.id,
+                        lost,
+                        worker.job,
+                    )
+                lost_logged = lost is not None
                 continue
             if assignment.world_version != world:
                 try:
-                    params = _sync(collective, params, assignment)
+                    params = _sync(collective, _start(params, assignment, seed), assignment)
                 except WorldChangedError:
                     continue
                 summary["world_changes"] += world != 0
@@ -122,6 +139,10 @@ def run(
             if not worker.committed(step, stop):
                 params = before  # the step was aborted: undo it
                 continue
+            request = checkpoints.pending(worker.view.requested, step)
+            if request is not None:
+                writer = writer or checkpoints.CheckpointWriter(worker)
+                writer.submit(request, checkpoints.tensors_payload(params), mlp.digest(params))
             summary["steps"] += 1
             summary["loss"] = loss
             if step % 20 == 0:
@@ -131,8 +152,31 @@ def run(
         summary["removed"] = exc.reason
         worker.stop()
         return _finish(summary, params, data)
+    finally:
+        if writer is not None:
+            writer.close()
     worker.leave(reason="done" if worker.view.last_committed >= steps - 1 else "stopped")
     return _finish(summary, params, data)
+
+
+def _start(params: mlp.Params, assignment: Assignment, seed: int) -> mlp.Params:
+    """The weights rank 0 brings to a new world: its own (a survivor holds the last
+    committed ones), the initial ones, or the checkpoint the world names."""
+    weights = assignment.weights
+    if assignment.rank != 0 or weights is None or weights.source == "rank":
+        return params
+    if weights.source == "initial":
+        return mlp.init(seed)
+    assert weights.uri is not None
+    loaded = checkpoints.read(weights.uri, weights.sha256)
+    params = {k: np.array(v, dtype=np.float64) for k, v in tensors.unpack(loaded.payload).items()}
+    if weights.digest is not None and mlp.digest(params) != weights.digest:
+        raise checkpoints.CheckpointError(
+            f"checkpoint {weights.uri!r} holds weights {mlp.digest(params)}, not the "
+            f"journaled {weights.digest}"
+        )
+    log.info("rank 0 loaded the weights of step %d from %s", loaded.step, weights.uri)
+    return params
 
 
 def _sync(collective: Collective, params: mlp.Params, assignment: Assignment) -> mlp.Params:
@@ -156,16 +200,23 @@ def _finish(summary: dict[str, Any], params: mlp.Params, data: mlp.Dataset) -> d
 
 
 def reference(facts: Any, lr: float = 0.2, seed: int = 0) -> mlp.Params:
-    """The weights one process gets training on the journal's committed global batches.
+    """The weights one process gets training on the committed global batches of the lineage
+    the final model descends from.
 
     For each StepCommitted, in order, the global batch is the union of the ranks' batches
-    (recomputed from the facts alone); its summed gradient over its size is applied.
+    (recomputed from the facts alone); its summed gradient over its size is applied. A
+    rewind goes back to the weights of its target step (the initial ones, from scratch).
     """
     from cohort.coordinator.audit import committed_batches
 
     params = mlp.init(seed)
+    history: dict[int, mlp.Params] = {-1: params}
     data: mlp.Dataset | None = None
-    for _, state, batches in committed_batches(facts):
+    for fact, state, batches in committed_batches(facts):
+        if isinstance(fact, Rewound):
+            params = history[fact.to_step]
+            history = {s: p for s, p in history.items() if s <= fact.to_step}
+            continue
         if batches is None:
             continue
         if data is None:
@@ -175,4 +226,5 @@ def reference(facts: Any, lr: float = 0.2, seed: int = 0) -> mlp.Params:
         if len(y):
             grads, _, _ = mlp.gradients(params, x, y)
             params = mlp.sgd(params, {k: g / len(y) for k, g in grads.items()}, lr)
+        history[state.next_step] = params  # the committed step is the one after `state`
     return params

@@ -1,4 +1,5 @@
-"""Audit of a journal: every sample of each epoch used by exactly one committed step.
+"""Audit of a journal: every sample of each epoch used by exactly one committed step of the
+lineage the final model descends from, and every world started from the right weights.
 
 Works from facts alone (DESIGN.md invariant 3): the state before each
 `StepCommitted` says which shard every rank held, so the committed batches can
@@ -8,11 +9,18 @@ epochs, gaps (a sample never used).
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from cohort.events.models import EpochFinished, Fact, StepCommitted, WorldChanged
+from cohort.events.models import (
+    CheckpointSaved,
+    EpochFinished,
+    Fact,
+    Rewound,
+    StepCommitted,
+    WorldChanged,
+)
 from cohort.events.shards import Range
 
 from .fold import evolve
@@ -38,6 +46,13 @@ class EpochAudit:
 class Audit:
     epochs: dict[int, EpochAudit] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    rewinds: list[tuple[int, int, str]] = field(default_factory=list)
+    """(from_step, to_step, source) of each rewind: steps after to_step left the lineage."""
+
+    @property
+    def discarded(self) -> int:
+        """Committed steps rewinds took off the lineage."""
+        return sum(frm - to for frm, to, _ in self.rewinds)
 
     @property
     def ok(self) -> bool:
@@ -78,18 +93,26 @@ def committed_batches(
 
 
 def audit(facts: Iterable[Fact], start: JobState | None = None) -> Audit:
-    """Check invariants 2 and 3 over `facts` (from the start of the journal)."""
-    used: dict[int, list[Range]] = defaultdict(list)
+    """Check invariants 2, 3 and 9 over `facts` (from the start of the journal).
+
+    Exactly-once is checked on the lineage the final model descends from: a rewind takes
+    the steps after its target off it (they are listed in `rewinds`, not hidden), and
+    their samples count as unused again. Every world must start from the weights of the
+    last committed step (a surviving holder's), or a rewind's checkpoint, or the initial
+    weights before any commit.
+    """
+    used: dict[int, tuple[int, list[Range]]] = {}  # step -> (epoch, ranges) on the lineage
+    finished: dict[int, int] = {}  # epoch -> the step that finished it, on the lineage
+    digests: dict[int, str | None] = {}  # step -> the agreed weights digest, on the lineage
     report = Audit()
     state = JobState() if start is None else start
     for fact, before, batches in committed_batches(facts, start):
         match fact:
             case StepCommitted() if batches is not None:
-                for rank_batch in batches:
-                    used[before.epoch].extend(rank_batch)
-                report.epochs.setdefault(before.epoch, EpochAudit(before.epoch)).steps += 1
+                used[fact.step] = (before.epoch, [r for rank in batches for r in rank])
+                digests[fact.step] = fact.digest
             case EpochFinished():
-                report.epochs.setdefault(fact.epoch, EpochAudit(fact.epoch)).finished = True
+                finished[fact.epoch] = fact.step
             case WorldChanged():
                 if fact.version <= before.world_version:
                     report.problems.append(
@@ -97,11 +120,60 @@ def audit(facts: Iterable[Fact], start: JobState | None = None) -> Audit:
                     )
                 if fact.epoch < before.epoch:
                     report.problems.append(f"epoch went back from {before.epoch} to {fact.epoch}")
+                report.problems.extend(_lineage_problems(fact, before))
+            case CheckpointSaved():
+                committed = digests.get(fact.step)
+                if fact.digest and committed and fact.digest != committed:
+                    report.problems.append(
+                        f"checkpoint of step {fact.step} has weights {fact.digest}, but the "
+                        f"step committed {committed}"
+                    )
+            case Rewound():
+                report.rewinds.append((fact.from_step, fact.to_step, fact.source))
+                for step in [s for s in used if s > fact.to_step]:
+                    del used[step]
+                    digests.pop(step, None)
+                for epoch in [e for e, step in finished.items() if step > fact.to_step]:
+                    del finished[epoch]
         state = evolve(before, fact)
     dataset = state.config.dataset_size if state.config else None
-    for epoch, ranges in used.items():
+    by_epoch: dict[int, list[Range]] = defaultdict(list)
+    steps: Counter[int] = Counter()
+    for epoch, ranges in used.values():
+        by_epoch[epoch].extend(ranges)
+        steps[epoch] += 1
+    for epoch in sorted(set(by_epoch) | set(finished)):
         entry = report.epochs.setdefault(epoch, EpochAudit(epoch))
+        entry.finished = epoch in finished
+        entry.steps = steps[epoch]
+        ranges = by_epoch[epoch]
         entry.used = sum(stop - start for start, stop in ranges)
         dupes, gaps = _overlaps_and_gaps(ranges, dataset if entry.finished else None)
         entry.duplicates, entry.missing = dupes, gaps
     return report
+
+
+def _lineage_problems(world: WorldChanged, before: JobState) -> list[str]:
+    """Why `world` does not start from the last committed weights (empty if it does)."""
+    weights = world.weights
+    if weights is None or not world.ranks:
+        return []  # a v1 world says nothing of its weights; a world of no rank trains nothing
+    where = f"world {world.version}"
+    if weights.step != before.last_committed:
+        return [
+            f"{where} starts from the weights of step {weights.step}, but step "
+            f"{before.last_committed} was the last committed"
+        ]
+    if weights.source == "rank":
+        if world.ranks[0] not in before.holders:
+            return [f"{where}: its rank 0 {world.ranks[0]!r} does not hold the weights"]
+        if weights.digest != before.last_digest:
+            return [f"{where} starts from weights {weights.digest}, not {before.last_digest}"]
+        return []
+    if weights.source == "initial" and before.restart is None:
+        return []  # before any commit (the step check above holds it to -1)
+    if before.restart is None or before.restart.source != weights.source:
+        return [f"{where} starts from {weights.source} weights without a rewind to them"]
+    if before.restart.uri != weights.uri:
+        return [f"{where} loads {weights.uri}, but the rewind named {before.restart.uri}"]
+    return []

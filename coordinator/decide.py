@@ -22,16 +22,29 @@ The rules (DESIGN.md "Membership", "Data shards"):
   rank the running step is aborted unless a rank already finished it (then all
   ranks contributed, so it commits), and a new world starts at the next step.
 - The world below `min_workers` → TrainingPaused; enough ready again → TrainingResumed.
+- Weight lineage (coordinator/lineage.py): every WorldChanged names the weights it starts
+  from. When none of its ranks holds the last committed weights, the leader rewinds to the
+  latest checkpoint (Rewound, with the data position of that step), or, with none,
+  journals WeightsLost and pauses until an operator's Resume (from scratch, or from a
+  checkpoint file).
+- Checkpoints: after every `checkpoint_every` committed steps a holder of the weights is
+  asked to write them (CheckpointRequested, with the data position); its CheckpointWritten
+  → CheckpointSaved, and the oldest beyond `checkpoint_keep` → CheckpointExpired.
 - GpuReading of a member: the GPU rules (journaled in the config) with hysteresis and
   priorities → GpuAdviceCleared / GpuAdviceIssued (coordinator/gpu_rules.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from cohort.events.models import (
+    CheckpointExpired,
+    CheckpointRequested,
+    CheckpointSaved,
+    CheckpointWritten,
     Command,
+    DataPosition,
     EpochDone,
     EpochFinished,
     EpochStarted,
@@ -44,14 +57,18 @@ from cohort.events.models import (
     JoinRefused,
     LeaderElected,
     Leave,
+    Resume,
+    Rewound,
     StepCommitted,
     StepDone,
     StragglerCleared,
     StragglerDetected,
     TrainingPaused,
     TrainingResumed,
+    Weights,
     WeightsDiverged,
     WeightsLoaded,
+    WeightsLost,
     WorkerActivated,
     WorkerFailed,
     WorkerJoined,
@@ -62,7 +79,7 @@ from cohort.events.models import (
 )
 from cohort.events.shards import Shard
 
-from . import gpu_rules, shards, stragglers
+from . import gpu_rules, lineage, shards, stragglers
 from .fold import evolve
 from .liveness import Liveness
 from .state import JobState
@@ -139,6 +156,10 @@ def decide(state: JobState, seen: Liveness, command: Command, now: float) -> Dec
             _leave(plan, command)
         case GpuReading():
             _gpu(plan, command)
+        case CheckpointWritten():
+            _checkpoint_written(plan, command)
+        case Resume():
+            _resume(plan, command)
         case EpochDone():
             pass  # observed only
     return plan.decision()
@@ -217,7 +238,7 @@ def tick(state: JobState, seen: Liveness, now: float) -> Decision:
     running = held_rank and not state.paused
     if running and seen.any_reported(state.ranks, state.world_version, state.next_step):
         # A rank finished the step, so every rank contributed to it: it stands.
-        plan.emit(StepCommitted, step=state.next_step, world=state.world_version)
+        _commit(plan, seen, state.next_step)
     for worker, last_seen in lost:
         plan.emit(WorkerFailed, worker=worker, last_seen=last_seen, timeout=timeout)
     if held_rank:
@@ -236,11 +257,20 @@ def _maybe_commit(plan: _Plan, seen: Liveness) -> None:
     step = state.next_step
     if not seen.all_reported(state.ranks, state.world_version, step):
         return
-    plan.emit(StepCommitted, step=step, world=state.world_version)
+    _commit(plan, seen, step)
+    _boundary(plan, seen, step)
+    if lineage.due(plan.state, step):
+        _request_checkpoint(plan, step)
+
+
+def _commit(plan: _Plan, seen: Liveness, step: int) -> None:
+    """`step` stands, with the weights digest its ranks agree on (WeightsDiverged if not)."""
+    state = plan.state
     groups = seen.digest_groups(state.ranks, step)
+    agreed = next(iter(groups)) if len(groups) == 1 else None
+    plan.emit(StepCommitted, step=step, world=state.world_version, digest=agreed)
     if len(groups) > 1:
         plan.emit(WeightsDiverged, step=step, world=state.world_version, groups=groups)
-    _boundary(plan, seen, step)
 
 
 def _boundary(plan: _Plan, seen: Liveness, step: int) -> None:
@@ -285,11 +315,40 @@ def _new_world(plan: _Plan, reason: str) -> None:
     """A new world from the next step: survivors keep their order, newcomers follow.
 
     What is left of the epoch is split again over the new ranks; when nothing
-    is left (or training never started) a fresh epoch begins.
+    is left (or training never started) a fresh epoch begins. The world starts from
+    the last committed weights, which a surviving rank 0 holds; when no rank holds
+    them, from the latest checkpoint after a rewind to it; with none, no rank trains
+    and the job pauses until an operator resumes it.
     """
-    state, config = plan.state, plan.config
+    state = plan.state
     ranks = tuple(w for w in state.ranks if w in state.members)
     ranks += tuple(m.worker for m in state.with_status("active") if m.worker not in ranks)
+    weights = lineage.world_weights(state, ranks)
+    if ranks and weights is None:
+        latest = state.latest_checkpoint
+        if latest is not None:
+            _rewind(
+                plan,
+                latest.step,
+                "checkpoint",
+                latest.position,
+                f"no rank holds the weights of step {state.last_committed}",
+                uri=latest.uri,
+                digest=latest.digest,
+                sha256=latest.sha256,
+            )
+            weights = lineage.world_weights(plan.state, ranks)
+        else:
+            plan.emit(WeightsLost, step=state.last_committed, digest=state.last_digest)
+            why = lineage.lost_reason(plan.state)
+            _start_world(plan, (), None, f"{reason}; {why}")
+            plan.emit(TrainingPaused, reason=why, active=0, min_workers=plan.config.min_workers)
+            return
+    _start_world(plan, ranks, weights, reason)
+
+
+def _start_world(plan: _Plan, ranks: tuple[str, ...], weights: Weights | None, reason: str) -> None:
+    state, config = plan.state, plan.config
     start, epoch = state.next_step, state.epoch
     rest = shards.leftover(
         state.shards, state.base_step, start, config.batch_size, state.unassigned
@@ -305,14 +364,18 @@ def _new_world(plan: _Plan, reason: str) -> None:
         shards=shards.split(rest, len(ranks)),
         reason=reason,
         unassigned=Shard() if ranks else Shard(ranges=rest),
+        weights=weights if ranks else None,
     )
     _pace(plan)
 
 
 def _pace(plan: _Plan) -> None:
-    """Pause below `min_workers`; while paused, once enough are ready, activate them and resume."""
+    """Pause below `min_workers` (or while the weights are lost); while paused, once enough
+    are ready, activate them and resume."""
     state, config = plan.state, plan.config
     active = len(state.ranks)
+    if state.weights_lost is not None:
+        return  # paused, with the reason, when the weights were found lost
     if not state.paused:
         if active < config.min_workers:
             plan.emit(
@@ -323,11 +386,110 @@ def _pace(plan: _Plan) -> None:
             )
         return
     ready = state.with_status("ready")
-    if active + len(ready) < config.min_workers:
+    unranked = [m.worker for m in state.with_status("active") if m.worker not in state.ranks]
+    if active + len(unranked) + len(ready) < config.min_workers:
         return
-    if ready:
+    if ready or unranked:
         for member in ready:
             plan.emit(WorkerActivated, worker=member.worker)
-        _new_world(plan, _some([m.worker for m in ready]) + " joined")
+        _new_world(plan, _some([m.worker for m in ready] + unranked) + " joined")
         return
     plan.emit(TrainingResumed, active=active)
+
+
+# ---------------------------------------------------------------- checkpoints and lineage
+
+
+def _request_checkpoint(plan: _Plan, step: int) -> None:
+    """Ask a holder of the weights of `step` (rank 0 of the world, a survivor) to write them;
+    the request carries the data position after `step`, for a rewind to it."""
+    state = plan.state
+    writer = next((w for w in state.ranks if w in state.holders), None)
+    if writer is None or state.config is None or state.config.checkpoint_uri is None:
+        return
+    plan.emit(
+        CheckpointRequested,
+        worker=writer,
+        step=step,
+        uri=lineage.checkpoint_uri(state.config.checkpoint_uri, step),
+        position=lineage.position(state),
+    )
+
+
+def _checkpoint_written(plan: _Plan, command: CheckpointWritten) -> None:
+    """A requested checkpoint is whole: it joins the index; the oldest beyond
+    `checkpoint_keep` leave it. Anything not requested (late, forged, repeated) is ignored."""
+    state = plan.state
+    request = next(
+        (
+            r
+            for r in state.requested
+            if (r.step, r.uri, r.worker) == (command.step, command.uri, command.worker)
+        ),
+        None,
+    )
+    if request is None:
+        return
+    plan.emit(
+        CheckpointSaved,
+        worker=command.worker,
+        step=command.step,
+        uri=command.uri,
+        digest=command.digest,
+        sha256=command.sha256,
+        bytes=command.bytes,
+        position=request.position,
+    )
+    keep = plan.config.checkpoint_keep
+    for old in plan.state.checkpoints[: max(0, len(plan.state.checkpoints) - keep)]:
+        plan.emit(CheckpointExpired, step=old.step, uri=old.uri, worker=command.worker)
+
+
+def _rewind(
+    plan: _Plan,
+    to_step: int,
+    source: Literal["checkpoint", "scratch"],
+    position: DataPosition,
+    reason: str,
+    uri: str | None = None,
+    digest: str | None = None,
+    sha256: str | None = None,
+) -> None:
+    """Back to the weights after `to_step`: later steps leave the lineage, their samples go
+    back to their epochs, and checkpoints of those steps leave the index."""
+    state = plan.state
+    for old in state.checkpoints:
+        if old.step > to_step:
+            plan.emit(CheckpointExpired, step=old.step, uri=old.uri, worker=None)
+    plan.emit(
+        Rewound,
+        from_step=state.last_committed,
+        to_step=to_step,
+        source=source,
+        uri=uri,
+        digest=digest,
+        sha256=sha256,
+        position=position,
+        reason=reason,
+    )
+
+
+def _resume(plan: _Plan, command: Resume) -> None:
+    """An operator continues a job whose weights are lost, from scratch or a checkpoint."""
+    state = plan.state
+    if state.weights_lost is None:
+        return  # nothing is lost: a resume would discard committed training
+    if command.uri is None or command.position is None:
+        _rewind(plan, -1, "scratch", lineage.beginning(state), command.reason or "from scratch")
+    else:
+        _rewind(
+            plan,
+            command.step,
+            "checkpoint",
+            command.position,
+            command.reason or f"resumed from {command.uri}",
+            uri=command.uri,
+            digest=command.digest,
+            sha256=command.sha256,
+        )
+    _pace(plan)

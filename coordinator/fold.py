@@ -6,6 +6,9 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from cohort.events.models import (
+    CheckpointExpired,
+    CheckpointRequested,
+    CheckpointSaved,
     EpochFinished,
     EpochStarted,
     Fact,
@@ -14,12 +17,15 @@ from cohort.events.models import (
     JobConfigured,
     JoinRefused,
     LeaderElected,
+    Rewound,
     StepCommitted,
     StragglerCleared,
     StragglerDetected,
     TrainingPaused,
     TrainingResumed,
+    Weights,
     WeightsDiverged,
+    WeightsLost,
     WorkerActivated,
     WorkerFailed,
     WorkerJoined,
@@ -41,10 +47,11 @@ def _member(state: JobState, worker: str, **changes: object) -> dict[str, object
 
 
 def _gone(state: JobState, worker: str, **count: int) -> dict[str, object]:
-    """A member left or failed: it goes, with its GPU advice."""
+    """A member left or failed: it goes, with its GPU advice and the weights it held."""
     return {
         "members": {w: m for w, m in state.members.items() if w != worker},
         "advice": frozenset(key for key in state.advice if key[0] != worker),
+        "holders": state.holders - {worker},
         "counters": _count(state.counters, **count),
     }
 
@@ -99,7 +106,7 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:
                 "counters": _count(state.counters, world_changes=1),
             }
         case StepCommitted():
-            return _committed(state, fact.step, 1)
+            return _committed(state, fact, 1)
         case WeightsDiverged():
             return {"counters": _count(state.counters, divergences=1)}
         case EpochFinished():
@@ -123,17 +130,58 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:
             return {"paused": True}
         case TrainingResumed():
             return {"paused": False}
+        case CheckpointRequested():
+            return {"requested": (*state.requested, fact)}
+        case CheckpointSaved():
+            return {
+                "checkpoints": (*state.checkpoints, fact),
+                "requested": tuple(r for r in state.requested if r.step > fact.step),
+                "counters": _count(state.counters, checkpoints=1),
+            }
+        case CheckpointExpired():
+            return {"checkpoints": tuple(c for c in state.checkpoints if c.uri != fact.uri)}
+        case WeightsLost():
+            return {"weights_lost": fact.step}
+        case Rewound():
+            return {
+                "last_committed": fact.to_step,
+                "last_digest": fact.digest,
+                "holders": frozenset(),
+                "epoch": fact.position.epoch,
+                "base_step": fact.to_step + 1,
+                "shards": (),
+                "unassigned": fact.position.rest,
+                "requested": (),
+                "weights_lost": None,
+                "restart": Weights(
+                    step=fact.to_step,
+                    source="checkpoint" if fact.source == "checkpoint" else "initial",
+                    digest=fact.digest,
+                    uri=fact.uri,
+                    sha256=fact.sha256,
+                ),
+                "counters": _count(
+                    state.counters, rewinds=1, discarded_steps=fact.from_step - fact.to_step
+                ),
+            }
     raise TypeError(f"evolve has no branch for {type(fact).__name__}")  # pragma: no cover
 
 
-def _committed(state: JobState, step: int, count: int) -> dict[str, object]:
-    """`count` steps committed, the last of them `step`."""
-    return {"last_committed": step, "counters": _count(state.counters, steps_committed=count)}
+def _committed(state: JobState, last: StepCommitted, count: int) -> dict[str, object]:
+    """`count` steps committed, the last of them `last`: the ranks that committed it hold
+    its weights."""
+    return {
+        "last_committed": last.step,
+        "last_digest": last.digest,
+        "holders": frozenset(state.ranks),
+        "restart": None,
+        "counters": _count(state.counters, steps_committed=count),
+    }
 
 
 def _commits(state: JobState, last: StepCommitted, count: int) -> JobState:
     """`count` StepCommitted facts in a row, ending with `last`: what evolving each gives."""
-    return replace(state, facts=state.facts + count, **_committed(state, last.step, count))  # type: ignore[arg-type]
+    return replace(state, facts=state.facts + count, **_committed(state, last, count))  # type: ignore[arg-type]
 
 
 def fold(facts: Iterable[Fact], state: JobState | None = None) -> JobState:

@@ -187,20 +187,37 @@ def rebuild(run: Run, until: str | None = None) -> tuple[JobState, list[tuple[st
 
 
 def describe(fact: Fact) -> str:
-    """One line a person reads in a timeline."""
-    body = fact.model_dump(exclude={"v", "at", "job", "type"})
+    """One line a person reads in a timeline (fields that are unset are left out)."""
     if isinstance(fact, WorldChanged):
         sizes = [s.size for s in fact.shards]
         return (
             f"world {fact.version} from step {fact.start_step} (epoch {fact.epoch}): "
-            f"ranks {list(fact.ranks)}, shard sizes {sizes} - {fact.reason}"
+            f"ranks {list(fact.ranks)}, shard sizes {sizes}{_weights(fact)} - {fact.reason}"
         )
+    body = fact.model_dump(exclude={"v", "at", "job", "type"}, exclude_none=True)
     parts = []
     for key, value in body.items():
         if key == "config":
             value = ", ".join(f"{k}={v}" for k, v in value.items())
+        elif key == "position":
+            value = _position(value)
         parts.append(f"{key}={value}")
     return " ".join(parts)
+
+
+def _weights(world: WorldChanged) -> str:
+    weights = world.weights
+    if weights is None:
+        return ""
+    if weights.source == "initial":
+        return ", initial weights"
+    held = f"rank 0's ({world.ranks[0]})" if weights.source == "rank" else weights.uri
+    return f", weights of step {weights.step} from {held}"
+
+
+def _position(body: dict[str, Any]) -> str:
+    left = sum(stop - start for start, stop in body["rest"]["ranges"])
+    return f"(epoch {body['epoch']}, {left} samples left)"
 
 
 def view(state: JobState) -> dict[str, Any]:

@@ -7,7 +7,8 @@ import msgpack
 
 from .state import JobState, dump, load
 
-VERSION = 1
+VERSION = 2
+"""2: the state knows its weight lineage (holders, checkpoints); a v1 snapshot is refolded."""
 
 
 class SnapshotUnusable(Exception):

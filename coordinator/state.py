@@ -16,7 +16,7 @@ from typing import Any, Literal
 import msgpack
 from pydantic import TypeAdapter
 
-from cohort.events.models import JobConfig
+from cohort.events.models import CheckpointRequested, CheckpointSaved, JobConfig, Weights
 from cohort.events.shards import Shard
 
 from .gpu_rules import DEFAULT_RULES, Rules, parse_rules
@@ -47,6 +47,10 @@ class Counters:
     epochs_finished: int = 0
     elections: int = 0
     divergences: int = 0
+    checkpoints: int = 0
+    rewinds: int = 0
+    discarded_steps: int = 0
+    """Committed steps a rewind took off the lineage the model descends from."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,19 @@ class JobState:
     counters: Counters = Counters()
     advice: frozenset[tuple[str, int | None, str]] = frozenset()
     """Active GPU advice: (worker, device or None for any device, rule)."""
+    last_digest: str | None = None
+    """The weights after `last_committed`, as every rank of its world reported them."""
+    holders: frozenset[str] = frozenset()
+    """Members that hold the weights of `last_committed`: the ranks that committed it."""
+    checkpoints: tuple[CheckpointSaved, ...] = ()
+    """Saved checkpoints, oldest first, at most `checkpoint_keep`."""
+    requested: tuple[CheckpointRequested, ...] = ()
+    """Checkpoints asked for and not yet saved (newer than the newest saved)."""
+    weights_lost: int | None = None
+    """The step whose weights nobody holds and no checkpoint has: paused until resumed."""
+    restart: Weights | None = None
+    """After a rewind, until a step commits: the weights a world starts from (the
+    checkpoint's, or the initial ones)."""
     facts: int = 0
 
     @property
@@ -89,6 +106,10 @@ class JobState:
             return self.ranks.index(worker)
         except ValueError:
             return None
+
+    @property
+    def latest_checkpoint(self) -> CheckpointSaved | None:
+        return self.checkpoints[-1] if self.checkpoints else None
 
     @property
     def gpu_rules(self) -> Rules:
@@ -117,6 +138,7 @@ def dump(state: JobState) -> dict[str, Any]:
     """A plain, canonical form (members sorted) for snapshots, JSON and hashing."""
     body = STATE.dump_python(state, mode="json")
     body["members"] = dict(sorted(body["members"].items()))
+    body["holders"] = sorted(body["holders"])
     body["advice"] = sorted(
         body["advice"], key=lambda k: (k[0], -1 if k[1] is None else k[1], k[2])
     )

@@ -133,8 +133,64 @@ class Leave(Event):
     reason: Text = ""
 
 
+CheckpointUri = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+
+
+class DataPosition(BaseModel):
+    """Where the data stands after a step: the epoch, and what is left of it (ranges of
+    positions, in order)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    epoch: Count
+    rest: Shard
+
+
+class CheckpointWritten(Event):
+    """The worker the leader asked (`CheckpointRequested`) wrote the weights after `step`
+    to `uri`, whole: `sha256` of its bytes, `digest` of the weights as StepDone reports them."""
+
+    type: Literal["CheckpointWritten"] = "CheckpointWritten"
+    worker: WorkerId
+    step: Count
+    uri: CheckpointUri
+    digest: Digest | None = None
+    sha256: Sha256
+    bytes: Count
+
+
+class Resume(Event):
+    """An operator continues a job whose weights are lost (`cohort resume`): from the
+    initial weights (`uri` None), or from the checkpoint file at `uri`, whose own header
+    gave `step`, `digest` and `position` (the CLI read and verified it)."""
+
+    type: Literal["Resume"] = "Resume"
+    worker: WorkerId = "operator"
+    uri: CheckpointUri | None = None
+    step: Annotated[int, Field(ge=-1, le=MAX_INT)] = -1
+    digest: Digest | None = None
+    sha256: Sha256 | None = None
+    position: DataPosition | None = None
+    reason: Text = ""
+
+    @model_validator(mode="after")
+    def _a_checkpoint_says_where(self) -> Resume:
+        if (self.uri is None) != (self.position is None) or (self.uri is None) != (self.step < 0):
+            raise ValueError("a resume from a checkpoint names its uri, step and position")
+        return self
+
+
 Command = Annotated[
-    Join | Heartbeat | StepDone | EpochDone | GpuReading | WeightsLoaded | Leave,
+    Join
+    | Heartbeat
+    | StepDone
+    | EpochDone
+    | GpuReading
+    | WeightsLoaded
+    | Leave
+    | CheckpointWritten
+    | Resume,
     Field(discriminator="type"),
 ]
 
@@ -156,6 +212,12 @@ class JobConfig(BaseModel):
     straggler_steps: Annotated[int, Field(ge=1, le=10_000)] = 5
     gpu_rules: tuple[dict[str, Any], ...] | None = Field(default=None, max_length=256)
     """GPU rules as the coordinator validated them (None: cohort's defaults)."""
+    checkpoint_uri: CheckpointUri | None = None
+    """Where checkpoints go (an fsspec URL or path; None: no checkpoints)."""
+    checkpoint_every: Annotated[int, Field(ge=1, le=MAX_INT)] = 100
+    """Steps between checkpoints (one after every N committed steps)."""
+    checkpoint_keep: Annotated[int, Field(ge=1, le=1000)] = 3
+    """Checkpoints kept; older ones are expired (and their files deleted)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> JobConfig:
@@ -233,8 +295,26 @@ class WorkerFailed(Event):
     timeout: Seconds
 
 
+class Weights(BaseModel):
+    """The weights a world starts from: after `step` (-1: the initial weights), with `digest`
+    as StepDone reports them, held by a surviving rank (rank 0 broadcasts them) or read
+    from the journaled checkpoint at `uri`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    step: Annotated[int, Field(ge=-1, le=MAX_INT)]
+    source: Literal["initial", "rank", "checkpoint"]
+    digest: Digest | None = None
+    uri: CheckpointUri | None = None
+    sha256: Sha256 | None = None
+    """Of the checkpoint file's bytes: a reader checks what it loads against it."""
+
+
 class WorldChanged(Event):
-    """A new world: rank r is `ranks[r]`, its shard of the rest of `epoch` is `shards[r]`."""
+    """A new world: rank r is `ranks[r]`, its shard of the rest of `epoch` is `shards[r]`.
+
+    v2 added `weights` (v1 worlds say nothing of their weights: None).
+    """
 
     type: Literal["WorldChanged"] = "WorldChanged"
     version: Count
@@ -245,6 +325,8 @@ class WorldChanged(Event):
     reason: Text = ""
     unassigned: Shard = Shard()
     """What is left of the epoch that no rank holds (non-empty only when no rank is left)."""
+    v: Literal[2] = 2
+    weights: Weights | None = None
 
     @model_validator(mode="after")
     def _one_shard_per_rank(self) -> WorldChanged:
@@ -256,9 +338,13 @@ class WorldChanged(Event):
 
 
 class StepCommitted(Event):
+    """Every rank of `world` finished `step`; `digest`: the weights after it, when every
+    rank reported the same one."""
+
     type: Literal["StepCommitted"] = "StepCommitted"
     step: Count
     world: Count
+    digest: Digest | None = None
 
 
 class WeightsDiverged(Event):
@@ -313,6 +399,65 @@ class TrainingPaused(Event):
 class TrainingResumed(Event):
     type: Literal["TrainingResumed"] = "TrainingResumed"
     active: Count
+
+
+class CheckpointRequested(Event):
+    """After committing `step`, `worker` (a holder of its weights) is asked to write them to
+    `uri`; `position` is where the data stands after `step`, for a rewind to it."""
+
+    type: Literal["CheckpointRequested"] = "CheckpointRequested"
+    worker: WorkerId
+    step: Count
+    uri: CheckpointUri
+    position: DataPosition
+
+
+class CheckpointSaved(Event):
+    """The checkpoint of `step` is whole at `uri`: the journal is the index of checkpoints."""
+
+    type: Literal["CheckpointSaved"] = "CheckpointSaved"
+    worker: WorkerId
+    step: Count
+    uri: CheckpointUri
+    digest: Digest | None = None
+    sha256: Sha256
+    bytes: Count
+    position: DataPosition
+
+
+class CheckpointExpired(Event):
+    """More than `checkpoint_keep` are saved (or a rewind left this one off the lineage): it
+    is dropped from the index, and `worker` (the newest checkpoint's writer) deletes its file."""
+
+    type: Literal["CheckpointExpired"] = "CheckpointExpired"
+    step: Count
+    uri: CheckpointUri
+    worker: WorkerId | None = None
+
+
+class WeightsLost(Event):
+    """No member holds the weights of `step` and no checkpoint exists: training pauses until
+    an operator resumes (from scratch, or from a checkpoint)."""
+
+    type: Literal["WeightsLost"] = "WeightsLost"
+    step: Count
+    digest: Digest | None = None
+
+
+class Rewound(Event):
+    """The job goes back to the weights after `to_step` (-1: the initial weights), from
+    `from_step`: steps `to_step + 1 .. from_step` are discarded from the lineage, and the
+    data stands at `position` again, so their samples return to their epochs."""
+
+    type: Literal["Rewound"] = "Rewound"
+    from_step: Annotated[int, Field(ge=-1, le=MAX_INT)]
+    to_step: Annotated[int, Field(ge=-1, le=MAX_INT)]
+    source: Literal["checkpoint", "scratch"]
+    uri: CheckpointUri | None = None
+    digest: Digest | None = None
+    sha256: Sha256 | None = None
+    position: DataPosition
+    reason: Text = ""
 
 
 GpuMetric = Literal["memory_pct", "temperature", "power_w", "utilization_gpu", "utilization_memory"]
@@ -376,7 +521,12 @@ Fact = Annotated[
     | TrainingPaused
     | TrainingResumed
     | GpuAdviceIssued
-    | GpuAdviceCleared,
+    | GpuAdviceCleared
+    | CheckpointRequested
+    | CheckpointSaved
+    | CheckpointExpired
+    | WeightsLost
+    | Rewound,
     Field(discriminator="type"),
 ]
 
@@ -385,5 +535,15 @@ FACTS: TypeAdapter[Fact] = TypeAdapter(Fact)
 
 COMMAND_TYPES = frozenset(
     m.model_fields["type"].default
-    for m in (Join, Heartbeat, StepDone, EpochDone, GpuReading, WeightsLoaded, Leave)
+    for m in (
+        Join,
+        Heartbeat,
+        StepDone,
+        EpochDone,
+        GpuReading,
+        WeightsLoaded,
+        Leave,
+        CheckpointWritten,
+        Resume,
+    )
 )

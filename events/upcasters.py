@@ -38,6 +38,11 @@ def _heartbeat_gained_progress(body: Body) -> Body:
     return {**body, "step": None, "world": None}
 
 
+@upcaster("WorldChanged", 1)
+def _world_gained_weights(body: Body) -> Body:
+    return {**body, "weights": None}
+
+
 def upcast(body: Body) -> Body:
     """Apply every upcaster from the body's version up to the newest one known."""
     type_, v = body.get("type"), body.get("v", 1)

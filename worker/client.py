@@ -29,6 +29,7 @@ from cohort.events.connection import UNAVAILABLE, Client
 from cohort.events.errors import DecodeError
 from cohort.events.keys import Keys
 from cohort.events.models import (
+    CheckpointWritten,
     Command,
     GpuDevice,
     GpuReading,
@@ -284,6 +285,23 @@ class Worker:
                 samples=samples,
                 digest=digest,
                 loss=loss,
+            )
+        )
+
+    def checkpoint_written(
+        self, step: int, uri: str, sha256: str, size: int, digest: str | None = None
+    ) -> None:
+        """Tell the leader the checkpoint of `step` it asked this worker for is whole at `uri`."""
+        self._send(
+            CheckpointWritten(
+                at=self.clock.now(),
+                job=self.job,
+                worker=self.id,
+                step=step,
+                uri=uri,
+                digest=digest,
+                sha256=sha256,
+                bytes=size,
             )
         )
 

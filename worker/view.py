@@ -20,6 +20,8 @@ Status = Literal["outside", "syncing", "ready", "active", "draining"]
 
 KEEP_PLANS = 8
 """Plans kept for `batch` of recent steps; a training loop is at most a step or two behind."""
+KEEP_EXPIRED = 64
+"""Expired checkpoints this worker was asked to delete, kept until it has."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +34,8 @@ class Plan:
     epoch: int
     ranks: tuple[str, ...]
     shards: tuple[Shard, ...]
+    weights: m.Weights | None = None
+    """The weights the world starts from (None: a journal older than weight lineage)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,9 @@ class Assignment:
     epoch: int
     start_step: int
     shard: Shard
+    weights: m.Weights | None = None
+    """What the world starts from: rank 0's weights (a survivor's, or the initial ones), or
+    a checkpoint rank 0 loads first (`weights.source == "checkpoint"`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +72,14 @@ class View:
     paused: bool = False
     advice: tuple[m.GpuAdviceIssued, ...] = ()
     """This worker's active GPU advice, oldest first."""
+    requested: tuple[m.CheckpointRequested, ...] = ()
+    """Checkpoints this worker is asked to write and that are not saved yet."""
+    checkpoints: tuple[m.CheckpointSaved, ...] = ()
+    """The job's checkpoint index, oldest first."""
+    expired: tuple[m.CheckpointExpired, ...] = ()
+    """Expired checkpoints whose files this worker is asked to delete."""
+    weights_lost: int | None = None
+    """The step whose weights nobody holds: the job waits for an operator's `cohort resume`."""
 
     # ------------------------------------------------------------ the current plan
     @property
@@ -122,6 +137,7 @@ class View:
             epoch=plan.epoch,
             start_step=plan.world_start,
             shard=plan.shards[rank],
+            weights=plan.weights,
         )
 
 
@@ -196,6 +212,7 @@ def evolve(view: View, fact: m.Fact) -> View:
                 epoch=fact.epoch,
                 ranks=fact.ranks,
                 shards=fact.shards,
+                weights=fact.weights,
             )
             return replace(view, plans=(*view.plans, plan)[-KEEP_PLANS:])
         case m.EpochStarted():
@@ -224,6 +241,25 @@ def evolve(view: View, fact: m.Fact) -> View:
             return replace(view, paused=True)
         case m.TrainingResumed():
             return replace(view, paused=False)
+        case m.CheckpointRequested():
+            if fact.worker != me:
+                return view
+            return replace(view, requested=(*view.requested, fact))
+        case m.CheckpointSaved():
+            return replace(
+                view,
+                checkpoints=(*view.checkpoints, fact),
+                requested=tuple(r for r in view.requested if r.step > fact.step),
+            )
+        case m.CheckpointExpired():
+            index = tuple(c for c in view.checkpoints if c.uri != fact.uri)
+            if fact.worker != me:
+                return replace(view, checkpoints=index)
+            return replace(view, checkpoints=index, expired=(*view.expired, fact)[-KEEP_EXPIRED:])
+        case m.WeightsLost():
+            return replace(view, weights_lost=fact.step)
+        case m.Rewound():
+            return replace(view, last_committed=fact.to_step, requested=(), weights_lost=None)
     # A fact this worker has no use for yet (e.g. one a newer coordinator writes): the
     # view stays as it is, so a worker keeps training through a coordinator upgrade.
     return view

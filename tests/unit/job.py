@@ -7,11 +7,14 @@ from typing import Any
 from cohort.coordinator.core import Core
 from cohort.coordinator.fold import fold
 from cohort.events.models import (
+    CheckpointRequested,
+    CheckpointWritten,
     Fact,
     Heartbeat,
     JobConfig,
     Join,
     Leave,
+    Resume,
     StepDone,
     WeightsLoaded,
 )
@@ -63,15 +66,44 @@ class Job:
         return facts
 
     def done(
-        self, worker: str, step: int | None = None, world: int | None = None, step_time: float = 1.0
+        self,
+        worker: str,
+        step: int | None = None,
+        world: int | None = None,
+        step_time: float = 1.0,
+        digest: str | None = None,
     ) -> tuple[Fact, ...]:
         step = self.state.next_step if step is None else step
         world = self.state.world_version if world is None else world
         return self.send(
             StepDone(
-                at=self.now, job=JOB, worker=worker, step=step, world=world, step_time=step_time
+                at=self.now,
+                job=JOB,
+                worker=worker,
+                step=step,
+                world=world,
+                step_time=step_time,
+                digest=digest,
             )
         )
+
+    def checkpoint_written(self, request: CheckpointRequested, digest: str | None = None):  # type: ignore[no-untyped-def]
+        """The asked worker reports the checkpoint whole."""
+        return self.send(
+            CheckpointWritten(
+                at=self.now,
+                job=JOB,
+                worker=request.worker,
+                step=request.step,
+                uri=request.uri,
+                digest=digest,
+                sha256="ab" * 32,
+                bytes=1000,
+            )
+        )
+
+    def resume(self, **body: Any) -> tuple[Fact, ...]:
+        return self.send(Resume(at=self.now, job=JOB, **body))
 
     def heartbeat(self, worker: str, step: int | None = None, world: int | None = None):  # type: ignore[no-untyped-def]
         return self.send(Heartbeat(at=self.now, job=JOB, worker=worker, step=step, world=world))

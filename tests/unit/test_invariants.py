@@ -1,4 +1,5 @@
-"""Random joins, leaves, failures, steps and heartbeats keep DESIGN.md's invariants 1-3."""
+"""Random joins, leaves, failures, steps, heartbeats, checkpoints and resumes keep DESIGN.md's
+invariants 1-3 and 9."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from cohort.coordinator.audit import audit
 from cohort.coordinator.fold import evolve, fold
 from cohort.coordinator.state import JobState, dump, load
-from cohort.events.models import LeaderElected, WorldChanged
+from cohort.events.models import LeaderElected, Rewound, WorldChanged
 
 from .job import Job
 
@@ -27,6 +28,9 @@ class Membership(RuleBasedStateMachine):
             dataset_size=13,
             batch_size=2,
             straggler_steps=2,
+            checkpoint_uri="file:///ckpt",
+            checkpoint_every=3,
+            checkpoint_keep=2,
         )
         self.crashed: set[str] = set()
 
@@ -81,6 +85,16 @@ class Membership(RuleBasedStateMachine):
         if members:
             self.crashed.add(data.draw(st.sampled_from(members)))
 
+    @rule(data=st.data())
+    def write_a_checkpoint(self, data: st.DataObject) -> None:
+        writers = [r for r in self.job.state.requested if r.worker not in self.crashed]
+        if writers:
+            self.job.checkpoint_written(data.draw(st.sampled_from(writers)))
+
+    @rule()
+    def resume_from_scratch(self) -> None:
+        self.job.resume()
+
     @rule(seconds=st.sampled_from([0.5, 1.0, 2.5]))
     def time_passes(self, seconds: float) -> None:
         for worker in self.job.state.members:
@@ -122,8 +136,13 @@ class Membership(RuleBasedStateMachine):
         assert versions == sorted(set(versions))
         epochs = [f.epoch for f in self.job.journal if isinstance(f, LeaderElected)]
         assert epochs == sorted(epochs)
-        data_epochs = [f.epoch for f in self.job.journal if isinstance(f, WorldChanged)]
-        assert data_epochs == sorted(data_epochs)
+        data_epochs: list[int] = []  # on each lineage: a rewind may go back to an older epoch
+        for fact in self.job.journal:
+            if isinstance(fact, Rewound):
+                data_epochs = []
+            elif isinstance(fact, WorldChanged):
+                data_epochs.append(fact.epoch)
+                assert data_epochs == sorted(data_epochs)
 
     @invariant()
     def every_sample_is_used_by_exactly_one_committed_step(self) -> None:
@@ -136,6 +155,8 @@ class Membership(RuleBasedStateMachine):
         event(f"epochs finished: {min(counters.epochs_finished, 2)}")
         event(f"failures: {min(counters.failed, 2)}")
         event(f"world changes > 3: {counters.world_changes > 3}")
+        event(f"checkpoints: {min(counters.checkpoints, 2)}")
+        event(f"rewinds: {min(counters.rewinds, 2)}")
 
 
 Membership.TestCase.settings = settings(

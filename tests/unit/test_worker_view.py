@@ -266,3 +266,39 @@ def test_gpu_advice_combines_to_the_smallest_factor_and_longest_delay() -> None:
         view, issued(0, "x", "prioritise_model_files").model_copy(update={"worker": "someone-else"})
     )
     assert not gpu_advice(other).prioritise_model_files
+
+
+def test_the_world_s_weights_and_this_worker_s_checkpoint_work_reach_the_view() -> None:
+    position = m.DataPosition(epoch=0, rest=Shard(ranges=((20, 100),)))
+    weights = m.Weights(step=3, source="checkpoint", uri="file:///c/3", sha256="ab" * 32)
+    view = fold(
+        [
+            fact(m.WorkerJoined, worker=ME),
+            world(1, 4, (ME,), (Shard(ranges=((20, 100),)),)).model_copy(
+                update={"weights": weights}
+            ),
+            fact(m.CheckpointRequested, worker=ME, step=5, uri="file:///c/5", position=position),
+            fact(
+                m.CheckpointRequested, worker="other", step=5, uri="file:///c/x", position=position
+            ),
+        ],
+        configured(),
+    )
+    assert view.assignment is not None and view.assignment.weights == weights
+    assert [r.uri for r in view.requested] == ["file:///c/5"]  # only what this worker writes
+    saved = fact(
+        m.CheckpointSaved, worker=ME, step=5, uri="file:///c/5", sha256="cd" * 32, bytes=9,
+        position=position,
+    )  # fmt: skip
+    view = evolve(view, saved)
+    assert view.requested == () and [c.step for c in view.checkpoints] == [5]
+    view = evolve(view, fact(m.CheckpointExpired, step=5, uri="file:///c/5", worker=ME))
+    assert view.checkpoints == () and [e.uri for e in view.expired] == ["file:///c/5"]
+    view = evolve(view, fact(m.WeightsLost, step=7))
+    assert view.weights_lost == 7
+    rewound = fact(
+        m.Rewound, from_step=7, to_step=-1, source="scratch",
+        position=m.DataPosition(epoch=0, rest=Shard(ranges=((0, 100),))),
+    )  # fmt: skip
+    view = evolve(view, rewound)
+    assert view.weights_lost is None and view.last_committed == -1
