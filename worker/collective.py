@@ -598,12 +598,13 @@ class Collective:
         return [key for key, _ in pieces]
 
     def _get_pieces(self, call: _Call, root: int) -> dict[str, np.ndarray]:
-        """The root's tensors, once its notice arrives: one GET per piece."""
+        """The root's tensors, once its notice arrives: every piece in pipelined round trips."""
         _, notice = next(call.arrivals("sent", {root}))
         theirs = call.tags(notice, root)
+        keys = [call.piece_key(i, theirs) for i in range(int(notice.get(b"n", b"0")))]
         result: dict[str, np.ndarray] = {}
-        for i in range(int(notice.get(b"n", b"0"))):
-            result.update(next(self._fetch(call, [call.piece_key(i, theirs)], 0)))
+        for got in self._fetch(call, keys, self.max_value_bytes):
+            result.update(got)
         return result
 
     def _groups(self, call: _Call, tensors: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:

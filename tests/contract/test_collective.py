@@ -387,3 +387,28 @@ def test_chunks_of_ranks_already_there_come_in_one_round_trip_up_to_fetch_bytes(
     want = np.mean([_tensors(r, "<f4")["w"].astype(np.float64) for r in range(4)], axis=0)
     for got in results:
         np.testing.assert_allclose(got["w"], want, rtol=1e-6)
+
+
+def test_broadcast_receivers_get_every_piece_in_one_round_trip(
+    connect_more: Callable[[], redis.Redis], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The root's notice names all its pieces, so a receiver pipelines their GETs."""
+    trips: dict[Wire, list[int]] = {}
+    get_all = Wire._get_all
+
+    def counted(self: Wire, keys: list[str]) -> list[Any]:
+        trips.setdefault(self, []).append(len(keys))
+        return get_all(self, keys)
+
+    monkeypatch.setattr(Wire, "_get_all", counted)
+    rng = np.random.default_rng(4)
+    sent = {f"t{i}": rng.standard_normal(3000).astype("<f4") for i in range(5)}
+
+    def body(c: Collective, m: StandIn) -> Any:
+        return c.broadcast(sent if m.rank == 0 else None, root=0, step=5)
+
+    results = _ok(run_ranks(connect_more, _members(3), body, max_value_bytes=64 * 1024 + 13_000))
+    assert sorted(trips.values()) == [[5], [5]]  # two receivers, one trip of 5 pieces each
+    for got in results:
+        for name, array in sent.items():
+            np.testing.assert_array_equal(got[name], array)
