@@ -57,7 +57,7 @@ from cohort.events.streams import ZERO, Entry, entries, read_reply
 from . import placement
 from . import tensors as blobs
 
-# CollectiveError, CollectiveTimeout and Transport are imported from here too (cohort/__init__.py).
+# Users import CollectiveError, CollectiveTimeout (cohort/__init__.py) and Transport from here.
 from .errors import CollectiveError, CollectiveTimeout, WorldChangedError
 from .layout import (
     TRANSPORTS,
