@@ -538,7 +538,7 @@ def status(ctx: click.Context, job: str, as_json: bool, watch: bool, interval: f
     """Leader, epoch, world and every worker of JOB, from the journal and the leader's view."""
     from cohort.coordinator.replay import from_redis, read_once, rebuild, view
 
-    from .render import status_table
+    from .render.terminal import status_table
 
     if watch and as_json:
         fail("--watch and --json do not go together; use --json in a loop for scripts")
@@ -568,7 +568,7 @@ def _watch(conn: Client, job: str, interval: float) -> None:
     from cohort.coordinator.replay import JournalWatch, describe, view
     from cohort.events.streams import Journal
 
-    from .render import console, status_view
+    from .render.terminal import console, status_view
 
     watch = JournalWatch(Journal(conn, Keys(job).journal))
     stop = threading.Event()
@@ -658,7 +658,7 @@ def replay(
     from cohort.coordinator.audit import audit as run_audit
     from cohort.coordinator.replay import describe, from_file, from_redis, rebuild, view
 
-    from .render import audit_table, state_summary
+    from .render.terminal import audit_table, state_summary
 
     if (job is None) == (path is None):
         fail("give exactly one of --job J (from Redis) or --file F (from `cohort export`)")
@@ -762,7 +762,9 @@ def report_cmd(
     """Write one HTML page with plots of a run: membership, step times, loss, GPU memory and
     temperature, with failures, leader changes and advice marked on a shared time axis."""
     from cohort.coordinator.replay import from_file, from_redis
-    from cohort.coordinator.report import render, series
+    from cohort.coordinator.series import series
+
+    from .render.page import render
 
     if (job is None) == (path is None):
         fail("give exactly one of --job J (from Redis) or --file F (from `cohort export`)")
