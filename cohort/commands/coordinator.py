@@ -16,7 +16,7 @@ from cohort.errors import Exit
 from cohort.events.connection import connect
 from cohort.events.models import JobConfig
 
-from .shared import fail, job_option, log, redis_settings, redis_url_option, stop_on_signals
+from .shared import FILE, fail, job_option, log, redis_settings, redis_url_option, stop_on_signals
 
 if TYPE_CHECKING:
     from cohort.coordinator.metrics import Metrics
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 @click.option(
     "--config",
     "config_file",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=FILE,
     help="TOML file with job settings (keys as the flags, with underscores); "
     "flags win over the file.",
 )
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 @click.option(
     "--gpu-rules",
     "gpu_rules_file",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=FILE,
     help="GPU rules (TOML or YAML) replacing the defaults; see docs/gpu.md.",
 )
 @click.option(

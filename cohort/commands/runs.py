@@ -14,7 +14,7 @@ import click
 
 from cohort.errors import Exit
 
-from .shared import F, fail, job_option, or_fail, redis_client, redis_url_option
+from .shared import FILE, F, fail, job_option, or_fail, redis_client, redis_url_option
 
 if TYPE_CHECKING:
     from cohort.coordinator.replay import Run
@@ -34,6 +34,16 @@ def reads_whole_run(command: F) -> F:
             return command(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _file_option(help: str) -> Callable[[F], F]:
+    """--file PATH: read the run from a `cohort export` file instead of Redis."""
+    return click.option("--file", "path", type=FILE, help=help)
+
+
+def _output_option(help: str) -> Callable[[F], F]:
+    """--output/-o PATH, required: where the command writes what it made of the run."""
+    return click.option("--output", "-o", required=True, type=FILE, help=help)
 
 
 def _run_from(
@@ -63,12 +73,7 @@ def _write_whole(output: Path, write: Callable[[IO[bytes]], T]) -> T:
 
 @click.command()
 @job_option("Replay this job's journal from Redis.", required=False)
-@click.option(
-    "--file",
-    "path",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="Replay an exported file instead (no Redis needed).",
-)
+@_file_option("Replay an exported file instead (no Redis needed).")
 @click.option("--until", metavar="ID", help="Stop at this journal entry ID (inclusive).")
 @click.option("--json", "as_json", is_flag=True, help="State and timeline as JSON.")
 @click.option(
@@ -133,13 +138,7 @@ def _is_stream_id(value: str) -> bool:
 @click.command("export")
 @job_option()
 @redis_url_option()
-@click.option(
-    "--output",
-    "-o",
-    required=True,
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="File to write (msgpack; `cohort replay --file` reads it).",
-)
+@_output_option("File to write (msgpack; `cohort replay --file` reads it).")
 @click.pass_context
 @reads_whole_run
 def export_cmd(ctx: click.Context, job: str, output: Path) -> None:
@@ -157,19 +156,8 @@ def export_cmd(ctx: click.Context, job: str, output: Path) -> None:
 @click.command("report")
 @job_option("Report on this job, read from Redis.", required=False)
 @redis_url_option()
-@click.option(
-    "--file",
-    "path",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="Report on an exported file instead (no Redis needed).",
-)
-@click.option(
-    "--output",
-    "-o",
-    required=True,
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="HTML file to write (self-contained: opens offline in any browser).",
-)
+@_file_option("Report on an exported file instead (no Redis needed).")
+@_output_option("HTML file to write (self-contained: opens offline in any browser).")
 @click.option("--title", metavar="TEXT", help="Page title (default: cohort report: JOB).")
 @click.pass_context
 @reads_whole_run

@@ -14,6 +14,7 @@ import ssl
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import click
@@ -37,6 +38,9 @@ def fail(message: str, code: Exit = Exit.USAGE) -> NoReturn:
 
 
 # ---------------------------------------------------------------- options
+
+FILE = click.Path(path_type=Path, dir_okay=False)
+"""The type of an option naming a file (not a directory), given to the command as a Path."""
 
 
 def _check_job(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

@@ -12,7 +12,7 @@ import click
 from cohort.errors import Exit
 from cohort.events.connection import Client
 
-from .shared import F, fail, job_option, redis_client, redis_url_option
+from .shared import FILE, F, fail, job_option, redis_client, redis_url_option
 
 if TYPE_CHECKING:
     from cohort.worker.client import Worker
@@ -138,7 +138,7 @@ def worker(
 )
 @click.option(
     "--save",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=FILE,
     help="Write the final weights to this .npz file.",
 )
 def example_worker(
