@@ -95,7 +95,7 @@ def worker(
 ) -> None:
     """A simulated worker: joins JOB, trains on its shard, survives world changes, leaves.
 
-    It uses exactly the API a real training script uses (worker.Worker). The first
+    It uses exactly the API a real training script uses (cohort.Worker). The first
     SIGINT/SIGTERM finishes the current step and leaves; a second exits at once.
     """
     from cohort.worker.simulated import run
