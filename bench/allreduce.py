@@ -31,8 +31,10 @@ import redis
 
 from cohort.events.connection import RedisSettings, connect
 from cohort.localredis import LocalRedis
-from cohort.worker.collective import TTL_MS, Collective, Transport, _set_command
+from cohort.worker.collective import Collective
+from cohort.worker.layout import Transport
 from cohort.worker.tensors import pack
+from cohort.worker.wire import TTL_MS, set_command
 
 from .results import Section, verdict
 
@@ -110,7 +112,7 @@ def raw_throughput(url: str, size: int, runs: int) -> dict[str, float]:
         start = time.perf_counter()
         connection = pool.get_connection()
         try:
-            connection.send_packed_command(_set_command("raw", pack({"v": value}), TTL_MS))
+            connection.send_packed_command(set_command("raw", pack({"v": value}), TTL_MS))
             connection.read_response()
         finally:
             pool.release(connection)

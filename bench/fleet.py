@@ -14,12 +14,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from cohort.coordinator.replay import JournalWatch
-from cohort.demo import Proc
 from cohort.events.codec import encode
 from cohort.events.connection import Client
 from cohort.events.keys import Keys
 from cohort.events.models import Command, Heartbeat, Join, StepDone, WeightsLoaded
 from cohort.events.streams import Journal
+from cohort.processes import Proc
 
 
 def spawn(url: str, name: str, *args: str) -> Proc:

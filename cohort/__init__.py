@@ -27,9 +27,11 @@ if TYPE_CHECKING:
     from cohort.events.connection import RedisSettings, connect
     from cohort.events.shards import Range, Shard
     from cohort.worker.client import Worker
-    from cohort.worker.collective import Collective, CollectiveError, CollectiveTimeout
+    from cohort.worker.collective import Collective
     from cohort.worker.errors import (
         ActivationTimeout,
+        CollectiveError,
+        CollectiveTimeout,
         CommitTimeout,
         JoinRefusedError,
         JoinTimeout,
@@ -77,8 +79,8 @@ _HOMES = {
     "Shard": "cohort.events.shards",
     "Worker": "cohort.worker.client",
     "Collective": "cohort.worker.collective",
-    "CollectiveError": "cohort.worker.collective",
-    "CollectiveTimeout": "cohort.worker.collective",
+    "CollectiveError": "cohort.worker.errors",
+    "CollectiveTimeout": "cohort.worker.errors",
     "ActivationTimeout": "cohort.worker.errors",
     "CommitTimeout": "cohort.worker.errors",
     "JoinRefusedError": "cohort.worker.errors",

@@ -52,7 +52,7 @@ _COORDINATOR = (
 )  # fmt: skip
 _COORDINATOR_7_2 = ("+waitaof",)  # --wait-aof
 
-# worker.client and worker.collective: the inbox, the journal, the collective's keys.
+# worker.client, worker.collective and worker.wire: the inbox, the journal, the collective's keys.
 _WORKER = (
     "+xadd",  # the inbox (write only) and per-step notice streams
     "+xread", "+xrange", "+xrevrange", "+xlen",  # the journal and notice streams

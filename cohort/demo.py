@@ -4,148 +4,129 @@ It starts (or uses) Redis, two coordinators and several simulated workers as rea
 processes, watches the journal, SIGKILLs a worker and then the leading
 coordinator partway, adds a worker, and ends with a summary, an audit and an
 exported journal that `cohort replay --file` explains. Every process and temp
-dir it made is gone when it returns, also after Ctrl-C.
+dir it made is gone when it returns, also after Ctrl-C, and also when a process
+it waits on died: it says which, with the end of its log, instead of waiting on.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from cohort.coordinator.audit import audit
+from cohort.coordinator.audit import Audit, audit
 from cohort.coordinator.replay import JournalWatch, describe, export, from_redis
 from cohort.coordinator.shards import leftover
-from cohort.events.connection import RedisSettings, connect
+from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.keys import Keys
 from cohort.events.models import LeaderElected, StepCommitted, WorkerFailed
 from cohort.events.shards import range_count
 from cohort.events.streams import Journal
 
+from .errors import CohortError, Exit
 from .localredis import LocalRedis
+from .processes import Proc, stop_all
 
 console = Console(stderr=True)
 DEADLINE = 240.0
+DATASET_SIZE = 2048
+COORDINATORS = ("coord-1", "coord-2")
+COORDINATOR_FLAGS = (
+    ("--min-workers", "1"),
+    ("--heartbeat-interval", "0.5"),
+    ("--heartbeat-timeout", "3"),
+    ("--dataset-size", str(DATASET_SIZE)),
+    ("--batch-size", "32"),
+    ("--lease", "2"),
+)
 
 
-@dataclass
-class Proc:
-    name: str
-    argv: list[str]
-    log: Path
-    popen: subprocess.Popen[bytes] | None = None
+class DemoFailed(CohortError):
+    """The demo cannot go on; the logs of `procs` say why."""
 
-    def start(self) -> None:
-        handle = self.log.open("ab")
-        self.popen = subprocess.Popen(
-            self.argv,
-            stdout=handle,
-            stderr=handle,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        handle.close()
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            assert self.popen is not None
-            os.killpg(self.popen.pid, sig)
-
-    def stop(self, grace: float = 5.0) -> None:
-        if self.popen is None:
-            return
-        self.signal(signal.SIGTERM)
-        try:
-            self.popen.wait(grace)
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.popen.wait()
-
-    def tail(self, lines: int = 8) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-def _view(watch: JournalWatch, events: list[str], steps: int, progress: Progress) -> Group:
-    state = watch.state
-    table = Table(
-        title=f"world v{state.world_version}, leader {state.leader or '-'}"
-        f"{'  [yellow]paused[/]' if state.paused and state.started else ''}",
-        title_justify="left",
-    )
-    table.add_column("worker")
-    table.add_column("state")
-    table.add_column("rank")
-    table.add_column("shard left")
-    config = state.config
-    used = (state.next_step - state.base_step) * (config.batch_size if config else 0)
-    for worker, member in sorted(state.members.items()):
-        rank = state.rank_of(worker)
-        left = max(0, state.shards[rank].size - used) if rank is not None else None
-        table.add_row(
-            worker,
-            member.status,
-            "-" if rank is None else str(rank),
-            "-" if left is None else str(left),
-        )
-    lines = Table.grid()
-    for line in events[-6:]:
-        lines.add_row(f"[dim]{line}[/]")
-    return Group(progress, table, lines)
-
-
-def _epoch_done(watch: JournalWatch) -> tuple[int, int]:
-    state = watch.state
-    if state.config is None:
-        return 0, 1
-    total = state.config.dataset_size
-    rest = leftover(
-        state.shards, state.base_step, state.next_step, state.config.batch_size, state.unassigned
-    )
-    return total - range_count(rest), total
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+    def __init__(self, message: str, procs: Sequence[Proc]) -> None:
+        super().__init__(message)
+        self.procs = tuple(procs)
 
 
 def run_demo(redis_url: str | None, job: str, workers: int, steps: int, keep: bool) -> int:
     """The demo's exit code: 0 when it ran to an identical-weights, audited end; 130 on
     Ctrl-C at any moment (every process stopped and every temp file removed first)."""
     try:
-        return _run(redis_url, job, workers, steps, keep)
-    except KeyboardInterrupt:  # during start-up or shutdown; the live loop handles its own
+        with ExitStack() as stack:
+            return Demo(stack, job, workers, steps).run(redis_url, keep)
+    except KeyboardInterrupt:  # during start-up or shutdown; the live phases handle their own
         console.print("[yellow]interrupted: every process stopped and temp files removed[/]")
-        return 130
+        return Exit.INTERRUPTED
 
 
-def _run(redis_url: str | None, job: str, workers: int, steps: int, keep: bool) -> int:
-    cohort = [sys.executable, "-m", "cohort"]
-    with ExitStack() as stack:
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cohort-demo-")))
+class Demo:
+    """One run of the demo. Whatever it starts is stopped by `stack`, in reverse order."""
+
+    def __init__(self, stack: ExitStack, job: str, workers: int, steps: int) -> None:
+        self.stack = stack
+        self.job = job
+        self.workers = workers
+        self.steps = steps
+        self.tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cohort-demo-")))
+        self.procs: dict[str, Proc] = {}
+        self.killed: set[str] = set()
+        self.events: list[str] = []
+        self.failover: float | None = None
+        self.leader_killed_at: float | None = None
+        self.started = 0.0
+        self.redis_url = ""
+        self.progress = Progress(
+            TextColumn("{task.description:<12}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        self.step_bar = self.progress.add_task("steps", total=steps)
+        self.epoch_bar = self.progress.add_task("epoch 0", total=DATASET_SIZE)
+
+    def run(self, redis_url: str | None, keep: bool) -> Exit:
+        """The demo, phase by phase; its exit code."""
+        self.start_redis(redis_url, keep)
+        self.start_coordinators()
+        self.start_workers()
+        try:
+            with self.live():
+                self.kill_a_worker()
+                self.kill_the_leader()
+                self.add_a_worker()
+                self.wait_for_the_end()
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted: stopping every process and removing temp files[/]")
+            return Exit.INTERRUPTED
+        except DemoFailed as failure:
+            self.show(failure)
+            return Exit.FAILED
+        return self.summarise(self.export(), audit(f for _, f in self.watch.facts))
+
+    # ------------------------------------------------------------ phases
+
+    def start_redis(self, redis_url: str | None, keep: bool) -> None:
+        """Use `redis_url`, or start a private server (removed at the end unless `keep`);
+        either way, clear what an earlier run of this job left there."""
         if redis_url is None:
             server = LocalRedis(appendonly=True, embedded_ok=True)
             server.start()
             if not keep:
-                stack.callback(server.stop)
+                self.stack.callback(server.stop)
             redis_url = server.url
             kind = (
                 "an embedded fakeredis server (no redis-server binary found)"
@@ -153,9 +134,10 @@ def _run(redis_url: str | None, job: str, workers: int, steps: int, keep: bool) 
                 else f"a private redis-server in {server.dir}"
             )
             console.print(f"[bold]cohort demo[/]: using {kind} at {redis_url}")
-        conn = connect(RedisSettings.resolve(redis_url))
-        keys = Keys(job)
-        conn.delete(
+        self.redis_url = redis_url
+        self.conn: Client = connect(RedisSettings.resolve(redis_url))
+        keys = Keys(self.job)
+        self.conn.delete(
             keys.inbox,
             keys.journal,
             keys.leader,
@@ -165,134 +147,61 @@ def _run(redis_url: str | None, job: str, workers: int, steps: int, keep: bool) 
             keys.dead,
             keys.status,
         )
-        base = [*cohort, "--redis-url", redis_url]
-        coord_flags = [
-            "--job",
-            job,
-            "--min-workers",
-            "1",
-            "--heartbeat-interval",
-            "0.5",
-            "--heartbeat-timeout",
-            "3",
-            "--dataset-size",
-            "2048",
-            "--batch-size",
-            "32",
-            "--lease",
-            "2",
-        ]
-        procs: dict[str, Proc] = {}
+        self.watch = JournalWatch(Journal(self.conn, keys.journal))
+        self.stack.callback(lambda: stop_all(self.procs.values()))
 
-        def spawn(name: str, argv: list[str]) -> None:
-            procs[name] = Proc(name, argv, tmp / f"{name}.log")
-            procs[name].start()
+    def start_coordinators(self) -> None:
+        """Two coordinators: one leads, the other follows and takes over when it dies."""
+        flags = [flag for pair in COORDINATOR_FLAGS for flag in pair]
+        for name in COORDINATORS:
+            self._spawn(name, "coordinator", "--job", self.job, *flags, "--id", name)
 
-        def worker(name: str) -> None:
-            spawn(
-                name,
-                [
-                    *base,
-                    "example-worker",
-                    "--job",
-                    job,
-                    "--id",
-                    name,
-                    "--steps",
-                    str(steps),
-                    "--pace",
-                    "0.04",
-                ],
-            )
+    def start_workers(self) -> None:
+        """worker-1 .. worker-N, each training the example model until the job's last step."""
+        for i in range(1, self.workers + 1):
+            self._start_worker(f"worker-{i}")
 
-        def stop_all() -> None:
-            for proc in procs.values():
-                proc.stop()
+    def kill_a_worker(self) -> None:
+        """A quarter of the way: SIGKILL worker-1; the leader fails it and reshards."""
+        self._wait_until(lambda: self.step >= self.steps // 4)
+        self.kill("worker-1")
+        self.events.append("[bold red]demo: SIGKILL worker-1[/]")
 
-        stack.callback(stop_all)
-        for name in ("coord-1", "coord-2"):
-            spawn(name, [*base, "coordinator", *coord_flags, "--id", name])
-        for i in range(1, workers + 1):
-            worker(f"worker-{i}")
-        watch = JournalWatch(Journal(conn, keys.journal))
-        events: list[str] = []
-        started = time.monotonic()
-        killed_worker = killed_leader = added = False
-        leader_killed_at: float | None = None
-        failover: float | None = None
-        previous = signal.signal(signal.SIGTERM, _interrupt)
-        stack.callback(signal.signal, signal.SIGTERM, previous)
-        progress = Progress(
-            TextColumn("{task.description:<12}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-        )
-        step_bar = progress.add_task("steps", total=steps)
-        epoch_bar = progress.add_task("epoch 0", total=2048)
-        try:
-            with Live(
-                _view(watch, events, steps, progress), console=console, refresh_per_second=8
-            ) as live:
-                while True:
-                    seen = len(watch.facts)
-                    watch.pull()
-                    for entry_id, fact in watch.facts[seen:]:
-                        if isinstance(fact, LeaderElected) and leader_killed_at is not None:
-                            failover = failover or time.monotonic() - leader_killed_at
-                        if not isinstance(fact, StepCommitted):
-                            events.append(
-                                f"{entry_id}  {type(fact).__name__} {describe(fact)}"[:150]
-                            )
-                    step = watch.state.last_committed + 1
-                    done, total = _epoch_done(watch)
-                    progress.update(step_bar, completed=min(step, steps))
-                    progress.update(
-                        epoch_bar,
-                        completed=done,
-                        total=total,
-                        description=f"epoch {watch.state.epoch}",
-                    )
-                    if not killed_worker and step >= steps // 4:
-                        killed_worker = True
-                        procs["worker-1"].signal(signal.SIGKILL)
-                        events.append("[bold red]demo: SIGKILL worker-1[/]")
-                    elif killed_worker and not killed_leader and step >= steps // 2:
-                        killed_leader = True
-                        leader = watch.state.leader or "coord-1"
-                        procs[leader].signal(signal.SIGKILL)
-                        leader_killed_at = time.monotonic()
-                        events.append(f"[bold red]demo: SIGKILL leader {leader}[/]")
-                    elif killed_leader and not added and failover is not None:
-                        added = True
-                        worker("worker-new")
-                        events.append("[bold green]demo: started worker-new[/]")
-                    live.update(_view(watch, events, steps, progress))
-                    running = [p for n, p in procs.items() if n.startswith("worker") and p.alive()]
-                    if added and not running:
-                        break
-                    if time.monotonic() - started > DEADLINE:
-                        console.print("[red]demo did not finish in time; process logs:[/]")
-                        for proc in procs.values():
-                            console.print(f"[bold]{proc.name}[/]\n{proc.tail()}")
-                        return 1
-        except KeyboardInterrupt:
-            console.print("[yellow]interrupted: stopping every process and removing temp files[/]")
-            return 130
-        run = from_redis(conn, job)
-        out = Path.cwd() / f"cohort-{job}.export"
+    def kill_the_leader(self) -> None:
+        """Half way: SIGKILL the leading coordinator; the follower takes over."""
+        self._wait_until(lambda: self.step >= self.steps // 2)
+        leader = self.watch.state.leader or "coord-1"
+        self.kill(leader)
+        self.leader_killed_at = time.monotonic()
+        self.events.append(f"[bold red]demo: SIGKILL leader {leader}[/]")
+
+    def add_a_worker(self) -> None:
+        """Once a new leader is elected: start worker-new, which joins the running job."""
+        self._wait_until(lambda: self.failover is not None)
+        self._start_worker("worker-new")
+        self.events.append("[bold green]demo: started worker-new[/]")
+
+    def wait_for_the_end(self) -> None:
+        """Until every worker has exited: they all stop after the job's last step."""
+        self._wait_until(lambda: not self._running("worker"))
+
+    def export(self) -> Path:
+        """The whole run, journal and inbox, to ./cohort-JOB.export for `cohort replay`."""
+        out = Path.cwd() / f"cohort-{self.job}.export"
         with out.open("wb") as handle:
-            export(run, handle, time.time())
-        report = audit(f for _, f in watch.facts)
-        ends = [_last_json(p) for n, p in procs.items() if n.startswith("worker")]
+            export(from_redis(self.conn, self.job), handle, time.time())
+        return out
+
+    def summarise(self, out: Path, report: Audit) -> Exit:
+        """What the run did, whether the workers agree and the audit passed; 0 if both."""
+        ends = [_last_json(p) for n, p in self.procs.items() if n.startswith("worker")]
         # A worker activated only after the last step (a late joiner) trained nothing: its
         # weights are its own initial ones, so it does not count among the finishers.
         finished = [e for e in ends if e and e["steps"] > 0]
         idle = [e["worker"] for e in ends if e and e["steps"] == 0]
-        state = watch.state
-        failed = sum(1 for _, f in watch.facts if isinstance(f, WorkerFailed))
-        took = f"{failover:.2f} s" if failover is not None else "not observed"
+        state = self.watch.state
+        failed = sum(1 for _, f in self.watch.facts if isinstance(f, WorkerFailed))
+        took = f"{self.failover:.2f} s" if self.failover is not None else "not observed"
         digests = {e["weights_digest"] for e in finished}
         loss = finished[0]["loss"] if finished else float("nan")
         accuracy = finished[0]["accuracy"] if finished else float("nan")
@@ -315,8 +224,152 @@ def _run(redis_url: str | None, job: str, workers: int, steps: int, keep: bool) 
             f"{'[green]passed[/]' if report.ok else '[red]FAILED[/]'}"
         )
         console.print(f"replay this run: [bold]cohort replay --file {out} --audit[/]")
-        return 0 if report.ok and len(digests) == 1 else 1
-    return 1
+        return Exit.OK if report.ok and len(digests) == 1 else Exit.FAILED
+
+    def show(self, failure: DemoFailed) -> None:
+        """The failure on one line, as the command's other errors, then the end of each log
+        that explains it."""
+        console.print(f"[red]cohort: error: {escape(str(failure))}[/]", soft_wrap=True)
+        for proc in failure.procs:
+            console.print(f"[bold]{proc.name}[/]\n{escape(proc.tail())}", soft_wrap=True)
+
+    # ------------------------------------------------------------ watching
+
+    @property
+    def step(self) -> int:
+        """Steps the job has committed so far."""
+        return self.watch.state.last_committed + 1
+
+    def live(self) -> Live:
+        """The live view while the phases run; SIGTERM interrupts like Ctrl-C meanwhile."""
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+        self.stack.callback(signal.signal, signal.SIGTERM, previous)
+        self.started = time.monotonic()
+        self._live = Live(self._frame(), console=console, refresh_per_second=8)
+        return self._live
+
+    def _wait_until(self, done: Callable[[], bool]) -> None:
+        """Follow the journal until `done()`. Fail at once when a process the job needs has
+        exited, or at the deadline, rather than wait for what cannot happen."""
+        while True:
+            exited = self._exited()  # before the pull, so that it reads all they did
+            self._pull()
+            failure = self._failure(exited)
+            if failure is not None:
+                raise failure
+            if done():
+                return
+            if time.monotonic() - self.started > DEADLINE:
+                raise DemoFailed(
+                    "demo did not finish in time; process logs:", [*self.procs.values()]
+                )
+
+    def _exited(self) -> set[str]:
+        """The kinds of process ("coord", "worker") of which not one still runs."""
+        return {kind for kind in ("coord", "worker") if not self._running(kind)}
+
+    def _failure(self, exited: set[str]) -> DemoFailed | None:
+        """Why the job cannot end: no coordinator left, or no worker before the last step."""
+        if "coord" in exited:
+            return self._gone("coordinator", "coord", "before the job's end")
+        if "worker" in exited and self.step < self.steps:
+            return self._gone("worker", "worker", f"at step {self.step} of {self.steps}")
+        return None
+
+    def _gone(self, what: str, kind: str, when: str) -> DemoFailed:
+        """A failure naming each process of `kind` and showing the log of one the demo did
+        not kill itself."""
+        group = [p for n, p in self.procs.items() if n.startswith(kind)]
+        how = ", ".join(
+            f"{p.name}: {'killed by the demo' if p.name in self.killed else p.outcome()}"
+            for p in group
+        )
+        culprit = next((p for p in group if p.name not in self.killed), group[0])
+        return DemoFailed(
+            f"every {what} has exited {when} ({how}); {culprit.name}'s log ends:",
+            [culprit],
+        )
+
+    def _pull(self) -> None:
+        """Fold the journal's new facts, note the interesting ones, and redraw."""
+        seen = len(self.watch.facts)
+        self.watch.pull()
+        for entry_id, fact in self.watch.facts[seen:]:
+            if isinstance(fact, LeaderElected) and self.leader_killed_at is not None:
+                self.failover = self.failover or time.monotonic() - self.leader_killed_at
+            if not isinstance(fact, StepCommitted):
+                self.events.append(f"{entry_id}  {type(fact).__name__} {describe(fact)}"[:150])
+        self.progress.update(self.step_bar, completed=min(self.step, self.steps))
+        done, total = _epoch_done(self.watch)
+        self.progress.update(
+            self.epoch_bar,
+            completed=done,
+            total=total,
+            description=f"epoch {self.watch.state.epoch}",
+        )
+        self._live.update(self._frame())
+
+    def _frame(self) -> Group:
+        """Progress bars, one row per worker, and the latest facts."""
+        state = self.watch.state
+        table = Table(
+            title=f"world v{state.world_version}, leader {state.leader or '-'}"
+            f"{'  [yellow]paused[/]' if state.paused and state.started else ''}",
+            title_justify="left",
+        )
+        table.add_column("worker")
+        table.add_column("state")
+        table.add_column("rank")
+        table.add_column("shard left")
+        config = state.config
+        used = (state.next_step - state.base_step) * (config.batch_size if config else 0)
+        for worker, member in sorted(state.members.items()):
+            rank = state.rank_of(worker)
+            left = max(0, state.shards[rank].size - used) if rank is not None else None
+            table.add_row(
+                worker,
+                member.status,
+                "-" if rank is None else str(rank),
+                "-" if left is None else str(left),
+            )
+        lines = Table.grid()
+        for line in self.events[-6:]:
+            lines.add_row(f"[dim]{line}[/]")
+        return Group(self.progress, table, lines)
+
+    # ------------------------------------------------------------ processes
+
+    def _spawn(self, name: str, *args: str) -> None:
+        argv = [sys.executable, "-m", "cohort", "--redis-url", self.redis_url, *args]
+        self.procs[name] = Proc(name, argv, self.tmp / f"{name}.log")
+        self.procs[name].start()
+
+    def _start_worker(self, name: str) -> None:
+        flags = ("--job", self.job, "--id", name, "--steps", str(self.steps), "--pace", "0.04")
+        self._spawn(name, "example-worker", *flags)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL `name`; its death is the demo's doing, not a failure to report."""
+        self.killed.add(name)
+        self.procs[name].signal(signal.SIGKILL)
+
+    def _running(self, kind: str) -> list[Proc]:
+        return [p for n, p in self.procs.items() if n.startswith(kind) and p.alive()]
+
+
+def _epoch_done(watch: JournalWatch) -> tuple[int, int]:
+    state = watch.state
+    if state.config is None:
+        return 0, 1
+    total = state.config.dataset_size
+    rest = leftover(
+        state.shards, state.base_step, state.next_step, state.config.batch_size, state.unassigned
+    )
+    return total - range_count(rest), total
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _last_json(proc: Proc) -> dict[str, Any] | None:

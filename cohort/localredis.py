@@ -26,6 +26,7 @@ import redis
 
 from cohort.events.connection import Client, RedisSettings, connect, text
 
+from . import processes
 from .errors import CohortError
 
 BINARY_ENV = "COHORT_REDIS_SERVER"
@@ -73,14 +74,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((HOST, 0))
         return int(sock.getsockname()[1])
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
 
 
 class LocalRedis:
@@ -203,7 +196,10 @@ class LocalRedis:
             return ""
         return "\n".join(
             t
-            for t in (_tail(self.dir / "redis.out", lines), _tail(self.dir / "redis.log", lines))
+            for t in (
+                processes.tail(self.dir / "redis.out", lines),
+                processes.tail(self.dir / "redis.log", lines),
+            )
             if t
         )
 

@@ -2,7 +2,8 @@
 
 allreduce is a reduce-scatter then an all-gather through the server. The tensors are
 flattened into one vector per dtype and cut into K = N * P chunks (N ranks, P pieces per rank
-so that no Redis value exceeds `max_value_bytes`); rank r owns chunks r*P .. r*P+P-1.
+so that no Redis value exceeds `max_value_bytes`); rank r owns chunks r*P .. r*P+P-1
+(`worker/layout.py`).
 
 1. scatter: every rank SETs each chunk it does not own at `grad(world, step, rank, chunk)`,
    then adds a "scatter" notice (with a digest of its tensor layout) to the step's stream;
@@ -14,7 +15,7 @@ so that no Redis value exceeds `max_value_bytes`); rank r owns chunks r*P .. r*P
 Bytes through the server for S payload bytes: in = (N-1)S scattered + S reduced = N*S;
 out = (N-1)S to the owners + (N-1)S gathered = 2(N-1)S; in + out = (3N-2)S, i.e. each
 rank's byte crosses the server (3N-2)/N times (a naive hub: every rank reads every other's
-whole vector, N*S in + N(N-1)S out).
+whole vector, N*S in + N(N-1)S out). How the bytes are sent and fetched is `worker/wire.py`.
 
 Waiting is one XREAD BLOCK over the step's notice stream and the job's journal at once, so
 a WorldChanged wakes the waiter, which raises `WorldChangedError`; the worker's view is also
@@ -22,22 +23,11 @@ rechecked every `WAKE_S`. Every key has a PX TTL, and the keys of an operation a
 when this rank starts the operation after the next one: every operation here synchronises
 all ranks, so having finished operation i+1 proves that every rank has finished i.
 
-Large values: redis-py 8's default packer joins the command into one bytes object (a copy
-of the whole value, on top of the copy that made the blob). Against a real redis-server
-SETs go out through a pooled connection as a list of parts (`send_packed_command`): the
-array memory itself is handed to `sendall`, nothing is joined. fakeredis has no socket, so
-there the blob is joined and stored with a plain SET. GET returns bytes (hiredis's one copy
-out of the socket); `tensors.unpack` views them without copying. Measured by
-bench/allreduce.py (2 CPUs, redis-server 7.0, 64 MiB): SET through the default packer
-0.85 GB/s, through parts 3.1-3.5 GB/s; GET 1.3-1.4 GB/s.
-
 On Redis Cluster the chunk, reduced and broadcast keys carry a per-primary hash tag
 (`worker/placement.py`: chunk i on primary i mod M), so a step's bytes are spread over every
 primary; each notice names the writer's tags (field `t`) and readers use them, so ranks
-need not agree on the slot map. SETs go straight to the owning node's connection pool (the
-parts path); a MOVED/ASK reply or a node that is gone sends those SETs through redis-py's
-routed pipeline instead, which follows the slot and refreshes its map. The notice stream
-stays in the job's slot: it is XREAD together with the journal.
+need not agree on the slot map. The notice stream stays in the job's slot: it is XREAD
+together with the journal.
 
 A call is named by (world version, step, op): calling the same op twice for one step of one
 world mixes their notices. The coordinator starts a new world on every membership change, so
@@ -46,22 +36,19 @@ an aborted step is retried in a new world and never collides with itself.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import redis
-from redis.cluster import RedisCluster
 
 from cohort.events.codec import decode_fact
-from cohort.events.connection import UNAVAILABLE, Client, is_cluster, text
+from cohort.events.connection import Client, text
 from cohort.events.errors import DecodeError
 from cohort.events.keys import Keys
 from cohort.events.models import WorldChanged
@@ -69,34 +56,37 @@ from cohort.events.streams import ZERO, Entry, entries, read_reply
 
 from . import placement
 from . import tensors as blobs
-from .errors import WaitTimeout, WorkerError, WorldChangedError
+
+# Users import CollectiveError, CollectiveTimeout (cohort/__init__.py) and Transport from here.
+from .errors import CollectiveError, CollectiveTimeout, WorldChangedError
+from .layout import (
+    TRANSPORTS,
+    Chunk,
+    Layout,
+    Transport,
+    bounds,
+    flatten,
+    piece,
+    transported,
+    unflatten,
+)
 from .retry import Link, describe, with_retry
 from .view import Assignment
+from .wire import TTL_MS, Item, Wire
 
 T = TypeVar("T")
 LOG = logging.getLogger("cohort.collective")
 
-TTL_MS = 10 * 60 * 1000
-"""Every collective key expires after this, whatever happens to the ranks that wrote it."""
 WAKE_S = 0.25
 """How often a blocked waiter rechecks the worker's view (the journal wakes it at once)."""
 JOURNAL_LOOKBACK = 16
 """Journal entries checked at call start for a WorldChanged the worker has not folded yet."""
-FETCH_BYTES = 32 * 1024 * 1024
-"""Chunks fetched in one round trip, at most (their replies are held until unpacked)."""
-SMALL_PART = 64 * 1024
-FLOATS = ("<f2", "<f4", "<f8")
+_NEVER = threading.Event()
+"""The stop event of every retry here: never set, a call ends at its deadline instead."""
+Notice = dict[bytes, bytes]
 
 
-class CollectiveError(WorkerError):
-    """A collective could not complete (ranks disagree, a key vanished, Redis failed)."""
-
-
-class CollectiveTimeout(CollectiveError, WaitTimeout):
-    """Some ranks did not do their part in time; the message names them."""
-
-
-class Member(Protocol):
+class Participant(Protocol):
     """What a collective needs of the worker: `worker.client.Worker` satisfies it."""
 
     @property
@@ -123,100 +113,51 @@ class World:
     rank: int
     size: int
 
+    @property
+    def others(self) -> set[int]:
+        """The ranks of this world but this one."""
+        return set(range(self.size)) - {self.rank}
+
 
 @dataclass(frozen=True, slots=True)
-class Layout:
-    """Which tensors go in which dtype vector, in a rank-independent (sorted) order."""
+class _Plan:
+    """How one allreduce cuts its vectors and tags its keys: what its three phases share."""
 
-    groups: tuple[tuple[str, tuple[tuple[str, tuple[int, ...]], ...]], ...]
+    layout: Layout
+    transport: Transport
+    count: int
+    """Chunks of the whole call (K = N*P)."""
+    per_rank: int
+    """Chunks each rank owns (P): rank r owns chunks r*P .. r*P+P-1."""
+    cuts: dict[str, list[slice]]
+    """Where chunk i of each dtype vector lies (`layout.bounds`)."""
+    chunk_bytes: int
+    """The size of one chunk, at most: how many GETs one round trip can carry."""
+    tags: tuple[str, ...]
+    """The hash tags this rank writes its chunks with (() on one server)."""
 
     @property
-    def digest(self) -> str:
-        return hashlib.blake2b(repr(self.groups).encode(), digest_size=12).hexdigest()
+    def signature(self) -> str:
+        """The scatter notice's field `l`: every rank must pass the same layout and transport."""
+        digest = self.layout.digest
+        return digest if self.transport == "float32" else f"{digest}/{self.transport}"
 
-    def sizes(self) -> dict[str, int]:
-        return {g: sum(int(np.prod(s)) for _, s in members) for g, members in self.groups}
+    def owned(self, rank: int) -> range:
+        return range(rank * self.per_rank, (rank + 1) * self.per_rank)
 
+    def sent(self, i: int, vectors: Mapping[str, np.ndarray], what: str) -> Chunk:
+        """Chunk i of `vectors` as it travels (float32 rounded to float16 under that transport)."""
+        return transported(piece(self.cuts, i, vectors), self.transport, what)
 
-def flatten(tensors: Mapping[str, np.ndarray]) -> tuple[Layout, dict[str, np.ndarray]]:
-    """One flat vector per float dtype (a view, not a copy, when a dtype has one tensor)."""
-    by_dtype: dict[str, list[tuple[str, np.ndarray]]] = {}
-    for name in sorted(tensors):
-        array = np.asarray(tensors[name])
-        dtype = array.dtype.newbyteorder("<").str if array.dtype.byteorder == ">" else None
-        dtype = dtype or array.dtype.str
-        if dtype not in FLOATS:
+    def check(self, got: Chunk, i: int, rank: int, what: str) -> Chunk:
+        """`got`, if it has the sizes of chunk i; else CollectiveError naming `rank`."""
+        want = {g: cut[i].stop - cut[i].start for g, cut in self.cuts.items()}
+        have = {g: a.size for g, a in got.items()}
+        if have != want or any(a.ndim != 1 for a in got.values()):
             raise CollectiveError(
-                f"tensor {name!r} has dtype {array.dtype.str!r}; allreduce averages "
-                f"{list(FLOATS)} (cast other tensors first)"
+                f"{what}: chunk {i} from rank {rank} holds {have}, expected {want}"
             )
-        by_dtype.setdefault(dtype, []).append((name, array))
-    layout = Layout(
-        tuple(
-            (g, tuple((name, tuple(a.shape)) for name, a in members))
-            for g, members in sorted(by_dtype.items())
-        )
-    )
-    flats: dict[str, np.ndarray] = {}
-    for g, members in sorted(by_dtype.items()):
-        parts = [np.asarray(a, dtype=g).reshape(-1) for _, a in members]
-        flats[g] = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    return layout, flats
-
-
-def unflatten(layout: Layout, flats: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    for g, members in layout.groups:
-        at = 0
-        for name, shape in members:
-            count = int(np.prod(shape))
-            out[name] = flats[g][at : at + count].reshape(shape)
-            at += count
-    return out
-
-
-Transport = Literal["float32", "float16"]
-TRANSPORTS: tuple[Transport, ...] = ("float32", "float16")
-HALF_MAX = float(np.finfo(np.float16).max)
-
-
-def _same(chunk: dict[str, np.ndarray], call: _Call) -> dict[str, np.ndarray]:
-    return chunk
-
-
-def _half(chunk: dict[str, np.ndarray], call: _Call) -> dict[str, np.ndarray]:
-    """float32 (and the float64 sums of float32 values) as float16 on the wire; others as they are.
-
-    A finite value beyond float16's range would arrive as inf, so it is refused instead."""
-    out = {}
-    for g, a in chunk.items():
-        if g != "<f4":
-            out[g] = a
-            continue
-        with np.errstate(over="ignore"):  # an overflow is reported below, by value
-            half = a.astype("<f2")
-        if np.isinf(half).any() and not np.isinf(a[np.isinf(half)]).all():
-            biggest = float(np.nanmax(np.abs(a[np.isfinite(a)])))
-            raise CollectiveError(
-                f"{call.what()}: a float32 value of magnitude {biggest:.4g} exceeds float16's "
-                f"range ({HALF_MAX:g}); scale the values down or use transport='float32'"
-            )
-        out[g] = half
-    return out
-
-
-def _bounds(sizes: Mapping[str, int], k: int) -> dict[str, list[slice]]:
-    """Where chunk i of each dtype vector lies, as `tensors.chunks` cuts it."""
-    out: dict[str, list[slice]] = {}
-    for g, size in sizes.items():
-        base, extra = divmod(size, k)
-        at, cuts = 0, []
-        for i in range(k):
-            n = base + (1 if i < extra else 0)
-            cuts.append(slice(at, at + n))
-            at += n
-        out[g] = cuts
-    return out
+        return got
 
 
 def _new_assignment(fact: WorldChanged, worker: str) -> Assignment | None:
@@ -233,47 +174,6 @@ def _new_assignment(fact: WorldChanged, worker: str) -> Assignment | None:
     )
 
 
-def _set_command(key: str, parts: list[blobs.Part], ttl_ms: int) -> list[blobs.Part]:
-    """SET key <parts joined> PX ttl as RESP pieces; big parts are passed through, not copied."""
-    raw_key, ttl = key.encode(), str(ttl_ms).encode()
-    size = blobs.nbytes(parts)
-    out: list[blobs.Part] = []
-    small = bytearray(b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(raw_key), raw_key, size))
-    for part in parts:
-        view = memoryview(part)
-        if view.nbytes < SMALL_PART:
-            small += view
-            continue
-        if small:
-            out.append(bytes(small))
-            small = bytearray()
-        out.append(view)
-    small += b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(ttl), ttl)
-    out.append(bytes(small))
-    return out
-
-
-def _send_sets(pool: Any, items: list[tuple[str, list[blobs.Part]]]) -> list[Any]:
-    """Pipeline SETs of `items` on one connection of `pool`, array memory handed to the
-    socket; returns the items the server redirected (MOVED/ASK) instead of storing."""
-    redirected = []
-    connection = pool.get_connection()
-    try:
-        for key, parts in items:  # pipelined: the replies are a few bytes each
-            connection.send_packed_command(_set_command(key, parts, TTL_MS))
-        for item in items:
-            try:
-                connection.read_response()
-            except redis.exceptions.AskError:  # MovedError is an AskError
-                redirected.append(item)
-    except BaseException:
-        connection.disconnect()
-        raise
-    finally:
-        pool.release(connection)
-    return redirected
-
-
 @dataclass
 class _Call:
     """One collective call: its world, its notice stream and where it reads the journal."""
@@ -286,12 +186,41 @@ class _Call:
     timeout: float
     events: str
     positions: dict[str, str] = field(default_factory=dict)
-    notices: dict[str, dict[int, dict[bytes, bytes]]] = field(default_factory=dict)
+    notices: dict[str, dict[int, Notice]] = field(default_factory=dict)
     written: list[str] = field(default_factory=list)
 
     def what(self) -> str:
         return (
             f"{self.op} of step {self.step} in world {self.world.version} (rank {self.world.rank})"
+        )
+
+    def part_key(self, rank: int, i: int, tags: tuple[str, ...]) -> str:
+        """Where rank `rank` scatters its part of chunk i, placed as `tags` say."""
+        return self.owner.keys.grad(
+            self.world.version, self.step, rank, i, placement.tag_of(tags, i)
+        )
+
+    def reduced_key(self, i: int, tags: tuple[str, ...]) -> str:
+        """Where the owner of chunk i stores its mean, placed as `tags` say."""
+        return self.owner.keys.grad_reduced(
+            self.world.version, self.step, i, placement.tag_of(tags, i)
+        )
+
+    def piece_key(self, i: int, tags: tuple[str, ...]) -> str:
+        """Where a broadcast's root stores piece i, placed as `tags` say."""
+        return self.owner.keys.grad_broadcast(
+            self.world.version, self.step, i, placement.tag_of(tags, i)
+        )
+
+    def retry(self, op: Callable[[], T], what: str) -> T:
+        """`op` retried with backoff while Redis is unreachable, until the call's deadline.
+
+        Every Redis operation of a collective is idempotent (SET of the same bytes, GET,
+        XREAD from the same positions, a notice readers dedupe by rank), so a restart of
+        Redis with its AOF costs the step time, not the step.
+        """
+        return with_retry(
+            op, _NEVER, self.owner.link, f"{self.what()}: {what}", deadline=self.deadline
         )
 
     def notify(self, phase: str, **extra: str | int) -> None:
@@ -304,16 +233,14 @@ class _Call:
             pipe.execute()
 
         # A notice sent twice after a lost reply is harmless: readers keep one per rank.
-        self.owner.retry(send, self, f"notifying {phase!r}")
+        self.retry(send, f"notifying {phase!r}")
 
-    def arrivals(self, phase: str, ranks: set[int]) -> Iterator[tuple[int, dict[bytes, bytes]]]:
+    def arrivals(self, phase: str, ranks: set[int]) -> Iterator[tuple[int, Notice]]:
         """Each of `ranks` with its notice of `phase`, as the notices arrive."""
         for batch in self.arrived(phase, ranks):
             yield from batch
 
-    def arrived(
-        self, phase: str, ranks: set[int]
-    ) -> Iterator[list[tuple[int, dict[bytes, bytes]]]]:
+    def arrived(self, phase: str, ranks: set[int]) -> Iterator[list[tuple[int, Notice]]]:
         """The notices of `phase` from `ranks`, every one already there at once, in rank
         order (so their chunks can be fetched in one round trip)."""
         pending = set(ranks)
@@ -326,7 +253,7 @@ class _Call:
             if pending:
                 self._read(phase, pending)
 
-    def tags(self, notice: dict[bytes, bytes], rank: int) -> tuple[str, ...]:
+    def tags(self, notice: Notice, rank: int) -> tuple[str, ...]:
         """The chunk tags `rank` wrote with, as its notice names them."""
         try:
             return placement.decode(notice.get(b"t"))
@@ -359,9 +286,8 @@ class _Call:
                 f"{self.timeout:g} s; those ranks are slow, stuck or gone"
             )
         block = max(1, int(min(remaining, WAKE_S) * 1000))
-        reply = self.owner.retry(
+        reply = self.retry(
             lambda: self.owner.conn.xread(self.positions, block=block),  # type: ignore[arg-type]
-            self,
             "waiting for peers",
         )
         for key, rows in read_reply(reply).items():
@@ -386,7 +312,7 @@ class Collective:
         self,
         conn: Client,
         job: str,
-        worker: Member,
+        worker: Participant,
         max_value_bytes: int = blobs.DEFAULT_MAX_VALUE_BYTES,
     ) -> None:
         self.conn = conn
@@ -395,13 +321,9 @@ class Collective:
         self.max_value_bytes = max_value_bytes
         self._done: deque[list[str]] = deque()
         self.placement = placement.Placement(conn, self.keys)
-        pool = getattr(conn, "connection_pool", None)
-        pool_class = getattr(pool, "connection_class", type(None))
-        self.fast_set = is_cluster(conn) or pool_class.__module__.split(".")[0] == "redis"
-        """True: SETs hand array memory to the socket; False (fakeredis): join, then SET."""
+        self.wire = Wire(conn)
         link = getattr(worker, "link", None)
         self.link: Link = link if isinstance(link, Link) else Link(LOG, describe(conn))
-        self._never = threading.Event()
 
     # ------------------------------------------------------------ public
     def allreduce(
@@ -458,11 +380,10 @@ class Collective:
         call = self._begin("barrier", step, timeout, world)
         if call is None:
             return
-        others = set(range(call.world.size)) - {call.world.rank}
 
         def arrive() -> None:
             call.notify("arrived")
-            for _ in call.arrivals("arrived", others):
+            for _ in call.arrivals("arrived", call.world.others):
                 pass
 
         self._run(call, arrive)
@@ -496,10 +417,9 @@ class Collective:
             events=self.keys.step_events(world.version, step, op),
         )
         try:
-            self.retry(self._cleanup, call, "deleting finished keys")
-            recent: Any = self.retry(
+            call.retry(self._cleanup, "deleting finished keys")
+            recent: Any = call.retry(
                 lambda: self.conn.xrevrange(self.keys.journal, "+", "-", count=JOURNAL_LOOKBACK),
-                call,
                 "reading the journal",
             )
         except redis.RedisError as exc:
@@ -525,212 +445,166 @@ class Collective:
                 self.conn.unlink(*keys)
             self._done.popleft()
 
-    def retry(self, op: Callable[[], T], call: _Call, what: str) -> T:
-        """`op` retried with backoff while Redis is unreachable, until the call's deadline.
-
-        Every Redis operation of a collective is idempotent (SET of the same bytes, GET,
-        XREAD from the same positions, a notice readers dedupe by rank), so a restart of
-        Redis with its AOF costs the step time, not the step.
-        """
-        return with_retry(
-            op, self._never, self.link, f"{call.what()}: {what}", deadline=call.deadline
-        )
-
-    def _store(self, call: _Call, items: list[tuple[str, list[blobs.Part]]]) -> None:
+    def _store(self, call: _Call, items: list[Item]) -> None:
         call.written.extend(key for key, _ in items)
-        self.retry(lambda: self._store_once(items), call, "storing chunks")
+        self.wire.store(items, call.retry)
 
-    def _store_once(self, items: list[tuple[str, list[blobs.Part]]]) -> None:
-        if not self.fast_set:
-            self._store_routed(items)
-            return
-        conn = self.conn
-        if not isinstance(conn, RedisCluster):
-            failed = _send_sets(conn.connection_pool, items)
-        else:
-            by_node: dict[str, tuple[Any, list[tuple[str, list[blobs.Part]]]]] = {}
-            for key, parts in items:
-                node = conn.get_node_from_key(key)
-                pool = conn.get_redis_connection(node).connection_pool
-                by_node.setdefault(node.name, (pool, []))[1].append((key, parts))
-            try:
-                failed = [
-                    item for pool, group in by_node.values() for item in _send_sets(pool, group)
-                ]
-            except UNAVAILABLE:
-                failed = items  # a primary is gone: let redis-py find the new slot owners
-        if failed:  # MOVED/ASK (or a node down): redis-py routes and refreshes its slot map
-            self._store_routed(failed)
-
-    def _store_routed(self, items: list[tuple[str, list[blobs.Part]]]) -> None:
-        """SETs through the client's own pipeline: one copy of each value (joined parts)."""
-        pipe = self.conn.pipeline(transaction=False)
-        for key, parts in items:
-            pipe.set(key, blobs.join(parts), px=TTL_MS)
-        pipe.execute()
-
-    def _fetch(self, call: _Call, key: str) -> dict[str, np.ndarray]:
-        return next(self._fetch_all(call, [key], 0))
-
-    def _fetch_all(
-        self, call: _Call, keys: list[str], chunk_bytes: int
+    def _fetch(
+        self, call: _Call, keys: list[str], each_bytes: int
     ) -> Iterator[dict[str, np.ndarray]]:
-        """The chunks at `keys`, in order: GETs pipelined, at most FETCH_BYTES per round trip
-        (`chunk_bytes`: the size of one)."""
-        per_trip = max(1, FETCH_BYTES // max(chunk_bytes, 1))
-        for start in range(0, len(keys), per_trip):
-            group = keys[start : start + per_trip]
-            raws = self.retry(functools.partial(self._get_all, group), call, f"reading {group[0]}")
-            for key, raw in zip(group, raws, strict=True):
-                if raw is None:
-                    call.check_world()
-                    raise CollectiveError(f"{call.what()}: {key} is gone (expired or deleted)")
-                yield blobs.unpack(raw)
+        """The blobs at `keys`, unpacked, in order (`each_bytes`: the size of one, at most)."""
+        for key, raw in self.wire.fetch(keys, each_bytes, call.retry):
+            if raw is None:
+                call.check_world()
+                raise CollectiveError(f"{call.what()}: {key} is gone (expired or deleted)")
+            yield blobs.unpack(raw)
 
-    def _get_all(self, keys: list[str]) -> list[Any]:
-        if len(keys) == 1:
-            return [self.conn.get(keys[0])]
-        pipe = self.conn.pipeline(transaction=False)
-        for key in keys:
-            pipe.get(key)
-        return pipe.execute()
-
+    # ------------------------------------------------------------ allreduce
     def _allreduce(
         self, call: _Call, layout: Layout, flats: dict[str, np.ndarray], transport: Transport
     ) -> dict[str, np.ndarray]:
-        keys, world, step = self.keys, call.world, call.step
-        wire = _half if transport == "float16" else _same
-        shape = layout.digest if transport == "float32" else f"{layout.digest}/{transport}"
-        n, me = world.size, world.rank
-        total = sum(f.nbytes for f in flats.values())
-        per_rank = blobs.pieces(-(-total // n), self.max_value_bytes)
-        k = n * per_rank
-        cuts = _bounds(layout.sizes(), k)
-        owned = range(me * per_rank, (me + 1) * per_rank)
-        others = set(range(n)) - {me}
-        tags = self.placement.tags()
-        where = placement.encode(tags)
-
-        def piece(i: int, vectors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-            return {g: vectors[g][cuts[g][i]] for g in cuts}
-
-        def check(got: dict[str, np.ndarray], i: int, rank: int) -> dict[str, np.ndarray]:
-            want = {g: cuts[g][i].stop - cuts[g][i].start for g in cuts}
-            have = {g: a.size for g, a in got.items()}
-            if have != want or any(a.ndim != 1 for a in got.values()):
-                raise CollectiveError(
-                    f"{call.what()}: chunk {i} from rank {rank} holds {have}, expected {want}"
-                )
-            return got
-
-        # 1. scatter the chunks other ranks own
-        self._store(
-            call,
-            [
-                (
-                    keys.grad(world.version, step, me, i, placement.tag_of(tags, i)),
-                    blobs.pack(wire(piece(i, flats), call)),
-                )
-                for i in range(k)
-                if i not in owned
-            ],
-        )
-        call.notify("scatter", l=shape, t=where)
-
-        # 2. reduce the chunks this rank owns, as contributions arrive
-        sums = {
-            i: {g: a.astype(np.float64) for g, a in wire(piece(i, flats), call).items()}
-            for i in owned
-        }
-        chunk_bytes = -(-total // k)
-        for batch in call.arrived("scatter", others):
-            wanted = []
-            for rank, notice in batch:
-                if text(notice.get(b"l", b"")) != shape:
-                    raise CollectiveError(
-                        f"{call.what()}: rank {rank} passed tensors of another layout or "
-                        "transport (names, dtypes, shapes or float16/float32 differ); every "
-                        "rank must pass the same"
-                    )
-                theirs = call.tags(notice, rank)
-                for i in owned:
-                    tag = placement.tag_of(theirs, i)
-                    wanted.append((rank, i, keys.grad(world.version, step, rank, i, tag)))
-            chunks = self._fetch_all(call, [key for _, _, key in wanted], chunk_bytes)
-            for (rank, i, _), chunk in zip(wanted, chunks, strict=True):
-                for g, a in check(chunk, i, rank).items():
-                    sums[i][g] += a
-        result = {g: np.empty(size, dtype=g) for g, size in layout.sizes().items()}
-        for i in owned:
-            for a in sums[i].values():
-                np.divide(a, n, out=a)
-            for g, a in wire(sums[i], call).items():  # the owner keeps what the others get
-                result[g][cuts[g][i]] = a
-        del sums
-        self._store(
-            call,
-            [
-                (
-                    keys.grad_reduced(world.version, step, i, placement.tag_of(tags, i)),
-                    blobs.pack(wire(piece(i, result), call)),
-                )
-                for i in owned
-            ],
-        )
-        call.notify("reduced", t=where)
-
-        # 3. gather the chunks the other ranks reduced
-        for batch in call.arrived("reduced", others):
-            wanted = []
-            for rank, notice in batch:
-                theirs = call.tags(notice, rank)
-                for i in range(rank * per_rank, (rank + 1) * per_rank):
-                    tag = placement.tag_of(theirs, i)
-                    wanted.append((rank, i, keys.grad_reduced(world.version, step, i, tag)))
-            chunks = self._fetch_all(call, [key for _, _, key in wanted], chunk_bytes)
-            for (rank, i, _), chunk in zip(wanted, chunks, strict=True):
-                for g, a in check(chunk, i, rank).items():
-                    result[g][cuts[g][i]] = a
+        """Reduce-scatter then all-gather, in the three phases of the module docstring."""
+        plan = self._plan(call, layout, flats, transport)
+        self._scatter(call, plan, flats)
+        result = self._reduce(call, plan, flats)
+        self._gather(call, plan, result)
         return unflatten(layout, result)
 
+    def _plan(
+        self, call: _Call, layout: Layout, flats: dict[str, np.ndarray], transport: Transport
+    ) -> _Plan:
+        """Cut the vectors into N*P chunks, P per rank, so no value exceeds max_value_bytes."""
+        total = sum(f.nbytes for f in flats.values())
+        per_rank = blobs.pieces(-(-total // call.world.size), self.max_value_bytes)
+        k = call.world.size * per_rank
+        cuts = bounds(layout.sizes(), k)
+        return _Plan(layout, transport, k, per_rank, cuts, -(-total // k), self.placement.tags())
+
+    def _scatter(self, call: _Call, plan: _Plan, flats: dict[str, np.ndarray]) -> None:
+        """1. SET each chunk this rank does not own for its owner, then notify "scatter"."""
+        world, mine, what = call.world, plan.owned(call.world.rank), call.what()
+        items = [
+            (call.part_key(world.rank, i, plan.tags), blobs.pack(plan.sent(i, flats, what)))
+            for i in range(plan.count)
+            if i not in mine
+        ]
+        self._store(call, items)
+        call.notify("scatter", l=plan.signature, t=placement.encode(plan.tags))
+
+    def _reduce(
+        self, call: _Call, plan: _Plan, flats: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """2. Sum this rank's chunks over every rank (in float64) as contributions arrive,
+        keep their mean in the result, SET it for the others and notify "reduced"."""
+        mine, what = plan.owned(call.world.rank), call.what()
+        sums = {
+            i: {g: a.astype(np.float64) for g, a in plan.sent(i, flats, what).items()} for i in mine
+        }
+        for i, chunk in self._receive(call, plan, "scatter", self._contributions):
+            for g, a in chunk.items():
+                sums[i][g] += a
+        result = {g: np.empty(size, dtype=g) for g, size in plan.layout.sizes().items()}
+        for i in mine:
+            for a in sums[i].values():
+                np.divide(a, call.world.size, out=a)
+            for g, a in transported(sums[i], plan.transport, what).items():
+                result[g][plan.cuts[g][i]] = a  # the owner keeps what the others get
+        del sums
+        items = [
+            (call.reduced_key(i, plan.tags), blobs.pack(plan.sent(i, result, what))) for i in mine
+        ]
+        self._store(call, items)
+        call.notify("reduced", t=placement.encode(plan.tags))
+        return result
+
+    def _gather(self, call: _Call, plan: _Plan, result: dict[str, np.ndarray]) -> None:
+        """3. GET the chunks the other ranks reduced into `result`, as their notices arrive."""
+        for i, chunk in self._receive(call, plan, "reduced", self._reduced):
+            for g, a in chunk.items():
+                result[g][plan.cuts[g][i]] = a
+
+    def _receive(
+        self,
+        call: _Call,
+        plan: _Plan,
+        phase: str,
+        keys_of: Callable[[_Call, _Plan, int, Notice], list[tuple[int, str]]],
+    ) -> Iterator[tuple[int, Chunk]]:
+        """(i, chunk i) from every other rank as its `phase` notice arrives: `keys_of` names
+        the chunks a rank has for this one, and their keys. The chunks of every rank already
+        there come in as few round trips as FETCH_BYTES allows."""
+        for batch in call.arrived(phase, call.world.others):
+            wanted = [
+                (rank, i, key)
+                for rank, notice in batch
+                for i, key in keys_of(call, plan, rank, notice)
+            ]
+            chunks = self._fetch(call, [key for _, _, key in wanted], plan.chunk_bytes)
+            for (rank, i, _), chunk in zip(wanted, chunks, strict=True):
+                yield i, plan.check(chunk, i, rank, call.what())
+
+    def _contributions(
+        self, call: _Call, plan: _Plan, rank: int, notice: Notice
+    ) -> list[tuple[int, str]]:
+        """The keys of `rank`'s parts of the chunks this rank owns, after its scatter notice
+        shows it passed the same layout and transport."""
+        if text(notice.get(b"l", b"")) != plan.signature:
+            raise CollectiveError(
+                f"{call.what()}: rank {rank} passed tensors of another layout or "
+                "transport (names, dtypes, shapes or float16/float32 differ); every "
+                "rank must pass the same"
+            )
+        theirs = call.tags(notice, rank)
+        return [(i, call.part_key(rank, i, theirs)) for i in plan.owned(call.world.rank)]
+
+    def _reduced(
+        self, call: _Call, plan: _Plan, rank: int, notice: Notice
+    ) -> list[tuple[int, str]]:
+        """The keys of the chunks `rank` reduced, as its notice tags them."""
+        theirs = call.tags(notice, rank)
+        return [(i, call.reduced_key(i, theirs)) for i in plan.owned(rank)]
+
+    # ------------------------------------------------------------ broadcast
     def _broadcast(
         self, call: _Call, tensors: Mapping[str, np.ndarray] | None, root: int
     ) -> dict[str, np.ndarray]:
+        """The root SETs its tensors in pieces, the others GET them; the root unlinks them
+        once every receiver said it has them."""
         world = call.world
-        receivers = set(range(world.size)) - {root}
-        pieces: list[tuple[str, list[blobs.Part]]] = []
+        sent: list[str] = []
         if world.rank == root:
             assert tensors is not None
-            groups = self._groups(call, tensors)
-            tags = self.placement.tags()
-            pieces = [
-                (
-                    self.keys.grad_broadcast(
-                        world.version, call.step, i, placement.tag_of(tags, i)
-                    ),
-                    blobs.pack(group),
-                )
-                for i, group in enumerate(groups)
-            ]
-            self._store(call, pieces)
-            call.notify("sent", n=len(pieces), t=placement.encode(tags))
+            sent = self._send_pieces(call, tensors)
             result = dict(tensors)
         else:
-            _, notice = next(call.arrivals("sent", {root}))
-            theirs = call.tags(notice, root)
-            result = {}
-            for i in range(int(notice.get(b"n", b"0"))):
-                key = self.keys.grad_broadcast(
-                    world.version, call.step, i, placement.tag_of(theirs, i)
-                )
-                result.update(self._fetch(call, key))
+            result = self._get_pieces(call, root)
             call.notify("got")
-        for _ in call.arrivals("got", receivers - {world.rank}):
+        for _ in call.arrivals("got", set(range(world.size)) - {root, world.rank}):
             pass
-        if world.rank == root:  # every receiver has its copy: the pieces can go now
-            done = [key for key, _ in pieces]
-            self.retry(lambda: self.conn.unlink(*done), call, "deleting the pieces")
-            call.written = [key for key in call.written if key not in done]
+        if sent:  # every receiver has its copy: the pieces can go now
+            call.retry(lambda: self.conn.unlink(*sent), "deleting the pieces")
+            call.written = [key for key in call.written if key not in sent]
+        return result
+
+    def _send_pieces(self, call: _Call, tensors: Mapping[str, np.ndarray]) -> list[str]:
+        """SET `tensors` in pieces of at most max_value_bytes and notify "sent"; their keys."""
+        tags = self.placement.tags()
+        pieces = [
+            (call.piece_key(i, tags), blobs.pack(group))
+            for i, group in enumerate(self._groups(call, tensors))
+        ]
+        self._store(call, pieces)
+        call.notify("sent", n=len(pieces), t=placement.encode(tags))
+        return [key for key, _ in pieces]
+
+    def _get_pieces(self, call: _Call, root: int) -> dict[str, np.ndarray]:
+        """The root's tensors, once its notice arrives: every piece in pipelined round trips."""
+        _, notice = next(call.arrivals("sent", {root}))
+        theirs = call.tags(notice, root)
+        keys = [call.piece_key(i, theirs) for i in range(int(notice.get(b"n", b"0")))]
+        result: dict[str, np.ndarray] = {}
+        for got in self._fetch(call, keys, self.max_value_bytes):
+            result.update(got)
         return result
 
     def _groups(self, call: _Call, tensors: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:

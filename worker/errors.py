@@ -71,5 +71,13 @@ class Stopped(WorkerError):
     """The worker was stopped while an operation was still waiting or retrying."""
 
 
+class CollectiveError(WorkerError):
+    """A collective could not complete (ranks disagree, a key vanished, Redis failed)."""
+
+
+class CollectiveTimeout(CollectiveError, WaitTimeout):
+    """Some ranks did not do their part in time; the message names them."""
+
+
 class BlobError(WorkerError):
     """A tensor blob is malformed or hostile (bad header, dtype, shape or byte range)."""

@@ -1,4 +1,4 @@
-"""The blob format for a dict of numpy arrays, and how a flat vector is cut into Redis values.
+"""The blob format for a dict of numpy arrays, and how many Redis values a chunk needs.
 
 A blob is three sections, all little-endian::
 
@@ -193,20 +193,6 @@ def unpack(buf: bytes | bytearray | memoryview) -> dict[str, np.ndarray]:
         array = array.reshape(dims)
         array.flags.writeable = False
         out[name] = array
-    return out
-
-
-def chunks(flat: np.ndarray, n: int) -> list[np.ndarray]:
-    """`flat` cut into `n` near-equal consecutive views (the first len % n get one more)."""
-    if n < 1:
-        raise ValueError(f"cannot cut a vector into {n} chunks")
-    flat = flat.reshape(-1)
-    base, extra = divmod(flat.size, n)
-    out, at = [], 0
-    for i in range(n):
-        size = base + (1 if i < extra else 0)
-        out.append(flat[at : at + size])
-        at += size
     return out
 
 

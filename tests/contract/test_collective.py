@@ -18,12 +18,13 @@ from cohort.events.codec import FIELD, encode
 from cohort.events.keys import Keys
 from cohort.events.models import WorldChanged
 from cohort.events.shards import Shard
-from cohort.worker import collective as collective_module
-from cohort.worker.collective import Collective, CollectiveError, CollectiveTimeout, Member
-from cohort.worker.errors import WorldChangedError
+from cohort.worker import wire as wire_module
+from cohort.worker.collective import Collective, Participant
+from cohort.worker.errors import CollectiveError, CollectiveTimeout, WorldChangedError
 from cohort.worker.tensors import pieces
 from cohort.worker.tensors import unpack as unpack_blob
 from cohort.worker.view import Assignment
+from cohort.worker.wire import Wire
 from tests.helpers import wait_until
 
 JOB = "coll"
@@ -91,10 +92,10 @@ def _tensors(rank: int, dtype: str) -> dict[str, np.ndarray]:
     }
 
 
-def test_the_real_worker_satisfies_the_member_protocol() -> None:
+def test_the_real_worker_satisfies_the_participant_protocol() -> None:
     from cohort.worker.client import Worker
 
-    worker: Member = Worker(fakeredis.FakeRedis(), JOB, worker_id="w0")
+    worker: Participant = Worker(fakeredis.FakeRedis(), JOB, worker_id="w0")
     assert worker.id == "w0"
 
 
@@ -334,7 +335,7 @@ def test_barrier_waits_for_every_rank(connect_more: Callable[[], redis.Redis]) -
 
 def test_sets_bypass_the_joining_packer_only_on_a_real_server(conn: redis.Redis) -> None:
     c = Collective(conn, JOB, StandIn(id="w0", rank=0, world_size=1))
-    assert c.fast_set is not isinstance(conn, fakeredis.FakeRedis)
+    assert c.wire.fast_set is not isinstance(conn, fakeredis.FakeRedis)
 
 
 def test_a_call_prepared_for_an_older_world_is_refused_before_it_writes(conn: redis.Redis) -> None:
@@ -356,21 +357,23 @@ def test_chunks_of_ranks_already_there_come_in_one_round_trip_up_to_fetch_bytes(
 ) -> None:
     """Rank 0 arrives last: the other three ranks' chunks of the part it owns are all stored,
     so it reads them in as few GETs round trips as FETCH_BYTES allows, and still sums right."""
-    monkeypatch.setattr(collective_module, "FETCH_BYTES", fetch_bytes)
+    monkeypatch.setattr(wire_module, "FETCH_BYTES", fetch_bytes)
     fetched: list[int] = []
-    get_all = Collective._get_all
+    rank_0: list[Wire] = []  # the wire of rank 0, whose trips are counted
+    get_all = Wire._get_all
 
-    def counted(self: Collective, keys: list[str]) -> list[Any]:
-        if self.worker.rank == 0:
+    def counted(self: Wire, keys: list[str]) -> list[Any]:
+        if self in rank_0:
             fetched.append(len(keys))
         return get_all(self, keys)
 
-    monkeypatch.setattr(Collective, "_get_all", counted)
+    monkeypatch.setattr(Wire, "_get_all", counted)
     events = KEYS.step_events(1, 3, "allreduce")
     probe = connect_more()
 
     def body(c: Collective, m: StandIn) -> Any:
         if m.rank == 0:
+            rank_0.append(c.wire)
             wait_until(
                 lambda: sum(f[b"p"] == b"scatter" for _, f in probe.xrange(events)) == 3,
                 10,
@@ -384,3 +387,28 @@ def test_chunks_of_ranks_already_there_come_in_one_round_trip_up_to_fetch_bytes(
     want = np.mean([_tensors(r, "<f4")["w"].astype(np.float64) for r in range(4)], axis=0)
     for got in results:
         np.testing.assert_allclose(got["w"], want, rtol=1e-6)
+
+
+def test_broadcast_receivers_get_every_piece_in_one_round_trip(
+    connect_more: Callable[[], redis.Redis], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The root's notice names all its pieces, so a receiver pipelines their GETs."""
+    trips: dict[Wire, list[int]] = {}
+    get_all = Wire._get_all
+
+    def counted(self: Wire, keys: list[str]) -> list[Any]:
+        trips.setdefault(self, []).append(len(keys))
+        return get_all(self, keys)
+
+    monkeypatch.setattr(Wire, "_get_all", counted)
+    rng = np.random.default_rng(4)
+    sent = {f"t{i}": rng.standard_normal(3000).astype("<f4") for i in range(5)}
+
+    def body(c: Collective, m: StandIn) -> Any:
+        return c.broadcast(sent if m.rank == 0 else None, root=0, step=5)
+
+    results = _ok(run_ranks(connect_more, _members(3), body, max_value_bytes=64 * 1024 + 13_000))
+    assert sorted(trips.values()) == [[5], [5]]  # two receivers, one trip of 5 pieces each
+    for got in results:
+        for name, array in sent.items():
+            np.testing.assert_array_equal(got[name], array)

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from cohort.errors import Exit
 from cohort.events.keys import Keys
 from cohort.events.models import Join, StepDone, WeightsLoaded
 from cohort.events.streams import Inbox
+from cohort.localredis import LocalRedis
 
-from ..helpers import wait_until
+from ..helpers import require_redis_server, wait_until
 from .cluster import Cluster
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
@@ -164,6 +166,34 @@ def test_interrupted_demo_stops_every_process_and_removes_its_files(tmp_path: Pa
         lambda: not any(Path(f"/proc/{pid}").exists() for pid in gone),
         20,
         message="no demo process left",
+    )
+    assert processes_mentioning(str(tmp_path / "tmp")) == []
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_demo_on_a_redis_without_aof_stops_at_once_naming_the_coordinators(
+    tmp_path: Path,
+) -> None:
+    """Both coordinators refuse a Redis that keeps no append-only file and exit at start-up;
+    the demo says so within seconds (not at its 240 s deadline), shows the end of a
+    coordinator's log, and leaves no process or temp file behind."""
+    env = _demo_env(tmp_path)
+    with LocalRedis(appendonly=False, binary=require_redis_server()) as volatile:
+        env["COHORT_REDIS_URL"] = volatile.url
+        started = time.monotonic()
+        result = cohort("demo", "--steps", "24", env=env, cwd=tmp_path, timeout=120)
+        took = time.monotonic() - started
+    assert result.returncode == Exit.FAILED, result.stderr[-3000:]
+    assert took < 60, f"the demo took {took:.0f} s to notice"
+    error = [line for line in result.stderr.splitlines() if line.startswith("cohort: error:")]
+    assert error[0] == (
+        "cohort: error: every coordinator has exited before the job's end "
+        "(coord-1: exit code 4, coord-2: exit code 4); coord-1's log ends:"
+    )
+    assert "runs without an append-only file" in result.stderr  # coord-1's own last words
+    assert "Traceback" not in result.stderr
+    wait_until(
+        lambda: processes_mentioning(" --job demo") == [], 20, message="no demo process left"
     )
     assert processes_mentioning(str(tmp_path / "tmp")) == []
     assert list((tmp_path / "tmp").iterdir()) == []

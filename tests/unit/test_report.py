@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from cohort.cli import main
 from cohort.coordinator.replay import Run, export
-from cohort.coordinator.report import MAX_POINTS, TIMELINE_ROWS, ReportData, Series, render, series
+from cohort.coordinator.series import MAX_POINTS, TIMELINE_ROWS, ReportData, Series, series
 from cohort.events.codec import FIELD, encode
 from cohort.events.models import (
     Event,
@@ -39,6 +39,7 @@ from cohort.events.models import (
 )
 from cohort.events.shards import Shard
 from cohort.events.streams import Entry
+from cohort.render.page import render
 
 JOB = "rep"
 T0 = 1_732_350_000.0

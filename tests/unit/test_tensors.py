@@ -1,4 +1,4 @@
-"""The tensor blob: round trips, zero-copy decoding, hostile headers, chunking."""
+"""The tensor blob: round trips, zero-copy decoding, hostile headers, pieces per value."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from cohort.worker.tensors import (
     DTYPES,
     MAX_HEADER_BYTES,
     MAX_TENSORS,
-    chunks,
     join,
     nbytes,
     pack,
@@ -170,21 +169,6 @@ def test_any_dict_of_arrays_round_trips(tensors: dict[str, np.ndarray]) -> None:
     for name, array in tensors.items():
         assert got[name].dtype == array.dtype and got[name].shape == array.shape
         np.testing.assert_array_equal(got[name], array)
-
-
-@given(st.integers(0, 1000), st.integers(1, 40))
-def test_chunks_cut_a_vector_into_near_equal_consecutive_views(size: int, n: int) -> None:
-    flat = np.arange(size, dtype="<f4")
-    parts = chunks(flat, n)
-    assert len(parts) == n
-    assert max(p.size for p in parts) - min(p.size for p in parts) <= 1
-    np.testing.assert_array_equal(np.concatenate(parts), flat)
-    assert all(p.base is flat or p.size == 0 or np.shares_memory(p, flat) for p in parts)
-
-
-def test_chunks_refuses_zero_parts() -> None:
-    with pytest.raises(ValueError, match="0 chunks"):
-        chunks(np.ones(3), 0)
 
 
 def test_pieces_keep_every_value_under_the_limit() -> None:

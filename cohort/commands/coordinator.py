@@ -1,0 +1,207 @@
+"""`cohort coordinator`: run one of a job's coordinators (one leads, the others follow)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import tomllib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+import redis
+from pydantic import ValidationError
+
+from cohort.errors import Exit
+from cohort.events.connection import connect
+from cohort.events.models import JobConfig
+
+from .shared import FILE, fail, job_option, log, redis_settings, redis_url_option, stop_on_signals
+
+if TYPE_CHECKING:
+    from cohort.coordinator.metrics import Metrics
+
+
+@click.command()
+@job_option()
+@redis_url_option()
+@click.option(
+    "--id",
+    "coordinator_id",
+    metavar="NAME",
+    help="This coordinator's name in facts and logs (default host-pid).",
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=FILE,
+    help="TOML file with job settings (keys as the flags, with underscores); "
+    "flags win over the file.",
+)
+@click.option("--min-workers", type=int, help="Pause training below this many (default 1).")
+@click.option("--max-workers", type=int, help="Refuse joins beyond this many (default 64).")
+@click.option("--heartbeat-interval", type=float, help="Seconds between heartbeats (default 1).")
+@click.option(
+    "--heartbeat-timeout",
+    type=float,
+    help="Seconds of silence before a worker is failed (default 5).",
+)
+@click.option("--dataset-size", type=int, help="Samples per epoch (default 60000).")
+@click.option("--batch-size", type=int, help="Samples per rank per step (default 32).")
+@click.option("--straggler-factor", type=float, help="x median step time (default 1.5).")
+@click.option("--straggler-steps", type=int, help="Steps in a row to flag (default 5).")
+@click.option(
+    "--lease",
+    type=float,
+    default=3.0,
+    show_default=True,
+    help="Leader lease, seconds; a follower takes over within about this long.",
+)
+@click.option(
+    "--snapshot-every",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Write a snapshot every N facts.",
+)
+@click.option(
+    "--gpu-rules",
+    "gpu_rules_file",
+    type=FILE,
+    help="GPU rules (TOML or YAML) replacing the defaults; see docs/gpu.md.",
+)
+@click.option(
+    "--allow-volatile",
+    is_flag=True,
+    help="Lead even if Redis keeps no append-only file (a Redis restart loses the journal).",
+)
+@click.option(
+    "--wait-aof",
+    is_flag=True,
+    help="After each append, wait for the AOF fsync (WAITAOF; Redis >= 7.2).",
+)
+@click.option(
+    "--wait-replicas",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="After each append, WAIT until this many replicas have it, so a Sentinel or Cluster "
+    "failover cannot lose an acknowledged fact (docs/redis-ha.md). 0: do not wait.",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    help="Serve Prometheus metrics on this port (0: any free port, logged).",
+)
+@click.pass_context
+def coordinator(
+    ctx: click.Context,
+    job: str,
+    coordinator_id: str | None,
+    config_file: Path | None,
+    lease: float,
+    snapshot_every: int,
+    metrics_port: int | None,
+    allow_volatile: bool,
+    wait_aof: bool,
+    wait_replicas: int,
+    gpu_rules_file: Path | None,
+    **flags: Any,
+) -> None:
+    """Run a coordinator for JOB. Run several: one leads, the others follow and take over.
+
+    The job's settings are journaled by the first leader; later coordinators keep them.
+    """
+    from cohort.coordinator.errors import CoordinatorError
+    from cohort.coordinator.service import Coordinator, ServiceSettings
+
+    config = _job_config(config_file, gpu_rules_file, flags)
+    if not 0.2 <= lease <= 600:
+        fail(f"--lease {lease} is out of range; use 0.2 to 600 seconds")
+    name = coordinator_id or f"{os.uname().nodename}-{os.getpid()}"
+    server = redis_settings(ctx, f"cohort-coordinator-{name}")
+    settings = ServiceSettings(
+        job=job,
+        coordinator=name,
+        config=config,
+        lease_ms=int(lease * 1000),
+        snapshot_every=snapshot_every,
+        allow_volatile=allow_volatile,
+        wait_aof=wait_aof,
+        wait_replicas=wait_replicas,
+        display_url=server.display_url,
+    )
+    try:
+        conn = connect(server)  # a cluster client asks for the slot map at once
+    except redis.ConnectionError as exc:
+        fail(f"cannot reach Redis at {server.display_url} ({exc})", Exit.REDIS)
+    stop = threading.Event()
+    stop_on_signals(stop, f"coordinator {name}")
+    log.info("coordinator %s for job %r on %s", name, job, server.display_url)
+    metrics = _serve_metrics(job, name, metrics_port) if metrics_port is not None else None
+    try:
+        Coordinator.on_redis(conn, settings, metrics=metrics).run(stop)
+    except CoordinatorError as exc:
+        fail(str(exc), Exit.DATA)
+
+
+def _job_config(
+    config_file: Path | None, gpu_rules_file: Path | None, flags: dict[str, Any]
+) -> JobConfig:
+    """The job's settings: the TOML file's, then the flags given, then the GPU rules."""
+    from cohort.coordinator.gpu_rules import RulesError, load_rules, parse_rules
+
+    values = _load_config_file(config_file)
+    values.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        if gpu_rules_file is not None:
+            rules = load_rules(gpu_rules_file)
+        elif "gpu_rules" in values:
+            rules = parse_rules({"rules": values["gpu_rules"]}, str(config_file))
+        else:
+            rules = None
+    except RulesError as exc:
+        fail(str(exc))
+    if rules is not None:
+        values["gpu_rules"] = tuple(r.model_dump(mode="json") for r in rules.rules)
+    try:
+        return JobConfig(**values)
+    except ValidationError as exc:
+        fail(_pydantic_message(exc, str(config_file) if config_file else "the flags"))
+    except TypeError as exc:
+        fail(f"bad job settings: {exc}")
+
+
+def _load_config_file(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        return tomllib.loads(path.read_text())
+    except OSError as exc:
+        fail(f"cannot read config file {str(path)!r}: {exc.strerror}")
+    except tomllib.TOMLDecodeError as exc:
+        fail(f"config file {str(path)!r} is not valid TOML: {exc}")
+
+
+def _pydantic_message(exc: ValidationError, source: str) -> str:
+    problems = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        problems.append(f"{where}={err.get('input')!r}: {message}" if where else message)
+    return f"bad job settings from {source}: " + "; ".join(problems)
+
+
+def _serve_metrics(job: str, name: str, port: int) -> Metrics:
+    """Prometheus metrics on `port` (0: any free one, logged); else exit 2 naming the port."""
+    from cohort.coordinator.metrics import Metrics
+
+    metrics = Metrics(job, name)
+    try:
+        bound = metrics.serve(port)
+    except OSError as exc:
+        fail(
+            f"--metrics-port {port}: cannot listen ({exc.strerror}); pick a free port or 0 for any"
+        )
+    log.info("metrics on http://0.0.0.0:%d/metrics", bound)
+    return metrics

@@ -1,0 +1,177 @@
+"""`cohort replay`, `export` and `report`: commands that read a whole run and explain it."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, TypeVar
+
+import click
+
+from cohort.errors import Exit
+
+from .shared import FILE, F, fail, job_option, or_fail, redis_client, redis_url_option
+
+if TYPE_CHECKING:
+    from cohort.coordinator.replay import Run
+
+T = TypeVar("T")
+ONE_SOURCE = "give exactly one of --job J (from Redis) or --file F (from `cohort export`)"
+
+
+def reads_whole_run(command: F) -> F:
+    """A one-shot command that reads a whole run: see coordinator.replay.read_once."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from cohort.coordinator.replay import read_once
+
+        with read_once():
+            return command(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _file_option(help: str) -> Callable[[F], F]:
+    """--file PATH: read the run from a `cohort export` file instead of Redis."""
+    return click.option("--file", "path", type=FILE, help=help)
+
+
+def _output_option(help: str) -> Callable[[F], F]:
+    """--output/-o PATH, required: where the command writes what it made of the run."""
+    return click.option("--output", "-o", required=True, type=FILE, help=help)
+
+
+def _run_from(
+    ctx: click.Context, job: str | None, path: Path | None, name: str, with_inbox: bool
+) -> Run:
+    """The run in the export file `path`, else JOB's in Redis (connecting as `name`)."""
+    from cohort.coordinator.replay import from_file, from_redis
+
+    if path is not None:
+        return or_fail(lambda: from_file(path))
+    assert job is not None
+    return from_redis(redis_client(ctx, name), job, with_inbox=with_inbox)
+
+
+def _write_whole(output: Path, write: Callable[[IO[bytes]], T]) -> T:
+    """`write` to OUTPUT.part, renamed to OUTPUT at the end: no reader sees half a file."""
+    tmp = output.with_name(output.name + ".part")
+    try:
+        with tmp.open("wb") as out:
+            result = write(out)
+        tmp.replace(output)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        fail(f"cannot write {str(output)!r}: {exc.strerror}")
+    return result
+
+
+@click.command()
+@job_option("Replay this job's journal from Redis.", required=False)
+@_file_option("Replay an exported file instead (no Redis needed).")
+@click.option("--until", metavar="ID", help="Stop at this journal entry ID (inclusive).")
+@click.option("--json", "as_json", is_flag=True, help="State and timeline as JSON.")
+@click.option(
+    "--audit",
+    is_flag=True,
+    help="Check every sample of each epoch was used by exactly one committed step.",
+)
+@click.option("--quiet", "-q", is_flag=True, help="Only the final state, no timeline.")
+@click.pass_context
+@reads_whole_run
+def replay(
+    ctx: click.Context,
+    job: str | None,
+    path: Path | None,
+    until: str | None,
+    as_json: bool,
+    audit: bool,
+    quiet: bool,
+) -> None:
+    """Rebuild a job's state at any journal entry, with its timeline and a stable hash."""
+    from cohort.coordinator.audit import audit as run_audit
+    from cohort.coordinator.replay import describe, rebuild, view
+    from cohort.render.terminal import audit_table, state_summary
+
+    if (job is None) == (path is None):
+        fail(ONE_SOURCE)
+    if until is not None and not _is_stream_id(until):
+        fail(f"--until {until!r} is not a stream entry ID; use MS-SEQ as shown in the timeline")
+    run = _run_from(ctx, job, path, "cohort-replay", with_inbox=False)
+    state, timeline = or_fail(lambda: rebuild(run, until))
+    report = run_audit(f for _, f in timeline) if audit else None
+    if as_json:
+        body: dict[str, Any] = {"job": run.job, "state": view(state)}
+        if not quiet:
+            body["timeline"] = [
+                {"id": i, "type": type(f).__name__, **f.model_dump(mode="json")}
+                for i, f in timeline
+            ]
+        if report is not None:
+            body["audit"] = {
+                "ok": report.ok,
+                "problems": report.problems,
+                "epochs": {e: vars(a) for e, a in report.epochs.items()},
+            }
+        click.echo(json.dumps(body, default=str))
+    else:
+        if not quiet:
+            for entry_id, fact in timeline:
+                click.echo(f"{entry_id:>22}  {type(fact).__name__:<18} {describe(fact)}")
+        state_summary(view(state))
+        if report is not None:
+            audit_table(report)
+    if report is not None and not report.ok:
+        sys.exit(Exit.DATA)
+
+
+def _is_stream_id(value: str) -> bool:
+    ms, _, seq = value.partition("-")
+    return ms.isdigit() and (seq == "" or seq.isdigit())
+
+
+@click.command("export")
+@job_option()
+@redis_url_option()
+@_output_option("File to write (msgpack; `cohort replay --file` reads it).")
+@click.pass_context
+@reads_whole_run
+def export_cmd(ctx: click.Context, job: str, output: Path) -> None:
+    """Write JOB's journal, retained inbox and dead letters to a file."""
+    from cohort.coordinator.replay import export
+
+    run = _run_from(ctx, job, None, "cohort-export", with_inbox=True)
+    count = _write_whole(output, lambda out: export(run, out, time.time()))
+    click.echo(
+        f"wrote {count} entries ({len(run.journal)} facts, {len(run.inbox)} inbox, "
+        f"{len(run.dead)} dead letters) of job {job!r} to {output}"
+    )
+
+
+@click.command("report")
+@job_option("Report on this job, read from Redis.", required=False)
+@redis_url_option()
+@_file_option("Report on an exported file instead (no Redis needed).")
+@_output_option("HTML file to write (self-contained: opens offline in any browser).")
+@click.option("--title", metavar="TEXT", help="Page title (default: cohort report: JOB).")
+@click.pass_context
+@reads_whole_run
+def report_cmd(
+    ctx: click.Context, job: str | None, path: Path | None, output: Path, title: str | None
+) -> None:
+    """Write one HTML page with plots of a run: membership, step times, loss, GPU memory and
+    temperature, with failures, leader changes and advice marked on a shared time axis."""
+    from cohort.coordinator.series import series
+    from cohort.render.page import render
+
+    if (job is None) == (path is None):
+        fail(ONE_SOURCE)
+    run = _run_from(ctx, job, path, "cohort-report", with_inbox=True)
+    page = render(or_fail(lambda: series(run)), title or f"cohort report: {run.job}")
+    _write_whole(output, lambda out: out.write(page.encode("utf-8")))
+    click.echo(str(output))

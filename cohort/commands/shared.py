@@ -1,0 +1,168 @@
+"""What every cohort subcommand shares: options, the Redis connection, signals, failing.
+
+Each option is declared once here. `--redis-url` is accepted on the group (with the
+$COHORT_REDIS_URL fallback) and again on each command that talks to Redis, so
+`cohort --redis-url U status` and `cohort status --redis-url U` both work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import ssl
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import click
+import redis
+
+from cohort.errors import Exit
+from cohort.events.connection import Client, RedisSettings, connect
+from cohort.events.errors import EventsError, SettingsError
+from cohort.events.keys import check_job
+
+log = logging.getLogger("cohort")
+
+F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
+
+
+def fail(message: str, code: Exit = Exit.USAGE) -> NoReturn:
+    """Print `cohort: error: MESSAGE` on stderr and exit with `code`; no traceback."""
+    click.echo(f"cohort: error: {message}", err=True)
+    sys.exit(code)
+
+
+# ---------------------------------------------------------------- options
+
+FILE = click.Path(path_type=Path, dir_okay=False)
+"""The type of an option naming a file (not a directory), given to the command as a Path."""
+
+
+def _check_job(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return check_job(value)
+    except EventsError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def job_option(
+    help: str | None = "Job name (letters, digits, '.', '_', '-'); env COHORT_JOB.",
+    **overrides: Any,
+) -> Callable[[F], F]:
+    """--job/-j, checked as a job name; required and read from $COHORT_JOB unless overridden."""
+    settings: dict[str, Any] = {"required": True, "envvar": "COHORT_JOB", **overrides}
+    return click.option("--job", "-j", callback=_check_job, help=help, **settings)
+
+
+def _keep_redis_url(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """The group's value (or the environment's) first; a command's own, if given, wins."""
+    obj = ctx.ensure_object(dict)
+    if value is not None or "redis_url" not in obj:
+        obj["redis_url"] = value
+
+
+def redis_url_option(*, on_group: bool = False) -> Callable[[F], F]:
+    """--redis-url, on the group (with the $COHORT_REDIS_URL fallback) or after a command.
+
+    Not read from the environment after a command: there it would override the URL given
+    before the command. Commands read the choice through `redis_settings`.
+    """
+    return click.option(
+        "--redis-url",
+        metavar="URL",
+        envvar="COHORT_REDIS_URL" if on_group else None,
+        expose_value=False,
+        callback=_keep_redis_url,
+        help=(
+            "Redis to use, e.g. redis://host:6379/0 or rediss:// for TLS, "
+            "redis+cluster://host:port[,host:port...] for Redis Cluster, "
+            "redis+sentinel://host:26379[,...]/SERVICE[/DB] for Sentinel; env "
+            "COHORT_REDIS_URL. Default redis://127.0.0.1:6379/0 (`cohort demo` starts its "
+            "own when unset)."
+            if on_group
+            else "Redis URL (also accepted before the subcommand); env COHORT_REDIS_URL."
+        ),
+    )
+
+
+# ---------------------------------------------------------------- Redis
+
+
+def redis_settings(ctx: click.Context, name: str) -> RedisSettings:
+    """The chosen URL and TLS files, checked, with `name` as the client name; else exit 2."""
+    try:
+        tls = ctx.obj.get("redis_tls", {})
+        return RedisSettings.resolve(ctx.obj["redis_url"], client_name=name, **tls)
+    except SettingsError as exc:
+        fail(str(exc))
+
+
+def redis_client(ctx: click.Context, name: str) -> Client:
+    """A client that has answered PING; else exit 3 saying what to check."""
+    settings = redis_settings(ctx, name)
+    try:
+        conn = connect(settings)  # a cluster client asks for the slot map at once
+        conn.ping()
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        if tls_failure(settings, exc):
+            fail(
+                f"TLS handshake with Redis at {settings.display_url} failed ({exc}); check "
+                "--redis-tls-ca ($COHORT_REDIS_TLS_CA) names the CA that signed the server's "
+                "certificate, and --redis-tls-cert/--redis-tls-key if the server asks for a "
+                "client certificate",
+                Exit.REDIS,
+            )
+        fail(
+            f"cannot reach Redis at {settings.display_url} ({exc}); start one, or point "
+            "--redis-url / $COHORT_REDIS_URL at it",
+            Exit.REDIS,
+        )
+    except redis.AuthenticationError as exc:
+        fail(f"Redis at {settings.display_url} refused the credentials: {exc}", Exit.REDIS)
+    return conn
+
+
+def tls_failure(settings: RedisSettings, exc: BaseException) -> bool:
+    """True if `exc` came from the TLS layer of a rediss:// connection."""
+    if not settings.target.tls:
+        return False
+    text = str(exc).lower()
+    return any(w in text for w in ("ssl", "tls", "certificate", "handshake")) or isinstance(
+        exc.__cause__ or exc.__context__, ssl.SSLError
+    )
+
+
+def or_fail(read: Callable[[], T]) -> T:
+    """`read()`, or exit 4 with the message of the CoordinatorError it raised."""
+    from cohort.coordinator.errors import CoordinatorError
+
+    try:
+        return read()
+    except CoordinatorError as exc:
+        fail(str(exc), Exit.DATA)
+
+
+# ---------------------------------------------------------------- signals
+
+
+def stop_on_signals(stop: threading.Event, what: str) -> None:
+    """First SIGINT/SIGTERM: set `stop`, so `what` finishes cleanly. Second: exit now."""
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            log.warning("second %s: exiting now", signal.Signals(signum).name)
+            os._exit(Exit.INTERRUPTED)
+        log.info(
+            "%s: %s stops after this turn (again to exit now)", signal.Signals(signum).name, what
+        )
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)

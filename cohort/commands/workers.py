@@ -1,0 +1,177 @@
+"""`cohort worker` and `cohort example-worker`: one worker process of a job each."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from cohort.errors import Exit
+from cohort.events.connection import Client
+
+from .shared import FILE, F, fail, job_option, redis_client, redis_url_option
+
+if TYPE_CHECKING:
+    from cohort.worker.client import Worker
+
+
+def worker_command(name: str, steps: int, steps_help: str) -> Callable[[F], click.Command]:
+    """A worker command with the options every worker shares, before its own:
+    --job, --redis-url, --gpu-interval, --id and --steps (default `steps`)."""
+
+    def decorate(command: F) -> click.Command:
+        shared = (
+            job_option(),
+            redis_url_option(),
+            click.option(
+                "--gpu-interval",
+                type=click.FloatRange(min=0),
+                default=5.0,
+                show_default=True,
+                help="Seconds between NVML GPU readings sent to the coordinator (0: none).",
+            ),
+            click.option(
+                "--id", "worker_id", metavar="NAME", help="Worker name (default host-pid-random)."
+            ),
+            click.option(
+                "--steps",
+                type=click.IntRange(min=1),
+                default=steps,
+                show_default=True,
+                help=steps_help,
+            ),
+        )
+        for option in reversed(shared):  # click lists options in the reverse of applying them
+            command = option(command)
+        return click.command(name)(click.pass_context(command))
+
+    return decorate
+
+
+def run_worker(
+    ctx: click.Context,
+    job: str,
+    worker_id: str | None,
+    gpu_interval: float,
+    name: str,
+    train: Callable[[Client, Worker], dict[str, Any]],
+) -> dict[str, Any]:
+    """Join JOB as a Worker, `train`, print the summary as one JSON line and return it.
+
+    The first SIGINT/SIGTERM finishes the step and leaves; a WorkerError exits 4.
+    """
+    from cohort.worker.client import Worker
+    from cohort.worker.errors import WorkerError
+
+    conn = redis_client(ctx, name)
+    client = Worker(conn, job, worker_id=worker_id, gpu_interval=gpu_interval or None)
+    client.install_signal_handlers()
+    try:
+        summary = train(conn, client)
+    except WorkerError as exc:
+        fail(str(exc), Exit.DATA)
+    click.echo(json.dumps({k: v for k, v in summary.items() if k != "params"}, default=str))
+    return summary
+
+
+@worker_command("worker", steps=100, steps_help="Stop after this many committed steps.")
+@click.option(
+    "--step-time",
+    type=click.FloatRange(min=0),
+    default=0.1,
+    show_default=True,
+    help="Simulated compute per step, seconds.",
+)
+def worker(
+    ctx: click.Context,
+    job: str,
+    worker_id: str | None,
+    steps: int,
+    step_time: float,
+    gpu_interval: float,
+) -> None:
+    """A simulated worker: joins JOB, trains on its shard, survives world changes, leaves.
+
+    It uses exactly the API a real training script uses (cohort.Worker). The first
+    SIGINT/SIGTERM finishes the current step and leaves; a second exits at once.
+    """
+    from cohort.worker.simulated import run
+
+    run_worker(
+        ctx,
+        job,
+        worker_id,
+        gpu_interval,
+        "cohort-worker",
+        lambda conn, client: run(client, steps=steps, step_time=step_time, stop=client.stopping),
+    )
+
+
+@worker_command(
+    "example-worker",
+    steps=200,
+    steps_help="Train until the job has committed this many steps (all workers stop together).",
+)
+@click.option(
+    "--lr",
+    type=click.FloatRange(min=0, min_open=True),
+    default=0.2,
+    show_default=True,
+    help="SGD learning rate.",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Initial weights (rank 0's are broadcast at every world start).",
+)
+@click.option(
+    "--pace",
+    type=click.FloatRange(min=0, max=60),
+    default=0.0,
+    show_default=True,
+    help="Make each step take at least this many seconds (stands in for a larger model).",
+)
+@click.option(
+    "--save",
+    type=FILE,
+    help="Write the final weights to this .npz file.",
+)
+def example_worker(
+    ctx: click.Context,
+    job: str,
+    worker_id: str | None,
+    steps: int,
+    lr: float,
+    seed: int,
+    pace: float,
+    save: Path | None,
+    gpu_interval: float,
+) -> None:
+    """Train a real model (a numpy MLP on a deterministic 4-class data set) as one worker.
+
+    Gradients are averaged with allreduce through Redis; the job survives joins, leaves and
+    failures without restarting. Prints one JSON line at the end: worker, steps, loss,
+    accuracy, weights_digest.
+    """
+    import numpy as np
+
+    from cohort.example import run
+    from cohort.worker.collective import Collective
+
+    summary = run_worker(
+        ctx,
+        job,
+        worker_id,
+        gpu_interval,
+        "cohort-example-worker",
+        lambda conn, client: run(
+            client, Collective(conn, job, client), steps=steps, lr=lr, seed=seed, pace=pace
+        ),
+    )
+    if save is not None:
+        np.savez(save, **summary["params"])

@@ -1,0 +1,86 @@
+"""Child processes that log to a file: start, check, signal, stop, and read the log's end.
+
+The demo and the benchmarks run `cohort` processes this way. Each child gets its own
+session, so a signal reaches the process group (a worker's helpers die with it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def stop_all(procs: Iterable[Proc], grace: float = 5.0) -> None:
+    """SIGTERM to each at once, then SIGKILL to any still running `grace` seconds later:
+    stopping many takes `grace` at most, not `grace` each."""
+    started = [proc for proc in procs if proc.popen is not None]
+    for proc in started:
+        proc.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in started:
+        assert proc.popen is not None
+        try:
+            proc.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.signal(signal.SIGKILL)
+            proc.popen.wait()
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    """The last `lines` lines of the file at `path`; "" if it cannot be read."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class Proc:
+    """`argv` run as `name`, its stdout and stderr appended to `log`."""
+
+    name: str
+    argv: list[str]
+    log: Path
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        handle = self.log.open("ab")
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=handle,
+            stderr=handle,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        handle.close()
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def outcome(self) -> str:
+        """How it ended, for people: "exit code 4", "killed by SIGKILL", or "running"."""
+        code = None if self.popen is None else self.popen.poll()
+        if code is None:
+            return "running"
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to its process group, if it still runs."""
+        if self.alive():
+            assert self.popen is not None
+            os.killpg(self.popen.pid, sig)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM, and SIGKILL if it has not exited within `grace` seconds."""
+        stop_all([self], grace)
+
+    def tail(self, lines: int = 8) -> str:
+        return tail(self.log, lines)
