@@ -10,10 +10,11 @@ Everything a training script needs is here::
     ...
     except cohort.WorldChangedError: ...
 
-`cohort.torch` holds the PyTorch helpers (gradient averaging, state broadcast, local
-SGD) and `cohort.Rendezvous` keeps torch.distributed with cohort as its membership
-service; both need the `torch` extra and import torch only when first used. Names load
-on first use, so `import cohort` (and the `cohort` command) stays quick.
+`cohort.checkpoints` writes and reads checkpoint files (through fsspec). `cohort.torch`
+holds the PyTorch helpers (gradient averaging, state broadcast, local SGD) and
+`cohort.Rendezvous` keeps torch.distributed with cohort as its membership service; both
+need the `torch` extra and import torch only when first used. Names load on first use,
+so `import cohort` (and the `cohort` command) stays quick.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from types import ModuleType
-
     from cohort.events.connection import RedisSettings, connect
     from cohort.events.shards import Range, Shard
+    from cohort.worker import checkpoints as checkpoints
+    from cohort.worker import torch_sync as torch
     from cohort.worker.client import Worker
     from cohort.worker.collective import Collective
     from cohort.worker.errors import (
@@ -44,8 +45,6 @@ if TYPE_CHECKING:
     )
     from cohort.worker.torchdist import Rendezvous
     from cohort.worker.view import Assignment, GpuAdvice
-
-    torch: ModuleType
 
 __all__ = [
     "ActivationTimeout",
@@ -68,6 +67,7 @@ __all__ = [
     "Worker",
     "WorkerError",
     "WorldChangedError",
+    "checkpoints",
     "connect",
     "torch",
 ]
@@ -95,7 +95,7 @@ _HOMES = {
     "GpuAdvice": "cohort.worker.view",
     "Rendezvous": "cohort.worker.torchdist",
 }
-_MODULES = {"torch": "cohort.worker.torch_sync"}
+_MODULES = {"torch": "cohort.worker.torch_sync", "checkpoints": "cohort.worker.checkpoints"}
 
 
 def __getattr__(name: str) -> Any:

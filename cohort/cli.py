@@ -11,6 +11,7 @@ from . import logs
 from .commands.acl import acl_cmd
 from .commands.coordinator import coordinator
 from .commands.demo import demo
+from .commands.lineage import checkpoints, resume
 from .commands.runs import export_cmd, replay, report_cmd
 from .commands.shared import redis_url_option
 from .commands.status import status
@@ -62,6 +63,7 @@ def main(
       cohort example-worker --job J     a worker training a real (numpy) model
       cohort status --job J             who leads, the world, every worker
       cohort replay --job J             rebuild and explain a run from its journal
+      cohort checkpoints --job J        the job's checkpoints; `cohort resume` after a loss
     """
     logs.setup(log_level, log_json)
     tls = {"tls_ca": redis_tls_ca, "tls_cert": redis_tls_cert, "tls_key": redis_tls_key}
@@ -77,6 +79,8 @@ for command in (
     export_cmd,
     report_cmd,
     acl_cmd,
+    checkpoints,
+    resume,
     demo,
 ):
     main.add_command(command)

@@ -14,16 +14,19 @@ from dataclasses import dataclass, field
 from cohort.events.codec import decode_command
 from cohort.events.errors import DecodeError
 from cohort.events.models import (
+    CheckpointSaved,
     Fact,
     GpuAdviceCleared,
     GpuAdviceIssued,
     GpuReading,
     LeaderElected,
+    Rewound,
     StepDone,
     StragglerDetected,
     TrainingPaused,
     TrainingResumed,
     WeightsDiverged,
+    WeightsLost,
     WorkerFailed,
     WorkerJoined,
     WorkerLeft,
@@ -80,6 +83,9 @@ class Summary:
     elections: int = 0
     world_changes: int = 0
     divergences: int = 0
+    checkpoints: int = 0
+    rewinds: int = 0
+    discarded_steps: int = 0
     dead_letters: int = 0
     inbox_entries: int = 0
     inbox_skipped: int = 0
@@ -151,6 +157,7 @@ class _FactSeries:
     times: list[float] = field(default_factory=list)
     counts: Counter[str] = field(default_factory=Counter)
     world_size: int = 0
+    discarded: int = 0
 
     def add(self, entry_id: str, fact: Fact) -> None:
         at = fact.at
@@ -166,6 +173,8 @@ class _FactSeries:
                 self.present.discard(fact.worker)
             if len(self.present) != before or not self.members:
                 self.members.append((at, float(len(self.present))))
+        if isinstance(fact, Rewound):
+            self.discarded += fact.from_step - fact.to_step
         if isinstance(fact, WorldChanged):
             self.world_size = len(fact.ranks)
             self.active.append((at, float(len(fact.ranks))))
@@ -235,6 +244,9 @@ def _summary(facts: _FactSeries, inbox: _InboxSeries, run: Run) -> Summary:
         elections=counts["LeaderElected"],
         world_changes=counts["WorldChanged"],
         divergences=counts["WeightsDiverged"],
+        checkpoints=counts["CheckpointSaved"],
+        rewinds=counts["Rewound"],
+        discarded_steps=facts.discarded,
         dead_letters=len(run.dead),
         inbox_entries=len(run.inbox),
         inbox_skipped=inbox.skipped,
@@ -264,6 +276,13 @@ def _marker(entry_id: str, fact: Fact) -> Marker | None:
         kind, label = "advice", f"advice {_advice(fact)}"
     elif isinstance(fact, GpuAdviceCleared):
         kind, label = "advice-cleared", f"advice cleared {_advice(fact)}"
+    elif isinstance(fact, CheckpointSaved):
+        kind, label = "checkpoint", f"checkpoint of step {fact.step} ({fact.bytes} bytes)"
+    elif isinstance(fact, Rewound):
+        kind = "rewind"
+        label = f"rewound from step {fact.from_step} to {fact.to_step} ({fact.source})"
+    elif isinstance(fact, WeightsLost):
+        kind, label = "lost", f"weights of step {fact.step} lost"
     if kind is None:
         return None
     return Marker(fact.at, kind, label, entry_id)

@@ -8,7 +8,10 @@
 What makes it elastic (as cohort/example.py for numpy):
 
 - every new world starts with `broadcast_state` of rank 0's model and optimizer, so a
-  joiner (or a survivor) continues from exactly the same weights and momentum;
+  joiner (or a survivor) continues from exactly the same weights and momentum; when no
+  rank survived, rank 0 first loads the checkpoint the world names;
+- after every `--checkpoint-every` steps the worker the coordinator asks writes the model,
+  optimizer and RNG state in the background (with `--checkpoint-uri` on the coordinator);
 - the state before a step is kept until the step commits; a step aborted by a world change
   (a peer failed or joined) is rolled back;
 - gradients are averaged over the ranks by `sync_gradients` through Redis, as DDP would.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import logging
 import os
@@ -113,6 +117,7 @@ def run(
     worker.ready(step=max(worker.view.last_committed, 0))
     summary: dict[str, Any] = {"worker": worker.id, "steps": 0, "world_changes": 0, "loss": None}
     world = step = 0
+    writer: cohort.checkpoints.CheckpointWriter | None = None
     try:
         while worker.view.last_committed < steps - 1 and not stop.is_set():
             try:
@@ -121,6 +126,7 @@ def run(
                 continue
             if assignment.world_version != world:  # a new world: everyone takes rank 0's state
                 try:
+                    bring_weights(model, optimizer, assignment, seed, lr)
                     cohort.torch.broadcast_state(
                         model,
                         optimizer,
@@ -146,6 +152,11 @@ def run(
             if not worker.committed(step, stop):
                 rollback(model, optimizer, before)
                 continue
+            request = cohort.checkpoints.pending(worker.view.requested, step)
+            if request is not None:  # the state is copied now, written in the background
+                blob = cohort.torch.state_blob(model, optimizer, {"rng": torch.get_rng_state()})
+                writer = writer or cohort.checkpoints.CheckpointWriter(worker)
+                writer.submit(request, functools.partial(bytes, blob), None)
             summary["steps"] += 1
             summary["loss"] = round(loss, 6)
             if step % 20 == 0:
@@ -155,8 +166,34 @@ def run(
         summary["removed"] = exc.reason
         worker.stop()
         return summary, model
+    finally:
+        if writer is not None:
+            writer.close()
     worker.leave(reason="done" if worker.view.last_committed >= steps - 1 else "stopped")
     return summary, model
+
+
+def bring_weights(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    assignment: cohort.Assignment,
+    seed: int,
+    lr: float,
+) -> None:
+    """Rank 0's part of a world start: keep its state (a survivor's), start over from the
+    initial weights, or load the checkpoint the world names."""
+    weights = assignment.weights
+    if assignment.rank != 0 or weights is None or weights.source == "rank":
+        return
+    if weights.source == "initial":
+        model.load_state_dict(build(seed).state_dict())
+        optimizer.load_state_dict(optimizer_for(model, lr).state_dict())
+        return
+    assert weights.uri is not None
+    saved = cohort.checkpoints.read(weights.uri, weights.sha256)
+    extra = cohort.torch.load_state_blob(model, optimizer, saved.payload)
+    torch.set_rng_state(extra["rng"])
+    log.info("rank 0 loaded the state of step %d from %s", saved.step, weights.uri)
 
 
 def rollback(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> None:

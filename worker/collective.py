@@ -71,7 +71,7 @@ from .layout import (
     unflatten,
 )
 from .retry import Link, describe, with_retry
-from .view import Assignment
+from .view import Assignment, Plan
 from .wire import TTL_MS, Item, Wire
 
 T = TypeVar("T")
@@ -158,20 +158,6 @@ class _Plan:
                 f"{what}: chunk {i} from rank {rank} holds {have}, expected {want}"
             )
         return got
-
-
-def _new_assignment(fact: WorldChanged, worker: str) -> Assignment | None:
-    if worker not in fact.ranks:
-        return None
-    rank = fact.ranks.index(worker)
-    return Assignment(
-        rank=rank,
-        world_size=len(fact.ranks),
-        world_version=fact.version,
-        epoch=fact.epoch,
-        start_step=fact.start_step,
-        shard=fact.shards[rank],
-    )
 
 
 @dataclass
@@ -275,7 +261,8 @@ class _Call:
             except DecodeError:
                 continue  # the worker's tail logs undecodable facts
             if isinstance(fact, WorldChanged) and fact.version > self.world.version:
-                raise WorldChangedError(self.step, _new_assignment(fact, self.owner.worker.id))
+                assignment = Plan.of(fact).assignment_of(self.owner.worker.id)
+                raise WorldChangedError(self.step, assignment)
 
     def _read(self, phase: str, pending: set[int]) -> None:
         self.check_world()

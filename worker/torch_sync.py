@@ -227,17 +227,30 @@ def _decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 
 
 def state_tensors(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Model and optimizer state as named arrays plus a `__meta__` uint8 array (msgpack)."""
+    """Model and optimizer state as named arrays plus a `__meta__` uint8 array (msgpack).
+
+    `extra` is any other state that travels with them (an LR scheduler's `state_dict()`,
+    `torch.get_rng_state()`, epoch counters): tensors, numbers, strings and containers.
+    """
     tensors: dict[str, np.ndarray] = {}
     metas: dict[str, Any] = {}
     model_state = _encode(dict(model.state_dict()), "model", tensors, metas)
     optim_state = (
         _encode(optimizer.state_dict(), "optim", tensors, metas) if optimizer is not None else None
     )
+    extra_state = _encode(dict(extra), "extra", tensors, metas) if extra is not None else None
     meta = msgpack.packb(
-        {"v": BLOB_VERSION, "model": model_state, "optim": optim_state, "tensors": metas},
+        {
+            "v": BLOB_VERSION,
+            "model": model_state,
+            "optim": optim_state,
+            "extra": extra_state,
+            "tensors": metas,
+        },
         use_bin_type=True,
     )
     tensors[META] = np.frombuffer(meta, dtype=np.uint8)
@@ -248,8 +261,9 @@ def load_state_tensors(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     arrays: Mapping[str, np.ndarray],
-) -> None:
-    """Load what `state_tensors` made (on another rank) into `model` and `optimizer`."""
+) -> dict[str, Any]:
+    """Load what `state_tensors` made (on another rank) into `model` and `optimizer`;
+    returns its `extra` state ({} if it had none)."""
     if META not in arrays:
         raise StateError(f"state has no {META!r} entry; it was not made by state_tensors")
     try:
@@ -272,18 +286,26 @@ def load_state_tensors(
         if meta.get("optim") is None:
             raise StateError("the state carries no optimizer state but an optimizer was given")
         optimizer.load_state_dict(_decode(meta["optim"], tensors))
+    extra = meta.get("extra")
+    return dict(_decode(extra, tensors)) if extra is not None else {}
 
 
-def state_blob(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> bytes:
-    """Model and optimizer state as one tensor blob (worker/tensors.py format), for a joiner."""
-    return blobs.join(blobs.pack(state_tensors(model, optimizer)))
+def state_blob(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> bytes:
+    """Model, optimizer and `extra` state as one tensor blob (worker/tensors.py format), for
+    a joiner or a checkpoint: no pickle, so loading one never runs code."""
+    return blobs.join(blobs.pack(state_tensors(model, optimizer, extra)))
 
 
 def load_state_blob(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, blob: bytes
-) -> None:
-    """Load a `state_blob` into `model` (and `optimizer`); raises BlobError/StateError if bad."""
-    load_state_tensors(model, optimizer, blobs.unpack(blob))
+) -> dict[str, Any]:
+    """Load a `state_blob` into `model` (and `optimizer`); returns its extra state. Raises
+    BlobError/StateError if the blob is bad."""
+    return load_state_tensors(model, optimizer, blobs.unpack(blob))
 
 
 def broadcast_state(

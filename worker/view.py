@@ -37,6 +37,34 @@ class Plan:
     weights: m.Weights | None = None
     """The weights the world starts from (None: a journal older than weight lineage)."""
 
+    @classmethod
+    def of(cls, world: m.WorldChanged) -> Plan:
+        """The plan a new world starts with."""
+        return cls(
+            world_version=world.version,
+            world_start=world.start_step,
+            base_step=world.start_step,
+            epoch=world.epoch,
+            ranks=world.ranks,
+            shards=world.shards,
+            weights=world.weights,
+        )
+
+    def assignment_of(self, worker: str) -> Assignment | None:
+        """`worker`'s place in this plan's world (None: it holds no rank)."""
+        if worker not in self.ranks:
+            return None
+        rank = self.ranks.index(worker)
+        return Assignment(
+            rank=rank,
+            world_size=len(self.ranks),
+            world_version=self.world_version,
+            epoch=self.epoch,
+            start_step=self.world_start,
+            shard=self.shards[rank],
+            weights=self.weights,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Assignment:
@@ -127,18 +155,7 @@ class View:
     @property
     def assignment(self) -> Assignment | None:
         plan = self.plan
-        if plan is None or self.worker not in plan.ranks:
-            return None
-        rank = plan.ranks.index(self.worker)
-        return Assignment(
-            rank=rank,
-            world_size=len(plan.ranks),
-            world_version=plan.world_version,
-            epoch=plan.epoch,
-            start_step=plan.world_start,
-            shard=plan.shards[rank],
-            weights=plan.weights,
-        )
+        return plan.assignment_of(self.worker) if plan is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,16 +222,7 @@ def evolve(view: View, fact: m.Fact) -> View:
             reason = f"declared failed: no heartbeat for {fact.timeout:g} s"
             return _removed(view, fact.worker, reason, failed=True)
         case m.WorldChanged():
-            plan = Plan(
-                world_version=fact.version,
-                world_start=fact.start_step,
-                base_step=fact.start_step,
-                epoch=fact.epoch,
-                ranks=fact.ranks,
-                shards=fact.shards,
-                weights=fact.weights,
-            )
-            return replace(view, plans=(*view.plans, plan)[-KEEP_PLANS:])
+            return replace(view, plans=(*view.plans, Plan.of(fact))[-KEEP_PLANS:])
         case m.EpochStarted():
             current = view.plan
             if current is None:

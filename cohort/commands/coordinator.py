@@ -51,6 +51,22 @@ if TYPE_CHECKING:
 @click.option("--straggler-factor", type=float, help="x median step time (default 1.5).")
 @click.option("--straggler-steps", type=int, help="Steps in a row to flag (default 5).")
 @click.option(
+    "--checkpoint-uri",
+    metavar="URI",
+    help="Where the weights are checkpointed: an absolute path, file://..., or any fsspec "
+    "filesystem (s3://, gs://, ... with its extra installed on the workers).",
+)
+@click.option(
+    "--checkpoint-every",
+    type=int,
+    help="Committed steps between checkpoints (default 100).",
+)
+@click.option(
+    "--checkpoint-keep",
+    type=int,
+    help="Checkpoints kept; older files are deleted (default 3).",
+)
+@click.option(
     "--lease",
     type=float,
     default=3.0,
@@ -164,12 +180,32 @@ def _job_config(
         fail(str(exc))
     if rules is not None:
         values["gpu_rules"] = tuple(r.model_dump(mode="json") for r in rules.rules)
+    if values.get("checkpoint_uri") is not None:
+        _check_checkpoint_uri(str(values["checkpoint_uri"]))
     try:
         return JobConfig(**values)
     except ValidationError as exc:
         fail(_pydantic_message(exc, str(config_file) if config_file else "the flags"))
     except TypeError as exc:
         fail(f"bad job settings: {exc}")
+
+
+def _check_checkpoint_uri(uri: str) -> None:
+    """An absolute path or a URL of a filesystem fsspec knows; else exit 2 naming it."""
+    from fsspec.registry import known_implementations, registry
+    from fsspec.utils import get_protocol
+
+    protocol = get_protocol(uri)
+    if "://" not in uri and not uri.startswith("/"):
+        fail(
+            f"--checkpoint-uri {uri!r} is a relative path; every worker resolves it in its own "
+            "directory: give an absolute path or a URL (file:///..., s3://...)"
+        )
+    if protocol not in known_implementations and protocol not in registry:
+        fail(
+            f"--checkpoint-uri {uri!r}: fsspec knows no filesystem {protocol!r}; use an absolute "
+            "path, file:///..., or e.g. s3://, gs://, abfs:// (with s3fs, gcsfs, adlfs installed)"
+        )
 
 
 def _load_config_file(path: Path | None) -> dict[str, Any]:

@@ -45,6 +45,9 @@ MARKER_COLORS = {
     "diverged": "#e377c2",
     "advice": "#ff7f0e",
     "advice-cleared": "#17becf",
+    "checkpoint": "#1f77b4",
+    "rewind": "#8c564b",
+    "lost": "#d62728",
 }
 LANES = (
     ("failure", ("failure",)),
@@ -54,6 +57,7 @@ LANES = (
     ("straggler", ("straggler",)),
     ("diverged", ("diverged",)),
     ("GPU advice", ("advice", "advice-cleared")),
+    ("checkpoints", ("checkpoint", "rewind", "lost")),
 )
 LEGEND_MAX = 24
 LABEL_CHAR_PX = 6.5  # width of one 11px character, near enough to avoid overlaps
@@ -326,6 +330,9 @@ def _summary_table(data: ReportData) -> str:
         ("world changes", s.world_changes),
         ("final world size", s.final_world_size),
         ("weight divergences", s.divergences),
+        ("checkpoints saved", s.checkpoints),
+        ("rewinds", s.rewinds),
+        ("committed steps discarded by rewinds", s.discarded_steps),
         ("dead letters", s.dead_letters),
         ("inbox entries retained", s.inbox_entries),
         ("inbox entries not decodable (skipped)", s.inbox_skipped),

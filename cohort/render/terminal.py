@@ -34,7 +34,26 @@ def _summary_lines(body: dict[str, Any]) -> list[str]:
         f"refused {counters['refused']}  steps {counters['steps_committed']}  "
         f"epochs {counters['epochs_finished']}  elections {counters['elections']}  "
         f"facts {body['facts']}  state hash {body['state_hash']}",
+        *_lineage_lines(body),
     ]
+
+
+def _lineage_lines(body: dict[str, Any]) -> list[str]:
+    """Checkpoints and rewinds, and what to do when the weights are lost."""
+    counters, saved = body["counters"], body["checkpoints"]
+    lines = []
+    if saved or counters["rewinds"]:
+        latest = f" (latest: step {saved[-1]['step']})" if saved else ""
+        lines.append(
+            f"checkpoints {len(saved)}{latest}  rewinds {counters['rewinds']}  "
+            f"steps discarded {counters['discarded_steps']}"
+        )
+    if body["weights_lost"] is not None:
+        lines.append(
+            f"[red]the weights of step {body['weights_lost']} are lost[/]: continue with "
+            f"`cohort resume --job {body['job']} --from-scratch` or `--from-checkpoint URI`"
+        )
+    return lines
 
 
 def state_summary(body: dict[str, Any]) -> None:
