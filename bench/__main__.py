@@ -17,7 +17,17 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from . import allreduce, cluster, control_plane, failover, overhead, peer_death, replay, soak
+from . import (
+    allreduce,
+    checkpoint,
+    cluster,
+    control_plane,
+    failover,
+    overhead,
+    peer_death,
+    replay,
+    soak,
+)
 from .results import Section, document, environment, merge
 
 FULL: dict[str, Callable[[], Section]] = {
@@ -29,6 +39,7 @@ FULL: dict[str, Callable[[], Section]] = {
     "peer_death": lambda: peer_death.measure(3),
     "allreduce": lambda: allreduce.measure((1, 16, 64), (2, 4), 5),
     "cluster": lambda: cluster.measure((16, 64), (3,), 5),
+    "checkpoint": lambda: checkpoint.measure(3),
 }
 QUICK: dict[str, Callable[[], Section]] = {
     "ingest": lambda: control_plane.measure(20_000, 200, 1),
@@ -39,6 +50,7 @@ QUICK: dict[str, Callable[[], Section]] = {
     "peer_death": lambda: peer_death.measure(1),
     "allreduce": lambda: allreduce.measure((1,), (2,), 3),
     "cluster": lambda: cluster.measure((16,), (3,), 3),
+    "checkpoint": lambda: checkpoint.measure(1),
 }
 
 

@@ -153,6 +153,7 @@ class Demo:
     def start_coordinators(self) -> None:
         """Two coordinators: one leads, the other follows and takes over when it dies."""
         flags = [flag for pair in COORDINATOR_FLAGS for flag in pair]
+        flags += ["--checkpoint-uri", str(self.tmp / "checkpoints"), "--checkpoint-every", "50"]
         for name in COORDINATORS:
             self._spawn(name, "coordinator", "--job", self.job, *flags, "--id", name)
 
@@ -209,7 +210,8 @@ class Demo:
             f"\n[bold]summary[/]: {state.counters.steps_committed} steps committed over "
             f"{state.counters.epochs_finished} finished epochs; loss {loss}, accuracy {accuracy}; "
             f"{failed} worker failure(s) survived without restarting anyone; new leader {took} "
-            f"after the leader's SIGKILL; {len(finished)} workers finished with "
+            f"after the leader's SIGKILL; {state.counters.checkpoints} checkpoints written in "
+            f"the background; {len(finished)} workers finished with "
             f"{'identical' if len(digests) == 1 else 'DIFFERENT'} weights"
             + (f" ({', '.join(idle)} joined after the last step: trained none)" if idle else "")
         )

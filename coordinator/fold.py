@@ -38,6 +38,10 @@ from cohort.events.shards import Shard
 
 from .state import Counters, JobState, Member
 
+KEEP_REQUESTS = 8
+"""Checkpoint requests kept unanswered: a writer answers within a few; older ones are dropped
+(a job whose workers never write checkpoints does not grow its state)."""
+
 
 def _member(state: JobState, worker: str, **changes: object) -> dict[str, object]:
     old = state.members.get(worker)
@@ -131,7 +135,7 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:
         case TrainingResumed():
             return {"paused": False}
         case CheckpointRequested():
-            return {"requested": (*state.requested, fact)}
+            return {"requested": (*state.requested, fact)[-KEEP_REQUESTS:]}
         case CheckpointSaved():
             return {
                 "checkpoints": (*state.checkpoints, fact),

@@ -20,6 +20,8 @@ Status = Literal["outside", "syncing", "ready", "active", "draining"]
 
 KEEP_PLANS = 8
 """Plans kept for `batch` of recent steps; a training loop is at most a step or two behind."""
+KEEP_REQUESTS = 8
+"""Checkpoint requests to this worker kept until saved (as the coordinator keeps them)."""
 KEEP_EXPIRED = 64
 """Expired checkpoints this worker was asked to delete, kept until it has."""
 
@@ -252,7 +254,7 @@ def evolve(view: View, fact: m.Fact) -> View:
         case m.CheckpointRequested():
             if fact.worker != me:
                 return view
-            return replace(view, requested=(*view.requested, fact))
+            return replace(view, requested=(*view.requested, fact)[-KEEP_REQUESTS:])
         case m.CheckpointSaved():
             return replace(
                 view,
