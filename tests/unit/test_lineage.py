@@ -272,3 +272,28 @@ def test_lineage_state_survives_a_snapshot_round_trip() -> None:
     assert state.checkpoints and state.holders
     assert load(dump(state)) == state
     assert isinstance(state.checkpoints[0], CheckpointSaved)
+
+
+def test_joiners_waiting_when_every_rank_dies_start_at_once_from_the_checkpoint() -> None:
+    job = checkpointed(min_workers=2)
+    job.start("a", "b")
+    for request in of(CheckpointRequested, steps(job, 3)):
+        job.checkpoint_written(request)
+    job.start("c", "d")  # ready, waiting for the next step boundary
+    job.now += 10
+    job.alive("c", "d")
+    facts = job.advance(0)  # a and b are silent: both fail; c and d are all there is
+    assert types(facts) == [
+        "WorkerFailed",
+        "WorkerFailed",
+        "WorldChanged",
+        "TrainingPaused",
+        "WorkerActivated",
+        "WorkerActivated",
+        "Rewound",
+        "WorldChanged",
+        "TrainingResumed",
+    ]
+    world = of(WorldChanged, facts)[-1]
+    assert world.ranks == ("c", "d") and world.weights is not None
+    assert world.weights.source == "checkpoint" and world.start_step == 2
