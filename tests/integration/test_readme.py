@@ -1,0 +1,46 @@
+"""The README's training script runs as it is written, against a real coordinator."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .cluster import ROOT, Cluster
+
+pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
+
+
+def readme_script() -> str:
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(
+        r"A training script uses the worker client.*?```python\n(.*?)```", readme, re.S
+    )
+    assert block, "README has no training script"
+    return block.group(1)
+
+
+def test_the_readme_training_script_trains_to_its_last_step(server: object, tmp_path: Path) -> None:
+    cluster_url = server.url  # type: ignore[attr-defined]
+    cluster = Cluster(url=cluster_url, conn=server.client(), job="mnist", tmp=tmp_path)  # type: ignore[attr-defined]
+    try:
+        cluster.coordinator("c1", "--min-workers", "1", "--dataset-size", "5000")
+        script = tmp_path / "train.py"
+        script.write_text(readme_script())
+        result = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=tmp_path,  # outside the repository: only the installed package
+            env={**os.environ, "COHORT_REDIS_URL": server.url},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        cluster.until(lambda s: s.last_committed >= 99, message="100 steps committed")
+        assert cluster.state.counters.left == 1 and not cluster.state.members
+    finally:
+        cluster.stop()
