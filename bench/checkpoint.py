@@ -169,26 +169,9 @@ def _recovery(runs: int) -> list[float]:
 
 def _recover_once(server: LocalRedis, tmp: Path) -> float:
     url, job = server.url, "bench"
-    procs = [
-        coordinator(
-            url,
-            job,
-            "--min-workers",
-            "2",
-            "--dataset-size",
-            "2048",
-            "--batch-size",
-            "32",
-            "--heartbeat-interval",
-            "0.5",
-            "--heartbeat-timeout",
-            "2",
-            "--checkpoint-uri",
-            str(tmp / "ckpt"),
-            "--checkpoint-every",
-            "20",
-        )  # fmt: skip
-    ]
+    flags = "--min-workers 2 --dataset-size 2048 --batch-size 32 --heartbeat-interval 0.5"
+    flags += " --heartbeat-timeout 2 --checkpoint-every 20"
+    procs = [coordinator(url, job, *flags.split(), "--checkpoint-uri", str(tmp / "ckpt"))]
     try:
         first = [_trainer(url, job, name) for name in "ab"]
         procs += first

@@ -147,17 +147,22 @@ class DataPosition(BaseModel):
     rest: Shard
 
 
-class CheckpointWritten(Event):
-    """The worker the leader asked (`CheckpointRequested`) wrote the weights after `step`
-    to `uri`, whole: `sha256` of its bytes, `digest` of the weights as StepDone reports them."""
+class _CheckpointFile(Event):
+    """A checkpoint file whole at `uri`: the weights after `step` (`digest` as StepDone
+    reports them), written by `worker`; `sha256` and `bytes` of the file."""
 
-    type: Literal["CheckpointWritten"] = "CheckpointWritten"
     worker: WorkerId
     step: Count
     uri: CheckpointUri
     digest: Digest | None = None
     sha256: Sha256
     bytes: Count
+
+
+class CheckpointWritten(_CheckpointFile):
+    """The worker the leader asked (`CheckpointRequested`) wrote its checkpoint, whole."""
+
+    type: Literal["CheckpointWritten"] = "CheckpointWritten"
 
 
 class Resume(Event):
@@ -412,16 +417,11 @@ class CheckpointRequested(Event):
     position: DataPosition
 
 
-class CheckpointSaved(Event):
-    """The checkpoint of `step` is whole at `uri`: the journal is the index of checkpoints."""
+class CheckpointSaved(_CheckpointFile):
+    """The checkpoint of `step` is indexed: the journal is the index of checkpoints;
+    `position` is where the data stood after `step`."""
 
     type: Literal["CheckpointSaved"] = "CheckpointSaved"
-    worker: WorkerId
-    step: Count
-    uri: CheckpointUri
-    digest: Digest | None = None
-    sha256: Sha256
-    bytes: Count
     position: DataPosition
 
 
