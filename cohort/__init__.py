@@ -26,9 +26,10 @@ if TYPE_CHECKING:
     from cohort.events.connection import RedisSettings, connect
     from cohort.events.shards import Range, Shard
     from cohort.worker import checkpoints as checkpoints
-    from cohort.worker import torch_sync as torch
+    from cohort.worker import torch_api as torch
     from cohort.worker.client import Worker
     from cohort.worker.collective import Collective
+    from cohort.worker.elastic import ElasticJob
     from cohort.worker.errors import (
         ActivationTimeout,
         CollectiveError,
@@ -53,6 +54,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeout",
     "CommitTimeout",
+    "ElasticJob",
     "GpuAdvice",
     "JoinRefusedError",
     "JoinTimeout",
@@ -79,6 +81,7 @@ _HOMES = {
     "Shard": "cohort.events.shards",
     "Worker": "cohort.worker.client",
     "Collective": "cohort.worker.collective",
+    "ElasticJob": "cohort.worker.elastic",
     "CollectiveError": "cohort.worker.errors",
     "CollectiveTimeout": "cohort.worker.errors",
     "ActivationTimeout": "cohort.worker.errors",
@@ -95,7 +98,7 @@ _HOMES = {
     "GpuAdvice": "cohort.worker.view",
     "Rendezvous": "cohort.worker.torchdist",
 }
-_MODULES = {"torch": "cohort.worker.torch_sync", "checkpoints": "cohort.worker.checkpoints"}
+_MODULES = {"torch": "cohort.worker.torch_api", "checkpoints": "cohort.worker.checkpoints"}
 
 
 def __getattr__(name: str) -> Any:

@@ -68,15 +68,17 @@ def run(
     stop: threading.Event | None = None,
     seed: int = 0,
     pace: float = 0.0,
+    join_timeout: float | None = None,
 ) -> dict[str, Any]:
     """Train until the job's step `steps - 1` committed (or stopped, or removed); then leave.
 
     `steps` counts the job's steps, not this worker's: every worker that is still in
     the world at the end stops after the same step, with the same weights. `pace` makes
-    each step take at least that long, standing in for a larger model's compute.
+    each step take at least that long, standing in for a larger model's compute. The join
+    waits `join_timeout` s for a coordinator (None: until one answers, or `stop`).
     """
     stop = stop or worker.stopping
-    worker.join()
+    worker.join(join_timeout, stop)
     config = worker.view.config
     assert config is not None, "the journal has no JobConfigured"
     data = mlp.dataset(config.dataset_size)

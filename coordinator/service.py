@@ -14,9 +14,10 @@ production (`Coordinator.on_redis`), memory in the unit tests.
 
 Time: a command is decided as of its inbox entry's ID (the Redis server's
 clock); silence is judged against the clock the coordinator is given (Redis's
-own, `ServerClock`, in production), and only once the inbox is drained, so a
-leader working through a backlog never fails a worker whose heartbeats are
-still in the queue.
+own, `ServerClock`, in production), only once the inbox is drained, and as of
+the drained read, so a leader working through a backlog (workers that started
+before any coordinator, a long leaderless gap) never fails a worker whose
+heartbeats are still in the queue or arrived while it decided.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import logging
 import os
 import random
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +50,9 @@ from .state import JobState, state_hash
 from .stores import DeadLetter, JobLog, Lease, epoch_of
 
 log = logging.getLogger("cohort.coordinator")
+
+WINDOW_PAGE = 10_000
+"""Inbox entries read per round trip when a new leader looks at who was alive."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,9 @@ class Turn:
     """The last inbox entry loaded (None: the inbox had nothing new)."""
     drained: bool = True
     """Fewer entries than a full batch came: the backlog is read."""
+    read_at: float = 0.0
+    """Server time (s) by which every inbox entry was loaded, if `drained`: silence is
+    judged as of then, not as of a later clock reading that entries since would belie."""
     commands: list[tuple[float, Command]] = field(default_factory=list)
     """Each valid command with the server time (s) it arrived at."""
     dead: list[DeadLetter] = field(default_factory=list)
@@ -300,7 +308,7 @@ class Coordinator:
         start = f"{max(0, cursor_ms - int((window + 1) * 1000))}-0"
         seen = self.core.seen
         if self.cursor != ZERO:
-            for entry in self.joblog.commands_between(start, self.cursor, count=100_000):
+            for entry in self._inbox_between(start, self.cursor):
                 try:
                     command = self._command_of(entry)
                 except DecodeError:
@@ -308,6 +316,16 @@ class Coordinator:
                 seen.observe(command, entry.ms / 1000)
         since = cursor_ms / 1000 if self.cursor != ZERO else now
         seen.grace(list(self.state.members), since)
+
+    def _inbox_between(self, after: str, until: str) -> Iterator[Entry]:
+        """Inbox entries with after < ID <= until, a page at a time: all of them, since a
+        worker's latest sign of life is the one that counts."""
+        while True:
+            page = self.joblog.commands_between(after, until, count=WINDOW_PAGE)
+            yield from page
+            if len(page) < WINDOW_PAGE:
+                return
+            after = page[-1].id
 
     # ------------------------------------------------------------ leading
     def _lead_once(self) -> None:
@@ -323,8 +341,13 @@ class Coordinator:
     def _load(self) -> Turn:
         """The inbox after the cursor: this job's valid commands, dead letters for the rest."""
         batch = self.settings.batch
+        asked_at = self.clock.now()  # entries added after this have IDs from it on
         entries = self.joblog.commands(self.cursor, self.settings.block_ms, batch)
-        turn = Turn(cursor=entries[-1].id if entries else None, drained=len(entries) < batch)
+        turn = Turn(
+            cursor=entries[-1].id if entries else None,
+            drained=len(entries) < batch,
+            read_at=max(asked_at, entries[-1].ms / 1000) if entries else asked_at,
+        )
         for entry in entries:
             try:
                 turn.commands.append((entry.ms / 1000, self._command_of(entry)))
@@ -341,11 +364,12 @@ class Coordinator:
         return command
 
     def _decide(self, turn: Turn) -> None:
-        """Each command decided as of its arrival; silence judged once the backlog is read."""
+        """Each command decided as of its arrival; silence judged once the backlog is read,
+        as of the read."""
         for received_at, command in turn.commands:
             turn.facts.extend(self.core.handle(command, received_at, received_at))
         if turn.drained:
-            turn.facts.extend(self.core.tick(self.clock.now()))
+            turn.facts.extend(self.core.tick(turn.read_at))
 
     def _save(self, turn: Turn) -> None:
         """Append what the core decided, with the cursor and dead letters, in one fenced

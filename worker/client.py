@@ -5,7 +5,9 @@ and folds every fact into a frozen `View` with `view.apply`; it publishes the
 new view once per reply, because the facts of one coordinator decision arrive
 together (StepCommitted, WorkerActivated, WorldChanged) and a waiter must never
 see half a decision. The heartbeat thread says the worker is alive and how far
-it got. The training loop calls the blocking methods (`wait_active`,
+it got, from the moment its Join is in the inbox: a worker may start long before
+any coordinator, and the leader that decides its Join from the backlog must see
+it alive. The training loop calls the blocking methods (`wait_active`,
 `wait_committed`, ...) which wait on a condition, never by sleeping.
 
 Timeouts are real seconds; the `Clock` stamps the events the worker sends.
@@ -14,6 +16,7 @@ Timeouts are real seconds; the `Clock` stamps the events the worker sends.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import signal
@@ -57,7 +60,7 @@ from .errors import (
     WorldChangedError,
 )
 from .gpu import GpuProbe
-from .retry import Link, describe, with_retry
+from .retry import AnyOf, Halt, Link, describe, with_retry
 from .view import Assignment, GpuAdvice, View
 
 T = TypeVar("T")
@@ -65,6 +68,9 @@ T = TypeVar("T")
 TAIL_BLOCK_MS = 500  # bounds how long stop() waits for the tail thread
 HISTORY_BATCH = 2048
 DEFAULT_HEARTBEAT = 1.0
+JOIN_NOTICE_EVERY = 10.0  # seconds between "waiting for a coordinator" lines
+WITHDRAW_TIMEOUT = 2.0  # how long taking back an unanswered Join may try
+STOP_POLL = 0.1  # how often a wait that a signal may end looks at its stop event
 
 
 def default_worker_id() -> str:
@@ -107,6 +113,7 @@ class Worker:
         self._view = View(worker=self.id)
         self._position = ZERO  # journal ID folded up to
         self._stop = threading.Event()
+        self._joining = threading.Event()  # a Join is sent and not answered yet: heartbeat
         self._wake = threading.Event()  # the heartbeat thread: stop, or the config changed
         self._threads: list[threading.Thread] = []
         self._undecodable: set[str] = set()  # fact types already logged as undecodable
@@ -158,12 +165,24 @@ class Worker:
         return assignment
 
     # ------------------------------------------------------------ joining
-    def join(self, timeout: float = 30.0) -> None:
-        """Become a member of the job; raises JoinRefusedError or JoinTimeout."""
-        deadline = time.monotonic() + timeout
+    def join(self, timeout: float | None = None, stop: threading.Event | None = None) -> None:
+        """Become a member of the job: send Join and wait for the coordinator's answer.
+
+        Workers may start before any coordinator (compose and schedulers start everything
+        at once): meanwhile this worker heartbeats, so the leader that finally decides the
+        Join from the inbox backlog sees it alive, and logs a line every
+        `JOIN_NOTICE_EVERY` s. `timeout` None waits until answered or until `stop`
+        (default: `stopping`, set by the first SIGINT/SIGTERM) is set, then raises
+        Stopped; a finite one raises JoinTimeout. Either way an unanswered Join is
+        withdrawn with a Leave. Raises JoinRefusedError if the coordinator says no.
+        """
+        stop = self.stopping if stop is None else stop
+        halt = AnyOf(self._stop, stop)  # Redis may be away too: retrying ends on either
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
         try:
             if not self._threads:
-                self._start(deadline)
+                self._start(deadline, halt)
             view = self.view
             if view.member:
                 self.log.info("worker %s is already a member of job %r", self.id, self.job)
@@ -178,16 +197,11 @@ class Worker:
                     pid=os.getpid(),
                 ),
                 deadline=deadline,
+                stop=halt,
             )
-            view = self._wait(
-                lambda v: v.joins > joins or v.refusals > refusals,
-                deadline,
-                lambda: JoinTimeout(
-                    f"no answer to the join of {self.id!r} to job {self.job!r} within "
-                    f"{timeout:g} s; check that a coordinator runs: "
-                    f"cohort coordinator --job {self.job}"
-                ),
-                check_removed=False,
+            self._joining.set()
+            view = self._await_answer(
+                lambda v: v.joins > joins or v.refusals > refusals, started, timeout, stop
             )
         except UNAVAILABLE as exc:
             self.stop()
@@ -195,22 +209,76 @@ class Worker:
                 f"could not reach Redis at {self.link.where} within {timeout:g} s "
                 f"to join job {self.job!r}"
             ) from exc
-        except WorkerError:
+        except WorkerError as exc:
+            if self._joining.is_set():
+                self._withdraw(exc)
             self.stop()
             raise
+        finally:
+            self._joining.clear()
         if view.refusals > refusals:
             self.stop()
             raise JoinRefusedError(self.id, view.refused or "no reason given")
         self.log.info("worker %s joined job %r", self.id, self.job)
 
-    def _start(self, deadline: float) -> None:
+    def _await_answer(
+        self,
+        answered: Callable[[View], bool],
+        started: float,
+        timeout: float | None,
+        stop: threading.Event,
+    ) -> View:
+        """Wait for the answer to a Join, a line in the log every `JOIN_NOTICE_EVERY` s."""
+        deadline = math.inf if timeout is None else started + timeout
+        while True:
+            notice = min(time.monotonic() + JOIN_NOTICE_EVERY, deadline)
+            try:
+                return self._wait(answered, notice, WaitTimeout, check_removed=False, stop=stop)
+            except WaitTimeout:
+                if notice >= deadline:
+                    raise JoinTimeout(
+                        f"no coordinator answered the join of {self.id!r} to job {self.job!r} "
+                        f"at {self.link.where} within {timeout:g} s; check that one runs: "
+                        f"cohort coordinator --job {self.job}"
+                    ) from None
+            except Stopped:
+                raise Stopped(
+                    f"worker {self.id!r} was stopped before a coordinator of job {self.job!r} "
+                    "answered its join"
+                ) from None
+            self.log.info(
+                "waiting for a coordinator of job %r at %s (%.0f s so far): start one with "
+                "cohort coordinator --job %s",
+                self.job,
+                self.link.where,
+                time.monotonic() - started,
+                self.job,
+            )
+
+    def _withdraw(self, why: Exception) -> None:
+        """Take back a Join nobody answered: a Leave behind it in the inbox, so a coordinator
+        that decides both later lets this worker go at once instead of failing it."""
+        try:
+            self._send(
+                Leave(
+                    at=self.clock.now(),
+                    job=self.job,
+                    worker=self.id,
+                    reason=f"gave up joining: {why}"[:1024],
+                ),
+                deadline=time.monotonic() + WITHDRAW_TIMEOUT,
+            )
+        except UNAVAILABLE + (Stopped,) as exc:
+            self.log.warning("worker %s could not withdraw its join: %s", self.id, exc)
+
+    def _start(self, deadline: float | None, halt: Halt) -> None:
         """Fold the journal so far, then follow it and start heartbeating."""
         self._stop.clear()
         self._wake.clear()
         last = with_retry(
-            self.journal.last_id, self._stop, self.link, "reading the journal", deadline=deadline
+            self.journal.last_id, halt, self.link, "reading the journal", deadline=deadline
         )
-        for rows in self._journal_pages(ZERO, last, deadline):
+        for rows in self._journal_pages(ZERO, last, deadline, halt):
             self._fold(rows)
         with self._cond:
             self._position = last
@@ -230,12 +298,17 @@ class Worker:
             thread.start()
 
     def _journal_pages(
-        self, after: str, until: str = "+", deadline: float | None = None
+        self,
+        after: str,
+        until: str = "+",
+        deadline: float | None = None,
+        halt: Halt | None = None,
     ) -> Iterator[list[Entry]]:
         """The journal after `after`, a page at a time, each read retried through outages."""
+        stop = self._stop if halt is None else halt
 
         def attempt(read: Callable[[], list[Entry]]) -> list[Entry]:
-            return with_retry(read, self._stop, self.link, "reading the journal", deadline=deadline)
+            return with_retry(read, stop, self.link, "reading the journal", deadline=deadline)
 
         return self.journal.pages(after, until, HISTORY_BATCH, attempt=attempt)
 
@@ -438,11 +511,14 @@ class Worker:
         os._exit(130)
 
     # ------------------------------------------------------------ plumbing
-    def _send(self, command: Command, deadline: float | None = None) -> str:
-        """XADD `command` to the inbox, retrying through outages until it is acknowledged."""
+    def _send(
+        self, command: Command, deadline: float | None = None, stop: Halt | None = None
+    ) -> str:
+        """XADD `command` to the inbox, retrying through outages until it is acknowledged
+        (or `stop`, default the worker's own, is set)."""
         return with_retry(
             lambda: self.inbox.send(command),
-            self._stop,
+            self._stop if stop is None else stop,
             self.link,
             f"sending {command.type}",
             deadline=deadline,
@@ -455,8 +531,10 @@ class Worker:
         timeout_error: Callable[[], Exception],
         check_removed: bool = True,
         removed_first: bool = True,
+        stop: threading.Event | None = None,
     ) -> View:
-        """Block until `done(view)`; raise Removed (if asked), Stopped, or the timeout error."""
+        """Block until `done(view)`; raise Removed (if asked), Stopped (also once `stop` is
+        set), or the timeout error."""
         with self._cond:
             while True:
                 view = self._view
@@ -466,12 +544,14 @@ class Worker:
                     return view
                 if check_removed and view.removed:
                     raise Removed(self.id, view.removed_reason)
-                if self._stop.is_set():
+                if self._stop.is_set() or (stop is not None and stop.is_set()):
                     raise Stopped(f"worker {self.id!r} was stopped")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise timeout_error()
-                self._cond.wait(remaining)
+                # `stop` is set by a signal handler, which must not take the condition's lock
+                # (it may interrupt this very thread inside it): look at it every STOP_POLL s.
+                self._cond.wait(remaining if stop is None else min(remaining, STOP_POLL))
 
     # ------------------------------------------------------------ GPU telemetry and advice
     @property
@@ -606,7 +686,7 @@ class Worker:
                 continue  # woken early by a new config; wait out the (new) interval
             last = time.monotonic()
             view = self.view
-            if not view.member:
+            if not (view.member or self._joining.is_set()):
                 continue
             step, world = self._progress or (None, view.world_version)
             try:

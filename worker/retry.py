@@ -12,7 +12,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from cohort.events.connection import UNAVAILABLE, Client, where
 
@@ -62,6 +62,35 @@ class Link:
         self.log.warning("the connection to Redis at %s is back", self.where)
 
 
+class Halt(Protocol):
+    """What `with_retry` waits on between attempts: a `threading.Event`, or `AnyOf` them."""
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+class AnyOf:
+    """Several stop events as one (set once any of them is), for a wait that either the
+    worker's own stop or its caller's may end."""
+
+    POLL = 0.1  # seconds between looks at the events after the first
+
+    def __init__(self, *events: threading.Event) -> None:
+        self.events = events
+
+    def is_set(self) -> bool:
+        return any(event.is_set() for event in self.events)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once any event is set; False after `timeout` (None: no limit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set():
+            left = self.POLL if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.events[0].wait(min(left, self.POLL))
+        return True
+
+
 def backoff(attempt: int, base: float = 0.05, cap: float = 2.0) -> float:
     """Seconds to wait before retry number `attempt` (0-based): exponential, capped, jittered."""
     ceiling = min(cap, base * 2**attempt)
@@ -70,7 +99,7 @@ def backoff(attempt: int, base: float = 0.05, cap: float = 2.0) -> float:
 
 def with_retry(
     op: Callable[[], T],
-    stop: threading.Event,
+    stop: Halt,
     link: Link,
     what: str,
     *,

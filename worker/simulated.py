@@ -32,9 +32,15 @@ def digest(step: int) -> str:
 
 
 def run(
-    worker: Worker, steps: int, step_time: float, stop: threading.Event, join_timeout: float = 30.0
+    worker: Worker,
+    steps: int,
+    step_time: float,
+    stop: threading.Event,
+    join_timeout: float | None = None,
 ) -> dict[str, Any]:
-    """Train until `steps` steps committed, or until stopped; then leave. Returns a summary."""
+    """Train until `steps` steps committed, or until stopped; then leave. Returns a summary.
+
+    The join waits `join_timeout` s for a coordinator (None: until one answers or `stop`)."""
     used: dict[int, tuple[Range, ...]] = {}  # committed step -> its ranges, as this worker saw
     reported: list[tuple[int, int, tuple[Range, ...]]] = []  # (world, step, ranges) done
     summary: dict[str, Any] = {
@@ -50,7 +56,7 @@ def run(
     def halted() -> bool:
         return stop.is_set() or worker.stopping.is_set()
 
-    worker.join(timeout=join_timeout)
+    worker.join(join_timeout, stop)
     worker.ready(step=max(worker.view.last_committed, 0))
     world = 0
     step = worker.next_step

@@ -131,6 +131,7 @@ class Watchdog:
         """time.monotonic() when it tripped (for measuring how fast a hang was broken)."""
         self._lock = threading.Lock()
         self._waiters: set[threading.Event] = set()
+        self._on_trip: list[Callable[[], None]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"cohort-watchdog-{world.version}", daemon=True
@@ -172,14 +173,25 @@ class Watchdog:
             self.tripped_at = time.monotonic()
             self.tripped.set()
             waiters = list(self._waiters)
+            callbacks, self._on_trip = self._on_trip, []
         log.warning("world %d is over: %s; breaking its collectives", self.world.version, reason)
         for event in waiters:
             event.set()
+        for callback in callbacks:
+            callback()
         if self.group is not None:
             try:
                 self.group.abort()  # unblocks NCCL; gloo ignores it (see the module doc)
             except Exception:
                 log.debug("abort of world %d's group failed", self.world.version, exc_info=True)
+
+    def on_trip(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` when the watchdog trips (at once if it has)."""
+        with self._lock:
+            if not self.tripped.is_set():
+                self._on_trip.append(callback)
+                return
+        callback()
 
     def wait(self, done: threading.Event, timeout: float | None = None) -> bool:
         """Block until `done` is set (True) or the watchdog trips (False); None: no limit."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 
 def worker_command(name: str, steps: int, steps_help: str) -> Callable[[F], click.Command]:
     """A worker command with the options every worker shares, before its own:
-    --job, --redis-url, --gpu-interval, --id and --steps (default `steps`)."""
+    --job, --redis-url, --gpu-interval, --id, --steps (default `steps`) and --join-timeout."""
 
     def decorate(command: F) -> click.Command:
         shared = (
@@ -43,12 +44,27 @@ def worker_command(name: str, steps: int, steps_help: str) -> Callable[[F], clic
                 show_default=True,
                 help=steps_help,
             ),
+            click.option(
+                "--join-timeout",
+                type=click.FloatRange(min=0),
+                default=0.0,
+                envvar="COHORT_JOIN_TIMEOUT",
+                callback=_zero_is_none,
+                metavar="SECONDS",
+                help="Give up (exit 4) if no coordinator has answered the join after SECONDS. "
+                "0 (the default): wait however late one starts, heartbeating meanwhile, until "
+                "stopped; env COHORT_JOIN_TIMEOUT.",
+            ),
         )
         for option in reversed(shared):  # click lists options in the reverse of applying them
             command = option(command)
         return click.command(name)(click.pass_context(command))
 
     return decorate
+
+
+def _zero_is_none(ctx: click.Context, param: click.Parameter, value: float) -> float | None:
+    return value or None
 
 
 def run_worker(
@@ -61,16 +77,20 @@ def run_worker(
 ) -> dict[str, Any]:
     """Join JOB as a Worker, `train`, print the summary as one JSON line and return it.
 
-    The first SIGINT/SIGTERM finishes the step and leaves; a WorkerError exits 4.
+    The first SIGINT/SIGTERM finishes the step and leaves (before the join is answered: takes
+    the join back and exits 0); a WorkerError exits 4.
     """
     from cohort.worker.client import Worker
-    from cohort.worker.errors import WorkerError
+    from cohort.worker.errors import Stopped, WorkerError
 
     conn = redis_client(ctx, name)
     client = Worker(conn, job, worker_id=worker_id, gpu_interval=gpu_interval or None)
     client.install_signal_handlers()
     try:
         summary = train(conn, client)
+    except Stopped as exc:
+        click.echo(f"cohort: {exc}", err=True)
+        sys.exit(Exit.OK)
     except WorkerError as exc:
         fail(str(exc), Exit.DATA)
     click.echo(json.dumps({k: v for k, v in summary.items() if k != "params"}, default=str))
@@ -92,6 +112,7 @@ def worker(
     steps: int,
     step_time: float,
     gpu_interval: float,
+    join_timeout: float | None,
 ) -> None:
     """A simulated worker: joins JOB, trains on its shard, survives world changes, leaves.
 
@@ -106,7 +127,13 @@ def worker(
         worker_id,
         gpu_interval,
         "cohort-worker",
-        lambda conn, client: run(client, steps=steps, step_time=step_time, stop=client.stopping),
+        lambda conn, client: run(
+            client,
+            steps=steps,
+            step_time=step_time,
+            stop=client.stopping,
+            join_timeout=join_timeout,
+        ),
     )
 
 
@@ -151,6 +178,7 @@ def example_worker(
     pace: float,
     save: Path | None,
     gpu_interval: float,
+    join_timeout: float | None,
 ) -> None:
     """Train a real model (a numpy MLP on a deterministic 4-class data set) as one worker.
 
@@ -170,7 +198,13 @@ def example_worker(
         gpu_interval,
         "cohort-example-worker",
         lambda conn, client: run(
-            client, Collective(conn, job, client), steps=steps, lr=lr, seed=seed, pace=pace
+            client,
+            Collective(conn, job, client),
+            steps=steps,
+            lr=lr,
+            seed=seed,
+            pace=pace,
+            join_timeout=join_timeout,
         ),
     )
     if save is not None:

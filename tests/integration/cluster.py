@@ -16,10 +16,10 @@ import redis
 
 from cohort.coordinator.fold import evolve
 from cohort.coordinator.state import JobState
-from cohort.events.codec import decode_fact
+from cohort.events.codec import decode_command, decode_fact
 from cohort.events.keys import Keys
-from cohort.events.models import Fact
-from cohort.events.streams import ZERO, Journal, id_ms
+from cohort.events.models import Command, Fact
+from cohort.events.streams import ZERO, Inbox, Journal, id_ms
 
 from ..helpers import wait_until
 
@@ -143,6 +143,11 @@ class Cluster:
             for other in self.procs:
                 print(f"----- {other.name} (alive={other.alive()})\n{other.output()[-3000:]}")
             raise
+
+    def commands(self) -> list[tuple[str, Command]]:
+        """The job's inbox as it stands: (entry ID, command); IDs carry the server's clock."""
+        rows = Inbox(self.conn, Keys(self.job).inbox).range()
+        return [(entry.id, decode_command(entry.raw or b"")) for entry in rows]
 
     def of_type(self, cls: type) -> list[tuple[str, Fact]]:
         self.pull()

@@ -9,8 +9,9 @@ import pytest
 
 from cohort import example, mlp
 from cohort.coordinator.audit import audit
-from cohort.events.models import StepCommitted, WorkerFailed, WorldChanged
+from cohort.events.models import Heartbeat, Join, StepCommitted, WorkerFailed, WorldChanged
 
+from ..helpers import wait_until
 from .cluster import Cluster, ms
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
@@ -90,3 +91,73 @@ def test_a_killed_worker_and_a_newcomer_leave_survivors_equal_and_every_sample_u
     assert relative_difference(got, expected) <= 1e-6
     worlds = [f for _, f in cluster.of_type(WorldChanged)]
     assert any("d" in w.ranks and "a" in w.ranks for w in worlds)
+
+
+def test_workers_started_long_before_any_coordinator_train_to_the_end_and_none_fails(
+    cluster: Cluster,
+) -> None:
+    """DESIGN.md invariant 10, with real processes: compose and schedulers start everything
+    at once, so workers may wait for a coordinator for many heartbeat timeouts."""
+    workers = [cluster.example_worker(name, 40) for name in ("a", "b")]
+    early = 12.0  # six heartbeat timeouts
+
+    wait_until(
+        lambda: heartbeating_since(cluster, ("a", "b")) >= early,
+        timeout=60,
+        message=f"{early:g} s of heartbeats behind the Joins",
+    )
+    assert all(proc.alive() for proc in workers)
+    cluster.trainer_coordinator("c1", interval=INTERVAL, timeout=TIMEOUT)
+    for proc in workers:
+        assert cluster.finished(proc, 120) == 0, proc.output()[-3000:]
+    assert cluster.of_type(WorkerFailed) == []
+    assert cluster.state.last_committed == 39
+    for proc in workers:
+        output = proc.output()
+        assert proc.summary()["removed"] is None and proc.summary()["steps"] > 0
+        assert "waiting for a coordinator of job 'itest'" in output
+        assert "Traceback" not in output
+
+
+def test_workers_that_heartbeat_through_a_long_leaderless_gap_are_not_failed(
+    cluster: Cluster,
+) -> None:
+    """The only coordinator dies mid-training and another starts six heartbeat timeouts
+    later: it decides the backlog and fails nobody who kept heartbeating."""
+    first = cluster.trainer_coordinator("c1", interval=INTERVAL, timeout=TIMEOUT)
+    workers = [cluster.example_worker(name, 80, "--pace", "0.1") for name in ("a", "b")]
+    cluster.until(lambda s: len(s.ranks) == 2 and s.last_committed >= 5, timeout=60)
+    first.kill(signal.SIGKILL)
+    first.wait(10)
+    gap = 12.0
+    last_fact = ms(cluster.journal_id)
+    wait_until(
+        lambda: heartbeating_since(cluster, ("a", "b"), after=last_fact) >= gap,
+        timeout=60,
+        message=f"{gap:g} s of heartbeats without a coordinator",
+    )
+    assert cluster.pull().last_committed < 79  # the job waited for a coordinator
+    cluster.trainer_coordinator("c2", interval=INTERVAL, timeout=TIMEOUT)
+    for proc in workers:
+        assert cluster.finished(proc, 120) == 0, proc.output()[-3000:]
+    assert cluster.of_type(WorkerFailed) == []
+    assert cluster.state.last_committed == 79 and cluster.state.leader == "c2"
+
+
+def heartbeating_since(
+    cluster: Cluster, workers: tuple[str, ...], after: float | None = None
+) -> float:
+    """Seconds (server clock) that every one of `workers` has heartbeated since its Join, or
+    since `after`; 0 until each has."""
+    since = dict.fromkeys(workers, after)
+    spans = dict.fromkeys(workers, 0.0)
+    for entry_id, command in cluster.commands():
+        worker = command.worker
+        if worker not in spans:
+            continue
+        if isinstance(command, Join) and since[worker] is None:
+            since[worker] = ms(entry_id)
+        start = since[worker]
+        if isinstance(command, Heartbeat) and start is not None:
+            spans[worker] = ms(entry_id) - start
+    return min(spans.values())

@@ -7,7 +7,7 @@ break a write the way a network does: refuse it, or let it land and lose the rep
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import redis
@@ -73,6 +73,8 @@ class MemoryLog:
     fail_next: str | None = None
     """'refuse': the next append raises ConnectionError and writes nothing; 'lose reply': it
     writes everything, then raises ConnectionError (the caller cannot know it landed)."""
+    after_read: Callable[[], None] | None = None
+    """Runs once, as the next inbox read returns: what happens while the leader holds it."""
     _last_ms: int = 0
     _seq: int = 0
 
@@ -161,7 +163,11 @@ class MemoryLog:
         self.snapshot = blob
 
     def commands(self, after: str, block_ms: int, count: int) -> list[Entry]:
-        return _after(self.inbox, after)[:count]
+        entries = _after(self.inbox, after)[:count]
+        meanwhile, self.after_read = self.after_read, None
+        if meanwhile is not None:
+            meanwhile()
+        return entries
 
     def commands_between(self, after: str, until: str, count: int) -> list[Entry]:
         return [e for e in _after(self.inbox, after) if id_key(e.id) <= id_key(until)][:count]

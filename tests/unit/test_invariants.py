@@ -1,5 +1,5 @@
 """Random joins, leaves, failures, steps, heartbeats, checkpoints and resumes keep DESIGN.md's
-invariants 1-3 and 9."""
+invariants 1-3, 9 and 10."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from cohort.coordinator.audit import audit
 from cohort.coordinator.fold import evolve, fold
 from cohort.coordinator.state import JobState, dump, load
-from cohort.events.models import LeaderElected, Rewound, WorldChanged
+from cohort.events.models import Fact, LeaderElected, Rewound, WorkerFailed, WorldChanged
 
 from .job import Job
 
@@ -100,7 +100,27 @@ class Membership(RuleBasedStateMachine):
         for worker in self.job.state.members:
             if worker not in self.crashed:
                 self.job.heartbeat(worker)
-        self.job.advance(seconds)
+        self.only_silent_workers_fail(self.job.advance(seconds))
+
+    @rule(names=st.lists(st.sampled_from(NAMES), max_size=3, unique=True), beats=st.integers(2, 4))
+    def leader_decides_a_backlog(self, names: list[str], beats: int) -> None:
+        """No leader for a while (none started yet, or the last one died): Joins of workers
+        started meanwhile and everyone's heartbeats (every 2 s; the timeout is 3 s) queue up,
+        are decided as of their arrival, and only then is silence judged."""
+        for name in names:
+            self.crashed.discard(name)
+            self.job.join(name)
+        for _ in range(beats):
+            self.job.now += 2
+            for worker in sorted(set(self.job.state.members) | set(names)):
+                if worker not in self.crashed:
+                    self.job.heartbeat(worker)
+        self.only_silent_workers_fail(self.job.advance(0.5))
+
+    def only_silent_workers_fail(self, facts: tuple[Fact, ...]) -> None:
+        """Invariant 10: a worker that is sending heartbeats is never declared failed."""
+        failed = {f.worker for f in facts if isinstance(f, WorkerFailed)}
+        assert failed <= self.crashed, failed - self.crashed
 
     @precondition(lambda self: bool(self.job.journal))
     @rule()

@@ -135,6 +135,54 @@ def test_failure_aborts_a_step_no_rank_finished() -> None:
     assert job.state.ranks == ("a",)
 
 
+def test_a_joiner_decided_from_a_backlog_is_judged_by_its_latest_heartbeat_not_its_join() -> None:
+    """Workers started long before any coordinator: each Join is decided as of its arrival,
+    then the heartbeats behind it (sent while the worker waited), then time is judged."""
+    job = Job(min_workers=2, heartbeat_interval=1, heartbeat_timeout=5)
+    joined_at = job.now
+    job.join("a")
+    job.join("b")
+    for _ in range(40):  # eight timeouts of waiting, all in the backlog
+        job.now += 1
+        job.alive("a", "b")
+    assert job.advance(0.5) == ()
+    assert {w: m.joined_at for w, m in job.state.members.items()} == {
+        "a": joined_at,
+        "b": joined_at,
+    }
+    job.now += 1
+    job.alive("a")  # b stops
+    facts = job.advance(5)
+    assert types(facts) == ["WorkerFailed"]
+    failed = facts[0]
+    assert isinstance(failed, WorkerFailed) and failed.worker == "b"
+    assert failed.last_seen == joined_at + 40  # its last heartbeat, not its Join
+
+
+def test_a_joiner_that_gave_up_waiting_leaves_instead_of_failing() -> None:
+    """A worker stopped before any coordinator answered takes its Join back with a Leave:
+    the leader that decides both later lets it go at once."""
+    job = Job(heartbeat_timeout=5)
+    job.join("a")
+    job.now += 60
+    assert types(job.leave("a", reason="gave up joining")) == ["WorkerLeft"]
+    assert job.advance(10) == ()
+    assert "a" not in job.state.members and "a" not in job.core.seen.last_seen
+
+
+def test_a_refused_joiner_that_heartbeated_in_the_backlog_is_never_judged() -> None:
+    job = Job(min_workers=1, max_workers=1, heartbeat_timeout=5)
+    job.start("a")
+    assert types(job.join("b")) == ["JoinRefused"]
+    for _ in range(3):
+        job.now += 1
+        job.alive("a", "b")  # b heartbeated while its Join waited in the backlog
+    for _ in range(10):  # then b learns of the refusal and stops
+        job.alive("a")
+        assert job.advance(1) == ()
+    assert list(job.state.members) == ["a"]
+
+
 def test_leave_drains_until_its_step_commits() -> None:
     job = Job(min_workers=2)
     job.start("a", "b")

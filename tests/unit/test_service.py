@@ -18,6 +18,7 @@ import redis
 
 from cohort.coordinator import decide as decide_module
 from cohort.coordinator import fold as fold_module
+from cohort.coordinator import service
 from cohort.coordinator.fold import fold
 from cohort.coordinator.service import Coordinator, ServiceSettings
 from cohort.events.clock import ManualClock
@@ -243,3 +244,108 @@ def test_bad_entries_are_dead_lettered_beside_the_facts_of_good_ones() -> None:
     assert len(reasons) == 2 and "other-job" in reasons[1]
     assert [type(f) for f in setup.log.facts()][-1] is WorkerJoined
     assert leader.counters.dead == 2 and setup.log.appends == 2  # take over, then one turn
+
+
+# ---------------------------------------------------------------- start-up order and gaps
+# DESIGN.md invariant 10: a worker that is sending heartbeats is never declared failed,
+# whatever the order in which workers and coordinators started.
+
+
+def beat(setup: Setup, seconds: int, *workers: str) -> None:
+    """`seconds` of heartbeats, one a second from each of `workers`, while the clock moves."""
+    for _ in range(seconds):
+        setup.clock.advance(1)
+        for worker in workers:
+            setup.log.send(Heartbeat(at=0, job=JOB, worker=worker))
+
+
+def drain(leader: Coordinator, setup: Setup) -> None:
+    """Lead until the inbox is read, then one more turn: time is judged on a drained inbox."""
+    while leader.cursor != setup.log.inbox_end():
+        leader.step()
+    leader.step()
+
+
+def failed(setup: Setup) -> list[WorkerFailed]:
+    return [f for f in setup.log.facts() if isinstance(f, WorkerFailed)]
+
+
+@pytest.mark.parametrize("batch", [1024, 7])
+def test_workers_started_long_before_the_first_coordinator_are_judged_by_their_heartbeats(
+    batch: int,
+) -> None:
+    setup = Setup(heartbeat_timeout=5.0, lease_ms=60_000)
+    for worker in ("a", "b"):
+        setup.log.send(Join(at=0, job=JOB, worker=worker))
+    beat(setup, 40, "a", "b")  # 8 timeouts of waiting, heartbeating behind the Join
+    leader = leader_of(setup, batch=batch)
+    drain(leader, setup)
+    assert set(leader.state.members) == {"a", "b"} and failed(setup) == []
+    beat(setup, 4, "a")  # b goes quiet: silence is still judged, from b's last heartbeat
+    setup.clock.advance(2)
+    leader.step()
+    (b,) = failed(setup)
+    assert b.worker == "b" and b.last_seen == setup.clock.now() - 6
+
+
+def test_a_coordinator_back_after_a_long_gap_fails_only_the_workers_that_went_quiet() -> None:
+    setup = Setup(heartbeat_timeout=5.0, min_workers=2, lease_ms=3000)
+    first = leader_of(setup)
+    setup.join("a", "b", "c")
+    first.step()
+    assert set(first.state.members) == {"a", "b", "c"}
+    # The only coordinator dies without a word (its lease runs out); the workers carry on
+    # heartbeating for 60 s, but c dies 2 s in.
+    beat(setup, 2, "a", "b", "c")
+    quiet_since = setup.clock.now()
+    beat(setup, 58, "a", "b")
+    second = setup.coordinator("c2")
+    second.step()  # nobody holds the lease: it takes over
+    assert second.leading
+    drain(second, setup)
+    (c,) = failed(setup)
+    assert c.worker == "c" and c.last_seen == quiet_since
+    assert set(second.state.members) == {"a", "b"}
+
+
+def test_a_restarted_coordinator_knows_who_was_alive_from_the_whole_window_before_its_cursor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new leader with nothing after the cursor judges silence at once, from what it
+    observed of the inbox window before the cursor: all of it, however many pages."""
+    monkeypatch.setattr(service, "WINDOW_PAGE", 4)
+    setup = Setup(heartbeat_timeout=5.0, lease_ms=60_000)
+    first = leader_of(setup)
+    setup.join("a")
+    beat(setup, 1, "a")
+    beat(setup, 4, *(f"x{i}" for i in range(5)))  # 20 entries of other senders
+    beat(setup, 1, "a")  # a's latest sign of life, pages after its first one in the window
+    drain(first, setup)
+    first.close()  # a clean restart: the lease is given back
+    setup.clock.advance(3.5)
+    second = setup.coordinator("c2")
+    second.step()
+    assert second.leading
+    drain(second, setup)
+    assert failed(setup) == [] and "a" in second.state.members
+    setup.clock.advance(2)
+    drain(second, setup)  # a went quiet 5.5 s ago: now it has failed
+    assert [f.worker for f in failed(setup)] == ["a"]
+
+
+def test_a_leader_stalled_between_reading_the_inbox_and_judging_silence_fails_nobody_alive() -> (
+    None
+):
+    """Silence is judged as of the moment the drained inbox was read, not later: heartbeats
+    that arrive while the leader decides (a GC pause, a slow turn) are the next turn's."""
+    setup = Setup(heartbeat_timeout=5.0, lease_ms=60_000)
+    leader = leader_of(setup)
+    setup.join("a")
+    beat(setup, 1, "a")
+    drain(leader, setup)
+    setup.log.after_read = lambda: beat(setup, 6, "a")  # the leader stalls 6 s right there
+    beat(setup, 1, "a")
+    leader.step()
+    assert failed(setup) == []
+    drain(leader, setup)
+    assert failed(setup) == [] and "a" in leader.state.members

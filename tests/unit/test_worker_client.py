@@ -22,7 +22,7 @@ from cohort.events import models as m
 from cohort.events.keys import Keys
 from cohort.events.shards import Shard
 from cohort.events.streams import ZERO, Inbox, Journal
-from cohort.worker import simulated
+from cohort.worker import client, simulated
 from cohort.worker.client import Worker
 from cohort.worker.errors import (
     JoinRefusedError,
@@ -31,6 +31,7 @@ from cohort.worker.errors import (
     Stopped,
     WorldChangedError,
 )
+from tests.helpers import wait_until
 
 JOB = "unit"
 ME = "w-me"
@@ -151,9 +152,63 @@ def test_join_refused_raises_with_the_coordinators_reason(leader, make_worker, p
     assert info.value.reason == "job 'unit' already has max_workers=1"
 
 
-def test_join_without_a_coordinator_times_out_naming_the_job(leader, make_worker) -> None:
-    with pytest.raises(JoinTimeout, match="cohort coordinator --job unit"):
+def test_join_without_a_coordinator_times_out_naming_the_job_and_withdraws(
+    leader, make_worker
+) -> None:
+    with pytest.raises(JoinTimeout, match="cohort coordinator --job unit") as info:
         make_worker().join(timeout=0.3)
+    assert "within 0.3 s" in str(info.value) and "redis://" in str(info.value)
+    # A coordinator that decides the Join later lets the worker go instead of failing it.
+    (leave,) = leader.commands("Leave")
+    assert leave.worker == ME and "gave up joining" in leave.reason
+
+
+def test_a_worker_started_before_any_coordinator_heartbeats_until_its_join_is_answered(
+    server, make_worker, pool, caplog, monkeypatch
+) -> None:
+    """Nothing in the journal yet, not even the job's config: the worker waits without a
+    deadline, says so in the log, and heartbeats behind its Join so the leader that finally
+    decides it from the inbox backlog sees it alive."""
+    monkeypatch.setattr(client, "JOIN_NOTICE_EVERY", 0.1)
+    caplog.set_level(logging.INFO, "cohort.worker")
+    leader = Leader(server)
+    worker = make_worker(heartbeat_interval=0.02)
+    done = pool.submit(worker.join)
+    leader.expect("Join")
+    for _ in range(3):
+        assert leader.expect("Heartbeat").worker == ME
+    wait_until(lambda: sum("waiting for a coordinator" in r.message for r in caplog.records) >= 2)
+    assert not done.done()
+    leader.say(fact(m.JobConfigured, config=m.JobConfig()), fact(m.WorkerJoined, worker=ME))
+    done.result(timeout=5)
+    assert worker.view.member
+    kinds = [decode_command(e.raw or b"").type for e in leader.inbox.range()]
+    assert kinds[0] == "Join" and set(kinds[1:]) == {"Heartbeat"}
+    line = next(r.message for r in caplog.records if "waiting for a coordinator" in r.message)
+    assert "job 'unit' at redis://" in line and "s so far" in line
+    assert all(r.exc_info is None for r in caplog.records)
+
+
+@pytest.mark.parametrize("how", ["signal", "stop event"])
+def test_a_stop_ends_the_wait_for_a_coordinator_and_withdraws_the_join(
+    server, make_worker, pool, monkeypatch, how
+) -> None:
+    monkeypatch.setattr("worker.client.os._exit", lambda code: None)
+    leader = Leader(server)
+    worker = make_worker(heartbeat_interval=0.02)
+    stop = threading.Event()
+    done = pool.submit(worker.join, None, stop if how == "stop event" else None)
+    leader.expect("Join")
+    leader.expect("Heartbeat")
+    if how == "signal":
+        worker.on_signal(signal.SIGTERM, None)  # the first SIGTERM sets worker.stopping
+    else:
+        stop.set()
+    with pytest.raises(Stopped, match="before a coordinator of job 'unit' answered its join"):
+        done.result(timeout=3)
+    assert leader.expect("Leave").worker == ME
+    assert not worker._threads
+    assert worker.view.member is False
 
 
 def test_worker_sees_the_world_journaled_before_it_joined(leader, make_worker, pool) -> None:
@@ -173,6 +228,17 @@ def test_worker_sees_the_world_journaled_before_it_joined(leader, make_worker, p
     joined(leader, worker, pool)
     assert worker.world_version == 3 and worker.next_step == 10
     assert worker.view.members == {"early", ME} and worker.assignment is None
+
+
+def test_a_signal_ends_a_join_that_waits_for_redis_itself(server, make_worker, pool) -> None:
+    server.connected = False
+    worker = make_worker()
+    done = pool.submit(worker.join)
+    with pytest.raises(TimeoutError):
+        done.result(timeout=0.3)  # retrying, without a deadline
+    worker.on_signal(signal.SIGTERM, None)
+    with pytest.raises(Stopped, match="unreachable"):
+        done.result(timeout=3)
 
 
 # ---------------------------------------------------------------- heartbeats

@@ -1,0 +1,51 @@
+"""The same script, elastic: any number of processes, joining and dying as they please."""
+
+import argparse
+import json
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import cohort
+
+FEATURES, HIDDEN, CLASSES = 16, 64, 4
+
+
+def dataset(size: int = 4096, seed: int = 1234) -> TensorDataset:
+    """A fixed synthetic classification set: labels of a random teacher network."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, FEATURES, generator=gen)
+    y = (x @ torch.randn(FEATURES, CLASSES, generator=gen)).argmax(dim=1)
+    return TensorDataset(x, y)
+
+
+def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES)
+    )
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--save", help="write the final parameters here (.npz)")
+    args = parser.parse_args()
+    job = cohort.torch.ElasticJob()  # job name: $COHORT_JOB; Redis: $COHORT_REDIS_URL
+    model, optimizer = job.wrap(*build())
+    loader = DataLoader(dataset(), batch_size=32, shuffle=True)
+    for epoch in job.epochs(args.epochs):
+        for x, y in job.batches(loader):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        print(json.dumps({"epoch": epoch, "loss": round(loss.item(), 6)}), flush=True)
+    if args.save:
+        np.savez(args.save, **{n: p.detach().numpy() for n, p in model.named_parameters()})
+
+
+if __name__ == "__main__":
+    main()

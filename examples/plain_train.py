@@ -1,0 +1,48 @@
+"""A single-process PyTorch training script, as a user writes it before cohort."""
+
+import argparse
+import json
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+FEATURES, HIDDEN, CLASSES = 16, 64, 4
+
+
+def dataset(size: int = 4096, seed: int = 1234) -> TensorDataset:
+    """A fixed synthetic classification set: labels of a random teacher network."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, FEATURES, generator=gen)
+    y = (x @ torch.randn(FEATURES, CLASSES, generator=gen)).argmax(dim=1)
+    return TensorDataset(x, y)
+
+
+def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES)
+    )
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--save", help="write the final parameters here (.npz)")
+    args = parser.parse_args()
+    model, optimizer = build()
+    loader = DataLoader(dataset(), batch_size=32, shuffle=True)
+    for epoch in range(args.epochs):
+        for x, y in loader:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        print(json.dumps({"epoch": epoch, "loss": round(loss.item(), 6)}), flush=True)
+    if args.save:
+        np.savez(args.save, **{n: p.detach().numpy() for n, p in model.named_parameters()})
+
+
+if __name__ == "__main__":
+    main()

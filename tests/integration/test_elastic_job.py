@@ -1,0 +1,182 @@
+"""`cohort.torch.ElasticJob`: the five-line twin of a plain script, run as real processes.
+
+Two twins (examples/elastic_train.py) train against a real coordinator; then two
+DistributedDataParallel ranks over gloo train the plain script's model, step by step on
+the same per-rank batches, read back from the journal. The parameters must agree. A third
+twin SIGKILLed mid-run leaves the others to finish with identical weights and an audited
+history.
+
+This file is also the DDP rank program: `python -m tests.integration.test_elastic_job RANK
+PORT BATCHES_JSON OUT_NPZ`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import sys
+from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+if os.environ.get("CI") == "true":
+    import torch  # CI installs torch's CPU build: a missing torch must fail, not skip
+else:
+    torch = pytest.importorskip("torch")
+
+from cohort.coordinator.audit import audit, committed_batches  # noqa: E402
+
+from .cluster import ROOT, Cluster, Process  # noqa: E402
+
+pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
+
+DATASET, BATCH, EPOCHS = 4096, 32, 1
+TOLERANCE = 1e-5
+
+
+def plain() -> ModuleType:
+    """examples/plain_train.py as a module (examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("plain_train", ROOT / "examples/plain_train.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ddp_rank(rank: int, port: int, batches_file: Path, out: Path) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    ex = plain()
+    steps = json.loads(batches_file.read_text())
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    data = ex.dataset()
+    model, _ = ex.build()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for ranks in steps:
+        index = [i for a, b in ranks[rank] for i in range(a, b)]
+        x, y = data[index]
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    np.savez(out, **{n: p.detach().numpy() for n, p in model.named_parameters()})
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # see test_torch_ddp_equivalence: torch's teardown may abort at exit
+
+
+def twin(cluster: Cluster, name: str, epochs: int = EPOCHS) -> Process:
+    return cluster.python(
+        name, str(ROOT / "examples" / "elastic_train.py"), "--save", str(cluster.saved(name)),
+        "--epochs", str(epochs),
+    )  # fmt: skip
+
+
+def load(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as saved:
+        return {k: saved[k] for k in saved.files}
+
+
+def max_abs_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    assert a.keys() == b.keys()
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+@pytest.fixture
+def job_env(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> Cluster:
+    """The twins find their job and Redis in the environment, as the script says."""
+    monkeypatch.setenv("COHORT_JOB", cluster.job)
+    monkeypatch.setenv("COHORT_REDIS_URL", cluster.url)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    return cluster
+
+
+@pytest.mark.parametrize("route", ["redis", "gloo"])
+def test_two_twins_end_with_the_parameters_of_ddp_over_gloo(
+    job_env: Cluster, route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through Redis, and through torch.distributed (the twin unchanged: the route is the
+    environment's)."""
+    cluster = job_env
+    if route == "gloo":
+        monkeypatch.setenv("COHORT_TORCH_BACKEND", "gloo")
+    cluster.coordinator(
+        "c1", "--min-workers", "2", "--dataset-size", str(DATASET), "--batch-size", str(BATCH)
+    )
+    procs = [twin(cluster, f"w{i}") for i in range(2)]
+    for proc in procs:
+        assert cluster.finished(proc, 180) == 0, proc.output()[-3000:]
+    cluster.pull()
+    batches = [
+        [[[a, b] for a, b in ranks] for ranks in per_rank]
+        for _, _, per_rank in committed_batches(f for _, f in cluster.facts)
+        if per_rank is not None
+    ]
+    assert len(batches) == EPOCHS * DATASET // (2 * BATCH)
+    plan = cluster.tmp / "batches.json"
+    plan.write_text(json.dumps(batches))
+    port = str(_free_port())
+    module = "tests.integration.test_elastic_job"
+    ranks = [
+        cluster.python(f"ddp{r}", "-m", module, str(r), port, str(plan), str(cluster.saved(str(r))))
+        for r in range(2)
+    ]
+    for proc in ranks:
+        assert cluster.finished(proc, 180) == 0, proc.output()[-3000:]
+    ddp = load(cluster.saved("0"))
+    diffs = [max_abs_diff(load(cluster.saved(f"w{i}")), ddp) for i in range(2)]
+    print(
+        f"ElasticJob ({route}) vs DDP over gloo, {len(batches)} steps: max |diff| {max(diffs):.3g}"
+    )
+    assert max(diffs) <= TOLERANCE
+    assert cluster.state.counters.left == 2 and not cluster.state.members  # both left cleanly
+
+
+@pytest.mark.parametrize("route", ["redis", "gloo"])
+def test_a_twin_killed_mid_epoch_leaves_the_others_equal_and_every_sample_used_once(
+    job_env: Cluster, route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through gloo, the survivors' backward is not left hanging on the dead peer: the
+    watchdog completes the collective and the step is redone in the next world."""
+    cluster = job_env
+    if route == "gloo":
+        monkeypatch.setenv("COHORT_TORCH_BACKEND", "gloo")
+    cluster.coordinator(
+        "c1", "--min-workers", "2", "--dataset-size", str(DATASET), "--batch-size", str(BATCH),
+        "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2",
+    )  # fmt: skip
+    procs = {name: twin(cluster, name, epochs=2) for name in ("a", "b", "c")}
+    cluster.until(
+        lambda s: len(s.ranks) == 3 and s.last_committed >= 10, timeout=90, message="3 training"
+    )
+    procs["b"].kill(signal.SIGKILL)
+    for name in ("a", "c"):
+        assert cluster.finished(procs[name], 180) == 0, procs[name].output()[-3000:]
+    assert max_abs_diff(load(cluster.saved("a")), load(cluster.saved("c"))) == 0.0
+    cluster.pull()
+    report = audit(f for _, f in cluster.facts)
+    assert report.ok, report.problems
+    assert report.epochs[0].finished and report.epochs[0].used == DATASET
+    assert cluster.state.counters.failed == 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+if __name__ == "__main__":
+    ddp_rank(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))

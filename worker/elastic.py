@@ -1,0 +1,417 @@
+"""The elastic training loop, written once: what a script would otherwise write itself.
+
+`Elastic` owns a job's membership and walks its steps: it joins (and waits for a
+coordinator, however late it starts), brings every new world the weights it starts from
+(rank 0's own, the initial ones, or a checkpoint rank 0 loads) and broadcasts them,
+hands out this rank's samples of each step, reports the step and waits for it to commit,
+writes the checkpoints the leader asks for in the background, and leaves at the end.
+
+A framework plugs in through `TrainingState` (its weights: digest, broadcast, snapshot,
+load, reset); `cohort.torch.ElasticJob` and `cohort.ElasticJob` (numpy) are the two
+front doors built on it.
+
+A step whose collective was cut short by a world change applied nothing: it is retried
+in the new world. A step applied here but never committed (its world changed before any
+rank's report reached the leader, which is rare: the collective completing means every
+rank contributed) leaves this rank's weights ahead of the lineage; the rank then leaves
+and joins again, so that it takes the committed weights from a holder instead of ever
+passing its own on.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from cohort.events.connection import Client, RedisSettings, connect
+from cohort.events.keys import check_job
+from cohort.events.shards import Range
+
+from . import checkpoints
+from .client import Worker
+from .collective import Collective
+from .errors import Stopped, WaitTimeout, WorkerError, WorldChangedError
+from .view import Assignment
+
+log = logging.getLogger("cohort.elastic")
+POLL = 0.5
+JOB_ENV = "COHORT_JOB"
+LOST_LOG_EVERY = 10.0
+
+
+class TrainingState(Protocol):
+    """What the elastic loop needs of a framework's weights and optimizer state."""
+
+    def digest(self) -> str:
+        """A digest of the weights (equal on every rank after every committed step)."""
+        ...
+
+    def broadcast(self, collective: Collective, step: int, world: int) -> None:
+        """Every rank takes rank 0's state (raises WorldChangedError if the world moves)."""
+        ...
+
+    def snapshot(self) -> bytes:
+        """A copy of the whole state, for a checkpoint (taken now; written later)."""
+        ...
+
+    def load(self, blob: bytes) -> None:
+        """Take the state of a `snapshot`."""
+        ...
+
+    def reset(self) -> None:
+        """Back to the initial state (a job resumed from scratch)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One step of the job on this rank: which samples, in which world and data epoch."""
+
+    step: int
+    world: int
+    epoch: int
+    rank: int
+    world_size: int
+    ranges: tuple[Range, ...]
+
+    @property
+    def indices(self) -> list[int]:
+        return [i for start, stop in self.ranges for i in range(start, stop)]
+
+
+class Elastic:
+    """A training process's membership of job `job`, and the walk over its steps."""
+
+    def __init__(
+        self,
+        job: str | None = None,
+        *,
+        redis_url: str | None = None,
+        conn: Client | None = None,
+        worker_id: str | None = None,
+        join_timeout: float | None = None,
+        digest_every: int = 50,
+        signals: bool = True,
+    ) -> None:
+        job = job or os.environ.get(JOB_ENV)
+        if not job:
+            raise WorkerError(
+                f"no job name: pass one (ElasticJob('mnist')) or set ${JOB_ENV}, the name "
+                "the job's coordinators were started with"
+            )
+        check_job(job)
+        self.conn = conn or connect(RedisSettings.resolve(redis_url, client_name=f"cohort-{job}"))
+        self.worker = Worker(self.conn, job, worker_id=worker_id)
+        self.collective = Collective(self.conn, job, self.worker)
+        self.digest_every = digest_every
+        if signals:
+            self.worker.install_signal_handlers()
+        try:
+            self.worker.join(timeout=join_timeout)
+        except Stopped:  # Ctrl-C while waiting for a coordinator: the loops just end
+            log.info("%s was stopped before it joined job %r", self.worker.id, job)
+        self.state: TrainingState | None = None
+        self.world = 0
+        self.world_size = 0
+        self.step = 0
+        self.current: Step | None = None
+        self.aborted = False
+        self.steps_done = 0
+        self._unsettled: Step | None = None
+        """Applied and reported here; its commit not seen yet."""
+        self._digest: str | None = None
+        self._snapshot: bytes | None = None
+        self._writer: checkpoints.CheckpointWriter | None = None
+        self._world_callbacks: list[Callable[[int, int], None]] = []
+        self._left = False
+
+    # ------------------------------------------------------------ set up
+    def attach(self, state: TrainingState) -> None:
+        """Train `state`; this worker is then ready to be given a rank."""
+        self.state = state
+        view = self.worker.view
+        self.worker.ready(step=max(view.last_committed, 0))
+
+    def on_world_change(self, callback: Callable[[int, int], None]) -> None:
+        """`callback(old_size, new_size)` at every new world (to scale a learning rate)."""
+        self._world_callbacks.append(callback)
+
+    @property
+    def stopping(self) -> bool:
+        return self.worker.stopping.is_set()
+
+    # ------------------------------------------------------------ the walk
+    def steps(self) -> Iterator[Step]:
+        """Every step this rank trains, in order, until the job ends or it is stopped.
+
+        Between two `next()` the caller computes the step and applies its update through
+        the job's collective; `abort()` says a world change cut that short. A finished step
+        is reported at once and its commit is awaited only after the next step's work (it
+        has nearly always arrived by then): the wait stays off the critical path.
+        """
+        assert self.state is not None, "attach() the training state first"
+        lost_logged = 0.0
+        try:
+            while not self.stopping:
+                try:
+                    assignment = self.worker.wait_active(POLL)
+                except WaitTimeout:
+                    lost_logged = self._say_if_lost(lost_logged)
+                    continue
+                if assignment.world_version != self.world:
+                    self._settle()
+                    if not self._start_world(assignment):
+                        continue
+                self.step = max(self.step, self.worker.next_step)
+                step = self._current(assignment)
+                self.aborted = False
+                started = time.monotonic()
+                yield step
+                if self.aborted:  # nothing was applied: the step is retried in the new world
+                    self._settle()
+                    continue
+                self._report(step, time.monotonic() - started)
+                self._settle()
+                self._unsettled, self.step = step, step.step + 1
+        finally:
+            self._settle()
+
+    def before_apply(self) -> bool:
+        """Called by the framework's glue before it averages and applies the current step.
+
+        The previous step, reported but perhaps not yet seen committed, is settled first
+        (its commit has nearly always arrived during this step's forward and backward).
+        Its commit may have moved the job on (a new epoch, a new world): False when the
+        current step was built on a plan that is no longer the job's, and it is aborted.
+        """
+        self._settle()
+        current = self.current
+        assert current is not None, "before_apply() inside a step"
+        if self.worker.world_version != current.world or self.worker.batch(current.step) != (
+            current.ranges
+        ):
+            self.abort()
+            return False
+        plan = self.worker.view.plan
+        if plan is not None and plan.epoch != current.epoch:
+            self.abort()
+            return False
+        return True
+
+    def abort(self) -> None:
+        """The step's collective was cut short by a world change: nothing was applied."""
+        self.aborted = True
+
+    def _current(self, assignment: Assignment) -> Step:
+        ranges = self.worker.batch(self.step)
+        plan = self.worker.view.plan
+        self.current = Step(
+            step=self.step,
+            world=assignment.world_version,
+            epoch=plan.epoch if plan is not None else 0,
+            rank=assignment.rank,
+            world_size=assignment.world_size,
+            ranges=ranges,
+        )
+        return self.current
+
+    def _start_world(self, assignment: Assignment) -> bool:
+        """Rank 0 brings the world's weights, then every rank takes them. False: the world
+        moved on meanwhile (the caller waits for the next one)."""
+        assert self.state is not None
+        weights = assignment.weights
+        if assignment.rank == 0 and weights is not None and weights.source != "rank":
+            if weights.source == "initial":
+                self.state.reset()
+            else:
+                assert weights.uri is not None
+                self.state.load(checkpoints.read(weights.uri, weights.sha256).payload)
+                log.info("rank 0 loaded the state of step %d from %s", weights.step, weights.uri)
+        try:
+            self.state.broadcast(self.collective, assignment.start_step, assignment.world_version)
+            self._joined_world(assignment)
+        except WorldChangedError:
+            return False
+        old, self.world_size = self.world_size, assignment.world_size
+        self.world, self.step = assignment.world_version, assignment.start_step
+        for callback in self._world_callbacks:
+            callback(old, assignment.world_size)
+        return True
+
+    def _joined_world(self, assignment: Assignment) -> None:
+        """Every rank holds the world's state: what else a world needs (a process group)."""
+
+    def _report(self, step: Step, took: float) -> None:
+        """StepDone for `step`, with a digest of the weights now and then. If the leader
+        will ask for a checkpoint of this step (it asks when the step commits), the state is
+        copied now, before the next step changes it."""
+        assert self.state is not None
+        due = self._checkpoint_due(step.step)
+        sample = due or (self.digest_every and step.step % self.digest_every == 0)
+        self._digest = self.state.digest() if sample else None
+        samples = sum(stop - start for start, stop in step.ranges)
+        self.worker.step_done(step.step, step_time=took, samples=samples, digest=self._digest)
+        self._snapshot = self.state.snapshot() if due else None
+
+    def _checkpoint_due(self, step: int) -> bool:
+        config = self.worker.view.config
+        every = config.checkpoint_every if config is not None and config.checkpoint_uri else 0
+        return bool(every) and (step + 1) % every == 0
+
+    def _settle(self) -> None:
+        """Wait for the reported step to commit (if one waits); write its checkpoint if the
+        leader asked this worker; rejoin if it never commits."""
+        step, self._unsettled = self._unsettled, None
+        if step is None:
+            return
+        if not self.worker.committed(step.step):
+            if not self.stopping:
+                self._rejoin(step)
+            return
+        self.steps_done += 1
+        request = checkpoints.pending(self.worker.view.requested, step.step)
+        if request is not None and self._snapshot is not None:
+            self._writer = self._writer or checkpoints.CheckpointWriter(self.worker)
+            self._writer.submit(request, functools.partial(bytes, self._snapshot), self._digest)
+        self._snapshot = None
+
+    def _rejoin(self, step: Step) -> None:
+        """This rank applied a step the job never committed: its weights are ahead of the
+        lineage. Leave and join again, to take the committed weights from a holder."""
+        log.warning(
+            "%s applied step %d, which the job did not commit; joining again to take the "
+            "committed weights",
+            self.worker.id,
+            step.step,
+        )
+        self.worker.leave(reason=f"weights ahead of the lineage at step {step.step}")
+        self.worker.join()
+        self.world = 0
+        self.worker.ready(step=max(self.worker.view.last_committed, 0))
+
+    def _say_if_lost(self, logged: float) -> float:
+        lost = self.worker.view.weights_lost
+        now = time.monotonic()
+        if lost is None or now - logged < LOST_LOG_EVERY:
+            return logged
+        log.warning(
+            "%s waits: the weights of step %d are lost; continue with `cohort resume --job %s`",
+            self.worker.id,
+            lost,
+            self.worker.job,
+        )
+        return now
+
+    # ------------------------------------------------------------ the end
+    def close(self) -> None:
+        """Finish background checkpoint writes, then leave the job (once)."""
+        if self._left:
+            return
+        self._left = True
+        if self._writer is not None:
+            self._writer.close()
+        reason = "stopped" if self.stopping else "done"
+        self.worker.leave(reason=reason)
+
+    def __enter__(self) -> Elastic:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class NumpyState:
+    """A dict of numpy arrays as the elastic loop's state, changed in place by the caller."""
+
+    def __init__(self, params: dict[str, object]) -> None:
+        import numpy as np
+
+        self.params = params
+        self.initial = {k: np.array(v, copy=True) for k, v in params.items()}
+
+    def digest(self) -> str:
+        import hashlib
+
+        import numpy as np
+
+        h = hashlib.sha256()
+        for name in sorted(self.params):
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(self.params[name]).tobytes())
+        return h.hexdigest()[:32]
+
+    def broadcast(self, collective: Collective, step: int, world: int) -> None:
+        import numpy as np
+
+        mine = self.params if collective.world().rank == 0 else None
+        got = collective.broadcast(mine, root=0, step=step, world=world)  # type: ignore[arg-type]
+        for name, value in got.items():
+            self.params[name] = np.array(value, copy=True)
+
+    def snapshot(self) -> bytes:
+        return checkpoints.tensors_payload(self.params)()  # type: ignore[arg-type]
+
+    def load(self, blob: bytes) -> None:
+        import numpy as np
+
+        from . import tensors
+
+        for name, value in tensors.unpack(blob).items():
+            self.params[name] = np.array(value, copy=True)
+
+    def reset(self) -> None:
+        import numpy as np
+
+        for name, value in self.initial.items():
+            self.params[name] = np.array(value, copy=True)
+
+
+class ElasticJob(Elastic):
+    """Elastic data-parallel training of numpy parameters, changed in place:
+
+    job = cohort.ElasticJob("toy")
+    params = job.wrap(params)                     # kept equal on every rank
+    for step in job.steps():
+        with job.step_of(step):                   # a world change retries the step
+            grads = gradients(params, *take(step.ranges))
+            for name, mean in job.allreduce(grads).items():
+                params[name] -= lr * mean
+    """
+
+    def wrap(self, params: dict[str, object]) -> dict[str, object]:
+        self.attach(NumpyState(params))
+        return params
+
+    def allreduce(self, tensors: dict[str, object]) -> dict[str, object]:
+        """The mean of `tensors` over the ranks, for the current step."""
+        assert self.current is not None, "allreduce() inside a step"
+        if not self.before_apply():
+            raise WorldChangedError(self.current.step, self.worker.assignment)
+        return self.collective.allreduce(  # type: ignore[return-value]
+            tensors,  # type: ignore[arg-type]
+            self.current.step,
+            world=self.current.world,
+        )
+
+    def step_of(self, step: Step) -> _Guard:
+        """A context for one step's work: a world change inside it aborts the step."""
+        return _Guard(self)
+
+
+class _Guard:
+    def __init__(self, job: Elastic) -> None:
+        self.job = job
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> bool:
+        if kind is not None and issubclass(kind, WorldChangedError):
+            self.job.abort()
+            return True  # suppressed: the step is retried in the new world
+        return False

@@ -1,0 +1,298 @@
+"""Elastic PyTorch training in a few changed lines: `cohort.torch.ElasticJob`.
+
+    job = cohort.torch.ElasticJob("mnist")
+    model, optimizer = job.wrap(model, optimizer)
+    for epoch in job.epochs(EPOCHS):
+        for x, y in job.batches(loader):
+            loss_fn(model(x), y).backward(); optimizer.step(); optimizer.zero_grad()
+
+`wrap` makes `optimizer.step()` average the gradients over the ranks first (through
+Redis, as DDP would), and skip the update if a world change cut that short (the step is
+retried in the new world). `batches` gives this rank its samples of every step of the
+data epoch (the leader's split, elastic across joins, leaves and failures), built from the
+loader's dataset and collate function. Every new world starts from rank 0's model,
+optimizer and extra state (a survivor's, the initial ones, or a checkpoint's); checkpoints
+the leader asks for are written in the background; the job leaves when the loops end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import types
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import torch_sync
+from .collective import Collective
+from .elastic import Elastic, Step
+from .errors import WorkerError, WorldChangedError
+
+BACKEND_ENV = "COHORT_TORCH_BACKEND"
+"""Where a script that names no backend finds one (gloo, nccl); unset: through Redis."""
+
+
+class TorchState:
+    """A model, its optimizer, an LR scheduler and any extra state, as one training state."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.extra = dict(extra) if extra is not None else None
+        self.initial = self.snapshot()
+
+    def _extra(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"rng": torch.get_rng_state()}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if self.extra is not None:
+            state["user"] = self.extra
+        return state
+
+    def _take(self, extra: Mapping[str, Any]) -> None:
+        if "rng" in extra:
+            torch.set_rng_state(extra["rng"])
+        if self.scheduler is not None and "scheduler" in extra:
+            self.scheduler.load_state_dict(extra["scheduler"])
+        if self.extra is not None and "user" in extra:
+            self.extra.clear()
+            self.extra.update(extra["user"])
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for name, tensor in sorted(self.model.state_dict().items()):
+            h.update(name.encode())
+            array = tensor.detach().cpu().contiguous()
+            h.update(memoryview(array.view(torch.uint8).numpy()) if array.numel() else b"")
+        return h.hexdigest()[:32]
+
+    def broadcast(self, collective: Collective, step: int, world: int) -> None:
+        mine = collective.world().rank == 0
+        got = collective.broadcast(
+            torch_sync.state_tensors(self.model, self.optimizer, self._extra()) if mine else None,
+            root=0,
+            step=torch_sync.call_id(step, torch_sync.STATE),
+            world=world,
+        )
+        if not mine:
+            self._take(torch_sync.load_state_tensors(self.model, self.optimizer, got))
+
+    def snapshot(self) -> bytes:
+        return torch_sync.state_blob(self.model, self.optimizer, self._extra())
+
+    def load(self, blob: bytes) -> None:
+        self._take(torch_sync.load_state_blob(self.model, self.optimizer, blob))
+
+    def reset(self) -> None:
+        self.load(self.initial)
+
+
+class ElasticJob(Elastic):
+    """Elastic data-parallel PyTorch training; see the module docstring for the loop.
+
+    `backend=None` (and no $COHORT_TORCH_BACKEND): gradients are averaged through Redis in
+    `optimizer.step()`. `backend="gloo"` (or "nccl"): every world gets a torch.distributed
+    process group (`Rendezvous`: a fresh store per world, no store host to lose) and the
+    model runs under `DistributedDataParallel`, whose allreduce overlaps backward; a
+    watchdog following the journal completes a collective a dead peer would hang, and the
+    step is skipped.
+    """
+
+    def __init__(self, job: str | None = None, backend: str | None = None, **options: Any):
+        super().__init__(job, **options)
+        backend = backend or os.environ.get(BACKEND_ENV) or None
+        self._steps: Iterator[Step] = self.steps()
+        self._peeked: Step | None = None
+        self.backend = backend
+        self.rdzv: Any = None
+        self.ddp: Any = None
+        self._ddp_aborted = False
+        self._inside_ddp = False
+        if backend is not None:
+            from .torchdist import Rendezvous
+
+            self.rdzv = Rendezvous(self.worker, self.conn, self.worker.job)
+
+    def wrap(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        extra: Mapping[str, Any] | None = None,
+        bucket_bytes: int = torch_sync.DEFAULT_BUCKET_BYTES,
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Train `model` with `optimizer` (and `scheduler`, and `extra` state that travels
+        with them, e.g. an EMA or counters: a dict changed in place) on every rank alike."""
+        self.attach(TorchState(model, optimizer, scheduler, extra))
+        original = optimizer.step
+
+        def step(this: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            current = self.current
+            if current is None:
+                raise WorkerError("optimizer.step() outside a step of job.batches()")
+            if self._ddp_aborted or not self.before_apply():
+                self.abort()  # a dead peer's world, or the job moved on: built again
+                return None
+            if self.backend is None:
+                try:
+                    torch_sync.sync_gradients(
+                        model, self.collective, current.step, bucket_bytes, world=current.world
+                    )
+                except WorldChangedError:
+                    self.abort()  # no rank applies a step its world did not finish
+                    return None
+            return original(*args, **kwargs)
+
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+        if self.backend is not None:
+            return _under_ddp(model, self), optimizer
+        return model, optimizer
+
+    def _joined_world(self, assignment: Any) -> None:
+        """With a backend: the world's process group, and the model under DDP in it."""
+        if self.backend is None:
+            return
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.ddp = None  # the old world's reducer and its hooks go before the new ones come
+        self.rdzv.init_process_group(self.backend)
+        state = self.state
+        assert isinstance(state, TorchState)
+        self.ddp = DistributedDataParallel(
+            state.model, init_sync=False, forward_sync_buffers=False
+        )  # the state was broadcast already; buffers travel with it at each world start
+        self.ddp.register_comm_hook(self, _guarded_allreduce)
+
+    def _start_step(self) -> None:
+        self._ddp_aborted = False
+
+    def epochs(self, count: int | None = None) -> Iterator[int]:
+        """The data epochs this job trains, from the one it is in, up to `count` of them
+        (None: until the job ends); leaves the job when they are done."""
+        try:
+            while not self.stopping:
+                upcoming = self._peek()
+                if upcoming is None or (count is not None and upcoming.epoch >= count):
+                    return
+                yield upcoming.epoch
+        finally:
+            self.close()
+
+    def batches(self, loader: Any) -> Iterator[Any]:
+        """This rank's batch of each step of the current data epoch, as `loader` would
+        build it (its dataset and collate function); an empty share still takes part."""
+        collate = getattr(loader, "collate_fn", None) or torch.utils.data.default_collate
+        dataset = loader.dataset
+        first = self._peek()
+        while first is not None and not self.stopping:
+            step = self._next()
+            if step is None or step.epoch != first.epoch:
+                self._peeked = step
+                return
+            self._start_step()
+            if not step.ranges:
+                self._empty_step(dataset, collate)
+                continue
+            yield collate([dataset[i] for i in step.indices])
+
+    def _empty_step(self, dataset: Any, collate: Any) -> None:
+        """No sample for this rank this step: zero gradients still go into the average.
+
+        Under DDP every rank must run a backward (the others' allreduce waits for it): one
+        sample's forward, times zero. The model is given the batch's first element (the
+        inputs of an (inputs, targets) data set)."""
+        state = self.state
+        assert isinstance(state, TorchState)
+        if self.ddp is None:
+            for p in state.model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        else:
+            batch = collate([dataset[0]])
+            inputs = batch[0] if isinstance(batch, tuple | list) else batch
+            out = state.model(inputs)  # through DDP, as the script's own calls go
+            outputs = out if isinstance(out, tuple | list) else (out,)
+            zero = torch.stack([o.float().sum() for o in outputs if torch.is_tensor(o)]).sum() * 0
+            zero.backward()
+        state.optimizer.step()
+        state.optimizer.zero_grad()
+
+    def _peek(self) -> Step | None:
+        if self._peeked is None:
+            self._peeked = next(self._steps, None)
+        return self._peeked
+
+    def _next(self) -> Step | None:
+        step, self._peeked = self._peek(), None
+        return step
+
+
+def _under_ddp(model: torch.nn.Module, job: ElasticJob) -> torch.nn.Module:
+    """`model` itself (its class, parameters and state_dict keys unchanged), whose calls run
+    under the current world's DDP. DDP calls the module back; that inner call is the model's
+    own."""
+    base = type(model)
+
+    def call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        ddp = job.ddp
+        if ddp is None or job._inside_ddp:
+            return base.__call__(self, *args, **kwargs)
+        job._inside_ddp = True
+        try:
+            return ddp(*args, **kwargs)
+        finally:
+            job._inside_ddp = False
+
+    model.__class__ = type(
+        base.__name__, (base,), {"__call__": call, "__module__": base.__module__}
+    )
+    return model
+
+
+def _guarded_allreduce(job: ElasticJob, bucket):  # type: ignore[no-untyped-def]
+    """DDP's bucket allreduce (the mean over ranks), completed with zeros and the step
+    skipped if the journal says the world ended first: a dead peer never hangs backward.
+
+    `bucket` (a dist.GradBucket) and the returned Future[Tensor] carry no annotations: DDP
+    checks them by identity, and this module's annotations are strings."""
+    import torch.distributed as dist
+
+    tensor = bucket.buffer()
+    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    lock = threading.Lock()
+    dog = job.rdzv.watchdog
+
+    def finish(value: torch.Tensor | None) -> None:
+        with lock:
+            if result.done():
+                return
+            if value is None:
+                job._ddp_aborted = True
+                result.set_result(torch.zeros_like(tensor))
+            else:
+                result.set_result(value)
+
+    if dog is None or dog.tripped.is_set():
+        finish(None)
+        return result
+    tensor.div_(dist.get_world_size())  # then the sum: as DDP's own allreduce hook does
+    work = dist.all_reduce(tensor, async_op=True)
+    job.rdzv._works.append(work)  # pinned with its group if the world is abandoned
+    work.get_future().then(lambda fut: finish(fut.value()[0]))
+    dog.on_trip(lambda: finish(None))
+    return result
+
+
+def params_of(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {name: p.detach().cpu().numpy().copy() for name, p in model.named_parameters()}
