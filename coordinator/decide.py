@@ -30,6 +30,9 @@ The rules (DESIGN.md "Membership", "Data shards"):
 - Checkpoints: after every `checkpoint_every` committed steps a holder of the weights is
   asked to write them (CheckpointRequested, with the data position); its CheckpointWritten
   → CheckpointSaved, and the oldest beyond `checkpoint_keep` → CheckpointExpired.
+- The job's length (`max_steps`, `epochs`): the commit that reaches it ends the job with
+  the last checkpoint's request and JobFinished; then no step commits, joins are refused,
+  leavers leave at once and silent members fail, without new worlds.
 - GpuReading of a member: the GPU rules (journaled in the config) with hysteresis and
   priorities → GpuAdviceCleared / GpuAdviceIssued (coordinator/gpu_rules.py).
 """
@@ -53,6 +56,7 @@ from cohort.events.models import (
     Heartbeat,
     JobConfig,
     JobConfigured,
+    JobFinished,
     Join,
     JoinRefused,
     LeaderElected,
@@ -77,7 +81,7 @@ from cohort.events.models import (
     WorkerSynced,
     WorldChanged,
 )
-from cohort.events.shards import Shard
+from cohort.events.shards import Shard, exhausted
 
 from . import gpu_rules, lineage, shards, stragglers
 from .fold import evolve
@@ -144,6 +148,9 @@ def decide(state: JobState, seen: Liveness, command: Command, now: float) -> Dec
     """Facts that follow from `command` (already observed into `seen`)."""
     plan = _Plan(state, now)
     if not state.configured:
+        return plan.decision()
+    if state.finished:
+        _after_end(plan, command)
         return plan.decision()
     match command:
         case Join():
@@ -234,14 +241,16 @@ def tick(state: JobState, seen: Liveness, now: float) -> Decision:
     ]
     if not lost:
         return plan.decision()
-    held_rank = any(worker in state.ranks for worker, _ in lost)
+    held_rank = not state.finished and any(worker in state.ranks for worker, _ in lost)
     running = held_rank and not state.paused
     if running and seen.any_reported(state.ranks, state.world_version, state.next_step):
         # A rank finished the step, so every rank contributed to it: it stands.
-        _commit(plan, seen, state.next_step)
+        step = state.next_step
+        _commit(plan, seen, step)
+        _ended(plan, step, _epoch_done(plan.state, step))
     for worker, last_seen in lost:
         plan.emit(WorkerFailed, worker=worker, last_seen=last_seen, timeout=timeout)
-    if held_rank:
+    if held_rank and not plan.state.finished:
         names = _some([w for w, _ in lost])
         _new_world(plan, f"{names} failed")
     return plan.decision()
@@ -258,7 +267,10 @@ def _maybe_commit(plan: _Plan, seen: Liveness) -> None:
     if not seen.all_reported(state.ranks, state.world_version, step):
         return
     _commit(plan, seen, step)
-    _boundary(plan, seen, step)
+    epoch_done = _epoch_done(plan.state, step)
+    if _ended(plan, step, epoch_done):
+        return
+    _boundary(plan, seen, step, epoch_done)
     if lineage.due(plan.state, step):
         _request_checkpoint(plan, step)
 
@@ -273,8 +285,9 @@ def _commit(plan: _Plan, seen: Liveness, step: int) -> None:
         plan.emit(WeightsDiverged, step=step, world=state.world_version, groups=groups)
 
 
-def _boundary(plan: _Plan, seen: Liveness, step: int) -> None:
-    """What happens between two steps: stragglers, leavers, joiners, epochs, a new world."""
+def _boundary(plan: _Plan, seen: Liveness, step: int, epoch_done: bool) -> None:
+    """What happens between two steps: stragglers, leavers, joiners, epochs, a new world.
+    `epoch_done`: `step` used the epoch's last samples."""
     config = plan.config
     for worker, slow, mine, middle in stragglers.changes(plan.state, seen, step, config):
         if slow:
@@ -296,8 +309,7 @@ def _boundary(plan: _Plan, seen: Liveness, step: int) -> None:
         plan.emit(WorkerActivated, worker=member.worker)
         changed.append(f"{member.worker} joined")
     state = plan.state
-    done = shards.exhausted(state.shards, state.base_step, step + 1, config.batch_size)
-    if done and not state.unassigned.size:
+    if epoch_done:
         plan.emit(EpochFinished, epoch=state.epoch, step=step)
         if not changed:
             plan.emit(
@@ -396,6 +408,57 @@ def _pace(plan: _Plan) -> None:
         _new_world(plan, _some([m.worker for m in ready] + unranked) + " joined")
         return
     plan.emit(TrainingResumed, active=active)
+
+
+# ---------------------------------------------------------------- the end
+
+
+def _epoch_done(state: JobState, step: int) -> bool:
+    """Whether `step` used the last samples of its epoch."""
+    assert state.config is not None
+    return not state.unassigned.size and exhausted(
+        state.shards, state.base_step, step + 1, state.config.batch_size
+    )
+
+
+def _ended(plan: _Plan, step: int, epoch_done: bool) -> bool:
+    """If committing `step` reached the job's length, finish it (and say so)."""
+    reason = plan.config.end_reason(step, plan.state.epoch, epoch_done)
+    if reason is not None:
+        _finish(plan, step, epoch_done, reason)
+    return reason is not None
+
+
+def _finish(plan: _Plan, step: int, epoch_done: bool, reason: str) -> None:
+    """`step` is the job's last: its epoch may end, a holder is asked for the last
+    checkpoint (when the job checkpoints at all), members draining away leave now (no
+    boundary comes for them), and the job is finished."""
+    if epoch_done:
+        plan.emit(EpochFinished, epoch=plan.state.epoch, step=step)
+    if plan.config.checkpoint_uri is not None:
+        _request_checkpoint(plan, step)
+    for member in plan.state.with_status("draining"):
+        plan.emit(WorkerLeft, worker=member.worker, reason="drained")
+    state = plan.state
+    plan.emit(JobFinished, step=step, epoch=state.epoch, digest=state.last_digest, reason=reason)
+
+
+def _after_end(plan: _Plan, command: Command) -> None:
+    """A finished job trains no more: a joiner is refused, a leaver leaves at once, and the
+    last checkpoint still enters the index; every other command changes nothing."""
+    state = plan.state
+    match command:
+        case Join() if command.worker not in state.members:
+            plan.emit(
+                JoinRefused,
+                worker=command.worker,
+                reason=f"job {state.job!r} finished at step {state.last_committed} "
+                f"({state.finished}); `cohort reset --job {state.job}` clears it to run again",
+            )
+        case Leave() if command.worker in state.members:
+            plan.emit(WorkerLeft, worker=command.worker, reason=command.reason or "left")
+        case CheckpointWritten():
+            _checkpoint_written(plan, command)
 
 
 # ---------------------------------------------------------------- checkpoints and lineage

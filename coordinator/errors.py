@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CoordinatorError(Exception):
     """Root of every error raised by the coordinator package."""
@@ -26,3 +28,20 @@ class Conflict(CoordinatorError):
         )
         self.expected_last = expected_last
         self.actual_last = actual_last
+
+
+class ConfigConflict(CoordinatorError):
+    """The job's journaled config differs from the settings this coordinator was given."""
+
+    def __init__(self, job: str, differ: list[tuple[str, Any, Any]]) -> None:
+        given = ", ".join(
+            f"--{name.replace('_', '-')} {mine!r} (journaled: {theirs!r})"
+            for name, mine, theirs in differ
+        )
+        super().__init__(
+            f"job {job!r} was started with other settings: {given}. Start this coordinator "
+            f"with the journaled settings (or without these flags, to keep them), or run "
+            f"`cohort reset --job {job}` to clear the job and start it afresh"
+        )
+        self.job = job
+        self.differ = differ

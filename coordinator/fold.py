@@ -15,6 +15,7 @@ from cohort.events.models import (
     GpuAdviceCleared,
     GpuAdviceIssued,
     JobConfigured,
+    JobFinished,
     JoinRefused,
     LeaderElected,
     Rewound,
@@ -168,6 +169,8 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:
                     state.counters, rewinds=1, discarded_steps=fact.from_step - fact.to_step
                 ),
             }
+        case JobFinished():
+            return {"finished": fact.reason or "finished", "paused": True}
     raise TypeError(f"evolve has no branch for {type(fact).__name__}")  # pragma: no cover
 
 

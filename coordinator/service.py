@@ -43,7 +43,7 @@ from cohort.events.streams import ZERO, Entry, Journal, id_ms
 from . import snapshot
 from .core import Core
 from .election import RedisLease
-from .errors import Conflict, CoordinatorError, Fenced
+from .errors import ConfigConflict, Conflict, CoordinatorError, Fenced
 from .joblog import Durability, RedisJobLog
 from .metrics import Metrics
 from .state import JobState, state_hash
@@ -77,6 +77,11 @@ class ServiceSettings:
     wait_ms: int = 5000
     """How long each WAIT / WAITAOF may block before the leader logs a shortfall."""
     display_url: str = "redis"
+    given: frozenset[str] = frozenset()
+    """The `config` fields the operator set (flags, config file): a journaled config that
+    differs in any of them is refused, not silently kept."""
+    stay: bool = False
+    """Keep running once the job finished (default: exit when no member is left)."""
 
 
 @dataclass
@@ -181,12 +186,19 @@ class Coordinator:
     def leading(self) -> bool:
         return self.token is not None
 
+    @property
+    def done(self) -> bool:
+        """The job finished and every member has left (or failed): nothing is left to
+        decide, unless told to stay."""
+        return self.state.finished is not None and not self.state.members and not self.settings.stay
+
     # ------------------------------------------------------------ the loop
     def run(self, stop: threading.Event) -> None:
-        """Follow or lead until `stop` is set; Redis outages are waited out, never fatal."""
+        """Follow or lead until `stop` is set or the job is done; Redis outages are waited
+        out, never fatal."""
         backoff = 0.1
         started = False
-        while not stop.is_set():
+        while not stop.is_set() and not (started and self.done):
             try:
                 if not started:
                     self.start()
@@ -204,12 +216,34 @@ class Coordinator:
                 self._lost_redis()
                 stop.wait(backoff * (0.5 + random.random()))
                 backoff = min(backoff * 2, 5.0)
+        if self.done:
+            log.info(
+                "job %r finished at step %d (%s); %s exits",
+                self.settings.job,
+                self.state.last_committed,
+                self.state.finished,
+                self.settings.coordinator,
+            )
         self.close()
 
     def start(self) -> None:
         self.joblog.prepare()
         self._load_snapshot()
         self.catch_up()
+        self._check_config()
+
+    def _check_config(self) -> None:
+        """Raise ConfigConflict if the journaled config differs from what the operator gave."""
+        journaled, settings = self.state.config, self.settings
+        if journaled is None:
+            return
+        differ = [
+            (name, getattr(settings.config, name), getattr(journaled, name))
+            for name in sorted(settings.given)
+            if getattr(settings.config, name) != getattr(journaled, name)
+        ]
+        if differ:
+            raise ConfigConflict(settings.job, differ)
 
     def step(self) -> None:
         """One turn of the loop: lead a batch, or follow the journal and try for the lease."""
@@ -259,6 +293,7 @@ class Coordinator:
 
     def _follow_once(self) -> None:
         self.catch_up(block_ms=min(self.settings.block_ms, 500))
+        self._check_config()  # a leader that started with us may have journaled its own
         if self.metrics is not None:
             self.metrics.update(self.state, leading=False, lag_seconds=0.0)
         if self.lease.holder() is None:
@@ -282,13 +317,6 @@ class Coordinator:
         settings = self.settings
         facts = self.core.take_over(settings.job, settings.config, settings.coordinator, epoch, now)
         turn = Turn(facts=list(facts))
-        if self.state.config is not None and self.state.config != settings.config:
-            log.warning(
-                "job %r keeps its journaled config %s; this coordinator's flags differ and are "
-                "ignored",
-                settings.job,
-                self.state.config.model_dump(),
-            )
         self._save(turn)
         self._account(turn)
         if turn.saved:

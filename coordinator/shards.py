@@ -10,8 +10,7 @@ order, are split again the same way over the new ranks.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-
-from cohort.events.shards import Range, Shard, range_count
+from cohort.events.shards import Range, Shard, consumed, range_count
 
 
 def merge(ranges: Iterable[Range]) -> tuple[Range, ...]:
@@ -47,11 +46,6 @@ def full(dataset_size: int, n: int) -> tuple[Shard, ...]:
     return split(((0, dataset_size),), n)
 
 
-def consumed(base_step: int, step: int, batch_size: int) -> int:
-    """Samples of its shard a rank has used once steps [base_step, step) are committed."""
-    return max(0, step - base_step) * batch_size
-
-
 def leftover(
     shards: Sequence[Shard], base_step: int, next_step: int, batch_size: int, unassigned: Shard
 ) -> tuple[Range, ...]:
@@ -68,8 +62,3 @@ def batch(shard: Shard, base_step: int, step: int, batch_size: int) -> tuple[Ran
     """The sample ranges a rank holding `shard` (from `base_step`) uses at `step`."""
     return shard.take(consumed(base_step, step, batch_size), batch_size)
 
-
-def exhausted(shards: Sequence[Shard], base_step: int, next_step: int, batch_size: int) -> bool:
-    """True when no rank has a sample left for `next_step`."""
-    used = consumed(base_step, next_step, batch_size)
-    return all(shard.size <= used for shard in shards)

@@ -91,6 +91,8 @@ class JobState:
     restart: Weights | None = None
     """After a rewind, until a step commits: the weights a world starts from (the
     checkpoint's, or the initial ones)."""
+    finished: str | None = None
+    """Why the job ended (its JobFinished's reason); None while it has steps to go."""
     facts: int = 0
 
     @property

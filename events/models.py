@@ -223,6 +223,19 @@ class JobConfig(BaseModel):
     """Steps between checkpoints (one after every N committed steps)."""
     checkpoint_keep: Annotated[int, Field(ge=1, le=1000)] = 3
     """Checkpoints kept; older ones are expired (and their files deleted)."""
+    max_steps: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
+    """The job finishes once this many steps committed (None: no step limit)."""
+    epochs: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
+    """The job finishes once this many epochs finished (None: no epoch limit)."""
+
+    def end_reason(self, step: int, epoch: int, epoch_done: bool) -> str | None:
+        """Why committing `step` ends the job (None: it goes on). `epoch` is the data epoch
+        `step` trained in, `epoch_done` whether `step` used the last samples of it."""
+        if self.max_steps is not None and step + 1 >= self.max_steps:
+            return f"max_steps={self.max_steps} reached"
+        if self.epochs is not None and epoch_done and epoch + 1 >= self.epochs:
+            return f"epochs={self.epochs} finished"
+        return None
 
     @model_validator(mode="after")
     def _consistent(self) -> JobConfig:
@@ -460,6 +473,17 @@ class Rewound(Event):
     reason: Text = ""
 
 
+class JobFinished(Event):
+    """The job reached its length (`reason`): `step` is its last, `digest` the final weights.
+    Nothing trains after it; workers end with the final weights and leave."""
+
+    type: Literal["JobFinished"] = "JobFinished"
+    step: Annotated[int, Field(ge=-1, le=MAX_INT)]
+    epoch: Count
+    digest: Digest | None = None
+    reason: Text = ""
+
+
 GpuMetric = Literal["memory_pct", "temperature", "power_w", "utilization_gpu", "utilization_memory"]
 GpuAction = Literal["reduce_prefetch", "delay_transfers", "prioritise_model_files"]
 RuleName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
@@ -526,7 +550,8 @@ Fact = Annotated[
     | CheckpointSaved
     | CheckpointExpired
     | WeightsLost
-    | Rewound,
+    | Rewound
+    | JobFinished,
     Field(discriminator="type"),
 ]
 

@@ -50,6 +50,7 @@ from . import view as views
 from .errors import (
     ActivationTimeout,
     CommitTimeout,
+    Finished,
     JoinRefusedError,
     JoinTimeout,
     NotAssigned,
@@ -320,16 +321,27 @@ class Worker:
             )
         )
 
+    @property
+    def finished(self) -> bool:
+        """The job finished (JobFinished is in the journal): nothing trains any more."""
+        return self.view.finished is not None
+
+    def _finished(self, view: View) -> Finished:
+        return Finished(self.job, view.last_committed, view.finished or "finished")
+
     def wait_active(self, timeout: float) -> Assignment:
-        """Wait until this worker holds a rank and training is not paused."""
+        """Wait until this worker holds a rank and training is not paused; raise Finished
+        once the job finished."""
         view = self._wait(
-            lambda v: v.active,
+            lambda v: v.active or v.finished is not None,
             time.monotonic() + timeout,
             lambda: ActivationTimeout(
                 f"worker {self.id!r} was not activated within {timeout:g} s "
                 f"(status {self.view.status!r}, paused={self.view.paused})"
             ),
         )
+        if not view.active:
+            raise self._finished(view)
         assignment = view.assignment
         assert assignment is not None  # active implies a rank
         return assignment
@@ -379,14 +391,15 @@ class Worker:
         )
 
     def wait_committed(self, step: int, timeout: float) -> None:
-        """Return once `step` committed; raise WorldChangedError if a new world aborted it."""
+        """Return once `step` committed; raise WorldChangedError if a new world aborted it,
+        Finished if the job ended before it."""
         progress = self._progress
         ran_in = progress[1] if progress is not None and progress[0] == step else None
         if ran_in is None:
             ran_in = self.world_version
 
         def settled(v: View) -> bool:
-            return v.last_committed >= step or v.world_version > ran_in
+            return v.last_committed >= step or v.world_version > ran_in or v.finished is not None
 
         view = self._wait(
             settled,
@@ -401,11 +414,14 @@ class Worker:
             return
         if view.removed:
             raise Removed(self.id, view.removed_reason)
+        if view.finished is not None:
+            raise self._finished(view)
         raise WorldChangedError(step, view.assignment)
 
     def committed(self, step: int, stop: threading.Event | None = None, poll: float = 0.5) -> bool:
         """Wait, without a deadline, for `step` to settle: True once it committed, False if a
-        world change aborted it or `stop` (default: `stopping`) was set meanwhile.
+        world change aborted it, the job finished before it, or `stop` (default: `stopping`)
+        was set meanwhile.
 
         A training loop's "did my step count?": on False it rolls the step back and carries
         on from the current assignment. Raises Removed if this worker was failed or left.
@@ -415,7 +431,7 @@ class Worker:
             try:
                 self.wait_committed(step, poll)
                 return True
-            except WorldChangedError:
+            except (WorldChangedError, Finished):
                 return False
             except CommitTimeout:
                 if stop.is_set():

@@ -30,12 +30,12 @@ from typing import Protocol
 
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.keys import check_job
-from cohort.events.shards import Range
+from cohort.events.shards import Range, exhausted
 
 from . import checkpoints
 from .client import Worker
 from .collective import Collective
-from .errors import Stopped, WaitTimeout, WorkerError, WorldChangedError
+from .errors import Finished, Stopped, WaitTimeout, WorkerError, WorldChangedError
 from .view import Assignment
 
 log = logging.getLogger("cohort.elastic")
@@ -145,9 +145,14 @@ class Elastic:
     def stopping(self) -> bool:
         return self.worker.stopping.is_set()
 
+    @property
+    def finished(self) -> bool:
+        """The job reached its length: the loop ended with the final weights."""
+        return self.worker.finished
+
     # ------------------------------------------------------------ the walk
     def steps(self) -> Iterator[Step]:
-        """Every step this rank trains, in order, until the job ends or it is stopped.
+        """Every step this rank trains, in order, until the job finishes or it is stopped.
 
         Between two `next()` the caller computes the step and applies its update through
         the job's collective; `abort()` says a world change cut that short. A finished step
@@ -160,6 +165,9 @@ class Elastic:
             while not self.stopping:
                 try:
                     assignment = self.worker.wait_active(POLL)
+                except Finished as end:
+                    log.info("%s: %s; it ends with the final weights", self.worker.id, end)
+                    return
                 except WaitTimeout:
                     lost_logged = self._say_if_lost(lost_logged)
                     continue
@@ -186,12 +194,15 @@ class Elastic:
 
         The previous step, reported but perhaps not yet seen committed, is settled first
         (its commit has nearly always arrived during this step's forward and backward).
-        Its commit may have moved the job on (a new epoch, a new world): False when the
-        current step was built on a plan that is no longer the job's, and it is aborted.
+        Its commit may have moved the job on (a new epoch, a new world, the end): False when
+        the current step was built on a plan that is no longer the job's, and it is aborted.
         """
         self._settle()
         current = self.current
         assert current is not None, "before_apply() inside a step"
+        if self.worker.finished:  # the previous step was the last: this one never counts
+            self.abort()
+            return False
         if self.worker.world_version != current.world or self.worker.batch(current.step) != (
             current.ranges
         ):
@@ -251,17 +262,26 @@ class Elastic:
         will ask for a checkpoint of this step (it asks when the step commits), the state is
         copied now, before the next step changes it."""
         assert self.state is not None
-        due = self._checkpoint_due(step.step)
+        due = self._checkpoint_due(step)
         sample = due or (self.digest_every and step.step % self.digest_every == 0)
         self._digest = self.state.digest() if sample else None
         samples = sum(stop - start for start, stop in step.ranges)
         self.worker.step_done(step.step, step_time=took, samples=samples, digest=self._digest)
         self._snapshot = self.state.snapshot() if due else None
 
-    def _checkpoint_due(self, step: int) -> bool:
-        config = self.worker.view.config
-        every = config.checkpoint_every if config is not None and config.checkpoint_uri else 0
-        return bool(every) and (step + 1) % every == 0
+    def _checkpoint_due(self, step: Step) -> bool:
+        """Whether the leader will ask for a checkpoint of `step` once it commits: after
+        every `checkpoint_every` steps, and after the job's last."""
+        view = self.worker.view
+        config, plan = view.config, view.plan
+        if config is None or config.checkpoint_uri is None:
+            return False
+        if (step.step + 1) % config.checkpoint_every == 0:
+            return True
+        if plan is None:
+            return False
+        epoch_done = exhausted(plan.shards, plan.base_step, step.step + 1, config.batch_size)
+        return config.end_reason(step.step, step.epoch, epoch_done) is not None
 
     def _settle(self) -> None:
         """Wait for the reported step to commit (if one waits); write its checkpoint if the
@@ -270,7 +290,15 @@ class Elastic:
         if step is None:
             return
         if not self.worker.committed(step.step):
-            if not self.stopping:
+            if self.worker.finished:
+                log.warning(
+                    "%s applied step %d, after the job's last; its weights are not the final "
+                    "ones (step %d's)",
+                    self.worker.id,
+                    step.step,
+                    self.worker.view.last_committed,
+                )
+            elif not self.stopping:
                 self._rejoin(step)
             return
         self.steps_done += 1
@@ -315,7 +343,7 @@ class Elastic:
         self._left = True
         if self._writer is not None:
             self._writer.close()
-        reason = "stopped" if self.stopping else "done"
+        reason = "finished" if self.worker.finished else "stopped" if self.stopping else "done"
         self.worker.leave(reason=reason)
 
     def __enter__(self) -> Elastic:

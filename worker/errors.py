@@ -63,6 +63,17 @@ class WorldChangedError(WorkerError):
         self.assignment = assignment
 
 
+class Finished(WorkerError):
+    """The job finished: no step trains after `step`, its last. Not a failure: a loop
+    waiting for a rank or a commit ends here, with the final weights."""
+
+    def __init__(self, job: str, step: int, reason: str) -> None:
+        super().__init__(f"job {job!r} finished at step {step} ({reason})")
+        self.job = job
+        self.step = step
+        self.reason = reason
+
+
 class NotAssigned(WorkerError):
     """This worker holds no rank (in the current world, or in the world of the asked step)."""
 

@@ -110,6 +110,8 @@ class View:
     """Expired checkpoints whose files this worker is asked to delete."""
     weights_lost: int | None = None
     """The step whose weights nobody holds: the job waits for an operator's `cohort resume`."""
+    finished: str | None = None
+    """Why the job ended (its JobFinished's reason): no step trains after `last_committed`."""
 
     # ------------------------------------------------------------ the current plan
     @property
@@ -270,6 +272,8 @@ def evolve(view: View, fact: m.Fact) -> View:
             return replace(view, weights_lost=fact.step)
         case m.Rewound():
             return replace(view, last_committed=fact.to_step, requested=(), weights_lost=None)
+        case m.JobFinished():
+            return replace(view, finished=fact.reason or "finished", paused=True)
     # A fact this worker has no use for yet (e.g. one a newer coordinator writes): the
     # view stays as it is, so a worker keeps training through a coordinator upgrade.
     return view

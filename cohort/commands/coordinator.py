@@ -67,6 +67,21 @@ if TYPE_CHECKING:
     help="Checkpoints kept; older files are deleted (default 3).",
 )
 @click.option(
+    "--max-steps",
+    type=int,
+    help="The job finishes once this many steps committed (default: no limit).",
+)
+@click.option(
+    "--epochs",
+    type=int,
+    help="The job finishes once this many epochs finished (default: no limit).",
+)
+@click.option(
+    "--stay",
+    is_flag=True,
+    help="Keep running once the job finished (default: exit 0 when its last worker left).",
+)
+@click.option(
     "--lease",
     type=float,
     default=3.0,
@@ -122,16 +137,20 @@ def coordinator(
     wait_aof: bool,
     wait_replicas: int,
     gpu_rules_file: Path | None,
+    stay: bool,
     **flags: Any,
 ) -> None:
     """Run a coordinator for JOB. Run several: one leads, the others follow and take over.
 
-    The job's settings are journaled by the first leader; later coordinators keep them.
+    The job's settings are journaled by the first leader. A coordinator given settings
+    that differ from the journaled ones refuses to start (keep them, or `cohort reset`).
+    When the job reaches --max-steps or --epochs, the coordinators exit 0 once its last
+    worker left.
     """
     from cohort.coordinator.errors import CoordinatorError
     from cohort.coordinator.service import Coordinator, ServiceSettings
 
-    config = _job_config(config_file, gpu_rules_file, flags)
+    config, given = _job_config(config_file, gpu_rules_file, flags)
     if not 0.2 <= lease <= 600:
         fail(f"--lease {lease} is out of range; use 0.2 to 600 seconds")
     name = coordinator_id or f"{os.uname().nodename}-{os.getpid()}"
@@ -146,6 +165,8 @@ def coordinator(
         wait_aof=wait_aof,
         wait_replicas=wait_replicas,
         display_url=server.display_url,
+        given=given,
+        stay=stay,
     )
     try:
         conn = connect(server)  # a cluster client asks for the slot map at once
@@ -163,8 +184,9 @@ def coordinator(
 
 def _job_config(
     config_file: Path | None, gpu_rules_file: Path | None, flags: dict[str, Any]
-) -> JobConfig:
-    """The job's settings: the TOML file's, then the flags given, then the GPU rules."""
+) -> tuple[JobConfig, frozenset[str]]:
+    """The job's settings (the TOML file's, then the flags given, then the GPU rules) and
+    the names of those that were given."""
     from cohort.coordinator.gpu_rules import RulesError, load_rules, parse_rules
 
     values = _load_config_file(config_file)
@@ -183,7 +205,7 @@ def _job_config(
     if values.get("checkpoint_uri") is not None:
         _check_checkpoint_uri(str(values["checkpoint_uri"]))
     try:
-        return JobConfig(**values)
+        return JobConfig(**values), frozenset(values)
     except ValidationError as exc:
         fail(_pydantic_message(exc, str(config_file) if config_file else "the flags"))
     except TypeError as exc:

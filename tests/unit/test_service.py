@@ -9,7 +9,7 @@ and no command is decided twice or skipped.
 
 from __future__ import annotations
 
-import logging
+import threading
 from collections import Counter
 from typing import Any
 
@@ -20,6 +20,7 @@ from cohort.coordinator import decide as decide_module
 from cohort.coordinator import fold as fold_module
 from cohort.coordinator import service
 from cohort.coordinator.fold import fold
+from cohort.coordinator.errors import ConfigConflict
 from cohort.coordinator.service import Coordinator, ServiceSettings
 from cohort.events.clock import ManualClock
 from cohort.events.models import (
@@ -28,6 +29,7 @@ from cohort.events.models import (
     JobConfigured,
     Join,
     LeaderElected,
+    Leave,
     StepDone,
     TrainingPaused,
     WeightsLoaded,
@@ -48,13 +50,22 @@ class Setup:
         self.log = MemoryLog(self.clock, self.lease)
         self.config = JobConfig(**{"min_workers": 1, "heartbeat_timeout": 5.0, **config})
 
-    def coordinator(self, name: str = "c1", batch: int = 1024, **config: Any) -> Coordinator:
+    def coordinator(
+        self,
+        name: str = "c1",
+        batch: int = 1024,
+        given: set[str] | None = None,
+        stay: bool = False,
+        **config: Any,
+    ) -> Coordinator:
         settings = ServiceSettings(
             job=JOB,
             coordinator=name,
             config=self.config.model_copy(update=config),
             lease_ms=self.lease_ms,
             batch=batch,
+            given=frozenset(given or ()),
+            stay=stay,
         )
         coordinator = Coordinator(self.log, self.lease, settings, self.clock)
         coordinator.start()
@@ -118,20 +129,41 @@ def test_every_decided_fact_is_folded_exactly_once(monkeypatch: pytest.MonkeyPat
     assert evolved == Counter(type(f).__name__ for f in setup.log.facts())
 
 
-def test_taking_over_journals_the_config_once_and_keeps_it(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_taking_over_journals_the_config_once_and_keeps_it() -> None:
     setup = Setup()
     first = leader_of(setup)
     first.close()  # gives the lease back
-    second = setup.coordinator("c2", max_workers=3)
-    with caplog.at_level(logging.WARNING, logger="cohort.coordinator"):
-        second.step()
+    second = setup.coordinator("c2", max_workers=3)  # not given by the operator: a default
+    second.step()
     assert second.leading
     assert setup.types() == ["JobConfigured", "LeaderElected", "LeaderElected"]
-    assert second.state.config == setup.config  # the journaled one, not the new flags
+    assert second.state.config == setup.config  # the journaled one
     assert second.state.leader == "c2" and second.state.leader_epoch == 2
-    assert "keeps its journaled config" in caplog.text
+
+
+def test_settings_given_that_differ_from_the_journaled_config_are_refused_naming_both() -> None:
+    setup = Setup()
+    leader_of(setup).close()
+    with pytest.raises(ConfigConflict) as refused:
+        setup.coordinator("c2", given={"max_workers", "min_workers"}, max_workers=3)
+    message = str(refused.value)
+    assert "--max-workers 3 (journaled: 64)" in message
+    assert "min-workers" not in message  # given, but equal to the journaled value
+    assert "cohort reset --job mem" in message
+    assert setup.types() == ["JobConfigured", "LeaderElected"]  # nothing was written
+    again = setup.coordinator("c3", given={"max_workers"})  # the journaled value: accepted
+    again.step()
+    assert again.leading
+
+
+def test_a_conflict_journaled_while_following_is_refused_before_leading() -> None:
+    setup = Setup()
+    follower = setup.coordinator("c2", given={"batch_size"}, batch_size=64)  # journal empty
+    leader = leader_of(setup)  # journals its own config (batch_size 32) first
+    assert leader.leading
+    with pytest.raises(ConfigConflict, match="--batch-size 64 \\(journaled: 32\\)"):
+        follower.step()
+    assert not follower.leading
 
 
 def test_an_append_refused_by_the_fence_rolls_back_and_follows() -> None:
@@ -349,3 +381,23 @@ def test_a_leader_stalled_between_reading_the_inbox_and_judging_silence_fails_no
     assert failed(setup) == []
     drain(leader, setup)
     assert failed(setup) == [] and "a" in leader.state.members
+
+
+def test_coordinators_exit_once_the_job_finished_and_its_last_worker_left() -> None:
+    setup = Setup(max_steps=1)
+    leader = leader_of(setup)
+    stayer = setup.coordinator("c2", stay=True)
+    setup.join("a")
+    setup.done("a", 0)
+    leader.step()
+    assert leader.state.finished == "max_steps=1 reached"
+    assert not leader.done  # a still has to leave (and write the last checkpoint, if asked)
+    setup.log.send(Leave(at=0, job=JOB, worker="a", reason="finished"))
+    leader.step()
+    stayer.step()
+    assert leader.done and not stayer.done
+    leader.run(threading.Event())  # returns although nobody stopped it
+    assert not leader.leading  # it gave the lease back on its way out
+    latecomer = setup.coordinator("c3")
+    latecomer.run(threading.Event())  # a finished job: nothing to do, exit at once
+    assert latecomer.state.finished and not latecomer.leading
