@@ -12,6 +12,7 @@ from .commands.acl import acl_cmd
 from .commands.coordinator import coordinator
 from .commands.demo import demo
 from .commands.lineage import checkpoints, resume
+from .commands.reset import reset
 from .commands.runs import export_cmd, replay, report_cmd
 from .commands.shared import redis_url_option
 from .commands.status import status
@@ -64,6 +65,7 @@ def main(
       cohort status --job J             who leads, the world, every worker
       cohort replay --job J             rebuild and explain a run from its journal
       cohort checkpoints --job J        the job's checkpoints; `cohort resume` after a loss
+      cohort reset --job J              delete a job's keys, so its name starts a new run
     """
     logs.setup(log_level, log_json)
     tls = {"tls_ca": redis_tls_ca, "tls_cert": redis_tls_cert, "tls_key": redis_tls_key}
@@ -81,6 +83,7 @@ for command in (
     acl_cmd,
     checkpoints,
     resume,
+    reset,
     demo,
 ):
     main.add_command(command)

@@ -10,6 +10,7 @@ order, are split again the same way over the new ranks.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+
 from cohort.events.shards import Range, Shard, consumed, range_count
 
 
@@ -61,4 +62,3 @@ def leftover(
 def batch(shard: Shard, base_step: int, step: int, batch_size: int) -> tuple[Range, ...]:
     """The sample ranges a rank holding `shard` (from `base_step`) uses at `step`."""
     return shard.take(consumed(base_step, step, batch_size), batch_size)
-

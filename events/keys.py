@@ -70,6 +70,11 @@ class Keys:
         """The leader's volatile view (liveness, lag, counters), refreshed every second."""
         return f"{self.prefix}:status"
 
+    @property
+    def patterns(self) -> tuple[str, str]:
+        """SCAN patterns that match every key of this job, in its own slot and spread."""
+        return f"{self.prefix}:*", f"cohort:{{{self.job}/*}}:*"
+
     def spread(self, tag: str | None) -> str:
         """The prefix of a gradient key placed by `tag`: `cohort:{J/TAG}` hashes to another
         Redis Cluster slot than the job's own keys (job names have no '/', so no job's tag

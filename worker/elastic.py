@@ -26,7 +26,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.keys import check_job
@@ -97,6 +97,7 @@ class Elastic:
         join_timeout: float | None = None,
         digest_every: int = 50,
         signals: bool = True,
+        gpu_interval: float | None = None,
     ) -> None:
         job = job or os.environ.get(JOB_ENV)
         if not job:
@@ -106,13 +107,15 @@ class Elastic:
             )
         check_job(job)
         self.conn = conn or connect(RedisSettings.resolve(redis_url, client_name=f"cohort-{job}"))
-        self.worker = Worker(self.conn, job, worker_id=worker_id)
+        self.worker = Worker(self.conn, job, worker_id=worker_id, gpu_interval=gpu_interval)
         self.collective = Collective(self.conn, job, self.worker)
         self.digest_every = digest_every
         if signals:
             self.worker.install_signal_handlers()
+        self.joined = False
         try:
             self.worker.join(timeout=join_timeout)
+            self.joined = True
         except Stopped:  # Ctrl-C while waiting for a coordinator: the loops just end
             log.info("%s was stopped before it joined job %r", self.worker.id, job)
         self.state: TrainingState | None = None
@@ -125,6 +128,7 @@ class Elastic:
         self._unsettled: Step | None = None
         """Applied and reported here; its commit not seen yet."""
         self._digest: str | None = None
+        self._loss: float | None = None
         self._snapshot: bytes | None = None
         self._writer: checkpoints.CheckpointWriter | None = None
         self._world_callbacks: list[Callable[[int, int], None]] = []
@@ -134,8 +138,12 @@ class Elastic:
     def attach(self, state: TrainingState) -> None:
         """Train `state`; this worker is then ready to be given a rank."""
         self.state = state
-        view = self.worker.view
-        self.worker.ready(step=max(view.last_committed, 0))
+        if self.joined:
+            self.worker.ready(step=max(self.worker.view.last_committed, 0))
+
+    def record(self, loss: float | None = None) -> None:
+        """A figure of the current step to report with it (the loss, for `cohort report`)."""
+        self._loss = loss
 
     def on_world_change(self, callback: Callable[[int, int], None]) -> None:
         """`callback(old_size, new_size)` at every new world (to scale a learning rate)."""
@@ -242,6 +250,11 @@ class Elastic:
             else:
                 assert weights.uri is not None
                 self.state.load(checkpoints.read(weights.uri, weights.sha256).payload)
+                if weights.digest is not None and self.state.digest() != weights.digest:
+                    raise checkpoints.CheckpointError(
+                        f"checkpoint {weights.uri!r} holds weights {self.state.digest()}, not "
+                        f"the journaled {weights.digest}"
+                    )
                 log.info("rank 0 loaded the state of step %d from %s", weights.step, weights.uri)
         try:
             self.state.broadcast(self.collective, assignment.start_step, assignment.world_version)
@@ -266,7 +279,10 @@ class Elastic:
         sample = due or (self.digest_every and step.step % self.digest_every == 0)
         self._digest = self.state.digest() if sample else None
         samples = sum(stop - start for start, stop in step.ranges)
-        self.worker.step_done(step.step, step_time=took, samples=samples, digest=self._digest)
+        self.worker.step_done(
+            step.step, step_time=took, samples=samples, digest=self._digest, loss=self._loss
+        )
+        self._loss = None
         self._snapshot = self.state.snapshot() if due else None
 
     def _checkpoint_due(self, step: Step) -> bool:
@@ -356,7 +372,7 @@ class Elastic:
 class NumpyState:
     """A dict of numpy arrays as the elastic loop's state, changed in place by the caller."""
 
-    def __init__(self, params: dict[str, object]) -> None:
+    def __init__(self, params: dict[str, Any]) -> None:
         import numpy as np
 
         self.params = params
@@ -411,11 +427,11 @@ class ElasticJob(Elastic):
                 params[name] -= lr * mean
     """
 
-    def wrap(self, params: dict[str, object]) -> dict[str, object]:
+    def wrap(self, params: dict[str, Any]) -> dict[str, Any]:
         self.attach(NumpyState(params))
         return params
 
-    def allreduce(self, tensors: dict[str, object]) -> dict[str, object]:
+    def allreduce(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """The mean of `tensors` over the ranks, for the current step."""
         assert self.current is not None, "allreduce() inside a step"
         if not self.before_apply():

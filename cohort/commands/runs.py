@@ -46,7 +46,7 @@ def _output_option(help: str) -> Callable[[F], F]:
     return click.option("--output", "-o", required=True, type=FILE, help=help)
 
 
-def _run_from(
+def run_from(
     ctx: click.Context, job: str | None, path: Path | None, name: str, with_inbox: bool
 ) -> Run:
     """The run in the export file `path`, else JOB's in Redis (connecting as `name`)."""
@@ -58,7 +58,7 @@ def _run_from(
     return from_redis(redis_client(ctx, name), job, with_inbox=with_inbox)
 
 
-def _write_whole(output: Path, write: Callable[[IO[bytes]], T]) -> T:
+def write_whole(output: Path, write: Callable[[IO[bytes]], T]) -> T:
     """`write` to OUTPUT.part, renamed to OUTPUT at the end: no reader sees half a file."""
     tmp = output.with_name(output.name + ".part")
     try:
@@ -102,7 +102,7 @@ def replay(
         fail(ONE_SOURCE)
     if until is not None and not _is_stream_id(until):
         fail(f"--until {until!r} is not a stream entry ID; use MS-SEQ as shown in the timeline")
-    run = _run_from(ctx, job, path, "cohort-replay", with_inbox=False)
+    run = run_from(ctx, job, path, "cohort-replay", with_inbox=False)
     state, timeline = or_fail(lambda: rebuild(run, until))
     report = run_audit(f for _, f in timeline) if audit else None
     if as_json:
@@ -145,8 +145,8 @@ def export_cmd(ctx: click.Context, job: str, output: Path) -> None:
     """Write JOB's journal, retained inbox and dead letters to a file."""
     from cohort.coordinator.replay import export
 
-    run = _run_from(ctx, job, None, "cohort-export", with_inbox=True)
-    count = _write_whole(output, lambda out: export(run, out, time.time()))
+    run = run_from(ctx, job, None, "cohort-export", with_inbox=True)
+    count = write_whole(output, lambda out: export(run, out, time.time()))
     click.echo(
         f"wrote {count} entries ({len(run.journal)} facts, {len(run.inbox)} inbox, "
         f"{len(run.dead)} dead letters) of job {job!r} to {output}"
@@ -171,7 +171,7 @@ def report_cmd(
 
     if (job is None) == (path is None):
         fail(ONE_SOURCE)
-    run = _run_from(ctx, job, path, "cohort-report", with_inbox=True)
+    run = run_from(ctx, job, path, "cohort-report", with_inbox=True)
     page = render(or_fail(lambda: series(run)), title or f"cohort report: {run.job}")
-    _write_whole(output, lambda out: out.write(page.encode("utf-8")))
+    write_whole(output, lambda out: out.write(page.encode("utf-8")))
     click.echo(str(output))

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from cohort.worker.client import Worker
 
 
-def worker_command(name: str, steps: int, steps_help: str) -> Callable[[F], click.Command]:
+def worker_command(name: str, steps: int | None, steps_help: str) -> Callable[[F], click.Command]:
     """A worker command with the options every worker shares, before its own:
     --job, --redis-url, --gpu-interval, --id, --steps (default `steps`) and --join-timeout."""
 
@@ -41,7 +41,7 @@ def worker_command(name: str, steps: int, steps_help: str) -> Callable[[F], clic
                 "--steps",
                 type=click.IntRange(min=1),
                 default=steps,
-                show_default=True,
+                show_default=steps is not None,
                 help=steps_help,
             ),
             click.option(
@@ -81,13 +81,24 @@ def run_worker(
     the join back and exits 0); a WorkerError exits 4.
     """
     from cohort.worker.client import Worker
-    from cohort.worker.errors import Stopped, WorkerError
 
     conn = redis_client(ctx, name)
-    client = Worker(conn, job, worker_id=worker_id, gpu_interval=gpu_interval or None)
-    client.install_signal_handlers()
+
+    def joined() -> dict[str, Any]:
+        client = Worker(conn, job, worker_id=worker_id, gpu_interval=gpu_interval or None)
+        client.install_signal_handlers()
+        return train(conn, client)
+
+    return summarised(joined)
+
+
+def summarised(train: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run a worker's `train`, print its summary as one JSON line (without its parameters)
+    and return it; a stop before the join exits 0, a WorkerError exits 4 naming it."""
+    from cohort.worker.errors import Stopped, WorkerError
+
     try:
-        summary = train(conn, client)
+        summary = train()
     except Stopped as exc:
         click.echo(f"cohort: {exc}", err=True)
         sys.exit(Exit.OK)
@@ -139,8 +150,9 @@ def worker(
 
 @worker_command(
     "example-worker",
-    steps=200,
-    steps_help="Train until the job has committed this many steps (all workers stop together).",
+    steps=None,
+    steps_help="Stop once the job committed this many steps (default: train until the job "
+    "finishes, at its coordinators' --max-steps or --epochs).",
 )
 @click.option(
     "--lr",
@@ -172,7 +184,7 @@ def example_worker(
     ctx: click.Context,
     job: str,
     worker_id: str | None,
-    steps: int,
+    steps: int | None,
     lr: float,
     seed: int,
     pace: float,
@@ -180,32 +192,34 @@ def example_worker(
     gpu_interval: float,
     join_timeout: float | None,
 ) -> None:
-    """Train a real model (a numpy MLP on a deterministic 4-class data set) as one worker.
+    """Train a real model (a numpy MLP on a deterministic 4-class data set) as one worker,
+    with `cohort.ElasticJob`: the loop a training script writes (see cohort/example.py).
 
     Gradients are averaged with allreduce through Redis; the job survives joins, leaves and
     failures without restarting. Prints one JSON line at the end: worker, steps, loss,
-    accuracy, weights_digest.
+    accuracy, weights_digest, and why the job finished.
     """
     import numpy as np
 
     from cohort.example import run
-    from cohort.worker.collective import Collective
+    from cohort.worker.elastic import ElasticJob
 
-    summary = run_worker(
-        ctx,
-        job,
-        worker_id,
-        gpu_interval,
-        "cohort-example-worker",
-        lambda conn, client: run(
-            client,
-            Collective(conn, job, client),
+    conn = redis_client(ctx, "cohort-example-worker")
+    summary = summarised(
+        lambda: run(
+            ElasticJob(
+                job,
+                conn=conn,
+                worker_id=worker_id,
+                join_timeout=join_timeout,
+                digest_every=1,
+                gpu_interval=gpu_interval or None,
+            ),
             steps=steps,
             lr=lr,
             seed=seed,
             pace=pace,
-            join_timeout=join_timeout,
-        ),
+        )
     )
     if save is not None:
         np.savez(save, **summary["params"])

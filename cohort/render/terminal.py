@@ -22,6 +22,13 @@ def _shard(ranges: list[list[int]]) -> str:
     return f"{size} samples {first}{more}"
 
 
+_PHASES = {
+    "running": "[green]running[/]",
+    "paused": "[yellow]paused[/]",
+    "finished": "[blue]finished[/]",
+}
+
+
 def _summary_lines(body: dict[str, Any]) -> list[str]:
     counters = body["counters"]
     return [
@@ -29,7 +36,7 @@ def _summary_lines(body: dict[str, Any]) -> list[str]:
         f"(epoch {body['leader_epoch']})  [bold]world[/] v{body['world_version']} "
         f"size {body['world_size']}  [bold]data epoch[/] {body['epoch']}  "
         f"[bold]next step[/] {body['next_step']}  "
-        f"{'[yellow]paused[/]' if body['paused'] else '[green]running[/]'}",
+        f"{_PHASES[body['phase']]}" + (f" ({body['finished']})" if body["finished"] else ""),
         f"joined {counters['joined']}  left {counters['left']}  failed {counters['failed']}  "
         f"refused {counters['refused']}  steps {counters['steps_committed']}  "
         f"epochs {counters['epochs_finished']}  elections {counters['elections']}  "

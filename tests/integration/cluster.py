@@ -104,12 +104,15 @@ class Cluster:
     def worker(self, name: str, *flags: str) -> Process:
         return self.spawn(name, "worker", "--job", self.job, "--id", name, *flags)
 
-    def example_worker(self, name: str, steps: int, *flags: str, save: bool = False) -> Process:
-        """The bundled trainer for `steps` steps; with `save`, its weights go to `saved(name)`."""
+    def example_worker(
+        self, name: str, steps: int | None, *flags: str, save: bool = False
+    ) -> Process:
+        """The bundled trainer for `steps` steps (None: until the job finishes); with `save`,
+        its weights go to `saved(name)`."""
         saving = ("--save", str(self.saved(name))) if save else ()
+        length = ("--steps", str(steps)) if steps is not None else ()
         return self.spawn(
-            name, "example-worker", "--job", self.job, "--id", name, "--steps", str(steps),
-            *saving, *flags,
+            name, "example-worker", "--job", self.job, "--id", name, *length, *saving, *flags,
         )  # fmt: skip
 
     def saved(self, name: str) -> Path:

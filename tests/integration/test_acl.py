@@ -30,8 +30,7 @@ from cohort.events.models import JobConfig, Join, WorkerJoined
 from cohort.events.streams import Inbox, Journal
 from cohort.example import run as train
 from cohort.localredis import LocalRedis
-from cohort.worker.client import Worker
-from cohort.worker.collective import Collective
+from cohort.worker.elastic import ElasticJob
 from tests.helpers import require_redis_server
 
 pytestmark = pytest.mark.redis_server
@@ -338,7 +337,7 @@ def test_a_job_trains_with_coordinator_and_worker_credentials_and_the_viewer_run
     settings = ServiceSettings(
         job=JOB,
         coordinator="c1",
-        config=JobConfig(min_workers=2, dataset_size=512, batch_size=16),
+        config=JobConfig(min_workers=2, dataset_size=512, batch_size=16, max_steps=4),
         block_ms=20,
         status_interval=0.2,
     )
@@ -354,13 +353,13 @@ def test_a_job_trains_with_coordinator_and_worker_credentials_and_the_viewer_run
     def one_worker(name: str) -> Callable[[], None]:
         def body() -> None:
             conn = as_role(server, "worker")
-            worker = Worker(conn, JOB, worker_id=name)
+            job = ElasticJob(JOB, conn=conn, worker_id=name, signals=False)
             try:
-                results[name] = train(worker, Collective(conn, JOB, worker), steps=4)
+                results[name] = train(job)
             except BaseException as exc:
                 results[name] = exc
             finally:
-                worker.stop()
+                job.worker.stop()
                 conn.close()
 
         return body
@@ -377,13 +376,16 @@ def test_a_job_trains_with_coordinator_and_worker_credentials_and_the_viewer_run
             if isinstance(result, BaseException):
                 raise result
             assert result["steps"] == 4 and result["removed"] is None
+            assert result["finished"] == "max_steps=4 reached"
         assert results["w1"]["weights_digest"] == results["w2"]["weights_digest"]
         viewer = url(server, "viewer")
         status = _cohort("status", "--job", JOB, "--json", "--redis-url", viewer)
         assert status.returncode == 0, status.stderr
         body = json.loads(status.stdout)
-        assert body["last_committed"] >= 3 and body["lease_holder"]
+        assert body["last_committed"] == 3 and body["phase"] == "finished"
         assert body["leader_view"]["coordinator"] == "c1"
+        coordinator.join(30)  # the job finished and its workers left: the coordinator ends
+        assert not coordinator.is_alive() and admin.get(KEYS.leader) is None  # lease given back
         replay = _cohort(
             "replay", "--job", JOB, "--audit", "--quiet", env={"COHORT_REDIS_URL": viewer}
         )

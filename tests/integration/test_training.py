@@ -98,7 +98,7 @@ def test_workers_started_long_before_any_coordinator_train_to_the_end_and_none_f
 ) -> None:
     """DESIGN.md invariant 10, with real processes: compose and schedulers start everything
     at once, so workers may wait for a coordinator for many heartbeat timeouts."""
-    workers = [cluster.example_worker(name, 40) for name in ("a", "b")]
+    workers = [cluster.example_worker(name, None) for name in ("a", "b")]  # the job's length
     early = 12.0  # six heartbeat timeouts
 
     wait_until(
@@ -107,14 +107,17 @@ def test_workers_started_long_before_any_coordinator_train_to_the_end_and_none_f
         message=f"{early:g} s of heartbeats behind the Joins",
     )
     assert all(proc.alive() for proc in workers)
-    cluster.trainer_coordinator("c1", interval=INTERVAL, timeout=TIMEOUT)
-    for proc in workers:
+    coordinator = cluster.trainer_coordinator(
+        "c1", "--max-steps", "40", interval=INTERVAL, timeout=TIMEOUT
+    )
+    for proc in (*workers, coordinator):  # the job ends: every process exits 0
         assert cluster.finished(proc, 120) == 0, proc.output()[-3000:]
     assert cluster.of_type(WorkerFailed) == []
-    assert cluster.state.last_committed == 39
+    assert cluster.state.last_committed == 39 and cluster.state.finished == "max_steps=40 reached"
     for proc in workers:
         output = proc.output()
         assert proc.summary()["removed"] is None and proc.summary()["steps"] > 0
+        assert proc.summary()["finished"] == "max_steps=40 reached"
         assert "waiting for a coordinator of job 'itest'" in output
         assert "Traceback" not in output
 

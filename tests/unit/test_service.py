@@ -19,8 +19,8 @@ import redis
 from cohort.coordinator import decide as decide_module
 from cohort.coordinator import fold as fold_module
 from cohort.coordinator import service
-from cohort.coordinator.fold import fold
 from cohort.coordinator.errors import ConfigConflict
+from cohort.coordinator.fold import fold
 from cohort.coordinator.service import Coordinator, ServiceSettings
 from cohort.events.clock import ManualClock
 from cohort.events.models import (
