@@ -296,7 +296,7 @@ class Coordinator:
         self._check_config()  # a leader that started with us may have journaled its own
         if self.metrics is not None:
             self.metrics.update(self.state, leading=False, lag_seconds=0.0)
-        if self.lease.holder() is None:
+        if self.lease.holder() is None and not self.done:  # a finished job needs no leader
             token = self.lease.acquire(self._nonce)
             if token is not None:
                 self._take_over(token)

@@ -188,6 +188,13 @@ class Worker:
             if view.member:
                 self.log.info("worker %s is already a member of job %r", self.id, self.job)
                 return
+            if view.finished is not None:  # no coordinator may run to refuse: say it here
+                self.stop()
+                raise JoinRefusedError(
+                    self.id,
+                    f"job {self.job!r} finished at step {view.last_committed} ({view.finished}); "
+                    f"`cohort reset --job {self.job}` clears it to run again",
+                )
             joins, refusals = view.joins, view.refusals
             self._send(
                 Join(
