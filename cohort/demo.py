@@ -32,6 +32,7 @@ from cohort.coordinator.shards import leftover
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.keys import Keys
 from cohort.events.models import LeaderElected, StepCommitted, WorkerFailed
+from cohort.events.reset import delete_job
 from cohort.events.shards import range_count
 from cohort.events.streams import Journal
 
@@ -136,24 +137,15 @@ class Demo:
             console.print(f"[bold]cohort demo[/]: using {kind} at {redis_url}")
         self.redis_url = redis_url
         self.conn: Client = connect(RedisSettings.resolve(redis_url))
-        keys = Keys(self.job)
-        self.conn.delete(
-            keys.inbox,
-            keys.journal,
-            keys.leader,
-            keys.epoch,
-            keys.cursor,
-            keys.snapshot,
-            keys.dead,
-            keys.status,
-        )
-        self.watch = JournalWatch(Journal(self.conn, keys.journal))
+        delete_job(self.conn, self.job)  # an earlier run of the demo's job: a new run
+        self.watch = JournalWatch(Journal(self.conn, Keys(self.job).journal))
         self.stack.callback(lambda: stop_all(self.procs.values()))
 
     def start_coordinators(self) -> None:
         """Two coordinators: one leads, the other follows and takes over when it dies."""
         flags = [flag for pair in COORDINATOR_FLAGS for flag in pair]
         flags += ["--checkpoint-uri", str(self.tmp / "checkpoints"), "--checkpoint-every", "50"]
+        flags += ["--max-steps", str(self.steps)]  # the job's length: then everyone exits 0
         for name in COORDINATORS:
             self._spawn(name, "coordinator", "--job", self.job, *flags, "--id", name)
 
@@ -183,8 +175,9 @@ class Demo:
         self.events.append("[bold green]demo: started worker-new[/]")
 
     def wait_for_the_end(self) -> None:
-        """Until every worker has exited: they all stop after the job's last step."""
-        self._wait_until(lambda: not self._running("worker"))
+        """Until every process has exited: the job finishes at its last step, the workers
+        leave with the final weights, and then the coordinators exit."""
+        self._wait_until(lambda: not self._running("worker") and not self._running("coord"))
 
     def export(self) -> Path:
         """The whole run, journal and inbox, to ./cohort-JOB.export for `cohort replay`."""
@@ -222,11 +215,16 @@ class Demo:
                     f"{e['world_changes']} world changes, weights {e['weights_digest']}"
                 )
         console.print(
+            f"job {'finished: ' + state.finished if state.finished else '[red]NOT finished[/]'}"
+            "; every worker left with the final weights and the coordinators exited"
+        )
+        console.print(
             "audit (every sample exactly once per epoch): "
             f"{'[green]passed[/]' if report.ok else '[red]FAILED[/]'}"
         )
         console.print(f"replay this run: [bold]cohort replay --file {out} --audit[/]")
-        return Exit.OK if report.ok and len(digests) == 1 else Exit.FAILED
+        ok = report.ok and len(digests) == 1 and state.finished is not None
+        return Exit.OK if ok else Exit.FAILED
 
     def show(self, failure: DemoFailed) -> None:
         """The failure on one line, as the command's other errors, then the end of each log
@@ -272,9 +270,9 @@ class Demo:
 
     def _failure(self, exited: set[str]) -> DemoFailed | None:
         """Why the job cannot end: no coordinator left, or no worker before the last step."""
-        if "coord" in exited:
+        if "coord" in exited and not self.watch.state.finished:
             return self._gone("coordinator", "coord", "before the job's end")
-        if "worker" in exited and self.step < self.steps:
+        if "worker" in exited and not self.watch.state.finished:
             return self._gone("worker", "worker", f"at step {self.step} of {self.steps}")
         return None
 
@@ -347,7 +345,7 @@ class Demo:
         self.procs[name].start()
 
     def _start_worker(self, name: str) -> None:
-        flags = ("--job", self.job, "--id", name, "--steps", str(self.steps), "--pace", "0.04")
+        flags = ("--job", self.job, "--id", name, "--pace", "0.04")
         self._spawn(name, "example-worker", *flags)
 
     def kill(self, name: str) -> None:

@@ -9,13 +9,12 @@ from typing import Any, TypeVar
 
 import click
 
-from cohort.events.connection import Client
 from cohort.events.keys import Keys
+from cohort.events.reset import delete_job, job_keys
 
 from .runs import reads_whole_run, run_from, write_whole
 from .shared import FILE, fail, job_option, or_fail, redis_client, redis_url_option
 
-BATCH = 500
 T = TypeVar("T")
 
 
@@ -46,7 +45,7 @@ def reset(ctx: click.Context, job: str, yes: bool, export_to: Path | None, force
 
     conn = redis_client(ctx, "cohort-reset")
     keys = Keys(job)
-    found = or_fail(lambda: _job_keys(conn, keys))
+    found = or_fail(lambda: job_keys(conn, job))
     if not found:
         click.echo(f"job {job!r} has no keys in Redis: nothing to reset")
         return
@@ -73,7 +72,7 @@ def reset(ctx: click.Context, job: str, yes: bool, export_to: Path | None, force
     if not yes and not _ask(click.confirm, f"delete the {len(found)} keys of job {job!r}?", False):
         click.echo("nothing was deleted")
         return
-    deleted = or_fail(lambda: _delete(conn, keys))
+    deleted = or_fail(lambda: delete_job(conn, job))
     click.echo(f"job {job!r} is reset: {deleted} keys deleted; its name starts a new run")
 
 
@@ -87,24 +86,3 @@ def _ask(how: Callable[..., T], question: str, default: Any) -> T:
             "reset asks before it deletes and got no answer: nothing was deleted; pass --yes "
             "(and --export FILE to keep a copy) to reset without questions"
         )
-
-
-def _job_keys(conn: Client, keys: Keys) -> list[str]:
-    """Every key of the job (on every primary of a cluster)."""
-    return sorted(
-        {
-            k.decode() if isinstance(k, bytes) else k
-            for pattern in keys.patterns
-            for k in conn.scan_iter(match=pattern, count=BATCH)
-        }
-    )
-
-
-def _delete(conn: Client, keys: Keys) -> int:
-    """UNLINK the job's keys, a batch at a time (a cluster client splits them by slot); keys
-    a worker wrote meanwhile are found by the next scan."""
-    deleted = 0
-    while found := _job_keys(conn, keys):
-        for start in range(0, len(found), BATCH):
-            deleted += int(conn.unlink(*found[start : start + BATCH]))
-    return deleted

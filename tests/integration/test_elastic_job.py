@@ -110,13 +110,15 @@ def test_two_twins_end_with_the_parameters_of_ddp_over_gloo(
     cluster = job_env
     if route == "gloo":
         monkeypatch.setenv("COHORT_TORCH_BACKEND", "gloo")
-    cluster.coordinator(
-        "c1", "--min-workers", "2", "--dataset-size", str(DATASET), "--batch-size", str(BATCH)
-    )
+    coordinator = cluster.coordinator(
+        "c1", "--min-workers", "2", "--dataset-size", str(DATASET), "--batch-size", str(BATCH),
+        "--epochs", str(EPOCHS),
+    )  # fmt: skip
     procs = [twin(cluster, f"w{i}") for i in range(2)]
-    for proc in procs:
+    for proc in (*procs, coordinator):  # the job ends: every process exits 0
         assert cluster.finished(proc, 180) == 0, proc.output()[-3000:]
     cluster.pull()
+    assert cluster.state.finished == f"epochs={EPOCHS} finished"
     batches = [
         [[[a, b] for a, b in ranks] for ranks in per_rank]
         for _, _, per_rank in committed_batches(f for _, f in cluster.facts)
@@ -153,7 +155,7 @@ def test_a_twin_killed_mid_epoch_leaves_the_others_equal_and_every_sample_used_o
         monkeypatch.setenv("COHORT_TORCH_BACKEND", "gloo")
     cluster.coordinator(
         "c1", "--min-workers", "2", "--dataset-size", str(DATASET), "--batch-size", str(BATCH),
-        "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2",
+        "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2", "--epochs", "2",
     )  # fmt: skip
     procs = {name: twin(cluster, name, epochs=2) for name in ("a", "b", "c")}
     cluster.until(
@@ -167,7 +169,7 @@ def test_a_twin_killed_mid_epoch_leaves_the_others_equal_and_every_sample_used_o
     report = audit(f for _, f in cluster.facts)
     assert report.ok, report.problems
     assert report.epochs[0].finished and report.epochs[0].used == DATASET
-    assert cluster.state.counters.failed == 1
+    assert cluster.state.counters.failed == 1 and cluster.state.finished == "epochs=2 finished"
 
 
 def _free_port() -> int:

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 def readme_script() -> str:
     readme = (ROOT / "README.md").read_text()
     block = re.search(
-        r"A training script uses the worker client.*?```python\n(.*?)```", readme, re.S
+        r"a training script uses the worker client.*?```python\n(.*?)```", readme, re.S
     )
     assert block, "README has no training script"
     return block.group(1)
@@ -28,7 +28,9 @@ def test_the_readme_training_script_trains_to_its_last_step(server: object, tmp_
     cluster_url = server.url  # type: ignore[attr-defined]
     cluster = Cluster(url=cluster_url, conn=server.client(), job="mnist", tmp=tmp_path)  # type: ignore[attr-defined]
     try:
-        cluster.coordinator("c1", "--min-workers", "1", "--dataset-size", "5000")
+        coordinator = cluster.coordinator(
+            "c1", "--min-workers", "1", "--dataset-size", "5000", "--max-steps", "100"
+        )
         script = tmp_path / "train.py"
         script.write_text(readme_script())
         result = subprocess.run(
@@ -40,7 +42,9 @@ def test_the_readme_training_script_trains_to_its_last_step(server: object, tmp_
             timeout=120,
         )
         assert result.returncode == 0, result.stderr[-3000:]
-        cluster.until(lambda s: s.last_committed >= 99, message="100 steps committed")
+        assert cluster.finished(coordinator, 60) == 0  # the job finished, its worker left
+        cluster.pull()
+        assert cluster.state.last_committed == 99 and cluster.state.finished
         assert cluster.state.counters.left == 1 and not cluster.state.members
     finally:
         cluster.stop()

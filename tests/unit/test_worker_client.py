@@ -25,6 +25,7 @@ from cohort.events.streams import ZERO, Inbox, Journal
 from cohort.worker import client, simulated
 from cohort.worker.client import Worker
 from cohort.worker.errors import (
+    Finished,
     JoinRefusedError,
     JoinTimeout,
     Removed,
@@ -377,6 +378,35 @@ def test_a_step_begun_before_a_world_change_reports_its_old_world(
     assert leader.expect("StepDone").world == 1  # never claims old-world work for world 2
     with pytest.raises(WorldChangedError):
         worker.wait_committed(0, 3)
+
+
+def test_the_end_of_the_job_ends_the_waits_for_a_rank_and_for_later_steps(
+    leader, make_worker, pool
+) -> None:
+    worker = make_worker()
+    active(leader, worker, pool)
+    worker.step_done(0, samples=4)
+    worker.step_done(1, samples=4)  # begun, but the job ends with step 0
+    waiting = pool.submit(worker.wait_committed, 1, 3)
+    leader.say(
+        fact(m.StepCommitted, step=0, world=1),
+        fact(m.JobFinished, step=0, epoch=0, reason="max_steps=1 reached"),
+    )
+    with pytest.raises(Finished, match="finished at step 0 \\(max_steps=1 reached\\)"):
+        waiting.result(timeout=3)
+    assert worker.finished and worker.committed(0) and not worker.committed(1)
+    with pytest.raises(Finished) as end:
+        worker.wait_active(3)
+    assert (end.value.step, end.value.reason) == (0, "max_steps=1 reached")
+
+
+def test_a_worker_does_not_join_a_finished_job_and_says_how_to_run_it_again(
+    leader, make_worker
+) -> None:
+    leader.say(fact(m.JobFinished, step=9, epoch=0, reason="max_steps=10 reached"))
+    with pytest.raises(JoinRefusedError, match="cohort reset --job unit"):
+        make_worker().join(timeout=3)  # no coordinator needed to say no
+    assert leader.commands("Join") == []
 
 
 def test_wait_for_change_times_out_false_without_a_new_world(leader, make_worker, pool) -> None:
