@@ -21,7 +21,7 @@ from typing import Any
 from cohort.events.shards import Range, range_count
 
 from .client import Worker
-from .errors import Removed, Stopped, WaitTimeout
+from .errors import Finished, Removed, Stopped, WaitTimeout
 
 POLL = 0.5  # how often a long wait looks at the stop event
 
@@ -51,6 +51,7 @@ def run(
         "ranges": used,
         "reported": reported,
         "removed": None,
+        "finished": None,
     }
 
     def halted() -> bool:
@@ -93,13 +94,16 @@ def run(
             summary["steps_committed"] += 1
             summary["samples"] += count
             step += 1
+    except Finished as end:  # the job reached its length: leave with the final weights
+        summary["finished"] = end.reason
     except Removed as exc:
         summary["removed"] = exc.reason
         worker.stop()
         return summary
     except Stopped:
         return summary  # stopped from outside (a simulated crash): no Leave
-    worker.leave(reason="done" if summary["steps_committed"] >= steps else "stopped")
+    done = summary["steps_committed"] >= steps or worker.finished
+    worker.leave(reason="done" if done else "stopped")
     return summary
 
 

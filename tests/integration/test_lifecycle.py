@@ -116,3 +116,14 @@ def test_reset_offers_an_export_then_deletes_every_key_of_the_job_and_only_those
     assert again.alive()
     nothing = cohort(cluster.url, "reset", "--job", "never-ran", "--yes")
     assert nothing.returncode == 0 and "nothing to reset" in nothing.stdout
+
+
+def test_simulated_workers_end_with_the_job_too(cluster: Cluster) -> None:
+    coordinator = cluster.coordinator("c1", "--min-workers", "2", "--max-steps", "10")
+    workers = [cluster.worker(name, "--step-time", "0.01") for name in ("s1", "s2")]
+    for proc in (*workers, coordinator):
+        assert cluster.finished(proc, 60) == 0, proc.output()[-3000:]
+    for proc in workers:
+        summary = proc.summary()
+        assert summary["finished"] == "max_steps=10 reached"
+        assert summary["steps_committed"] == 10
