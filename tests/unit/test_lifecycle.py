@@ -1,4 +1,4 @@
-"""A job's length and its end (DESIGN.md "Lifecycle"): the commit that reaches `max_steps` or
+"""A job's length and its end (docs/control-plane.md): the commit that reaches `max_steps` or
 `epochs` finishes the job, and a finished job trains no more."""
 
 from __future__ import annotations
