@@ -31,6 +31,7 @@ from . import torch_sync
 from .collective import Collective
 from .elastic import Elastic, Step
 from .errors import WorkerError, WorldChangedError
+from .overlap import OverlappedGradients
 
 BACKEND_ENV = "COHORT_TORCH_BACKEND"
 """Where a script that names no backend finds one (gloo, nccl); unset: through Redis."""
@@ -119,6 +120,7 @@ class ElasticJob(Elastic):
         self.ddp: Any = None
         self._ddp_aborted = False
         self._inside_ddp = False
+        self.overlapped: OverlappedGradients | None = None
         if backend is not None:
             from .torchdist import Rendezvous
 
@@ -131,24 +133,31 @@ class ElasticJob(Elastic):
         scheduler: Any = None,
         extra: Mapping[str, Any] | None = None,
         bucket_bytes: int = torch_sync.DEFAULT_BUCKET_BYTES,
+        overlap: bool = True,
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Train `model` with `optimizer` (and `scheduler`, and `extra` state that travels
-        with them, e.g. an EMA or counters: a dict changed in place) on every rank alike."""
+        with them, e.g. an EMA or counters: a dict changed in place) on every rank alike.
+
+        Through Redis, gradients are averaged bucket by bucket while backward runs
+        (`overlap=False`: all after backward, as gradient accumulation over several
+        backward passes per step needs)."""
         self.attach(TorchState(model, optimizer, scheduler, extra))
         original = optimizer.step
+        if self.backend is None and overlap:
+            self.overlapped = OverlappedGradients(model, self.collective, bucket_bytes)
 
         def step(this: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             current = self.current
             if current is None:
                 raise WorkerError("optimizer.step() outside a step of job.batches()")
             if self._ddp_aborted or not self.before_apply():
+                if self.overlapped is not None:
+                    self.overlapped.cancel()
                 self.abort()  # a dead peer's world, or the job moved on: built again
                 return None
             if self.backend is None:
                 try:
-                    torch_sync.sync_gradients(
-                        model, self.collective, current.step, bucket_bytes, world=current.world
-                    )
+                    self._average_gradients(model, current, bucket_bytes)
                 except WorldChangedError:
                     self.abort()  # no rank applies a step its world did not finish
                     return None
@@ -174,8 +183,19 @@ class ElasticJob(Elastic):
         )  # the state was broadcast already; buffers travel with it at each world start
         self.ddp.register_comm_hook(self, _guarded_allreduce)
 
+    def _average_gradients(self, model: torch.nn.Module, current: Step, bucket_bytes: int) -> None:
+        """Replace the gradients by their means over the world (WorldChangedError: aborted)."""
+        if self.overlapped is not None:
+            self.overlapped.finish()
+        else:
+            torch_sync.sync_gradients(
+                model, self.collective, current.step, bucket_bytes, world=current.world
+            )
+
     def _start_step(self) -> None:
         self._ddp_aborted = False
+        if self.overlapped is not None and self.current is not None:
+            self.overlapped.begin(self.current.step, self.current.world)
 
     def epochs(self, count: int | None = None) -> Iterator[int]:
         """The data epochs this job trains, from the one it is in, up to `count` of them

@@ -68,7 +68,7 @@ def call_id(step: int, channel: int, bucket: int = 0) -> int:
 
 
 # ------------------------------------------------------------------ tensors <-> numpy
-def _averaged_array(tensor: torch.Tensor) -> np.ndarray:
+def averaged_array(tensor: torch.Tensor) -> np.ndarray:
     """`tensor` as a numpy array the collective can average (a view for CPU f16/f32/f64)."""
     t = tensor.detach()
     if t.dtype not in _AVERAGED:
@@ -78,7 +78,7 @@ def _averaged_array(tensor: torch.Tensor) -> np.ndarray:
     return t.cpu().contiguous().numpy()
 
 
-def _write_back(tensor: torch.Tensor, array: np.ndarray) -> None:
+def write_back(tensor: torch.Tensor, array: np.ndarray) -> None:
     """Copy the averaged `array` into `tensor` (rounding once to its dtype, moving devices)."""
     if not array.flags.writeable:
         array = array.copy()  # torch.from_numpy warns on read-only memory
@@ -142,7 +142,7 @@ def _average(
     try:
         for i, bucket in enumerate(buckets(named, bucket_bytes)):
             mean = collective.allreduce(
-                {name: _averaged_array(t) for name, t in bucket},
+                {name: averaged_array(t) for name, t in bucket},
                 call_id(step, channel, i),
                 world=world,
             )
@@ -178,7 +178,7 @@ def sync_gradients(
             param.grad = torch.zeros_like(param)
         named.append((name, param.grad))
     for grad, mean in _average(named, collective, step, GRADIENTS, bucket_bytes, world):
-        _write_back(grad, mean)
+        write_back(grad, mean)
 
 
 # ------------------------------------------------------------------ state
@@ -404,7 +404,7 @@ class LocalSGD:
         params = self._params()
         if self.mode == "weights":
             for param, mean in _average(params, self.collective, step, WEIGHTS, self.bucket_bytes):
-                _write_back(param, mean)
+                write_back(param, mean)
             self.reset_global_from_model()
         else:
             deltas = [

@@ -1,0 +1,145 @@
+"""Gradients averaged through Redis while backward still runs, bucket by bucket, as DDP does.
+
+Buckets hold parameters in the reverse of their registration order, since backward
+produces the last layers' gradients first. A hook on each parameter counts its bucket down
+as its gradient is accumulated; one thread per process averages the buckets strictly in
+index order (every rank in the same order, so no two ranks ever wait on each other's
+different buckets), each as soon as it is whole. `finish()` completes whatever backward
+left (a parameter without a gradient counts as zeros), waits, and writes the means into
+the gradients; `cancel()` completes and discards them (the step is not applied).
+Needs torch (`cohort.torch`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from .collective import Collective
+from .errors import WorkerError, WorldChangedError
+from .torch_sync import GRADIENTS, averaged_array, buckets, call_id, write_back
+
+
+class AccumulationError(WorkerError):
+    """A gradient was accumulated again after its bucket was averaged."""
+
+
+class OverlappedGradients:
+    """The gradients of `model`'s trainable parameters, averaged during backward."""
+
+    def __init__(self, model: torch.nn.Module, collective: Collective, bucket_bytes: int):
+        self.collective = collective
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.buckets = [[p for _, p in bucket] for bucket in buckets(trainable[::-1], bucket_bytes)]
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self._cond = threading.Condition()
+        self._step: tuple[int, int] | None = None  # (step, world) averaged now
+        self._left: list[int] = []  # gradients each bucket still waits for
+        self._flush = False
+        self._means: list[list[np.ndarray] | None] = []
+        self._done = 0  # buckets averaged (or given up) of the current step
+        self._error: BaseException | None = None
+        self._again = False
+        for _, param in trainable:
+            param.register_post_accumulate_grad_hook(self._accumulated)
+        threading.Thread(target=self._run, name="cohort-gradients", daemon=True).start()
+
+    # ------------------------------------------------------------ the training loop's side
+    def begin(self, step: int, world: int) -> None:
+        """Gradients from now on are `step`'s, in `world` (the previous step is closed)."""
+        self.cancel()
+        with self._cond:
+            self._step = (step, world)
+            self._left = [len(b) for b in self.buckets]
+            self._means = [None] * len(self.buckets)
+            self._flush, self._done, self._error, self._again = False, 0, None, False
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """Average what backward did not trigger, wait for every bucket, and write the means
+        into the gradients. Raises WorldChangedError if the world moved on meanwhile."""
+        self._complete()
+        with self._cond:
+            step, error, means = self._step, self._error, self._means
+            self._step = None
+        if self._again:
+            raise AccumulationError(
+                "a gradient was accumulated again after its bucket was averaged (several "
+                "backward passes in one step): pass overlap=False to job.wrap() to accumulate"
+            )
+        if isinstance(error, WorldChangedError):
+            assert step is not None
+            raise WorldChangedError(step[0], error.assignment) from error
+        if error is not None:
+            raise error
+        for bucket, averaged in zip(self.buckets, means, strict=True):
+            assert averaged is not None
+            for param, mean in zip(bucket, averaged, strict=True):
+                assert param.grad is not None
+                write_back(param.grad, mean)
+
+    def cancel(self) -> None:
+        """The step is not applied: let its averaging end (every rank averages every bucket
+        of a step, so the others are not left waiting) and drop the results."""
+        if self._step is not None:
+            self._complete()
+            with self._cond:
+                self._step = None
+
+    def _complete(self) -> None:
+        with self._cond:
+            self._flush = True
+            self._cond.notify_all()
+            while self._step is not None and self._done < len(self.buckets):
+                self._cond.wait()
+
+    # ------------------------------------------------------------ backward's side
+    def _accumulated(self, param: torch.Tensor) -> None:
+        index = self._bucket_of[id(param)]
+        with self._cond:
+            if self._step is None or self._flush:
+                return  # a backward outside a step's work (or after it): not ours
+            self._left[index] -= 1
+            if self._left[index] < 0 or index < self._done:
+                self._again = True
+            if self._left[index] == 0:
+                self._cond.notify_all()
+
+    # ------------------------------------------------------------ the averaging thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._next_ready():
+                    self._cond.wait()
+                step, index, error = self._step, self._done, self._error
+            assert step is not None
+            means: list[np.ndarray] | None = None
+            if error is None:
+                try:
+                    means = self._average(index, *step)
+                except BaseException as exc:  # handed to the loop's finish()
+                    error = exc
+            with self._cond:
+                if self._step == step:
+                    self._means[index], self._error = means, error
+                    self._done += 1
+                    self._cond.notify_all()
+
+    def _next_ready(self) -> bool:
+        """Whether the next bucket of the current step can be averaged now."""
+        if self._step is None or self._done >= len(self.buckets):
+            return False
+        return self._flush or self._left[self._done] <= 0
+
+    def _average(self, index: int, step: int, world: int) -> list[np.ndarray]:
+        grads = []
+        for param in self.buckets[index]:
+            if param.grad is None:  # unused in this step's forward: zeros, as DDP counts it
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad)
+        named: dict[str, Any] = {str(i): averaged_array(g) for i, g in enumerate(grads)}
+        mean = self.collective.allreduce(named, call_id(step, GRADIENTS, index), world=world)
+        return [mean[str(i)] for i in range(len(grads))]
