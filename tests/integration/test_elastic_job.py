@@ -12,14 +12,11 @@ PORT BATCHES_JSON OUT_NPZ`.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
 import sys
-from datetime import timedelta
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -30,8 +27,10 @@ else:
     torch = pytest.importorskip("torch")
 
 from cohort.coordinator.audit import audit, committed_batches  # noqa: E402
+from cohort.localredis import free_port  # noqa: E402
 
 from .cluster import ROOT, Cluster, Process  # noqa: E402
+from .gloo import join_gloo, leave_gloo, load_example  # noqa: E402
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 
@@ -39,24 +38,13 @@ DATASET, BATCH, EPOCHS = 4096, 32, 1
 TOLERANCE = 1e-5
 
 
-def plain() -> ModuleType:
-    """examples/plain_train.py as a module (examples/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("plain_train", ROOT / "examples/plain_train.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def ddp_rank(rank: int, port: int, batches_file: Path, out: Path) -> None:
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
-    ex = plain()
+    ex = load_example("plain_train")
     steps = json.loads(batches_file.read_text())
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    join_gloo(rank, port)
     data = ex.dataset()
     model, _ = ex.build()
     ddp = DistributedDataParallel(model)
@@ -69,10 +57,7 @@ def ddp_rank(rank: int, port: int, batches_file: Path, out: Path) -> None:
         loss.backward()
         optimizer.step()
     np.savez(out, **{n: p.detach().numpy() for n, p in model.named_parameters()})
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # see test_torch_ddp_equivalence: torch's teardown may abort at exit
+    leave_gloo()
 
 
 def twin(cluster: Cluster, name: str, epochs: int = EPOCHS) -> Process:
@@ -127,7 +112,7 @@ def test_two_twins_end_with_the_parameters_of_ddp_over_gloo(
     assert len(batches) == EPOCHS * DATASET // (2 * BATCH)
     plan = cluster.tmp / "batches.json"
     plan.write_text(json.dumps(batches))
-    port = str(_free_port())
+    port = str(free_port())
     module = "tests.integration.test_elastic_job"
     ranks = [
         cluster.python(f"ddp{r}", "-m", module, str(r), port, str(plan), str(cluster.saved(str(r))))
@@ -170,14 +155,6 @@ def test_a_twin_killed_mid_epoch_leaves_the_others_equal_and_every_sample_used_o
     assert report.ok, report.problems
     assert report.epochs[0].finished and report.epochs[0].used == DATASET
     assert cluster.state.counters.failed == 1 and cluster.state.finished == "epochs=2 finished"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 if __name__ == "__main__":

@@ -11,13 +11,10 @@ RANK PORT BATCHES_JSON OUT_NPZ`.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -28,8 +25,10 @@ else:
     torch = pytest.importorskip("torch")
 
 from cohort.coordinator.audit import committed_batches  # noqa: E402
+from cohort.localredis import free_port  # noqa: E402
 
 from .cluster import Cluster  # noqa: E402
+from .gloo import join_gloo, leave_gloo, load_example  # noqa: E402
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 
@@ -38,25 +37,14 @@ STEPS, LR, SEED = 40, 0.05, 0
 TOLERANCE = 1e-5
 
 
-def example() -> ModuleType:
-    """examples/torch_train.py as a module (examples/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("torch_train", ROOT / "examples/torch_train.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 # ------------------------------------------------------------------ the DDP rank program
 def ddp_rank(rank: int, port: int, batches_file: Path, out: Path) -> None:
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
-    ex = example()
+    ex = load_example("torch_train")
     steps = json.loads(batches_file.read_text())
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    join_gloo(rank, port)
     data = ex.Data(steps["dataset_size"])
     model = ex.build(SEED)
     ddp = DistributedDataParallel(model)
@@ -67,24 +55,10 @@ def ddp_rank(rank: int, port: int, batches_file: Path, out: Path) -> None:
         ex.loss_of(ddp, x, y).backward()
         optimizer.step()
     np.savez(out, **ex.params_of(model))
-    dist.barrier()
-    dist.destroy_process_group()
-    # torch's C++ teardown at exit sometimes aborts ("terminate called without an active
-    # exception") when the other rank, which may host the store, is gone already; the
-    # result is saved, so leave without it.
-    sys.stdout.flush()
-    os._exit(0)
+    leave_gloo()
 
 
 # ------------------------------------------------------------------ the test
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def load(path: Path) -> dict[str, np.ndarray]:
     with np.load(path) as saved:
         return {k: saved[k] for k in saved.files}
@@ -150,7 +124,8 @@ def test_sync_gradients_ends_with_the_parameters_of_ddp_over_gloo(cluster: Clust
 
     ddp = load(cluster.saved("ddp0"))
     assert max_abs_diff(ddp, load(cluster.saved("ddp1"))) == 0.0
-    start = {k: v.detach().numpy() for k, v in example().build(SEED).named_parameters()}
+    initial = load_example("torch_train").build(SEED)
+    start = {k: v.detach().numpy() for k, v in initial.named_parameters()}
     assert max_abs_diff(ddp, start) > 1e-2  # the model did train
     diffs = [max_abs_diff(load(cluster.saved(f"w{i}")), ddp) for i in range(2)]
     print(

@@ -31,6 +31,7 @@ if os.environ.get("CI") == "true":
 else:
     torch = pytest.importorskip("torch")
 
+from cohort.localredis import free_port  # noqa: E402
 from tests.helpers import wait_until  # noqa: E402
 
 from .cluster import Cluster, Process  # noqa: E402
@@ -165,14 +166,6 @@ def finished(proc: Process, timeout: float) -> int:
         proc.popen.send_signal(signal.SIGUSR1)
         wait_until(lambda: "most recent call first" in proc.output(), 10, message="stacks")
         raise AssertionError(f"{proc.name} is stuck:\n{proc.output()[-8000:]}") from None
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_without_cohort_the_survivor_stays_blocked_after_a_peer_is_killed(
