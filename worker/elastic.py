@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,8 +36,15 @@ from cohort.events.shards import Range, exhausted
 from . import checkpoints
 from .client import Worker
 from .collective import Collective
-from .errors import Finished, Stopped, WaitTimeout, WorkerError, WorldChangedError
-from .view import Assignment
+from .errors import (
+    Finished,
+    NotAssigned,
+    Stopped,
+    WaitTimeout,
+    WorkerError,
+    WorldChangedError,
+)
+from .view import Assignment, View
 
 log = logging.getLogger("cohort.elastic")
 POLL = 0.5
@@ -208,19 +216,52 @@ class Elastic:
         self._settle()
         current = self.current
         assert current is not None, "before_apply() inside a step"
-        if self.worker.finished:  # the previous step was the last: this one never counts
-            self.abort()
-            return False
-        if self.worker.world_version != current.world or self.worker.batch(current.step) != (
-            current.ranges
-        ):
-            self.abort()
-            return False
-        plan = self.worker.view.plan
-        if plan is not None and plan.epoch != current.epoch:
+        if not self.stands(current):
             self.abort()
             return False
         return True
+
+    def stands(self, step: Step) -> bool:
+        """Whether `step` is still the job's: not past its end, in the current world, with
+        the samples and data epoch the current plan gives it."""
+        view = self.worker.view
+        if view.finished is not None or view.world_version != step.world:
+            return False
+        plan = view.plan
+        if plan is not None and plan.epoch != step.epoch:
+            return False
+        try:
+            return self.worker.batch(step.step) == step.ranges
+        except NotAssigned:
+            return False
+
+    def launchable(self, step: Step, after: int | None, cancelled: threading.Event) -> bool:
+        """Whether `step`'s collective may start while backward still runs: once step `after`
+        (the one before it, reported but not yet seen to settle; None: none) settled,
+        whether `step` is still the job's. Every rank answers alike, since each waits for
+        the same journal; a rank that built `step` on a plan the commit of `after` replaced
+        (a new epoch, a new world) must not pour that step's gradients into the others'.
+        Blocks (off the main thread where it can) until it can tell; False once `cancelled`
+        or stopping."""
+        if after is not None:
+
+            def settled(view: View) -> bool:
+                return (
+                    view.last_committed >= after
+                    or view.world_version != step.world
+                    or view.finished is not None
+                )
+
+            while True:
+                try:
+                    self.worker.wait_for(settled, POLL)
+                    break
+                except WaitTimeout:
+                    if cancelled.is_set() or self.stopping:
+                        return False
+                except WorkerError:  # removed meanwhile
+                    return False
+        return self.stands(step)
 
     def abort(self) -> None:
         """The step's collective was cut short by a world change: nothing was applied."""

@@ -17,11 +17,12 @@ the leader asks for are written in the background; the job leaves when the loops
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -121,6 +122,8 @@ class ElasticJob(Elastic):
         self._ddp_aborted = False
         self._inside_ddp = False
         self.overlapped: OverlappedGradients | None = None
+        self._gate: Callable[[threading.Event], bool] = lambda cancelled: True
+        self._launch: bool | None = None
         if backend is not None:
             from .torchdist import Rendezvous
 
@@ -193,9 +196,21 @@ class ElasticJob(Elastic):
             )
 
     def _start_step(self) -> None:
+        """A step's work begins: its collective may start once `launchable` says so."""
         self._ddp_aborted = False
-        if self.overlapped is not None and self.current is not None:
-            self.overlapped.begin(self.current.step, self.current.world)
+        self._launch = None
+        current = self.current
+        assert current is not None
+        after = self._unsettled.step if self._unsettled is not None else None
+        self._gate = functools.partial(self.launchable, current, after)
+        if self.overlapped is not None:
+            self.overlapped.begin(current.step, current.world, self._gate)
+
+    def _may_launch(self) -> bool:
+        """Under DDP, asked by the comm hook at each bucket: the gate's answer, once a step."""
+        if self._launch is None:
+            self._launch = self._gate(threading.Event())
+        return self._launch
 
     def epochs(self, count: int | None = None) -> Iterator[int]:
         """The data epochs this job trains, from the one it is in, up to `count` of them
@@ -303,8 +318,8 @@ def _guarded_allreduce(job: ElasticJob, bucket):  # type: ignore[no-untyped-def]
             else:
                 result.set_result(value)
 
-    if dog is None or dog.tripped.is_set():
-        finish(None)
+    if dog is None or dog.tripped.is_set() or not job._may_launch():
+        finish(None)  # a dead world, or a stale step (whose retry brings this rank's part)
         return result
     tensor.div_(dist.get_world_size())  # then the sum: as DDP's own allreduce hook does
     work = dist.all_reduce(tensor, async_op=True)
