@@ -19,6 +19,7 @@ from cohort.events.models import (
     GpuAdviceCleared,
     GpuAdviceIssued,
     GpuReading,
+    JobFinished,
     LeaderElected,
     Rewound,
     StepDone,
@@ -283,6 +284,8 @@ def _marker(entry_id: str, fact: Fact) -> Marker | None:
         label = f"rewound from step {fact.from_step} to {fact.to_step} ({fact.source})"
     elif isinstance(fact, WeightsLost):
         kind, label = "lost", f"weights of step {fact.step} lost"
+    elif isinstance(fact, JobFinished):
+        kind, label = "finished", f"finished at step {fact.step}: {fact.reason}"
     if kind is None:
         return None
     return Marker(fact.at, kind, label, entry_id)

@@ -48,12 +48,13 @@ MARKER_COLORS = {
     "checkpoint": "#1f77b4",
     "rewind": "#8c564b",
     "lost": "#d62728",
+    "finished": "#2ca02c",
 }
 LANES = (
     ("failure", ("failure",)),
     ("leader", ("leader",)),
     ("world", ("world",)),
-    ("paused", ("pause", "resume")),
+    ("paused", ("pause", "resume", "finished")),
     ("straggler", ("straggler",)),
     ("diverged", ("diverged",)),
     ("GPU advice", ("advice", "advice-cleared")),
