@@ -38,7 +38,10 @@ function (Luby-Rackoff)."""
 SCALAR_BELOW = 32
 """Up to this many positions, Python's ints beat numpy's cost per call (about 60 calls)."""
 MASK = 2**64 - 1
-MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finaliser
+MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+"""splitmix64's finaliser, less its first xorshift (a column is under 2^27, so that shift
+would only xor in key bits): (c ^ key) * MIX1, xorshift 27, * MIX2, of which the round
+keeps the high 32 bits, the ones every input bit reaches."""
 
 
 def _key_schedule(seed: int, epoch: int) -> tuple[int, ...]:
@@ -99,8 +102,7 @@ class Order:
         rows, columns = self.grid
         for key in self.keys:
             row, column = divmod(x, columns)
-            z = column ^ key  # mixed by splitmix64's finaliser; its high 32 bits are kept
-            z = ((z ^ (z >> 30)) * MIX1) & MASK
+            z = ((column ^ key) * MIX1) & MASK  # mixed as `MIX1, MIX2` say
             z = ((z ^ (z >> 27)) * MIX2) & MASK
             x = column * rows + (row + (z >> 32)) % rows  # the column becomes the row
             rows, columns = columns, rows
@@ -138,7 +140,6 @@ class Order:
         for key in self.keys:
             row, column = np.divmod(x, np.uint64(columns))
             z = column ^ np.uint64(key)
-            z ^= z >> np.uint64(30)
             z *= np.uint64(MIX1)
             z ^= z >> np.uint64(27)
             z *= np.uint64(MIX2)
