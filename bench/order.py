@@ -80,16 +80,16 @@ def measure(sizes: tuple[int, ...] = (60_000, 1_000_000, 10_000_000), runs: int 
                 ]
             )
         got["peer_bytes"] = 8 * size
-    largest = sizes[-1]
+    largest, step_us = sizes[-1], raw[str(sizes[-1])]["batch"] * BATCH * 1e6
     section.notes = [
         "cohort holds no array: an epoch's order is 4 round keys derived from (seed, epoch), "
         f"and any position's sample is computed when needed; the peer holds {8 * largest:,} "
         f"bytes per process for N = {largest:,}, rebuilt every epoch, and a rank that joins "
-        "mid-epoch builds it whole before its first batch. Vectorised, a step's batch costs "
-        "about 60 numpy calls whatever its size (the per-index figure falls as batches grow); "
-        "a whole epoch at once is the audit's case. The peer's per-step lookups are cheaper "
-        "once its permutation exists: they are priced beside its materialisation, which "
-        "cohort never pays.",
+        "mid-epoch builds it whole before its first batch. A vectorised pass is about 50 "
+        f"numpy calls whatever its size: a step's {BATCH} positions take {step_us:.0f} us "
+        "(the per-index figure falls as batches grow), and a whole epoch at once is the "
+        "audit's case. The peer's per-step lookups are cheaper once its permutation exists: "
+        "they are priced beside its materialisation, which cohort never pays.",
     ]
     section.raw = raw
     return section

@@ -19,12 +19,13 @@ from all size! of them: plenty for SGD, not for cryptography.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # numpy loads on first vectorised use: `import cohort` stays quick
     import numpy as np
@@ -134,22 +135,40 @@ class Order:
 
     def _permute_many(self, x: np.ndarray) -> np.ndarray:
         """`_permute` over an array of uint64, a numpy call per operation."""
-        import numpy as np
-
-        rows, columns = self.grid
-        for key in self.keys:
-            row, column = np.divmod(x, np.uint64(columns))
-            z = column ^ np.uint64(key)
-            z *= np.uint64(MIX1)
-            z ^= z >> np.uint64(27)
-            z *= np.uint64(MIX2)
-            z >>= np.uint64(32)
+        mix1, mix2, by27, by32 = _numpy_constants()
+        for key, rows, columns in _numpy_rounds(self.keys, self.grid):
+            row, column = divmod(x, columns)
+            z = column ^ key
+            z *= mix1
+            z ^= z >> by27
+            z *= mix2
+            z >>= by32
             z += row
-            z %= np.uint64(rows)
-            column *= np.uint64(rows)
+            z %= rows
+            column *= rows
             x = column + z
-            rows, columns = columns, rows
         return x
+
+
+@functools.cache
+def _numpy_constants() -> tuple[Any, ...]:
+    """The mix's constants as numpy scalars, made once (each costs about a numpy call)."""
+    import numpy as np
+
+    return np.uint64(MIX1), np.uint64(MIX2), np.uint64(27), np.uint64(32)
+
+
+@functools.lru_cache(maxsize=64)
+def _numpy_rounds(keys: tuple[int, ...], grid: tuple[int, int]) -> tuple[tuple[Any, ...], ...]:
+    """(key, rows, columns) of each round as numpy scalars, for the orders in use."""
+    import numpy as np
+
+    rows, columns = grid
+    rounds = []
+    for key in keys:
+        rounds.append((np.uint64(key), np.uint64(rows), np.uint64(columns)))
+        rows, columns = columns, rows
+    return tuple(rounds)
 
 
 def positions(ranges: Iterable[tuple[int, int]]) -> Indices:
