@@ -6,7 +6,7 @@ did (exactly once per epoch, across any world change), and the order lives in tw
 journaled numbers, the job's `seed` and the epoch, instead of an array of `size` indices.
 
 The bijection is a Feistel network on a grid of rows x columns (both about sqrt(size),
-their product the smallest at or above `size`), the numeric kind format-preserving
+their product at or above `size` by less than a row), the numeric kind format-preserving
 encryption uses: a round adds a keyed mix of the column to the row, modulo the rows, and
 the two swap. An image outside [0, size) goes through the network again until it lands
 inside (cycle walking), which keeps the map a bijection of [0, size); fewer than one
@@ -37,7 +37,7 @@ ROUNDS = 4
 """Feistel rounds per pass: 4 make a strong pseudorandom permutation from a good round
 function (Luby-Rackoff)."""
 SCALAR_BELOW = 32
-"""Up to this many positions, Python's ints beat numpy's cost per call (about 60 calls)."""
+"""Up to this many positions, Python's ints beat a numpy pass (about 50 calls)."""
 MASK = 2**64 - 1
 MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 """splitmix64's finaliser, less its first xorshift (a column is under 2^27, so that shift
