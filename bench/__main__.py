@@ -23,6 +23,7 @@ from . import (
     cluster,
     control_plane,
     failover,
+    order,
     overhead,
     peer_death,
     replay,
@@ -40,6 +41,7 @@ FULL: dict[str, Callable[[], Section]] = {
     "allreduce": lambda: allreduce.measure((1, 16, 64), (2, 4), 5),
     "cluster": lambda: cluster.measure((16, 64), (3,), 5),
     "checkpoint": lambda: checkpoint.measure(3),
+    "order": lambda: order.measure((60_000, 1_000_000, 10_000_000), 5),
 }
 QUICK: dict[str, Callable[[], Section]] = {
     "ingest": lambda: control_plane.measure(20_000, 200, 1),
@@ -51,6 +53,7 @@ QUICK: dict[str, Callable[[], Section]] = {
     "allreduce": lambda: allreduce.measure((1,), (2,), 3),
     "cluster": lambda: cluster.measure((16,), (3,), 3),
     "checkpoint": lambda: checkpoint.measure(1),
+    "order": lambda: order.measure((60_000, 1_000_000), 3),
 }
 
 
@@ -85,8 +88,8 @@ def main() -> int:
     if out is not None and sections:
         # the raw results beside the page: --only runs replace their own sections only
         every = merge(out.with_suffix(".json"), sections)
-        order = list(FULL)
-        every.sort(key=lambda s: order.index(s.key) if s.key in order else len(order))
+        keys = list(FULL)
+        every.sort(key=lambda s: keys.index(s.key) if s.key in keys else len(keys))
         out.write_text(document(every, environment(), command))
         print(f"wrote {out} and {out.with_suffix('.json')}")
     if failed:

@@ -71,7 +71,7 @@ def run(
                 break
             started = time.monotonic()
             with job.step_of(step):
-                loss = _train(job, params, data, step.ranges, lr)
+                loss = _train(job, params, data, step.samples, lr)
                 job.record(loss=loss)
                 if pace:  # simulated compute
                     job.worker.stopping.wait(max(0.0, pace - (time.monotonic() - started)))
@@ -87,10 +87,13 @@ def run(
     return _finish(summary, params, data)
 
 
-def _train(job: ElasticJob, params: mlp.Params, data: mlp.Dataset, ranges: Any, lr: float) -> float:
-    """One synchronous data-parallel step, applied to `params` in place: the global mean
-    loss. Raises WorldChangedError (nothing applied) if the world moved meanwhile."""
-    x, y = data.take(ranges)
+def _train(
+    job: ElasticJob, params: mlp.Params, data: mlp.Dataset, samples: np.ndarray, lr: float
+) -> float:
+    """One synchronous data-parallel step on this rank's `samples`, applied to `params` in
+    place: the global mean loss. Raises WorldChangedError (nothing applied) if the world
+    moved meanwhile."""
+    x, y = data.take(samples)
     grads, loss, correct = mlp.gradients(params, x, y)
     stats = np.array([len(y), loss, correct], dtype=np.float64)
     mean = job.allreduce({**grads, "_stats": stats})
@@ -118,7 +121,8 @@ def reference(facts: Any, lr: float = 0.2, seed: int = 0) -> mlp.Params:
     the final model descends from.
 
     For each StepCommitted, in order, the global batch is the union of the ranks' batches
-    (recomputed from the facts alone); its summed gradient over its size is applied. A
+    (recomputed from the facts alone, each position mapped to its sample through the
+    epoch's order, as the workers map them); its summed gradient over its size is applied. A
     rewind goes back to this process's own weights after the rewind's step, or, for a
     checkpoint from outside the lineage, to what the checkpoint file holds (from scratch:
     the initial weights).
@@ -141,10 +145,11 @@ def reference(facts: Any, lr: float = 0.2, seed: int = 0) -> mlp.Params:
             continue
         if batches is None:
             continue
+        assert state.config is not None
         if data is None:
-            assert state.config is not None
             data = mlp.dataset(state.config.dataset_size)
-        x, y = data.take(tuple(r for ranges in batches for r in ranges))
+        order = state.config.order(state.epoch)
+        x, y = data.take(order.samples(r for ranges in batches for r in ranges))
         if len(y):
             grads, _, _ = mlp.gradients(params, x, y)
             params = mlp.sgd(params, {k: g / len(y) for k, g in grads.items()}, lr)

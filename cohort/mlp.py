@@ -27,11 +27,9 @@ class Dataset:
     def __len__(self) -> int:
         return len(self.y)
 
-    def take(self, ranges: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
-        if not ranges:
-            return self.x[:0], self.y[:0]
-        index = np.concatenate([np.arange(a, b) for a, b in ranges])
-        return self.x[index], self.y[index]
+    def take(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The inputs and labels of `samples` (ids, e.g. a step's `samples`)."""
+        return self.x[samples], self.y[samples]
 
 
 def dataset(size: int = 8192, seed: int = 7) -> Dataset:

@@ -3,33 +3,48 @@ lineage the final model descends from, and every world started from the right we
 
 Works from facts alone (DESIGN.md invariant 3): the state before each
 `StepCommitted` says which shard every rank held, so the committed batches can
-be recomputed and checked for overlaps (a sample used twice) and, for finished
-epochs, gaps (a sample never used).
+be recomputed. Shards hold positions in each epoch's order; the check maps every used
+position through its epoch's order (the one workers train with) and looks, in sample
+space, for samples used twice and, for finished epochs, samples never used. With a
+bijection that is the same as checking positions; done on samples, it also catches a
+broken order. One pass per epoch, vectorised, in chunks: a bitmap of the data set's
+size is the memory it takes.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cohort.events.models import (
     CheckpointSaved,
     EpochFinished,
     Fact,
+    JobConfig,
     Rewound,
     StepCommitted,
     WorldChanged,
 )
+from cohort.events.order import Order
 from cohort.events.shards import Range
 
 from .fold import evolve
 from .shards import batch, merge
 from .state import JobState
 
+if TYPE_CHECKING:  # numpy loads when an audit runs
+    import numpy as np
+
+CHUNK = 1 << 20
+"""Positions mapped at a time: bounds the audit's memory beside its bitmap."""
+
 
 @dataclass
 class EpochAudit:
+    """One epoch's exactly-once check. `duplicates` and `missing` are ranges of sample ids."""
+
     epoch: int
     finished: bool = False
     used: int = 0
@@ -59,19 +74,58 @@ class Audit:
         return not self.problems and all(e.ok for e in self.epochs.values())
 
 
-def _overlaps_and_gaps(ranges: list[Range], size: int | None) -> tuple[list[Range], list[Range]]:
-    dupes: list[Range] = []
-    gaps: list[Range] = []
-    pos = 0
-    for start, stop in sorted(ranges):
-        if start < pos:
-            dupes.append((start, min(stop, pos)))
-        elif start > pos and size is not None:
-            gaps.append((pos, start))
-        pos = max(pos, stop)
-    if size is not None and pos < size:
-        gaps.append((pos, size))
-    return list(merge(dupes)), list(merge(gaps))
+def _exactly_once(
+    order: Order, used: Sequence[Range], finished: bool
+) -> tuple[list[Range], list[Range], int]:
+    """Samples of `used` positions seen twice, samples never seen (if `finished`), and how
+    many positions fell outside the epoch or mapped outside the data set."""
+    import numpy as np
+
+    size = order.size
+    inside = [(start, min(stop, size)) for start, stop in used if start < size]
+    outside = sum(stop - start for start, stop in used) - sum(b - a for a, b in inside)
+    seen = np.zeros(size, dtype=bool)
+    twice: list[np.ndarray] = []
+    for chunk in _chunks(inside, CHUNK):
+        samples = order.samples(chunk)
+        valid = (samples >= 0) & (samples < size)
+        outside += int(samples.size - valid.sum())
+        samples = np.sort(samples[valid])
+        twice.append(samples[1:][samples[1:] == samples[:-1]])  # twice within the chunk
+        twice.append(samples[seen[samples]])  # seen in an earlier chunk
+        seen[samples] = True
+    duplicates = _runs(np.unique(np.concatenate(twice))) if twice else []
+    missing = _runs(np.flatnonzero(~seen)) if finished else []
+    return duplicates, missing, outside
+
+
+def _chunks(ranges: Iterable[Range], size: int) -> Iterator[list[Range]]:
+    """`ranges` cut into lists of at most `size` positions, in order."""
+    chunk: list[Range] = []
+    room = size
+    for start, stop in ranges:
+        while start < stop:
+            end = min(stop, start + room)
+            chunk.append((start, end))
+            room -= end - start
+            start = end
+            if room == 0:
+                yield chunk
+                chunk, room = [], size
+    if chunk:
+        yield chunk
+
+
+def _runs(ids: np.ndarray) -> list[Range]:
+    """Sorted distinct ids as half-open ranges of consecutive ones."""
+    import numpy as np
+
+    if not ids.size:
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = ids[np.concatenate(([0], breaks))]
+    stops = ids[np.concatenate((breaks - 1, [ids.size - 1]))] + 1
+    return list(zip(starts.tolist(), stops.tolist(), strict=True))
 
 
 def committed_batches(
@@ -92,14 +146,20 @@ def committed_batches(
         state = evolve(state, fact)
 
 
-def audit(facts: Iterable[Fact], start: JobState | None = None) -> Audit:
+def audit(
+    facts: Iterable[Fact],
+    start: JobState | None = None,
+    order_of: Callable[[JobConfig, int], Order] = JobConfig.order,
+) -> Audit:
     """Check invariants 2, 3 and 9 over `facts` (from the start of the journal).
 
-    Exactly-once is checked on the lineage the final model descends from: a rewind takes
-    the steps after its target off it (they are listed in `rewinds`, not hidden), and
-    their samples count as unused again. Every world must start from the weights of the
-    last committed step (a surviving holder's), or a rewind's checkpoint, or the initial
-    weights before any commit.
+    Exactly-once is checked in sample space, each epoch's positions mapped through
+    `order_of(config, epoch)` (the job's own orders; a test passes a broken one), on the
+    lineage the final model descends from: a rewind takes the steps after its target off
+    it (they are listed in `rewinds`, not hidden), and their samples count as unused
+    again. Every world must start from the weights of the last committed step (a
+    surviving holder's), or a rewind's checkpoint, or the initial weights before any
+    commit.
     """
     used: dict[int, tuple[int, list[Range]]] = {}  # step -> (epoch, ranges) on the lineage
     finished: dict[int, int] = {}  # epoch -> the step that finished it, on the lineage
@@ -136,7 +196,6 @@ def audit(facts: Iterable[Fact], start: JobState | None = None) -> Audit:
                 for epoch in [e for e, step in finished.items() if step > fact.to_step]:
                     del finished[epoch]
         state = evolve(before, fact)
-    dataset = state.config.dataset_size if state.config else None
     by_epoch: dict[int, list[Range]] = defaultdict(list)
     steps: Counter[int] = Counter()
     for epoch, ranges in used.values():
@@ -146,10 +205,17 @@ def audit(facts: Iterable[Fact], start: JobState | None = None) -> Audit:
         entry = report.epochs.setdefault(epoch, EpochAudit(epoch))
         entry.finished = epoch in finished
         entry.steps = steps[epoch]
-        ranges = by_epoch[epoch]
-        entry.used = sum(stop - start for start, stop in ranges)
-        dupes, gaps = _overlaps_and_gaps(ranges, dataset if entry.finished else None)
-        entry.duplicates, entry.missing = dupes, gaps
+        joined = merge(sorted(by_epoch[epoch]))  # overlaps stay: merge joins touching ones
+        entry.used = sum(stop - start for start, stop in joined)
+        if state.config is None:
+            continue
+        order = order_of(state.config, epoch)
+        entry.duplicates, entry.missing, outside = _exactly_once(order, joined, entry.finished)
+        if outside:
+            report.problems.append(
+                f"epoch {epoch}: {outside} positions fall outside it or map outside the "
+                f"data set [0, {order.size})"
+            )
     return report
 
 

@@ -34,10 +34,7 @@ class ConfigConflict(CoordinatorError):
     """The job's journaled config differs from the settings this coordinator was given."""
 
     def __init__(self, job: str, differ: list[tuple[str, Any, Any]]) -> None:
-        given = ", ".join(
-            f"--{name.replace('_', '-')} {mine!r} (journaled: {theirs!r})"
-            for name, mine, theirs in differ
-        )
+        given = ", ".join(_flag(name, mine, theirs) for name, mine, theirs in differ)
         super().__init__(
             f"job {job!r} was started with other settings: {given}. Start this coordinator "
             f"with the journaled settings (or without these flags, to keep them), or run "
@@ -45,3 +42,12 @@ class ConfigConflict(CoordinatorError):
         )
         self.job = job
         self.differ = differ
+
+
+def _flag(name: str, mine: Any, theirs: Any) -> str:
+    """A differing setting as the operator would have written it: `--batch-size 64
+    (journaled: 32)`, or for a switch `--no-shuffle (journaled: --shuffle)`."""
+    flag = name.replace("_", "-")
+    if isinstance(mine, bool):
+        return f"--{'' if mine else 'no-'}{flag} (journaled: --{'' if theirs else 'no-'}{flag})"
+    return f"--{flag} {mine!r} (journaled: {theirs!r})"

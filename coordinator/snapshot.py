@@ -7,8 +7,11 @@ import msgpack
 
 from .state import JobState, dump, load
 
-VERSION = 2
-"""2: the state knows its weight lineage (holders, checkpoints); a v1 snapshot is refolded."""
+VERSION = 3
+"""2: the state knows its weight lineage (holders, checkpoints); 3: its config says whether
+epochs are shuffled (a v2 snapshot's config would read with today's default, shuffled, so
+it is refolded, and the journal's upcaster gives it its old meaning). Older ones are
+refolded."""
 
 
 class SnapshotUnusable(Exception):

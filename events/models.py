@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
 
+from .order import Order
 from .shards import Shard
 
 MAX_INT = 2**53  # what a JSON or JavaScript reader still represents exactly
@@ -227,6 +228,18 @@ class JobConfig(BaseModel):
     """The job finishes once this many steps committed (None: no step limit)."""
     epochs: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
     """The job finishes once this many epochs finished (None: no epoch limit)."""
+    shuffle: bool = True
+    """Each epoch visits the samples in its own pseudorandom order, keyed by (seed, epoch)
+    (False: in index order, position p is sample p). A config journaled before v2 of
+    JobConfigured reads as False: that job never shuffled."""
+    seed: Annotated[int, Field(ge=0, le=MAX_INT)] = 0
+    """The shuffle's key: the same seed gives the same orders whatever the world did."""
+
+    def order(self, epoch: int) -> Order:
+        """Epoch `epoch`'s order: the sample at each position of the journal's shards."""
+        if not self.shuffle:
+            return Order.identity(self.dataset_size)
+        return Order.shuffled(self.dataset_size, self.seed, epoch)
 
     def end_reason(self, step: int, epoch: int, epoch_done: bool) -> str | None:
         """Why committing `step` ends the job (None: it goes on). `epoch` is the data epoch
@@ -252,7 +265,11 @@ class JobConfig(BaseModel):
 
 
 class JobConfigured(Event):
+    """The job's settings, journaled by its first leader. v2 added `shuffle` and `seed` to
+    the config (a v1 config is upcast with `shuffle` False: its epochs were not shuffled)."""
+
     type: Literal["JobConfigured"] = "JobConfigured"
+    v: Literal[2] = 2
     config: JobConfig
 
 

@@ -43,6 +43,15 @@ def _world_gained_weights(body: Body) -> Body:
     return {**body, "weights": None}
 
 
+@upcaster("JobConfigured", 1)
+def _config_gained_shuffle(body: Body) -> Body:
+    """A v1 job's epochs ran in index order: it keeps that meaning (today's default shuffles)."""
+    config = body.get("config")
+    if not isinstance(config, dict):
+        return body  # validation refuses it as it is
+    return {**body, "config": {**config, "shuffle": False}}
+
+
 def upcast(body: Body) -> Body:
     """Apply every upcaster from the body's version up to the newest one known."""
     type_, v = body.get("type"), body.get("v", 1)

@@ -53,10 +53,9 @@ class Data:
         teacher = torch.randn(FEATURES, CLASSES, generator=gen)
         self.y = (self.x @ teacher).argmax(dim=1)
 
-    def take(self, ranges: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.cat(
-            [torch.arange(a, b) for a, b in ranges] or [torch.zeros(0, dtype=torch.long)]
-        )
+    def take(self, samples: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inputs and labels of `samples` (ids: a step's `worker.samples(step)`)."""
+        index = torch.as_tensor(samples, dtype=torch.long)
         return self.x[index], self.y[index]
 
 
@@ -83,12 +82,12 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     collective: cohort.Collective,
     data: Data,
-    ranges: tuple[cohort.Range, ...],
+    samples: Any,
     step: int,
     world: int | None = None,
 ) -> float:
-    """One synchronous data-parallel step; this rank's loss."""
-    x, y = data.take(ranges)
+    """One synchronous data-parallel step on this rank's `samples`; this rank's loss."""
+    x, y = data.take(samples)
     optimizer.zero_grad()
     loss = loss_of(model, x, y)
     loss.backward()
@@ -143,7 +142,7 @@ def run(
             started = time.monotonic()
             try:
                 loss = train_step(
-                    model, optimizer, collective, data, worker.batch(step), step, world
+                    model, optimizer, collective, data, worker.samples(step), step, world
                 )
             except cohort.WorldChangedError:
                 rollback(model, optimizer, before)

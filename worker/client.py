@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from cohort.events.clock import Clock, SystemClock
 from cohort.events.connection import UNAVAILABLE, Client
@@ -63,6 +63,9 @@ from .errors import (
 from .gpu import GpuProbe
 from .retry import AnyOf, Halt, Link, describe, with_retry
 from .view import Assignment, GpuAdvice, View
+
+if TYPE_CHECKING:
+    from cohort.events.order import Indices
 
 T = TypeVar("T")
 
@@ -153,11 +156,22 @@ class Worker:
         return self.view.next_step
 
     def batch(self, step: int) -> tuple[Range, ...]:
-        """The sample ranges this worker trains on at `step`; marks the step as begun."""
-        view = self.view
+        """The ranges of positions this worker trains on at `step` (positions in the order of
+        the step's epoch: `samples` gives the sample ids); marks the step as begun."""
+        return self._begin(step)[1]
+
+    def samples(self, step: int) -> Indices:
+        """The ids of the samples this worker trains on at `step` (an int64 array): its
+        `batch` mapped through the epoch's order (shuffled unless the job says not to);
+        marks the step as begun."""
+        view, ranges = self._begin(step)
+        return views.order_for(view, step).samples(ranges)
+
+    def _begin(self, step: int) -> tuple[View, tuple[Range, ...]]:
+        view = self.view  # one view for all: the tail thread may fold a new plan meanwhile
         ranges = views.batch(view, step)
         self._began = (step, views.plan_for(view, step).world_version)
-        return ranges
+        return view, ranges
 
     def _assigned(self) -> Assignment:
         assignment = self.assignment

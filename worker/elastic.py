@@ -27,13 +27,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.keys import check_job
+from cohort.events.order import Order
 from cohort.events.shards import Range, exhausted
 
 from . import checkpoints
+from . import view as views
 from .client import Worker
 from .collective import Collective
 from .errors import (
@@ -45,6 +47,9 @@ from .errors import (
     WorldChangedError,
 )
 from .view import Assignment, View
+
+if TYPE_CHECKING:
+    from cohort.events.order import Indices
 
 log = logging.getLogger("cohort.elastic")
 POLL = 0.5
@@ -78,7 +83,10 @@ class TrainingState(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One step of the job on this rank: which samples, in which world and data epoch."""
+    """One step of the job on this rank: which samples, in which world and data epoch.
+
+    `ranges` are positions in the epoch's `order` (what the journal assigns); `samples`
+    and `indices` are the sample ids at those positions, the ones to train on."""
 
     step: int
     world: int
@@ -86,10 +94,17 @@ class Step:
     rank: int
     world_size: int
     ranges: tuple[Range, ...]
+    order: Order
+
+    @property
+    def samples(self) -> Indices:
+        """The ids of this step's samples, an int64 array (for numpy indexing)."""
+        return self.order.samples(self.ranges)
 
     @property
     def indices(self) -> list[int]:
-        return [i for start, stop in self.ranges for i in range(start, stop)]
+        """The ids of this step's samples, as ints (for `dataset[i]`)."""
+        return self.samples.tolist()  # type: ignore[no-any-return]
 
 
 class Elastic:
@@ -269,7 +284,8 @@ class Elastic:
 
     def _current(self, assignment: Assignment) -> Step:
         ranges = self.worker.batch(self.step)
-        plan = self.worker.view.plan
+        view = self.worker.view
+        plan = view.plan
         self.current = Step(
             step=self.step,
             world=assignment.world_version,
@@ -277,6 +293,7 @@ class Elastic:
             rank=assignment.rank,
             world_size=assignment.world_size,
             ranges=ranges,
+            order=views.order_for(view, self.step),
         )
         return self.current
 
@@ -463,7 +480,7 @@ class ElasticJob(Elastic):
     params = job.wrap(params)                     # kept equal on every rank
     for step in job.steps():
         with job.step_of(step):                   # a world change retries the step
-            grads = gradients(params, *take(step.ranges))
+            grads = gradients(params, *take(step.samples))
             for name, mean in job.allreduce(grads).items():
                 params[name] -= lr * mean
     """

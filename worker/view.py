@@ -2,7 +2,8 @@
 
 `evolve(view, fact)` has one branch per fact type and never does I/O, so the
 client's tail thread, replays and tests all share it. `batch` answers "which
-samples does this worker train on at step S" from the same data.
+positions of its epoch does this worker train on at step S" from the same data, and
+`order_for` which sample each position holds.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from cohort.events import models as m
+from cohort.events.order import Order
 from cohort.events.shards import Range, Shard
 
 from .errors import NotAssigned
@@ -322,9 +324,8 @@ def plan_for(view: View, step: int) -> Plan:
 
 
 def batch(view: View, step: int) -> tuple[Range, ...]:
-    """The sample ranges this worker trains on at `step`."""
-    if view.config is None:
-        raise NotAssigned("the job is not configured yet (no JobConfigured in the journal)")
+    """The ranges of positions (in its epoch's order) this worker trains on at `step`."""
+    config = _configured(view)
     plan = plan_for(view, step)
     if view.worker not in plan.ranks:
         raise NotAssigned(
@@ -332,4 +333,15 @@ def batch(view: View, step: int) -> tuple[Range, ...]:
             f"(world {plan.world_version} ranks: {list(plan.ranks)})"
         )
     shard = plan.shards[plan.ranks.index(view.worker)]
-    return take(shard, plan.base_step, step, view.config.batch_size)
+    return take(shard, plan.base_step, step, config.batch_size)
+
+
+def order_for(view: View, step: int) -> Order:
+    """The order of the data epoch `step` trains in: the sample at each of its positions."""
+    return _configured(view).order(plan_for(view, step).epoch)
+
+
+def _configured(view: View) -> m.JobConfig:
+    if view.config is None:
+        raise NotAssigned("the job is not configured yet (no JobConfigured in the journal)")
+    return view.config

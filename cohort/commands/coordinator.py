@@ -48,6 +48,18 @@ if TYPE_CHECKING:
 )
 @click.option("--dataset-size", type=int, help="Samples per epoch (default 60000).")
 @click.option("--batch-size", type=int, help="Samples per rank per step (default 32).")
+@click.option(
+    "--shuffle/--no-shuffle",
+    default=None,
+    help="Visit each epoch's samples in its own pseudorandom order, keyed by the seed and "
+    "the epoch, exactly once whatever the world does (default: shuffle); --no-shuffle: in "
+    "index order.",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(0, 2**53),
+    help="The shuffle's seed: the same seed gives the same orders (default 0).",
+)
 @click.option("--straggler-factor", type=float, help="x median step time (default 1.5).")
 @click.option("--straggler-steps", type=int, help="Steps in a row to flag (default 5).")
 @click.option(

@@ -34,7 +34,7 @@ def _summary_lines(body: dict[str, Any]) -> list[str]:
     return [
         f"[bold]job[/] {body['job'] or '?'}  [bold]leader[/] {body['leader'] or '-'} "
         f"(epoch {body['leader_epoch']})  [bold]world[/] v{body['world_version']} "
-        f"size {body['world_size']}  [bold]data epoch[/] {body['epoch']}  "
+        f"size {body['world_size']}  [bold]data epoch[/] {body['epoch']}{_order(body)}  "
         f"[bold]next step[/] {body['next_step']}  "
         f"{_PHASES[body['phase']]}" + (f" ({body['finished']})" if body["finished"] else ""),
         f"joined {counters['joined']}  left {counters['left']}  failed {counters['failed']}  "
@@ -43,6 +43,14 @@ def _summary_lines(body: dict[str, Any]) -> list[str]:
         f"facts {body['facts']}  state hash {body['state_hash']}",
         *_lineage_lines(body),
     ]
+
+
+def _order(body: dict[str, Any]) -> str:
+    """How the job orders each epoch's samples (nothing before it is configured)."""
+    config = body.get("config")
+    if not config:
+        return ""
+    return f" (shuffled, seed {config.get('seed', 0)})" if config.get("shuffle") else " (in order)"
 
 
 def _lineage_lines(body: dict[str, Any]) -> list[str]:

@@ -58,6 +58,25 @@ def test_a_quick_run_writes_each_section_with_its_command_and_raw_medians(
     assert kept["failover"]["raw"] != sections["failover"]["raw"]
 
 
+def test_the_order_benchmark_prices_an_index_beside_a_materialised_permutation(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "B.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--only", "order", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "## Epoch order" in out.read_text()
+    (section,) = json.loads(out.with_suffix(".json").read_text())
+    assert set(section["raw"]) == {"60000", "1000000"}
+    for figures in section["raw"].values():
+        assert all(figures[k] > 0 for k in ("epoch", "batch", "scalar", "epoch_peer"))
+
+
 def test_an_unknown_benchmark_is_named_with_the_choices() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "bench", "--only", "nosuch"],

@@ -50,8 +50,7 @@ def ddp_rank(rank: int, port: int, batches_file: Path, out: Path) -> None:
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     for ranks in steps:
-        index = [i for a, b in ranks[rank] for i in range(a, b)]
-        x, y = data[index]
+        x, y = data[ranks[rank]]
         loss = torch.nn.functional.cross_entropy(ddp(x), y)
         optimizer.zero_grad()
         loss.backward()
@@ -104,10 +103,10 @@ def test_two_twins_end_with_the_parameters_of_ddp_over_gloo(
         assert cluster.finished(proc, 180) == 0, proc.output()[-3000:]
     cluster.pull()
     assert cluster.state.finished == f"epochs={EPOCHS} finished"
-    batches = [
-        [[[a, b] for a, b in ranks] for ranks in per_rank]
-        for _, _, per_rank in committed_batches(f for _, f in cluster.facts)
-        if per_rank is not None
+    batches = [  # each rank's samples: its positions through the epoch's (shuffled) order
+        [state.config.order(state.epoch).samples(ranks).tolist() for ranks in per_rank]
+        for _, state, per_rank in committed_batches(f for _, f in cluster.facts)
+        if per_rank is not None and state.config is not None
     ]
     assert len(batches) == EPOCHS * DATASET // (2 * BATCH)
     plan = cluster.tmp / "batches.json"

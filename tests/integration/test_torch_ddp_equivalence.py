@@ -50,7 +50,7 @@ def ddp_rank(rank: int, port: int, batches_file: Path, out: Path) -> None:
     ddp = DistributedDataParallel(model)
     optimizer = ex.optimizer_for(ddp, LR)
     for ranks in steps["batches"]:
-        x, y = data.take(tuple((a, b) for a, b in ranks[rank]))
+        x, y = data.take(ranks[rank])
         optimizer.zero_grad()
         ex.loss_of(ddp, x, y).backward()
         optimizer.step()
@@ -100,12 +100,13 @@ def test_sync_gradients_ends_with_the_parameters_of_ddp_over_gloo(cluster: Clust
     for proc in workers:
         assert cluster.finished(proc, 180) == 0, proc.output()[-3000:]
 
-    # The global batches cohort trained on, per step and rank, from the journal alone.
+    # The samples cohort trained on, per step and rank, from the journal alone: each
+    # rank's positions through its epoch's (shuffled) order.
     cluster.pull()
     batches = [
-        [[[a, b] for a, b in ranks] for ranks in per_rank]
-        for _, _, per_rank in committed_batches(f for _, f in cluster.facts)
-        if per_rank is not None
+        [state.config.order(state.epoch).samples(ranks).tolist() for ranks in per_rank]
+        for _, state, per_rank in committed_batches(f for _, f in cluster.facts)
+        if per_rank is not None and state.config is not None
     ]
     assert len(batches) == STEPS and all(len(b) == 2 for b in batches)
     plan = cluster.tmp / "batches.json"

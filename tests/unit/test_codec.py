@@ -51,6 +51,17 @@ def test_heartbeat_v1_reads_with_unknown_progress() -> None:
     assert (beat.v, beat.step, beat.world) == (2, None, None)
 
 
+def test_a_v1_job_config_keeps_its_unshuffled_epochs() -> None:
+    """A job configured before shuffling existed trained in index order: replayed today, its
+    positions still are its samples, whatever today's default says."""
+    fact = decode_fact((FIXTURES / "JobConfigured.v1.msgpack").read_bytes())
+    assert isinstance(fact, JobConfigured)
+    assert fact.v == 2 and fact.config.shuffle is False
+    assert (fact.config.dataset_size, fact.config.epochs) == (1000, 3)
+    assert fact.config.order(1).samples(((0, 5),)).tolist() == [0, 1, 2, 3, 4]
+    assert JobConfig().shuffle is True  # a new job shuffles
+
+
 def test_commands_and_facts_round_trip() -> None:
     command = StepDone(
         at=1.5,

@@ -17,6 +17,7 @@ import pytest
 from cohort.events import models as m
 from cohort.events.shards import Shard
 from cohort.worker.elastic import Elastic, Step
+from cohort.worker.view import order_for
 
 from .test_worker_client import JOB, Leader, fact
 
@@ -52,9 +53,10 @@ def job() -> Iterator[tuple[Leader, Elastic]]:
     elastic.worker.stop()
 
 
-def built(elastic: Elastic, step: int) -> Step:
+def built(elastic: Elastic, step: int, epoch: int = 0) -> Step:
     """Step `step` as this rank builds it from what it knows now."""
-    return Step(step, 1, 0, 0, 2, elastic.worker.batch(step))
+    ranges = elastic.worker.batch(step)
+    return Step(step, 1, epoch, 0, 2, ranges, order_for(elastic.worker.view, step))
 
 
 def test_a_step_waits_for_the_one_before_and_starts_when_it_committed(job) -> None:
@@ -84,7 +86,7 @@ def test_a_step_built_before_its_epoch_ended_does_not_start(job) -> None:
         ),
     )
     assert elastic.launchable(stale, 1, threading.Event()) is False
-    fresh = Step(2, 1, 1, 0, 2, elastic.worker.batch(2))  # built again: the new epoch's
+    fresh = built(elastic, 2, epoch=1)  # built again: the new epoch's
     assert fresh.ranges == ((0, 4),) and elastic.launchable(fresh, 1, threading.Event())
 
 

@@ -156,6 +156,20 @@ def test_settings_given_that_differ_from_the_journaled_config_are_refused_naming
     assert again.leading
 
 
+def test_shuffle_flags_are_settings_the_journal_holds_and_refuses_to_change() -> None:
+    from cohort.commands.coordinator import _job_config, coordinator
+
+    parsed = coordinator.make_context("coordinator", ["--job", "j", "--no-shuffle", "--seed", "7"])
+    config, given = _job_config(None, None, {k: parsed.params[k] for k in ("shuffle", "seed")})
+    assert (config.shuffle, config.seed) == (False, 7) and given == {"shuffle", "seed"}
+    unset = coordinator.make_context("coordinator", ["--job", "j"])
+    assert unset.params["shuffle"] is None  # not given: a standby compares nothing
+    setup = Setup()  # journals the default: shuffled
+    leader_of(setup).close()
+    with pytest.raises(ConfigConflict, match="--no-shuffle \\(journaled: --shuffle\\)"):
+        setup.coordinator("c2", given={"shuffle"}, shuffle=False)
+
+
 def test_a_conflict_journaled_while_following_is_refused_before_leading() -> None:
     setup = Setup()
     follower = setup.coordinator("c2", given={"batch_size"}, batch_size=64)  # journal empty

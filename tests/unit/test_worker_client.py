@@ -291,6 +291,14 @@ def test_wait_active_returns_the_assignment_and_batches_follow_it(
     assert worker.batch(0) == ((10, 14),) and worker.batch(2) == ((18, 20),)
 
 
+def test_samples_are_the_batch_s_positions_in_the_epoch_s_order(leader, make_worker, pool) -> None:
+    worker = make_worker()
+    active(leader, worker, pool, ranks=("x", ME))
+    order = m.JobConfig().order(0)  # the job's config: shuffled, seed 0, 60000 samples
+    assert worker.samples(0).tolist() == [order[p] for p in range(10, 14)]
+    assert worker.samples(0).tolist() != [10, 11, 12, 13]
+
+
 def test_wait_active_waits_while_training_is_paused(leader, make_worker, pool) -> None:
     worker = make_worker()
     active(leader, worker, pool)
