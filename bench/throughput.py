@@ -108,7 +108,7 @@ def rank_program(args: argparse.Namespace) -> None:
             sgd.zero_grad()
             loss.backward()
             sgd.step()
-    ended = time.perf_counter()
+        ended = time.perf_counter()  # the last step committed; leaving the job is not timed
     # a rank may build one step past the job's last before it sees the end: the timing
     # stops where that step starts
     end = starts.get(args.steps, ended)
