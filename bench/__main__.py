@@ -27,6 +27,7 @@ from . import (
     peer_death,
     replay,
     soak,
+    throughput,
 )
 from .results import Section, document, environment, merge
 
@@ -40,6 +41,7 @@ FULL: dict[str, Callable[[], Section]] = {
     "allreduce": lambda: allreduce.measure((1, 16, 64), (2, 4), 5),
     "cluster": lambda: cluster.measure((16, 64), (3,), 5),
     "checkpoint": lambda: checkpoint.measure(3),
+    "throughput": lambda: throughput.measure((2, 4), ("1m", "25m"), 3),
 }
 QUICK: dict[str, Callable[[], Section]] = {
     "ingest": lambda: control_plane.measure(20_000, 200, 1),
@@ -51,6 +53,7 @@ QUICK: dict[str, Callable[[], Section]] = {
     "allreduce": lambda: allreduce.measure((1,), (2,), 3),
     "cluster": lambda: cluster.measure((16,), (3,), 3),
     "checkpoint": lambda: checkpoint.measure(1),
+    "throughput": lambda: throughput.measure((2,), ("1m",), 1, steps=10),
 }
 
 

@@ -22,8 +22,10 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from cohort.localredis import LocalRedis, free_port
@@ -33,7 +35,6 @@ from .fleet import coordinator
 from .results import Section, verdict
 
 BATCH = 64
-WARMUP = 5
 ROUTES = ("ddp", "gloo", "redis")
 """The peer, then ElasticJob through torch.distributed (gloo), then through Redis."""
 ROUTE_NAMES = {"gloo": "torch.distributed (gloo, DDP)", "redis": "Redis"}
@@ -47,13 +48,38 @@ class Model:
     hidden: tuple[int, ...]
     outputs: int
     steps: int
-    """Steps a run trains by default (the timed ones follow WARMUP)."""
+    """Steps a run trains by default."""
+    warmup: int
+    """Steps before the timed ones (allocations, first connections)."""
 
 
 MODELS = {
-    "1m": Model(784, (1024, 256), 10, steps=100),  # 1.07M parameters
-    "25m": Model(2240, (2240,) * 4, 2240, steps=25),  # 25.1M parameters
+    "1m": Model(784, (1024, 256), 10, steps=100, warmup=5),  # 1.07M parameters
+    "25m": Model(2240, (2240,) * 4, 2240, steps=15, warmup=3),  # 25.1M parameters
 }
+
+
+@dataclass(frozen=True)
+class Mark:
+    """Where a rank is: wall-clock and CPU seconds of this process, and of the helpers
+    (the coordinator and Redis processes, read from /proc; 0 where there is none)."""
+
+    wall: float
+    cpu: float
+    helpers: float
+
+    @classmethod
+    def now(cls, helpers: tuple[int, ...] = ()) -> Mark:
+        return cls(time.perf_counter(), time.process_time(), sum(map(_cpu_of, helpers)))
+
+
+def _cpu_of(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` used so far; 0.0 if /proc cannot say."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def build(name: str) -> Any:
@@ -81,8 +107,9 @@ def dataset(name: str, size: int) -> Any:
 
 
 def rank_program(args: argparse.Namespace) -> None:
-    """One rank: train `steps` steps; print the seconds from the start of step WARMUP to
-    the start of step `steps` (or to the loop's end), and the steps it saw committed."""
+    """One rank: train `steps` steps; print the seconds and CPU seconds from the start of
+    the first timed step to the start of step `steps` (or to the loop's end), and the steps
+    it saw committed."""
     import torch
 
     torch.set_num_threads(1)
@@ -94,25 +121,35 @@ def rank_program(args: argparse.Namespace) -> None:
         return
     import cohort
 
+    helpers = tuple(int(pid) for pid in args.helpers.split(",") if pid)
     backend = "gloo" if args.route == "gloo" else None
     job = cohort.torch.ElasticJob(
         args.job, backend=backend, redis_url=args.redis_url, digest_every=0
     )
     model, sgd = job.wrap(model, torch.optim.SGD(model.parameters(), lr=0.01))
-    starts: dict[int, float] = {}
+    starts: dict[int, Mark] = {}
     for _ in job.epochs():
         for x, y in job.batches(loader):
             assert job.current is not None
-            starts[job.current.step] = time.perf_counter()
+            starts[job.current.step] = Mark.now(helpers)
             loss = torch.nn.functional.cross_entropy(model(x), y)
             sgd.zero_grad()
             loss.backward()
             sgd.step()
-        ended = time.perf_counter()  # the last step committed; leaving the job is not timed
+        ended = Mark.now(helpers)  # the last step committed; leaving the job is not timed
     # a rank may build one step past the job's last before it sees the end: the timing
     # stops where that step starts
-    end = starts.get(args.steps, ended)
-    print(json.dumps({"seconds": end - starts[WARMUP], "steps": job.steps_done}), flush=True)
+    _print_span(starts[MODELS[args.model].warmup], starts.get(args.steps, ended), job.steps_done)
+
+
+def _print_span(first: Mark, end: Mark, steps: int) -> None:
+    span = {
+        "seconds": end.wall - first.wall,
+        "cpu": end.cpu - first.cpu,
+        "helpers_cpu": end.helpers - first.helpers,
+        "steps": steps,
+    }
+    print(json.dumps(span), flush=True)
 
 
 def _ddp(args: argparse.Namespace, model: Any, data: Any, loader: Any) -> None:
@@ -129,7 +166,7 @@ def _ddp(args: argparse.Namespace, model: Any, data: Any, loader: Any) -> None:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     starts = []
     for i in range(args.steps):
-        starts.append(time.perf_counter())  # as the elastic loop: the batch is built inside
+        starts.append(Mark.now())  # as the elastic loop: the batch is built inside
         first = (i * args.world + args.rank) * BATCH
         x, y = loader.collate_fn([data[j] for j in range(first, first + BATCH)])
         loss = torch.nn.functional.cross_entropy(ddp(x), y)
@@ -137,14 +174,24 @@ def _ddp(args: argparse.Namespace, model: Any, data: Any, loader: Any) -> None:
         loss.backward()
         optimizer.step()
     dist.barrier()  # as the elastic loop's end: every rank's last step is done
-    ended = time.perf_counter()
-    print(json.dumps({"seconds": ended - starts[WARMUP], "steps": args.steps}), flush=True)
+    _print_span(starts[MODELS[args.model].warmup], Mark.now(), args.steps)
     dist.destroy_process_group()
     os._exit(0)  # torch's teardown may abort at exit
 
 
-def _ranks(argv: list[str], world: int, steps: int) -> float:
-    """Start `world` ranks with `argv`; the seconds of the slowest (the world's pace)."""
+@dataclass(frozen=True)
+class Run:
+    """One run of a route: samples per second, and CPU milliseconds per timed step of
+    every rank together and of the coordinator and Redis."""
+
+    samples_s: float
+    cpu_ms: float
+    helpers_ms: float
+
+
+def _ranks(argv: list[str], model: str, world: int, steps: int) -> Run:
+    """Start `world` ranks with `argv` and wait for them; the world is as fast as its
+    slowest rank."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
@@ -156,7 +203,7 @@ def _ranks(argv: list[str], world: int, steps: int) -> float:
         )
         for r in range(world)
     ]
-    seconds = []
+    spans = []
     for rank, proc in enumerate(procs):
         out, err = proc.communicate(timeout=900)
         if proc.returncode != 0:
@@ -164,33 +211,41 @@ def _ranks(argv: list[str], world: int, steps: int) -> float:
         lines = [line for line in out.splitlines() if line.startswith("{")]
         if not lines:
             raise RuntimeError(f"rank {rank} printed no result: {err[-2000:]}")
-        result = json.loads(lines[-1])
-        if result["steps"] != steps:
-            raise RuntimeError(f"rank {rank} saw {result['steps']} of {steps} steps commit")
-        seconds.append(result["seconds"])
-    return max(seconds)
+        span = json.loads(lines[-1])
+        if span["steps"] != steps:
+            raise RuntimeError(f"rank {rank} saw {span['steps']} of {steps} steps commit")
+        spans.append(span)
+    timed = steps - MODELS[model].warmup
+    return Run(
+        samples_s=timed * world * BATCH / max(s["seconds"] for s in spans),
+        cpu_ms=1000 * sum(s["cpu"] for s in spans) / timed,
+        helpers_ms=1000 * spans[0]["helpers_cpu"] / timed,
+    )
 
 
-def run(route: str, model: str, world: int, steps: int) -> float:
-    """Samples per second of one run of `route` (ddp, gloo or redis)."""
+def run(route: str, model: str, world: int, steps: int) -> Run:
+    """One run of `route` (ddp, gloo or redis)."""
     common = ["--model", model, "--world", str(world), "--steps", str(steps), "--route", route]
     if route == "ddp":
-        seconds = _ranks([*common, "--port", str(free_port())], world, steps)
-    else:
-        with LocalRedis(appendonly=False) as server:
-            job = f"tp-{model}-{world}-{route}"
-            leader = coordinator(
-                server.url, job, "--min-workers", str(world), "--max-steps", str(steps),
-                "--dataset-size", str(steps * world * BATCH), "--batch-size", str(BATCH),
-            )  # fmt: skip
-            try:
-                seconds = _ranks([*common, "--job", job, "--redis-url", server.url], world, steps)
-            finally:
-                stop_all([leader])
-    return (steps - WARMUP) * world * BATCH / seconds
+        return _ranks([*common, "--port", str(free_port())], model, world, steps)
+    with LocalRedis(appendonly=False) as server:
+        job = f"tp-{model}-{world}-{route}"
+        leader = coordinator(
+            server.url, job, "--min-workers", str(world), "--max-steps", str(steps),
+            "--dataset-size", str(steps * world * BATCH), "--batch-size", str(BATCH),
+        )  # fmt: skip
+        assert leader.popen is not None and server.process is not None
+        helpers = f"{leader.popen.pid},{server.process.pid}"
+        where = ["--job", job, "--redis-url", server.url, "--helpers", helpers]
+        try:
+            return _ranks([*common, *where], model, world, steps)
+        finally:
+            stop_all([leader])
 
 
-def cell(model: str, world: int, steps: int, runs: int, routes: tuple[str, ...]) -> list[dict]:
+def cell(
+    model: str, world: int, steps: int, runs: int, routes: tuple[str, ...]
+) -> list[dict[str, Run]]:
     """`runs` rounds, each every route once (DDP among them), the order rotating."""
     order = ("ddp", *routes)
     rounds = []
@@ -207,12 +262,7 @@ def measure(
     steps: int | None = None,
     routes: tuple[str, ...] = ("gloo", "redis"),
 ) -> Section:
-    unknown = [m for m in models if m not in MODELS] + [r for r in routes if r not in ROUTE_NAMES]
-    if unknown:
-        raise ValueError(f"unknown model(s) or route(s) {unknown}: models {sorted(MODELS)}, "
-                         f"routes {sorted(ROUTE_NAMES)}")  # fmt: skip
-    if steps is not None and steps <= WARMUP:
-        raise ValueError(f"--steps {steps}: more than the {WARMUP} warm-up steps are needed")
+    _check(ranks, models, runs, steps, routes)
     command = (
         f"python -m bench.throughput --ranks {','.join(map(str, ranks))} "
         f"--models {','.join(models)} --runs {runs}"
@@ -225,36 +275,83 @@ def measure(
         key="throughput",
         title="Training throughput: ElasticJob against plain DDP (gloo), same run",
         command=command,
-        header=["model", "ranks", "steps", "ElasticJob's gradients", "DDP samples/s",
-                "ElasticJob samples/s", "ratio (median of rounds)", "target", ""],
+        header=["model", "ranks", "timed steps", "ElasticJob's gradients", "DDP samples/s",
+                "ElasticJob samples/s", "ratio", "target", "",
+                "CPU ms per step: DDP; ElasticJob's ranks + coordinator and Redis"],
     )  # fmt: skip
-    raw: dict[str, Any] = {}
     for model in models:
+        n = steps or MODELS[model].steps
+        timed = n - MODELS[model].warmup
         for world in ranks:
-            n = steps or MODELS[model].steps
             rounds = cell(model, world, n, runs, routes)
-            raw[f"{model}/{world}"] = rounds
-            ddp = statistics.median(r["ddp"] for r in rounds)
+            section.raw[f"{model}/{world}"] = [
+                {route: asdict(got) for route, got in r.items()} for r in rounds
+            ]
+            ddp = _median(rounds, "ddp", lambda r: r.samples_s)
+            ddp_cpu = _median(rounds, "ddp", lambda r: r.cpu_ms)
             for route in routes:
-                mine = statistics.median(r[route] for r in rounds)
-                ratio = statistics.median(r[route] / r["ddp"] for r in rounds)
+                mine = _median(rounds, route, lambda r: r.samples_s)
+                ratio = statistics.median(r[route].samples_s / r["ddp"].samples_s for r in rounds)
+                cpu = _median(rounds, route, lambda r: r.cpu_ms)
+                helpers = _median(rounds, route, lambda r: r.helpers_ms)
                 target = TARGETS.get((route, model))
                 section.rows.append(
                     [
-                        model, str(world), str(n), ROUTE_NAMES[route], f"{ddp:,.0f}",
+                        model, str(world), str(timed), ROUTE_NAMES[route], f"{ddp:,.0f}",
                         f"{mine:,.0f}", f"{ratio:.2f}", f">= {target}" if target else "report",
                         verdict(ratio, target) if target else "",
+                        f"{ddp_cpu:,.1f}; {cpu:,.1f} + {helpers:,.1f}",
                     ]
                 )  # fmt: skip
+    warmups = ", ".join(f"{m}: {MODELS[m].warmup}" for m in models)
     section.notes = [
-        f"Synthetic data, batches of {BATCH} per rank, SGD; every rank a process with one "
-        f"torch thread on this machine; the first {WARMUP} steps are not timed, and a run "
-        "ends at its last step's commit (DDP: a barrier). A round runs DDP and each route "
-        "once, back to back, the order rotating from round to round; a ratio is that of "
-        f"one round, the table gives the median of {runs} rounds.",
+        f"Synthetic data, batches of {BATCH} per rank, plain SGD; every rank is a process "
+        "with one torch thread, all on this machine with the coordinator and Redis. The "
+        f"first steps are not timed ({warmups}); an ElasticJob run ends at its last step's "
+        "commit, a DDP run at a barrier. A "
+        "round runs DDP and each route once, back to back, in an order that rotates from "
+        "round to round; a ratio is that of one round against its own DDP run, and every "
+        f"figure is the median of {runs} rounds, so that other work on the machine (tests "
+        "run beside it) falls on both sides of a ratio.",
+        "The CPU column adds up what every rank's process used per timed step (all its "
+        "threads: gloo's, the journal's tail, the outbox) and, for ElasticJob, what the "
+        "coordinator and the Redis server used meanwhile (from /proc). Where the ranks "
+        "already keep the cores busy, ElasticJob's extra CPU per step is what its "
+        "throughput loses: the gloo route's gap is the control plane sharing the cores "
+        "(a StepDone per rank and a commit per step, decided and journaled, followed by "
+        "every rank), which a coordinator and Redis on other hosts would not take from "
+        "the ranks. The Redis route also moves every gradient byte through one Redis "
+        "server, (3N-2)/N times, after backward instead of overlapped with it: it is "
+        "bound by that server's bandwidth and the cores it shares.",
     ]
-    section.raw = raw
     return section
+
+
+def _median(rounds: list[dict[str, Run]], route: str, figure: Callable[[Run], float]) -> float:
+    return statistics.median(figure(r[route]) for r in rounds)
+
+
+def _check(
+    ranks: tuple[int, ...],
+    models: tuple[str, ...],
+    runs: int,
+    steps: int | None,
+    routes: tuple[str, ...],
+) -> None:
+    """Raise ValueError naming the first bad argument."""
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise ValueError(f"unknown model(s) {unknown}: choose from {sorted(MODELS)}")
+    unknown = [r for r in routes if r not in ROUTE_NAMES]
+    if unknown:
+        raise ValueError(f"unknown route(s) {unknown}: choose from {sorted(ROUTE_NAMES)}")
+    if not ranks or any(world < 2 for world in ranks):
+        raise ValueError(f"--ranks {list(ranks)}: every world needs at least 2 ranks")
+    if runs < 1:
+        raise ValueError(f"--runs {runs}: at least one round")
+    warmup = max(MODELS[m].warmup for m in models)
+    if steps is not None and steps <= warmup:
+        raise ValueError(f"--steps {steps}: more than the {warmup} warm-up steps are needed")
 
 
 def main() -> None:
@@ -268,6 +365,7 @@ def main() -> None:
         parser.add_argument("--port", type=int, default=0)
         parser.add_argument("--job", default="")
         parser.add_argument("--redis-url", default=None)
+        parser.add_argument("--helpers", default="", help="pids of the coordinator and Redis")
         rank_program(parser.parse_args(sys.argv[2:]))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -281,7 +379,7 @@ def main() -> None:
     args = parser.parse_args()
     try:
         section = measure(
-            tuple(int(r) for r in args.ranks.split(",")),
+            tuple(_world(r) for r in args.ranks.split(",")),
             tuple(args.models.split(",")),
             args.runs,
             args.steps,
@@ -290,6 +388,13 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     print(section.markdown())
+
+
+def _world(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--ranks: {text!r} is not a number of ranks") from None
 
 
 if __name__ == "__main__":

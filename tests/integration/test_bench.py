@@ -7,9 +7,12 @@ suite runs, measures something and records it the way `python -m bench` document
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,6 +59,33 @@ def test_a_quick_run_writes_each_section_with_its_command_and_raw_medians(
     kept = {s["key"]: s for s in json.loads(out.with_suffix(".json").read_text())}
     assert kept["overhead"] == sections["overhead"]
     assert kept["failover"]["raw"] != sections["failover"]["raw"]
+
+
+def test_a_quick_throughput_run_measures_ddp_and_both_routes_in_each_round(
+    tmp_path: Path,
+) -> None:
+    """Real ranks, a real coordinator: each round's DDP and ElasticJob runs all trained every
+    step (a rank that saw fewer commits fails the run) and were timed."""
+    if os.environ.get("CI") != "true":
+        pytest.importorskip("torch")  # CI installs torch: there a missing torch must fail
+    out = tmp_path / "B.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--only", "throughput", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    page = out.read_text()
+    assert "## Training throughput" in page
+    assert "`python -m bench.throughput --ranks 2 --models 1m --runs 1 --steps 10`" in page
+    assert "| 1m | 2 | 5 | torch.distributed (gloo, DDP) |" in page
+    assert "| 1m | 2 | 5 | Redis |" in page
+    (section,) = json.loads(out.with_suffix(".json").read_text())
+    (round_,) = section["raw"]["1m/2"]
+    assert set(round_) == {"ddp", "gloo", "redis"}
+    assert all(run["samples_s"] > 0 and run["cpu_ms"] > 0 for run in round_.values())
 
 
 def test_an_unknown_benchmark_is_named_with_the_choices() -> None:
