@@ -4,12 +4,14 @@ Each cell trains the same model for the same steps on synthetic data, with N ran
 processes on this machine: plain `DistributedDataParallel` over gloo (the peer), and the
 five-line elastic loop (`ElasticJob`) by both of its gradient routes, torch.distributed
 (gloo, a process group per world, DDP) and Redis, each against a real coordinator whose job
-ends after the measured steps. The figure is samples per second over the timed steps (after
-a warm-up); the ratio is taken against the DDP run of the same round, and the routes of a
-round run back to back in an order that rotates from round to round, so that load from
-other work on the machine falls on both sides of a ratio.
+ends after the measured steps, with the job's defaults (a digest of the weights every 50
+steps). The figure is samples per second over the timed steps (after a warm-up); the ratio
+is taken against the DDP run of the same round, and the routes of a round run back to back
+in an order that rotates from round to round, so that load from other work on the machine
+falls on both sides of a ratio.
 
-    python -m bench.throughput [--ranks 2,4] [--models 1m,25m] [--runs 3] [--steps N]
+    python -m bench.throughput [--ranks 2,4] [--models 1m,25m] [--routes gloo,redis]
+                               [--runs 3] [--steps N]
     python -m bench.throughput rank ...      # one rank's program (internal)
 """
 
@@ -123,9 +125,7 @@ def rank_program(args: argparse.Namespace) -> None:
 
     helpers = tuple(int(pid) for pid in args.helpers.split(",") if pid)
     backend = "gloo" if args.route == "gloo" else None
-    job = cohort.torch.ElasticJob(
-        args.job, backend=backend, redis_url=args.redis_url, digest_every=0
-    )
+    job = cohort.torch.ElasticJob(args.job, backend=backend, redis_url=args.redis_url)
     model, sgd = job.wrap(model, torch.optim.SGD(model.parameters(), lr=0.01))
     starts: dict[int, Mark] = {}
     for _ in job.epochs():
