@@ -170,9 +170,16 @@ class ElasticJob(Elastic):
         self.rdzv.init_process_group(self.backend)
         state = self.state
         assert isinstance(state, TorchState)
+        # The state was broadcast already; buffers travel with it at each world start. The
+        # gradients are views into DDP's buckets: the comm hook's division is then the only
+        # pass over them besides the allreduce (DDP's own hook fuses it with a copy in, and
+        # copies the result back out).
         self.ddp = DistributedDataParallel(
-            state.model, init_sync=False, forward_sync_buffers=False
-        )  # the state was broadcast already; buffers travel with it at each world start
+            state.model,
+            init_sync=False,
+            forward_sync_buffers=False,
+            gradient_as_bucket_view=True,
+        )
         self._mean = GuardedMean(self.rdzv)
         self.ddp.register_comm_hook(self._mean, _guarded_allreduce)
 
