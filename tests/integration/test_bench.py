@@ -83,7 +83,8 @@ def test_a_quick_throughput_run_measures_ddp_and_both_routes_in_each_round(
     assert "| 1m | 2 | 5 | torch.distributed (gloo, DDP) |" in page
     assert "| 1m | 2 | 5 | Redis |" in page
     (section,) = json.loads(out.with_suffix(".json").read_text())
-    (round_,) = section["raw"]["1m/2"]
+    assert section["raw"]["1m/2"]["steps"] == 10
+    (round_,) = section["raw"]["1m/2"]["rounds"]
     assert set(round_) == {"ddp", "gloo", "redis"}
     assert all(run["samples_s"] > 0 and run["cpu_ms"] > 0 for run in round_.values())
 
