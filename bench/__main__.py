@@ -28,6 +28,7 @@ from . import (
     peer_death,
     replay,
     soak,
+    throughput,
 )
 from .results import Section, document, environment, merge
 
@@ -42,6 +43,7 @@ FULL: dict[str, Callable[[], Section]] = {
     "cluster": lambda: cluster.measure((16, 64), (3,), 5),
     "checkpoint": lambda: checkpoint.measure(3),
     "order": lambda: order.measure((60_000, 1_000_000, 10_000_000), 5),
+    "throughput": lambda: throughput.measure((2, 4), ("1m", "25m"), 3),
 }
 QUICK: dict[str, Callable[[], Section]] = {
     "ingest": lambda: control_plane.measure(20_000, 200, 1),
@@ -54,6 +56,7 @@ QUICK: dict[str, Callable[[], Section]] = {
     "cluster": lambda: cluster.measure((16,), (3,), 3),
     "checkpoint": lambda: checkpoint.measure(1),
     "order": lambda: order.measure((60_000, 1_000_000), 3),
+    "throughput": lambda: throughput.measure((2,), ("1m",), 1, steps=10),
 }
 
 

@@ -2,11 +2,16 @@
 
 Each cell trains the same model for the same steps on synthetic data, with N ranks as real
 processes on this machine: plain `DistributedDataParallel` over gloo (the peer), and the
-five-line elastic loop (`ElasticJob`, gradients averaged through Redis by a real
-coordinator's job). The figure is samples per second over the timed steps (after a warm-up)
-and its ratio to DDP's.
+five-line elastic loop (`ElasticJob`) by both of its gradient routes, torch.distributed
+(gloo, a process group per world, DDP) and Redis, each against a real coordinator whose job
+ends after the measured steps, with the job's defaults (a digest of the weights every 50
+steps). The figure is samples per second over the timed steps (after a warm-up); the ratio
+is taken against the DDP run of the same round, and the routes of a round run back to back
+in an order that rotates from round to round, so that load from other work on the machine
+falls on both sides of a ratio.
 
-    python -m bench.throughput [--ranks 2,4] [--models 1m,25m] [--steps 60]
+    python -m bench.throughput [--ranks 2,4] [--models 1m,25m] [--routes gloo,redis]
+                               [--runs 3] [--steps N]
     python -m bench.throughput rank ...      # one rank's program (internal)
 """
 
@@ -18,34 +23,78 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
-from cohort.localredis import LocalRedis
+from cohort.localredis import LocalRedis, free_port
 from cohort.processes import stop_all
 
 from .fleet import coordinator
 from .results import Section, verdict
 
 BATCH = 64
-WARMUP = 5
-MODELS = {"1m": (784, (1024, 256), 10), "25m": (2240, (2240,) * 4, 2240)}
-"""name: (inputs, hidden widths, outputs): 1.07M and 25.1M parameters."""
+ROUTES = ("ddp", "gloo", "redis")
+"""The peer, then ElasticJob through torch.distributed (gloo), then through Redis."""
+ROUTE_NAMES = {"gloo": "torch.distributed (gloo, DDP)", "redis": "Redis"}
+TARGETS = {("gloo", "1m"): 0.95, ("gloo", "25m"): 0.95, ("redis", "1m"): 0.8}
+"""Issue 17's: the gloo route as fast as DDP within 5 %; the Redis route is reported."""
+
+
+@dataclass(frozen=True)
+class Model:
+    inputs: int
+    hidden: tuple[int, ...]
+    outputs: int
+    steps: int
+    """Steps a run trains by default."""
+    warmup: int
+    """Steps before the timed ones (allocations, first connections)."""
+
+
+MODELS = {
+    "1m": Model(784, (1024, 256), 10, steps=100, warmup=5),  # 1.07M parameters
+    "25m": Model(2240, (2240,) * 4, 2240, steps=15, warmup=3),  # 25.1M parameters
+}
+
+
+@dataclass(frozen=True)
+class Mark:
+    """Where a rank is: wall-clock and CPU seconds of this process, and of the helpers
+    (the coordinator and Redis processes, read from /proc; 0 where there is none)."""
+
+    wall: float
+    cpu: float
+    helpers: float
+
+    @classmethod
+    def now(cls, helpers: tuple[int, ...] = ()) -> Mark:
+        return cls(time.perf_counter(), time.process_time(), sum(map(_cpu_of, helpers)))
+
+
+def _cpu_of(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` used so far; 0.0 if /proc cannot say."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def build(name: str) -> Any:
     import torch
 
-    inputs, hidden, outputs = MODELS[name]
+    spec = MODELS[name]
     torch.manual_seed(0)
     layers: list[Any] = []
-    width = inputs
-    for h in hidden:
+    width = spec.inputs
+    for h in spec.hidden:
         layers += [torch.nn.Linear(width, h), torch.nn.ReLU()]
         width = h
-    layers.append(torch.nn.Linear(width, outputs))
+    layers.append(torch.nn.Linear(width, spec.outputs))
     return torch.nn.Sequential(*layers)
 
 
@@ -53,14 +102,16 @@ def dataset(name: str, size: int) -> Any:
     import torch
     from torch.utils.data import TensorDataset
 
-    inputs, _, outputs = MODELS[name]
+    spec = MODELS[name]
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(size, inputs, generator=gen)
-    return TensorDataset(x, torch.randint(0, outputs, (size,), generator=gen))
+    x = torch.randn(size, spec.inputs, generator=gen)
+    return TensorDataset(x, torch.randint(0, spec.outputs, (size,), generator=gen))
 
 
 def rank_program(args: argparse.Namespace) -> None:
-    """One rank: train `steps` steps; rank 0 prints the timed seconds of the last steps."""
+    """One rank: train `steps` steps; print the seconds and CPU seconds from the start of
+    the first timed step to the start of step `steps` (or to the loop's end), and the steps
+    it saw committed."""
     import torch
 
     torch.set_num_threads(1)
@@ -68,50 +119,80 @@ def rank_program(args: argparse.Namespace) -> None:
     data = dataset(args.model, args.steps * args.world * BATCH)
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH)
     if args.route == "ddp":
-        import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel
-
-        store = dist.TCPStore(
-            "127.0.0.1", args.port, args.world, args.rank == 0, timeout=timedelta(seconds=120)
-        )
-        dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
-        ddp = DistributedDataParallel(model)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
-        times = []
-        for i in range(args.steps):
-            times.append(time.perf_counter())  # as the elastic loop: the batch is built inside
-            first = (i * args.world + args.rank) * BATCH
-            x, y = loader.collate_fn([data[j] for j in range(first, first + BATCH)])
-            loss = torch.nn.functional.cross_entropy(ddp(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        dist.barrier()
-        times.append(time.perf_counter())
-        if args.rank == 0:
-            print(json.dumps({"seconds": times[-1] - times[WARMUP]}), flush=True)
-        dist.destroy_process_group()
-        os._exit(0)
+        _ddp(args, model, data, loader)
+        return
     import cohort
 
+    helpers = tuple(int(pid) for pid in args.helpers.split(",") if pid)
     backend = "gloo" if args.route == "gloo" else None
-    job = cohort.torch.ElasticJob(
-        args.job, backend=backend, redis_url=args.redis_url, digest_every=0
-    )
+    job = cohort.torch.ElasticJob(args.job, backend=backend, redis_url=args.redis_url)
     model, sgd = job.wrap(model, torch.optim.SGD(model.parameters(), lr=0.01))
-    times = []
-    for _ in job.epochs(1):
+    starts: dict[int, Mark] = {}
+    for _ in job.epochs():
         for x, y in job.batches(loader):
-            times.append(time.perf_counter())
+            assert job.current is not None
+            starts[job.current.step] = Mark.now(helpers)
             loss = torch.nn.functional.cross_entropy(model(x), y)
             sgd.zero_grad()
             loss.backward()
             sgd.step()
-    times.append(time.perf_counter())
-    print(json.dumps({"seconds": times[-1] - times[WARMUP], "steps": len(times) - 1}), flush=True)
+        ended = Mark.now(helpers)  # the last step committed; leaving the job is not timed
+    # a rank may build one step past the job's last before it sees the end: the timing
+    # stops where that step starts
+    _print_span(starts[MODELS[args.model].warmup], starts.get(args.steps, ended), job.steps_done)
 
 
-def _ranks(argv: list[str], world: int, env: dict[str, str]) -> float:
+def _print_span(first: Mark, end: Mark, steps: int) -> None:
+    span = {
+        "seconds": end.wall - first.wall,
+        "cpu": end.cpu - first.cpu,
+        "helpers_cpu": end.helpers - first.helpers,
+        "steps": steps,
+    }
+    print(json.dumps(span), flush=True)
+
+
+def _ddp(args: argparse.Namespace, model: Any, data: Any, loader: Any) -> None:
+    """The peer: plain DDP over gloo on the same batches, the same loop."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    store = dist.TCPStore(
+        "127.0.0.1", args.port, args.world, args.rank == 0, timeout=timedelta(seconds=120)
+    )
+    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    starts = []
+    for i in range(args.steps):
+        starts.append(Mark.now())  # as the elastic loop: the batch is built inside
+        first = (i * args.world + args.rank) * BATCH
+        x, y = loader.collate_fn([data[j] for j in range(first, first + BATCH)])
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    dist.barrier()  # as the elastic loop's end: every rank's last step is done
+    _print_span(starts[MODELS[args.model].warmup], Mark.now(), args.steps)
+    dist.destroy_process_group()
+    os._exit(0)  # torch's teardown may abort at exit
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of a route: samples per second, and CPU milliseconds per timed step of
+    every rank together and of the coordinator and Redis."""
+
+    samples_s: float
+    cpu_ms: float
+    helpers_ms: float
+
+
+def _ranks(argv: list[str], model: str, world: int, steps: int) -> Run:
+    """Start `world` ranks with `argv` and wait for them; the world is as fast as its
+    slowest rank."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "bench.throughput", "rank", *argv, "--rank", str(r)],
@@ -119,105 +200,181 @@ def _ranks(argv: list[str], world: int, env: dict[str, str]) -> float:
             stderr=subprocess.PIPE,
             text=True,
             env=env,
-        )  # fmt: skip
+        )
         for r in range(world)
     ]
-    seconds = []
-    for proc in procs:
+    spans = []
+    for rank, proc in enumerate(procs):
         out, err = proc.communicate(timeout=900)
         if proc.returncode != 0:
-            raise RuntimeError(f"a rank failed ({proc.returncode}): {err[-2000:]}")
+            raise RuntimeError(f"rank {rank} failed ({proc.returncode}): {err[-2000:]}")
         lines = [line for line in out.splitlines() if line.startswith("{")]
-        if lines:
-            seconds.append(json.loads(lines[-1])["seconds"])
-    return max(seconds)  # the world is as fast as its slowest rank
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cell(model: str, world: int, steps: int) -> dict[str, float]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    common = ["--model", model, "--world", str(world), "--steps", str(steps)]
-    ddp = _ranks([*common, "--route", "ddp", "--port", str(_free_port())], world, env)
-    with tempfile.TemporaryDirectory(prefix="cohort-bench-tp-"), LocalRedis() as server:
-        job = f"tp-{model}-{world}"
-        leader = coordinator(
-            server.url, job, "--min-workers", str(world), "--dataset-size",
-            str(steps * world * BATCH), "--batch-size", str(BATCH),
-        )  # fmt: skip
-        try:
-            where = ["--job", job, "--redis-url", server.url]
-            elastic = _ranks([*common, "--route", "redis", *where], world, env)
-            server.client().delete(*server.client().keys(f"cohort:{{{job}}}*"))
-        finally:
-            stop_all([leader])
-    with tempfile.TemporaryDirectory(prefix="cohort-bench-tp-"), LocalRedis() as server:
-        job = f"tp-{model}-{world}-gloo"
-        leader = coordinator(
-            server.url, job, "--min-workers", str(world), "--dataset-size",
-            str(steps * world * BATCH), "--batch-size", str(BATCH),
-        )  # fmt: skip
-        try:
-            where = ["--job", job, "--redis-url", server.url]
-            gloo = _ranks([*common, "--route", "gloo", *where], world, env)
-        finally:
-            stop_all([leader])
-    samples = (steps - WARMUP) * world * BATCH
-    return {"ddp": samples / ddp, "redis": samples / elastic, "gloo": samples / gloo}
-
-
-def measure(ranks: tuple[int, ...], models: tuple[str, ...], steps: int, runs: int) -> Section:
-    section = Section(
-        key="throughput",
-        title="Training throughput: ElasticJob against plain DDP (gloo), same run",
-        command=(
-            f"python -m bench.throughput --ranks {','.join(map(str, ranks))} "
-            f"--models {','.join(models)} --steps {steps} --runs {runs}"
-        ),
-        header=[
-            "model",
-            "ranks",
-            "DDP samples/s",
-            "ElasticJob (Redis) samples/s",
-            "ratio",
-            "target",
-            "",
-        ],  # fmt: skip
+        if not lines:
+            raise RuntimeError(f"rank {rank} printed no result: {err[-2000:]}")
+        span = json.loads(lines[-1])
+        if span["steps"] != steps:
+            raise RuntimeError(f"rank {rank} saw {span['steps']} of {steps} steps commit")
+        spans.append(span)
+    timed = steps - MODELS[model].warmup
+    return Run(
+        samples_s=timed * world * BATCH / max(s["seconds"] for s in spans),
+        cpu_ms=1000 * sum(s["cpu"] for s in spans) / timed,
+        helpers_ms=1000 * spans[0]["helpers_cpu"] / timed,
     )
+
+
+def run(route: str, model: str, world: int, steps: int) -> Run:
+    """One run of `route` (ddp, gloo or redis)."""
+    common = ["--model", model, "--world", str(world), "--steps", str(steps), "--route", route]
+    if route == "ddp":
+        return _ranks([*common, "--port", str(free_port())], model, world, steps)
+    with LocalRedis(appendonly=False) as server:
+        job = f"tp-{model}-{world}-{route}"
+        leader = coordinator(
+            server.url, job, "--min-workers", str(world), "--max-steps", str(steps),
+            "--dataset-size", str(steps * world * BATCH), "--batch-size", str(BATCH),
+        )  # fmt: skip
+        assert leader.popen is not None and server.process is not None
+        helpers = f"{leader.popen.pid},{server.process.pid}"
+        where = ["--job", job, "--redis-url", server.url, "--helpers", helpers]
+        try:
+            return _ranks([*common, *where], model, world, steps)
+        finally:
+            stop_all([leader])
+
+
+def cell(
+    model: str, world: int, steps: int, runs: int, routes: tuple[str, ...]
+) -> list[dict[str, Run]]:
+    """`runs` rounds, each every route once (DDP among them), the order rotating."""
+    order = ("ddp", *routes)
+    rounds = []
+    for i in range(runs):
+        turn = order[i % len(order) :] + order[: i % len(order)]
+        rounds.append({route: run(route, model, world, steps) for route in turn})
+    return rounds
+
+
+def measure(
+    ranks: tuple[int, ...],
+    models: tuple[str, ...],
+    runs: int,
+    steps: int | None = None,
+    routes: tuple[str, ...] = ("gloo", "redis"),
+) -> Section:
+    _check(ranks, models, runs, steps, routes)
+    command = (
+        f"python -m bench.throughput --ranks {','.join(map(str, ranks))} "
+        f"--models {','.join(models)} --runs {runs}"
+    )
+    if steps is not None:
+        command += f" --steps {steps}"
+    if routes != ("gloo", "redis"):
+        command += f" --routes {','.join(routes)}"
     raw: dict[str, Any] = {}
     for model in models:
         for world in ranks:
-            results = [cell(model, world, steps) for _ in range(runs)]
-            ddp = statistics.median(r["ddp"] for r in results)
-            for route, target in (
-                ("torch.distributed (gloo, DDP)", 0.95),
-                ("Redis", 0.8 if model == "1m" else None),
-            ):
-                key = "gloo" if route.startswith("torch") else "redis"
-                mine = statistics.median(r[key] for r in results)
-                section.rows.append(
-                    [
-                        model, str(world), route, f"{ddp:,.0f}", f"{mine:,.0f}",
-                        f"{mine / ddp:.2f}", f">= {target}" if target else "report",
-                        verdict(mine / ddp, target) if target else "",
-                    ]
-                )  # fmt: skip
-            raw[f"{model}/{world}"] = results
+            rounds = cell(model, world, steps or MODELS[model].steps, runs, routes)
+            raw[f"{model}/{world}"] = {
+                "steps": steps or MODELS[model].steps,
+                "rounds": [{route: asdict(got) for route, got in r.items()} for r in rounds],
+            }
+    return summary(raw, command)
+
+
+def summary(raw: dict[str, Any], command: str) -> Section:
+    """The section of measured `raw` cells ({"model/ranks": {"steps", "rounds"}}): a row
+    per cell and route, medians of the rounds, and a line for each missed target."""
+    section = Section(
+        key="throughput",
+        title="Training throughput: ElasticJob against plain DDP (gloo), same run",
+        command=command,
+        header=["model", "ranks", "timed steps", "ElasticJob's gradients", "DDP samples/s",
+                "ElasticJob samples/s", "ratio", "target", "",
+                "CPU ms per step: DDP; ElasticJob's ranks + coordinator and Redis"],
+        raw=raw,
+    )  # fmt: skip
+    misses = []
+    for name, measured in raw.items():
+        model, world = name.split("/")
+        rounds = [{route: Run(**got) for route, got in r.items()} for r in measured["rounds"]]
+        ddp = _median(rounds, "ddp", lambda r: r.samples_s)
+        ddp_cpu = _median(rounds, "ddp", lambda r: r.cpu_ms)
+        for route in (r for r in rounds[0] if r != "ddp"):
+            mine = _median(rounds, route, lambda r: r.samples_s)
+            ratio = statistics.median(r[route].samples_s / r["ddp"].samples_s for r in rounds)
+            cpu = _median(rounds, route, lambda r: r.cpu_ms)
+            helpers = _median(rounds, route, lambda r: r.helpers_ms)
+            target = TARGETS.get((route, model))
+            section.rows.append(
+                [
+                    model, world, str(measured["steps"] - MODELS[model].warmup),
+                    ROUTE_NAMES[route], f"{ddp:,.0f}", f"{mine:,.0f}", f"{ratio:.2f}",
+                    f">= {target}" if target else "report",
+                    verdict(ratio, target) if target else "",
+                    f"{ddp_cpu:,.1f}; {cpu:,.1f} + {helpers:,.1f}",
+                ]
+            )  # fmt: skip
+            if target is not None and ratio < target:
+                misses.append(
+                    f"{model} on {world} ranks through {route}: {ratio:.2f} of DDP, with "
+                    f"{cpu + helpers - ddp_cpu:,.1f} ms more CPU per step than DDP's "
+                    f"{ddp_cpu:,.1f} ({helpers:,.1f} of them the coordinator's and Redis's)"
+                )
+    models = sorted({name.split("/")[0] for name in raw})
+    warmups = ", ".join(f"{m}: {MODELS[m].warmup}" for m in models)
+    runs = max(len(measured["rounds"]) for measured in raw.values())
     section.notes = [
-        f"Synthetic data, batches of {BATCH} per rank, SGD; every rank a process with one "
-        f"torch thread on this machine; the first {WARMUP} steps are not timed. ElasticJob "
-        "here averages gradients through Redis (one bucketed allreduce in optimizer.step(), "
-        "after backward) and waits for each step's commit; DDP overlaps its gloo allreduce "
-        "with backward.",
+        f"Synthetic data, batches of {BATCH} per rank, plain SGD; every rank is a process "
+        "with one torch thread, all on this machine with the coordinator and Redis. The "
+        f"first steps are not timed ({warmups}); an ElasticJob run ends at its last step's "
+        "commit, a DDP run at a barrier. A round runs DDP and each route once, back to "
+        "back, in an order that rotates from round to round; a ratio is that of one round "
+        f"against its own DDP run, and every figure is the median of {runs} rounds, so "
+        "that other work on the machine (tests run beside it) falls on both sides of a "
+        "ratio.",
+        "The CPU column adds up what the ranks' processes used per timed step (every "
+        "thread: gloo's, the journal's tail, the outbox) and, for ElasticJob, what the "
+        "coordinator and the Redis server used meanwhile (from /proc). Where the ranks "
+        "already keep the cores busy, ElasticJob's extra CPU per step is what its "
+        "throughput loses. The gloo route's is cohort's work per step on the ranks' "
+        "cores: a StepDone per rank and a commit per step, decided and journaled by the "
+        "coordinator, followed by every rank's journal tail, and the comm hook's Python; "
+        "a coordinator and Redis on other hosts would take their part off the ranks, and "
+        "a longer step hides the rest. The Redis route also sends every "
+        "gradient byte through one Redis server, (3N-2)/N times, after backward instead "
+        "of overlapped with it: it is bound by that server and the cores it shares.",
     ]
-    section.raw = raw
+    if misses:
+        section.notes.append("Missed: " + "; ".join(misses) + ".")
     return section
+
+
+def _median(rounds: list[dict[str, Run]], route: str, figure: Callable[[Run], float]) -> float:
+    return statistics.median(figure(r[route]) for r in rounds)
+
+
+def _check(
+    ranks: tuple[int, ...],
+    models: tuple[str, ...],
+    runs: int,
+    steps: int | None,
+    routes: tuple[str, ...],
+) -> None:
+    """Raise ValueError naming the first bad argument."""
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise ValueError(f"unknown model(s) {unknown}: choose from {sorted(MODELS)}")
+    unknown = [r for r in routes if r not in ROUTE_NAMES]
+    if unknown:
+        raise ValueError(f"unknown route(s) {unknown}: choose from {sorted(ROUTE_NAMES)}")
+    if not ranks or any(world < 2 for world in ranks):
+        raise ValueError(f"--ranks {list(ranks)}: every world needs at least 2 ranks")
+    if runs < 1:
+        raise ValueError(f"--runs {runs}: at least one round")
+    warmup = max(MODELS[m].warmup for m in models)
+    if steps is not None and steps <= warmup:
+        raise ValueError(f"--steps {steps}: more than the {warmup} warm-up steps are needed")
 
 
 def main() -> None:
@@ -227,21 +384,40 @@ def main() -> None:
         parser.add_argument("--world", type=int, required=True)
         parser.add_argument("--rank", type=int, required=True)
         parser.add_argument("--steps", type=int, required=True)
-        parser.add_argument("--route", choices=("ddp", "redis", "gloo"), required=True)
+        parser.add_argument("--route", choices=ROUTES, required=True)
         parser.add_argument("--port", type=int, default=0)
         parser.add_argument("--job", default="")
         parser.add_argument("--redis-url", default=None)
+        parser.add_argument("--helpers", default="", help="pids of the coordinator and Redis")
         rank_program(parser.parse_args(sys.argv[2:]))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--models", default="1m,25m")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--routes", default="gloo,redis")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps per run (default: the model's own)"
+    )
     args = parser.parse_args()
-    ranks = tuple(int(r) for r in args.ranks.split(","))
-    models = tuple(m for m in args.models.split(","))
-    print(measure(ranks, models, args.steps, args.runs).markdown())
+    try:
+        section = measure(
+            tuple(_world(r) for r in args.ranks.split(",")),
+            tuple(args.models.split(",")),
+            args.runs,
+            args.steps,
+            tuple(args.routes.split(",")),
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(section.markdown())
+
+
+def _world(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--ranks: {text!r} is not a number of ranks") from None
 
 
 if __name__ == "__main__":

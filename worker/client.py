@@ -61,6 +61,7 @@ from .errors import (
     WorldChangedError,
 )
 from .gpu import GpuProbe
+from .outbox import Outbox
 from .retry import AnyOf, Halt, Link, describe, with_retry
 from .view import Assignment, GpuAdvice, View
 
@@ -127,6 +128,7 @@ class Worker:
         self._gpu_interval = gpu_interval
         self._gpu_probe = gpu_probe
         self._advice_callbacks: list[Callable[[GpuAdvice], None]] = []
+        self._outbox = self._new_outbox()
 
     # ------------------------------------------------------------ reading
     @property
@@ -375,24 +377,31 @@ class Worker:
         samples: int = 0,
         digest: str | None = None,
         loss: float | None = None,
+        wait: bool = True,
     ) -> None:
-        """Report `step` finished, in the world it began in (see `batch`)."""
+        """Report `step` finished, in the world it began in (see `batch`).
+
+        `wait=False` returns at once: the report goes out from a thread of the worker,
+        retried through outages like a blocking one, and before any command sent after it
+        (a training loop goes on with the next step and awaits the commit later)."""
         began = self._began
         world = began[1] if began is not None and began[0] == step else self.world_version
         self._progress = (step, world)
-        self._send(
-            StepDone(
-                at=self.clock.now(),
-                job=self.job,
-                worker=self.id,
-                step=step,
-                world=world,
-                step_time=step_time,
-                samples=samples,
-                digest=digest,
-                loss=loss,
-            )
+        done = StepDone(
+            at=self.clock.now(),
+            job=self.job,
+            worker=self.id,
+            step=step,
+            world=world,
+            step_time=step_time,
+            samples=samples,
+            digest=digest,
+            loss=loss,
         )
+        if wait:
+            self._send(done)
+        else:
+            self._outbox.post(done)
 
     def checkpoint_written(
         self, step: int, uri: str, sha256: str, size: int, digest: str | None = None
@@ -526,6 +535,8 @@ class Worker:
             if thread is not current:
                 thread.join()
         self._threads = []
+        self._outbox.close()
+        self._outbox = self._new_outbox()  # for a join after this stop
 
     # ------------------------------------------------------------ signals
     def install_signal_handlers(self) -> None:
@@ -548,11 +559,21 @@ class Worker:
         os._exit(130)
 
     # ------------------------------------------------------------ plumbing
+    def _new_outbox(self) -> Outbox:
+        return Outbox(self._deliver, name=f"cohort-outbox-{self.id}")
+
     def _send(
         self, command: Command, deadline: float | None = None, stop: Halt | None = None
     ) -> str:
-        """XADD `command` to the inbox, retrying through outages until it is acknowledged
-        (or `stop`, default the worker's own, is set)."""
+        """XADD `command` to the inbox, after every command posted to the outbox before it,
+        retrying through outages until it is acknowledged (or `stop`, default the worker's
+        own, is set)."""
+        self._outbox.flush()
+        return self._deliver(command, deadline, stop)
+
+    def _deliver(
+        self, command: Command, deadline: float | None = None, stop: Halt | None = None
+    ) -> str:
         return with_retry(
             lambda: self.inbox.send(command),
             self._stop if stop is None else stop,

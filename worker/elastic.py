@@ -329,16 +329,22 @@ class Elastic:
         """Every rank holds the world's state: what else a world needs (a process group)."""
 
     def _report(self, step: Step, took: float) -> None:
-        """StepDone for `step`, with a digest of the weights now and then. If the leader
-        will ask for a checkpoint of this step (it asks when the step commits), the state is
-        copied now, before the next step changes it."""
+        """StepDone for `step`, with a digest of the weights now and then, sent without
+        waiting for Redis (the commit it leads to is awaited before the next step applies).
+        If the leader will ask for a checkpoint of this step (it asks when the step
+        commits), the state is copied now, before the next step changes it."""
         assert self.state is not None
         due = self._checkpoint_due(step)
         sample = due or (self.digest_every and step.step % self.digest_every == 0)
         self._digest = self.state.digest() if sample else None
         samples = sum(stop - start for start, stop in step.ranges)
         self.worker.step_done(
-            step.step, step_time=took, samples=samples, digest=self._digest, loss=self._loss
+            step.step,
+            step_time=took,
+            samples=samples,
+            digest=self._digest,
+            loss=self._loss,
+            wait=False,
         )
         self._loss = None
         self._snapshot = self.state.snapshot() if due else None

@@ -119,7 +119,8 @@ class ElasticJob(Elastic):
         self.backend = backend
         self.rdzv: Any = None
         self.ddp: Any = None
-        self._ddp_aborted = False
+        self._mean: GuardedMean | None = None
+        """The comm hook's state in the current world's DDP."""
         self._inside_ddp = False
         self.overlapped: OverlappedGradients | None = None
         self._gate: Callable[[threading.Event], bool] = lambda cancelled: True
@@ -153,7 +154,7 @@ class ElasticJob(Elastic):
             current = self.current
             if current is None:
                 raise WorkerError("optimizer.step() outside a step of job.batches()")
-            if self._ddp_aborted or not self.before_apply():
+            if (self._mean is not None and self._mean.aborted) or not self.before_apply():
                 if self.overlapped is not None:
                     self.overlapped.cancel()
                 self.abort()  # a dead peer's world, or the job moved on: built again
@@ -177,14 +178,22 @@ class ElasticJob(Elastic):
             return
         from torch.nn.parallel import DistributedDataParallel
 
-        self.ddp = None  # the old world's reducer and its hooks go before the new ones come
+        self.ddp = self._mean = None  # the old world's reducer and hooks go before new ones
         self.rdzv.init_process_group(self.backend)
         state = self.state
         assert isinstance(state, TorchState)
+        # The state was broadcast already; buffers travel with it at each world start. The
+        # gradients are views into DDP's buckets: the comm hook's division is then the only
+        # pass over them besides the allreduce (DDP's own hook fuses it with a copy in, and
+        # copies the result back out).
         self.ddp = DistributedDataParallel(
-            state.model, init_sync=False, forward_sync_buffers=False
-        )  # the state was broadcast already; buffers travel with it at each world start
-        self.ddp.register_comm_hook(self, _guarded_allreduce)
+            state.model,
+            init_sync=False,
+            forward_sync_buffers=False,
+            gradient_as_bucket_view=True,
+        )
+        self._mean = GuardedMean(self.rdzv, self._may_launch)
+        self.ddp.register_comm_hook(self._mean, _guarded_allreduce)
 
     def _average_gradients(self, model: torch.nn.Module, current: Step, bucket_bytes: int) -> None:
         """Replace the gradients by their means over the world (WorldChangedError: aborted)."""
@@ -197,12 +206,13 @@ class ElasticJob(Elastic):
 
     def _start_step(self) -> None:
         """A step's work begins: its collective may start once `launchable` says so."""
-        self._ddp_aborted = False
         self._launch = None
         current = self.current
         assert current is not None
         after = self._unsettled.step if self._unsettled is not None else None
         self._gate = functools.partial(self.launchable, current, after)
+        if self._mean is not None:
+            self._mean.aborted = False
         if self.overlapped is not None:
             self.overlapped.begin(current.step, current.world, self._gate)
 
@@ -295,38 +305,70 @@ def _under_ddp(model: torch.nn.Module, job: ElasticJob) -> torch.nn.Module:
     return model
 
 
-def _guarded_allreduce(job: ElasticJob, bucket):  # type: ignore[no-untyped-def]
-    """DDP's bucket allreduce (the mean over ranks), completed with zeros and the step
-    skipped if the journal says the world ended first: a dead peer never hangs backward.
+class GuardedMean:
+    """DDP's bucket allreduce in one world (the mean over its ranks), each completed with
+    zeros if the journal says the world ended first: a dead peer never hangs backward, and
+    `aborted` says the step's gradients are not the world's (it is skipped)."""
+
+    def __init__(self, rdzv: Any, may_launch: Callable[[], bool]) -> None:
+        import torch.distributed as dist
+
+        self.rdzv = rdzv
+        self.may_launch = may_launch
+        """Whether this step's collective may start (a stale step's must not: its retry
+        brings this rank's part)."""
+        self.dog = rdzv.watchdog
+        self.size = dist.get_world_size()
+        self.aborted = False
+        self._pending: dict[int, tuple[torch.futures.Future[torch.Tensor], torch.Tensor]] = {}
+        """The results DDP waits for, by id, with their buckets: what a trip completes."""
+        self._lock = threading.Lock()
+        self.dog.on_trip(self._trip)  # once per world: a bucket's result leaves no callback
+
+    def reduce(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        import torch.distributed as dist
+
+        result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        if self.dog.tripped.is_set() or not self.may_launch():
+            self._zeros(result, tensor)
+            return result
+        tensor.div_(self.size)  # then the sum: as DDP's own allreduce hook does
+        work = dist.all_reduce(tensor, async_op=True)
+        self.rdzv.track(work)  # pinned with its group if the world is abandoned
+        with self._lock:
+            self._pending[id(result)] = (result, tensor)
+        if self.dog.tripped.is_set():  # tripped before the result was pending: not drained
+            self._trip()
+        work.get_future().add_done_callback(lambda done: self._finish(result, done))
+        return result
+
+    def _finish(self, result: torch.futures.Future[torch.Tensor], done: Any) -> None:
+        try:
+            value = done.value()[0]
+        except Exception:  # e.g. a peer's connection closed: the journal will say why
+            return  # left pending: the watchdog completes it when it trips
+        with self._lock:
+            if self._pending.pop(id(result), None) is None:
+                return  # the world ended first: completed with zeros
+        result.set_result(value)
+
+    def _trip(self) -> None:
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+        for result, tensor in pending:
+            self._zeros(result, tensor)
+
+    def _zeros(self, result: torch.futures.Future[torch.Tensor], tensor: torch.Tensor) -> None:
+        self.aborted = True
+        result.set_result(torch.zeros_like(tensor))
+
+
+def _guarded_allreduce(mean: GuardedMean, bucket):  # type: ignore[no-untyped-def]
+    """DDP's comm hook: `mean.reduce` of the bucket.
 
     `bucket` (a dist.GradBucket) and the returned Future[Tensor] carry no annotations: DDP
     checks them by identity, and this module's annotations are strings."""
-    import torch.distributed as dist
-
-    tensor = bucket.buffer()
-    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    lock = threading.Lock()
-    dog = job.rdzv.watchdog
-
-    def finish(value: torch.Tensor | None) -> None:
-        with lock:
-            if result.done():
-                return
-            if value is None:
-                job._ddp_aborted = True
-                result.set_result(torch.zeros_like(tensor))
-            else:
-                result.set_result(value)
-
-    if dog is None or dog.tripped.is_set() or not job._may_launch():
-        finish(None)  # a dead world, or a stale step (whose retry brings this rank's part)
-        return result
-    tensor.div_(dist.get_world_size())  # then the sum: as DDP's own allreduce hook does
-    work = dist.all_reduce(tensor, async_op=True)
-    job.rdzv._works.append(work)  # pinned with its group if the world is abandoned
-    work.get_future().then(lambda fut: finish(fut.value()[0]))
-    dog.on_trip(lambda: finish(None))
-    return result
+    return mean.reduce(bucket.buffer())
 
 
 def params_of(model: torch.nn.Module) -> dict[str, np.ndarray]:

@@ -399,13 +399,17 @@ class Rendezvous:
         self._works = []
 
     # ------------------------------------------------------------ guarded collectives
+    def track(self, work: dist.Work) -> None:
+        """Keep `work` with its group: pinned with it if the world is abandoned first."""
+        self._works = [w for w in self._works if not w.is_completed()]
+        self._works.append(work)
+
     def wait(self, work: dist.Work, step: int) -> None:
         """Wait for `work` (an async_op=True collective); WorldChangedError if the world ends."""
         dog = self.watchdog
         if dog is None:
             raise RendezvousError("no process group: call init_process_group() first")
-        self._works = [w for w in self._works if not w.is_completed()]
-        self._works.append(work)
+        self.track(work)
         done = threading.Event()
         work.get_future().add_done_callback(lambda _: done.set())
         if not dog.wait(done) or dog.tripped.is_set():  # a result of a world that is over

@@ -7,9 +7,12 @@ suite runs, measures something and records it the way `python -m bench` document
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,6 +61,47 @@ def test_a_quick_run_writes_each_section_with_its_command_and_raw_medians(
     assert kept["failover"]["raw"] != sections["failover"]["raw"]
 
 
+def test_a_quick_throughput_run_measures_ddp_and_both_routes_in_each_round(
+    tmp_path: Path,
+) -> None:
+    """Real ranks, a real coordinator: each round's DDP and ElasticJob runs all trained every
+    step (a rank that saw fewer commits fails the run) and were timed."""
+    if os.environ.get("CI") != "true":
+        pytest.importorskip("torch")  # CI installs torch: there a missing torch must fail
+    out = tmp_path / "B.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--only", "throughput", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    page = out.read_text()
+    assert "## Training throughput" in page
+    assert "`python -m bench.throughput --ranks 2 --models 1m --runs 1 --steps 10`" in page
+    assert "| 1m | 2 | 5 | torch.distributed (gloo, DDP) |" in page
+    assert "| 1m | 2 | 5 | Redis |" in page
+    (section,) = json.loads(out.with_suffix(".json").read_text())
+    assert section["raw"]["1m/2"]["steps"] == 10
+    (round_,) = section["raw"]["1m/2"]["rounds"]
+    assert set(round_) == {"ddp", "gloo", "redis"}
+    assert all(run["samples_s"] > 0 and run["cpu_ms"] > 0 for run in round_.values())
+
+
+def test_an_unknown_benchmark_is_named_with_the_choices() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--only", "nosuch"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "nosuch" in result.stderr and "replay" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_the_order_benchmark_prices_an_index_beside_a_materialised_permutation(
     tmp_path: Path,
 ) -> None:
@@ -75,16 +119,3 @@ def test_the_order_benchmark_prices_an_index_beside_a_materialised_permutation(
     assert set(section["raw"]) == {"60000", "1000000"}
     for figures in section["raw"].values():
         assert all(figures[k] > 0 for k in ("epoch", "batch", "scalar", "epoch_peer"))
-
-
-def test_an_unknown_benchmark_is_named_with_the_choices() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "bench", "--only", "nosuch"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2
-    assert "nosuch" in result.stderr and "replay" in result.stderr
-    assert "Traceback" not in result.stderr

@@ -417,6 +417,25 @@ def test_a_worker_does_not_join_a_finished_job_and_says_how_to_run_it_again(
     assert leader.commands("Join") == []
 
 
+def test_a_step_reported_without_waiting_goes_out_before_the_leave_after_it(
+    server, leader, make_worker, pool
+) -> None:
+    """The training loop's report does not wait for Redis, even through an outage, and
+    still reaches the inbox before anything the worker sends after it."""
+    worker = make_worker()
+    active(leader, worker, pool)
+    worker.batch(0)
+    server.connected = False
+    worker.step_done(0, wait=False)  # returns at once: the outbox retries meanwhile
+    leaving = pool.submit(worker.leave, "done", 5)
+    server.connected = True
+    assert leader.expect("Leave").after_step == 0
+    leader.say(fact(m.WorkerLeft, worker=ME, reason="done"))
+    assert leaving.result(timeout=5) is True
+    sent = [decode_command(e.raw or b"").type for e in leader.inbox.range()]
+    assert [kind for kind in sent if kind in ("StepDone", "Leave")] == ["StepDone", "Leave"]
+
+
 def test_wait_for_change_times_out_false_without_a_new_world(leader, make_worker, pool) -> None:
     worker = make_worker()
     active(leader, worker, pool)

@@ -1,0 +1,99 @@
+"""The worker's outbox: posted commands go out in order, without the poster waiting."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from cohort.events import models as m
+from cohort.worker.errors import Stopped, WorkerError
+from cohort.worker.outbox import Outbox
+
+
+def done(step: int) -> m.StepDone:
+    return m.StepDone(at=1.0, job="unit", worker="w", step=step, world=1)
+
+
+def step_of(command: m.Command) -> int:
+    assert isinstance(command, m.StepDone)
+    return command.step
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(max_workers=1) as ex:
+        yield ex
+
+
+def test_posted_commands_are_delivered_in_the_order_they_were_posted() -> None:
+    delivered: list[int] = []
+    outbox = Outbox(lambda c: delivered.append(step_of(c)), "test-outbox")
+    for step in range(50):
+        outbox.post(done(step))
+    outbox.flush()
+    assert delivered == list(range(50))
+    outbox.close()
+
+
+def test_post_returns_before_delivery_and_flush_waits_for_it(pool: ThreadPoolExecutor) -> None:
+    gate = threading.Event()
+    delivered: list[int] = []
+
+    def deliver(command: m.Command) -> None:
+        gate.wait(10)
+        delivered.append(step_of(command))
+
+    outbox = Outbox(deliver, "test-outbox")
+    outbox.post(done(0))  # returns while the delivery is held
+    flushing = pool.submit(outbox.flush)
+    assert delivered == [] and not flushing.done()
+    gate.set()
+    flushing.result(timeout=10)
+    assert delivered == [0]
+    outbox.close()
+
+
+def test_flush_with_nothing_posted_returns_at_once() -> None:
+    outbox = Outbox(lambda c: None, "test-outbox")
+    outbox.flush()
+    outbox.close()
+    outbox.flush()  # nothing was posted: nothing is owed, closed or not
+
+
+def test_a_failed_delivery_is_raised_by_the_next_flush_and_post() -> None:
+    def deliver(command: m.Command) -> None:
+        raise ValueError(f"refused step {step_of(command)}")
+
+    outbox = Outbox(deliver, "test-outbox")
+    outbox.post(done(7))
+    with pytest.raises(WorkerError, match="test-outbox could not deliver.*refused step 7") as info:
+        outbox.flush()
+    assert isinstance(info.value.__cause__, ValueError)
+    with pytest.raises(WorkerError, match="refused step 7"):
+        outbox.post(done(8))
+    outbox.close()
+
+
+def test_a_stopped_delivery_drops_the_rest_and_waiters_are_told() -> None:
+    stop = threading.Event()
+    delivered: list[int] = []
+
+    def deliver(command: m.Command) -> None:
+        if step_of(command) == 0:  # as a delivery retrying through an outage when stopped
+            stop.wait(10)
+            raise Stopped("stopped while sending StepDone")
+        delivered.append(step_of(command))
+
+    outbox = Outbox(deliver, "test-outbox")
+    outbox.post(done(0))
+    outbox.post(done(1))
+    stop.set()
+    with pytest.raises(Stopped):
+        outbox.flush()
+    outbox.close()
+    assert delivered == []
+    with pytest.raises(Stopped):
+        outbox.post(done(2))
