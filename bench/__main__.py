@@ -1,6 +1,6 @@
 """Every benchmark in one command; BENCHMARKS.md is written from the results.
 
-    python -m bench                 # the full suite (about 15 min on 2 cores), writes BENCHMARKS.md
+    python -m bench                 # the full suite (about 35 min on 2 cores), writes BENCHMARKS.md
     python -m bench --quick         # smaller sizes and fewer runs; prints, writes nothing
     python -m bench --only replay,failover   # re-runs these two, keeps the other sections
 

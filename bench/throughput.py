@@ -342,8 +342,8 @@ def summary(raw: dict[str, Any], command: str) -> Section:
         "coordinator, followed by every rank's journal tail, and the comm hook's Python; "
         "a coordinator and Redis on other hosts would take their part off the ranks, and "
         "a longer step hides the rest. The Redis route also sends every "
-        "gradient byte through one Redis server, (3N-2)/N times, after backward instead "
-        "of overlapped with it: it is bound by that server and the cores it shares.",
+        "gradient byte through one Redis server, (3N-2)/N times, bucket by bucket as "
+        "backward makes them: it is bound by that server and the cores it shares.",
     ]
     if misses:
         section.notes.append("Missed: " + "; ".join(misses) + ".")
