@@ -179,7 +179,7 @@ def test_demo_on_a_redis_without_aof_stops_at_once_naming_the_coordinators(
     coordinator's log, and leaves no process or temp file behind."""
     env = _demo_env(tmp_path)
     with LocalRedis(appendonly=False, binary=require_redis_server()) as volatile:
-        env["COHORT_REDIS_URL"] = volatile.url
+        env["COHORT_REDIS_URL"] = url = volatile.url
         started = time.monotonic()
         result = cohort("demo", "--steps", "24", env=env, cwd=tmp_path, timeout=120)
         took = time.monotonic() - started
@@ -192,9 +192,8 @@ def test_demo_on_a_redis_without_aof_stops_at_once_naming_the_coordinators(
     )
     assert "runs without an append-only file" in result.stderr  # coord-1's own last words
     assert "Traceback" not in result.stderr
-    wait_until(
-        lambda: processes_mentioning(" --job demo") == [], 20, message="no demo process left"
-    )
+    mine = f"--redis-url {url} "  # this demo's processes (others may run demos meanwhile)
+    wait_until(lambda: processes_mentioning(mine) == [], 20, message="no demo process left")
     assert processes_mentioning(str(tmp_path / "tmp")) == []
     assert list((tmp_path / "tmp").iterdir()) == []
 
