@@ -80,6 +80,7 @@ from cohort.events.models import (
     WorkerLeft,
     WorkerSynced,
     WorldChanged,
+    finished_refusal,
 )
 from cohort.events.shards import Shard, exhausted
 
@@ -452,8 +453,7 @@ def _after_end(plan: _Plan, command: Command) -> None:
             plan.emit(
                 JoinRefused,
                 worker=command.worker,
-                reason=f"job {state.job!r} finished at step {state.last_committed} "
-                f"({state.finished}); `cohort reset --job {state.job}` clears it to run again",
+                reason=finished_refusal(state.job, state.last_committed, state.finished or ""),
             )
         case Leave() if command.worker in state.members:
             plan.emit(WorkerLeft, worker=command.worker, reason=command.reason or "left")

@@ -501,6 +501,15 @@ class JobFinished(Event):
     reason: Text = ""
 
 
+def finished_refusal(job: str, step: int, reason: str) -> str:
+    """Why a finished job takes no joiner, and what to do (the leader's JoinRefused, and a
+    worker's own refusal when no coordinator is left to say it)."""
+    return (
+        f"job {job!r} finished at step {step} ({reason}); "
+        f"`cohort reset --job {job}` clears it to run again"
+    )
+
+
 GpuMetric = Literal["memory_pct", "temperature", "power_w", "utilization_gpu", "utilization_memory"]
 GpuAction = Literal["reduce_prefetch", "delay_transfers", "prioritise_model_files"]
 RuleName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]

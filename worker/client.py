@@ -41,6 +41,7 @@ from cohort.events.models import (
     Leave,
     StepDone,
     WeightsLoaded,
+    finished_refusal,
 )
 from cohort.events.shards import Range
 from cohort.events.streams import ZERO, Entry, Inbox, Journal
@@ -207,9 +208,7 @@ class Worker:
             if view.finished is not None:  # no coordinator may run to refuse: say it here
                 self.stop()
                 raise JoinRefusedError(
-                    self.id,
-                    f"job {self.job!r} finished at step {view.last_committed} ({view.finished}); "
-                    f"`cohort reset --job {self.job}` clears it to run again",
+                    self.id, finished_refusal(self.job, view.last_committed, view.finished)
                 )
             joins, refusals = view.joins, view.refusals
             self._send(

@@ -37,9 +37,7 @@ class OverlappedGradients:
     def __init__(self, model: torch.nn.Module, collective: Collective, bucket_bytes: int):
         self.collective = collective
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.buckets = [
-            [p for _, p in bucket] for bucket in buckets(trainable[::-1], bucket_bytes)
-        ]
+        self.buckets = [[p for _, p in bucket] for bucket in buckets(trainable[::-1], bucket_bytes)]
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._cond = threading.Condition()
         self._step: tuple[int, int] | None = None  # (step, world) averaged now
