@@ -28,8 +28,8 @@ from rich.table import Table
 
 from cohort.coordinator.audit import Audit, audit
 from cohort.coordinator.replay import JournalWatch, describe, export, from_redis
-from cohort.coordinator.shards import leftover
 from cohort.events.connection import Client, RedisSettings, connect
+from cohort.events.deal import leftover
 from cohort.events.keys import Keys
 from cohort.events.models import LeaderElected, StepCommitted, WorkerFailed
 from cohort.events.reset import delete_job
@@ -359,12 +359,10 @@ class Demo:
 
 def _epoch_done(watch: JournalWatch) -> tuple[int, int]:
     state = watch.state
-    if state.config is None:
+    if state.config is None or state.dataset is None:
         return 0, 1
-    total = state.config.dataset_size
-    rest = leftover(
-        state.shards, state.base_step, state.next_step, state.config.batch_size, state.unassigned
-    )
+    total = state.dataset.size
+    rest = leftover(state.config, state.shards, state.base_step, state.next_step, state.unassigned)
     return total - range_count(rest), total
 
 

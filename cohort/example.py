@@ -49,8 +49,8 @@ def run(
     least that long, standing in for a larger model's compute.
     """
     params = job.wrap(mlp.init(seed))
-    config = job.worker.view.config
-    data = mlp.dataset(config.dataset_size if config is not None else 1)
+    dataset = job.worker.view.dataset
+    data = mlp.dataset(dataset.size if dataset is not None else 1)
     summary: dict[str, Any] = {
         "worker": job.worker.id,
         "steps": 0,
@@ -145,10 +145,10 @@ def reference(facts: Any, lr: float = 0.2, seed: int = 0) -> mlp.Params:
             continue
         if batches is None:
             continue
-        assert state.config is not None
+        assert state.dataset is not None
         if data is None:
-            data = mlp.dataset(state.config.dataset_size)
-        order = state.config.order(state.epoch)
+            data = mlp.dataset(state.dataset.size)
+        order = state.order()
         x, y = data.take(order.samples(r for ranges in batches for r in ranges))
         if len(y):
             grads, _, _ = mlp.gradients(params, x, y)

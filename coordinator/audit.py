@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from cohort.events.deal import batch, merge
 from cohort.events.models import (
     CheckpointSaved,
     EpochFinished,
     Fact,
-    JobConfig,
     Rewound,
     StepCommitted,
     WorldChanged,
@@ -31,7 +31,6 @@ from cohort.events.order import Order
 from cohort.events.shards import Range
 
 from .fold import evolve
-from .shards import batch, merge
 from .state import JobState
 
 if TYPE_CHECKING:  # numpy loads when an audit runs
@@ -140,8 +139,11 @@ def committed_batches(
     for fact in facts:
         batches = None
         if isinstance(fact, StepCommitted) and state.config is not None:
-            size = state.config.batch_size
-            batches = tuple(batch(s, state.base_step, fact.step, size) for s in state.shards)
+            config, shards = state.config, state.shards
+            batches = tuple(
+                batch(config, shards, rank, state.base_step, fact.step)
+                for rank in range(len(shards))
+            )
         yield fact, state, batches
         state = evolve(state, fact)
 
@@ -149,12 +151,12 @@ def committed_batches(
 def audit(
     facts: Iterable[Fact],
     start: JobState | None = None,
-    order_of: Callable[[JobConfig, int], Order] = JobConfig.order,
+    order_of: Callable[[JobState, int], Order] = JobState.order,
 ) -> Audit:
     """Check invariants 2, 3 and 9 over `facts` (from the start of the journal).
 
     Exactly-once is checked in sample space, each epoch's positions mapped through
-    `order_of(config, epoch)` (the job's own orders; a test passes a broken one), on the
+    `order_of(state, epoch)` (the job's own orders; a test passes a broken one), on the
     lineage the final model descends from: a rewind takes the steps after its target off
     it (they are listed in `rewinds`, not hidden), and their samples count as unused
     again. Every world must start from the weights of the last committed step (a
@@ -207,9 +209,9 @@ def audit(
         entry.steps = steps[epoch]
         joined = merge(sorted(by_epoch[epoch]))  # overlaps stay: merge joins touching ones
         entry.used = sum(stop - start for start, stop in joined)
-        if state.config is None:
+        if state.config is None or state.dataset is None:
             continue
-        order = order_of(state.config, epoch)
+        order = order_of(state, epoch)
         entry.duplicates, entry.missing, outside = _exactly_once(order, joined, entry.finished)
         if outside:
             report.problems.append(

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple
 
+from cohort.events import deal
 from cohort.events.models import (
     CheckpointExpired,
     CheckpointRequested,
@@ -48,6 +49,8 @@ from cohort.events.models import (
     CheckpointWritten,
     Command,
     DataPosition,
+    Dataset,
+    DatasetDeclared,
     EpochDone,
     EpochFinished,
     EpochStarted,
@@ -82,9 +85,9 @@ from cohort.events.models import (
     WorldChanged,
     finished_refusal,
 )
-from cohort.events.shards import Shard, exhausted
+from cohort.events.shards import Shard
 
-from . import gpu_rules, lineage, shards, stragglers
+from . import gpu_rules, lineage, stragglers
 from .fold import evolve
 from .liveness import Liveness
 from .state import JobState
@@ -185,7 +188,64 @@ def _join(plan: _Plan, command: Join) -> None:
             "members; retry when one leaves or raise --max-workers",
         )
         return
-    plan.emit(WorkerJoined, worker=command.worker, host=command.host, pid=command.pid)
+    dataset, refusal = _dataset_of(plan.state, plan.config, command)
+    if refusal is not None:
+        plan.emit(JoinRefused, worker=command.worker, reason=refusal)
+        return
+    if dataset != state.dataset:
+        plan.emit(DatasetDeclared, worker=command.worker, dataset=dataset)
+    plan.emit(
+        WorkerJoined,
+        worker=command.worker,
+        host=command.host,
+        pid=command.pid,
+        node=command.node,
+    )
+
+
+def _dataset_of(state: JobState, config: JobConfig, command: Join) -> tuple[Dataset, str | None]:
+    """The job's dataset once `command` joins, or why its dataset keeps it out.
+
+    The first declaration is journaled (DatasetDeclared); until training starts a later
+    one may add a fingerprint or files to what is known (a size the config gave). A
+    declaration that differs from the job's dataset is refused, by what differs."""
+    known, declared, job = state.dataset, command.dataset, state.job
+    if declared is not None and known is not None:
+        differs = known.mismatch(declared)
+        if differs is not None:
+            return known, (
+                f"worker {command.worker!r} declares a dataset of {differs}: job {job!r} "
+                f"trains on {_described(known)}; point the worker at that data, or train "
+                "this data as another job"
+            )
+    if declared is not None and (known is None or not state.started):
+        known = Dataset(
+            size=declared.size,
+            fingerprint=declared.fingerprint or (known.fingerprint if known else ""),
+            files=declared.files or (known.files if known else ()),
+        )
+    if known is None:
+        return Dataset(size=1), (
+            f"job {job!r} does not know its dataset yet and worker {command.worker!r} "
+            "declares none: declare it in the worker (ElasticJob(dataset=...)) or start the "
+            "coordinators with --dataset-size N"
+        )
+    if config.placement in ("hash", "locality") and not known.files:
+        return known, (
+            f"job {job!r} places data by {config.placement}, which deals files, but its "
+            f"dataset of {known.size} samples names no files: declare them "
+            "(cohort.Dataset(files=[...])) or use --placement contiguous or strided"
+        )
+    return known, None
+
+
+def _described(dataset: Dataset) -> str:
+    words = f"{dataset.size} samples"
+    if dataset.files:
+        words += f" in {len(dataset.files)} files"
+    if dataset.fingerprint:
+        words += f" (fingerprint {dataset.fingerprint!r})"
+    return words
 
 
 def _synced(plan: _Plan, command: WeightsLoaded) -> None:
@@ -317,7 +377,7 @@ def _boundary(plan: _Plan, seen: Liveness, step: int, epoch_done: bool) -> None:
                 EpochStarted,
                 epoch=state.epoch + 1,
                 start_step=step + 1,
-                shards=shards.full(config.dataset_size, len(state.ranks)),
+                shards=_deal(plan, state.epoch + 1, _whole(state), state.ranks),
             )
             return
     if changed:
@@ -363,23 +423,35 @@ def _new_world(plan: _Plan, reason: str) -> None:
 def _start_world(plan: _Plan, ranks: tuple[str, ...], weights: Weights | None, reason: str) -> None:
     state, config = plan.state, plan.config
     start, epoch = state.next_step, state.epoch
-    rest = shards.leftover(
-        state.shards, state.base_step, start, config.batch_size, state.unassigned
-    )
+    rest = deal.leftover(config, state.shards, state.base_step, start, state.unassigned)
     if not state.started or not rest:
-        epoch, rest = (epoch + 1 if state.started else 0), ((0, config.dataset_size),)
+        epoch, rest = (epoch + 1 if state.started else 0), _whole(state)
     plan.emit(
         WorldChanged,
         version=state.world_version + 1,
         start_step=start,
         epoch=epoch,
         ranks=ranks,
-        shards=shards.split(rest, len(ranks)),
+        shards=_deal(plan, epoch, rest, ranks),
         reason=reason,
         unassigned=Shard() if ranks else Shard(ranges=rest),
         weights=weights if ranks else None,
     )
     _pace(plan)
+
+
+def _whole(state: JobState) -> tuple[tuple[int, int], ...]:
+    """Every position of an epoch."""
+    assert state.dataset is not None, "no world starts before the dataset is known"
+    return ((0, state.dataset.size),)
+
+
+def _deal(
+    plan: _Plan, epoch: int, rest: tuple[tuple[int, int], ...], ranks: tuple[str, ...]
+) -> tuple[Shard, ...]:
+    """`rest` of data epoch `epoch` dealt to `ranks` by the job's placement."""
+    state = plan.state
+    return deal.split(plan.config, rest, ranks, state.order(epoch), state.nodes)
 
 
 def _pace(plan: _Plan) -> None:
@@ -417,8 +489,8 @@ def _pace(plan: _Plan) -> None:
 def _epoch_done(state: JobState, step: int) -> bool:
     """Whether `step` used the last samples of its epoch."""
     assert state.config is not None
-    return not state.unassigned.size and exhausted(
-        state.shards, state.base_step, step + 1, state.config.batch_size
+    return not state.unassigned.size and deal.exhausted(
+        state.config, state.shards, state.base_step, step + 1
     )
 
 

@@ -9,6 +9,8 @@ from cohort.events.models import (
     CheckpointExpired,
     CheckpointRequested,
     CheckpointSaved,
+    Dataset,
+    DatasetDeclared,
     EpochFinished,
     EpochStarted,
     Fact,
@@ -74,7 +76,11 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:
     """What `fact` changes, field by field (one new state per fact is built from it)."""
     match fact:
         case JobConfigured():
-            return {"job": fact.job, "config": fact.config}
+            size = fact.config.dataset_size
+            declared = state.dataset if size is None else Dataset(size=size)
+            return {"job": fact.job, "config": fact.config, "dataset": declared}
+        case DatasetDeclared():
+            return {"dataset": fact.dataset}
         case LeaderElected():
             return {
                 "leader": fact.coordinator,
@@ -82,7 +88,7 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:
                 "counters": _count(state.counters, elections=1),
             }
         case WorkerJoined():
-            member = Member(fact.worker, "syncing", fact.at, fact.host, fact.pid)
+            member = Member(fact.worker, "syncing", fact.at, fact.host, fact.pid, node=fact.node)
             return {
                 "members": {**state.members, fact.worker: member},
                 "counters": _count(state.counters, joined=1),

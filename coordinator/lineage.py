@@ -10,10 +10,10 @@ checkpoint, or the job pauses.
 
 from __future__ import annotations
 
+from cohort.events import deal
 from cohort.events.models import DataPosition, Weights
 from cohort.events.shards import Shard
 
-from .shards import leftover
 from .state import JobState
 
 CHECKPOINT_NAME = "step-{step:012d}.ckpt"
@@ -33,16 +33,16 @@ def world_weights(state: JobState, ranks: tuple[str, ...]) -> Weights | None:
 def position(state: JobState) -> DataPosition:
     """Where the data stands before `state.next_step`: the epoch and what is left of it."""
     assert state.config is not None
-    rest = leftover(
-        state.shards, state.base_step, state.next_step, state.config.batch_size, state.unassigned
+    rest = deal.leftover(
+        state.config, state.shards, state.base_step, state.next_step, state.unassigned
     )
     return DataPosition(epoch=state.epoch, rest=Shard(ranges=rest))
 
 
 def beginning(state: JobState) -> DataPosition:
     """Where the data stands before the first step: epoch 0, every sample."""
-    assert state.config is not None
-    return DataPosition(epoch=0, rest=Shard(ranges=((0, state.config.dataset_size),)))
+    assert state.dataset is not None
+    return DataPosition(epoch=0, rest=Shard(ranges=((0, state.dataset.size),)))
 
 
 def checkpoint_uri(base: str, step: int) -> str:

@@ -7,7 +7,7 @@ import msgpack
 
 from .state import JobState, dump, load
 
-VERSION = 3
+VERSION = 4
 """2: the state knows its weight lineage (holders, checkpoints); 3: its config says whether
 epochs are shuffled (a v2 snapshot's config would read with today's default, shuffled, so
 it is refolded, and the journal's upcaster gives it its old meaning). Older ones are

@@ -16,7 +16,15 @@ from typing import Any, Literal
 import msgpack
 from pydantic import TypeAdapter
 
-from cohort.events.models import CheckpointRequested, CheckpointSaved, JobConfig, Weights
+from cohort.events.models import (
+    CheckpointRequested,
+    CheckpointSaved,
+    Dataset,
+    JobConfig,
+    Node,
+    Weights,
+)
+from cohort.events.order import Order
 from cohort.events.shards import Shard
 
 from .gpu_rules import DEFAULT_RULES, Rules, parse_rules
@@ -34,6 +42,8 @@ class Member:
     synced_step: int | None = None
     leave_after: int | None = None
     straggler: bool = False
+    node: Node | None = None
+    """What the worker said of its machine when it joined."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +73,8 @@ class JobState:
 
     job: str = ""
     config: JobConfig | None = None
+    dataset: Dataset | None = None
+    """What the job trains on: the config's `dataset_size`, or the first declared dataset."""
     leader: str | None = None
     leader_epoch: int = 0
     members: dict[str, Member] = field(default_factory=dict)
@@ -102,6 +114,15 @@ class JobState:
     @property
     def configured(self) -> bool:
         return self.config is not None
+
+    def order(self, epoch: int | None = None) -> Order:
+        """The order of data epoch `epoch` (None: the current one)."""
+        assert self.config is not None and self.dataset is not None
+        return self.config.order(self.epoch if epoch is None else epoch, self.dataset)
+
+    @property
+    def nodes(self) -> dict[str, Node | None]:
+        return {worker: member.node for worker, member in self.members.items()}
 
     def rank_of(self, worker: str) -> int | None:
         try:

@@ -17,6 +17,7 @@ from .order import Order
 from .shards import Shard
 
 MAX_INT = 2**53  # what a JSON or JavaScript reader still represents exactly
+Placement = Literal["contiguous", "strided", "hash", "locality"]
 
 WorkerId = Annotated[
     str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$", max_length=128)
@@ -39,14 +40,88 @@ class Event(BaseModel):
 # ---------------------------------------------------------------- commands (inbox)
 
 
+Range = tuple[Annotated[int, Field(ge=0, le=MAX_INT)], Annotated[int, Field(ge=0, le=MAX_INT)]]
+MAX_FILES = 100_000
+"""Files a dataset may be made of (their sizes travel in one inbox entry and one fact)."""
+Label = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._:/-]{0,128}$")]
+
+
+class Node(BaseModel):
+    """What a worker's machine is, said in its Join: where it runs, what hardware it has,
+    and which of the dataset's files it holds (the locality placement prefers those).
+
+    `files`: ranges of file indices (into the dataset's `files`) on this node's local disk
+    or cache; `locality`: a score in [0, 1] for the whole dataset where files are not
+    listed (1: all of it is local)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: Annotated[str, StringConstraints(max_length=255)] = ""
+    zone: Label = ""
+    region: Label = ""
+    gpus: Annotated[int, Field(ge=0, le=1024)] = 0
+    gpu_memory: Count = 0
+    """Bytes of memory over all of its GPUs."""
+    bandwidth: Count = 0
+    """Bytes per second it can read its data at (0: unknown)."""
+    files: tuple[Range, ...] = Field(default=(), max_length=10_000)
+    locality: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
+
+    @model_validator(mode="after")
+    def _ranges_ordered(self) -> Node:
+        for start, stop in self.files:
+            if start >= stop:
+                raise ValueError(f"file range ({start}, {stop}) must satisfy start < stop")
+        return self
+
+    def holds(self, file: int) -> bool:
+        return any(start <= file < stop for start, stop in self.files)
+
+
+class Dataset(BaseModel):
+    """The data a job trains on, as a worker declares it: `size` samples, a `fingerprint`
+    that names its content (two workers with different data must not share a job), and,
+    for a dataset made of files (parquet, tar shards), each file's sample count in order:
+    file i holds samples [sum(files[:i]), sum(files[:i + 1]))."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    size: Annotated[int, Field(ge=1, le=MAX_INT)]
+    fingerprint: Annotated[str, StringConstraints(max_length=128)] = ""
+    files: tuple[Annotated[int, Field(ge=1, le=MAX_INT)], ...] = Field(
+        default=(), max_length=MAX_FILES
+    )
+
+    @model_validator(mode="after")
+    def _files_add_up(self) -> Dataset:
+        if self.files and sum(self.files) != self.size:
+            raise ValueError(
+                f"the files hold {sum(self.files)} samples but the dataset's size is {self.size}"
+            )
+        return self
+
+    def mismatch(self, other: Dataset) -> str | None:
+        """How `other` differs from this dataset, in words (None: it is the same data)."""
+        if other.size != self.size:
+            return f"{other.size} samples, not {self.size}"
+        if other.fingerprint and self.fingerprint and other.fingerprint != self.fingerprint:
+            return f"fingerprint {other.fingerprint!r}, not {self.fingerprint!r}"
+        if other.files and self.files and other.files != self.files:
+            return f"{len(other.files)} files of other sizes than the job's {len(self.files)}"
+        return None
+
+
 class Join(Event):
-    """A worker asks to join the job. v2 renamed v1's `name` to `worker`."""
+    """A worker asks to join the job. v2 renamed v1's `name` to `worker`; v3 added `node`
+    (what its machine is) and `dataset` (the data it trains on)."""
 
     type: Literal["Join"] = "Join"
-    v: Literal[2] = 2
+    v: Literal[3] = 3
     worker: WorkerId
     host: Annotated[str, StringConstraints(max_length=255)] = ""
     pid: Annotated[int, Field(ge=0, le=2**31)] = 0
+    node: Node | None = None
+    dataset: Dataset | None = None
 
 
 class Heartbeat(Event):
@@ -212,8 +287,18 @@ class JobConfig(BaseModel):
     max_workers: Annotated[int, Field(ge=1, le=100_000)] = 64
     heartbeat_interval: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] = 1.0
     heartbeat_timeout: Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)] = 5.0
-    dataset_size: Annotated[int, Field(ge=1, le=MAX_INT)] = 60_000
+    dataset_size: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
+    """Samples per epoch (None: the first worker that joins declares its dataset)."""
     batch_size: Annotated[int, Field(ge=1, le=2**31)] = 32
+    """Samples per rank per step; with `global_batch`, the most a rank computes in one
+    forward and backward (a micro-batch)."""
+    global_batch: Annotated[int, Field(ge=1, le=2**40)] | None = None
+    """Samples per step over the whole world, whatever its size: each rank takes its share
+    in micro-batches of at most `batch_size` and the update weighs every sample alike, so
+    it equals the one a bigger world would make (None: `batch_size` per rank, and the
+    global batch grows and shrinks with the world)."""
+    placement: Placement = "contiguous"
+    """How each epoch's positions are dealt to ranks (events/deal.py)."""
     straggler_factor: Annotated[float, Field(gt=1, le=1000, allow_inf_nan=False)] = 1.5
     straggler_steps: Annotated[int, Field(ge=1, le=10_000)] = 5
     gpu_rules: tuple[dict[str, Any], ...] | None = Field(default=None, max_length=256)
@@ -235,11 +320,14 @@ class JobConfig(BaseModel):
     seed: Annotated[int, Field(ge=0, le=MAX_INT)] = 0
     """The shuffle's key: the same seed gives the same orders whatever the world did."""
 
-    def order(self, epoch: int) -> Order:
-        """Epoch `epoch`'s order: the sample at each position of the journal's shards."""
-        if not self.shuffle:
-            return Order.identity(self.dataset_size)
-        return Order.shuffled(self.dataset_size, self.seed, epoch)
+    def order(self, epoch: int, dataset: Dataset | None = None) -> Order:
+        """Epoch `epoch`'s order: the sample at each position of the journal's shards.
+        `dataset`: the one the job trains on (None: `dataset_size` samples, no files)."""
+        if dataset is None:
+            if self.dataset_size is None:
+                raise ValueError("the job's dataset is not known yet: no size to order")
+            dataset = Dataset(size=self.dataset_size)
+        return Order.of(dataset.size, dataset.files, self.seed if self.shuffle else None, epoch)
 
     def end_reason(self, step: int, epoch: int, epoch_done: bool) -> str | None:
         """Why committing `step` ends the job (None: it goes on). `epoch` is the data epoch
@@ -266,11 +354,21 @@ class JobConfig(BaseModel):
 
 class JobConfigured(Event):
     """The job's settings, journaled by its first leader. v2 added `shuffle` and `seed` to
-    the config (a v1 config is upcast with `shuffle` False: its epochs were not shuffled)."""
+    the config (a v1 config is upcast with `shuffle` False: its epochs were not shuffled);
+    v3 `placement` and `global_batch`, and let `dataset_size` be None (declared by workers)."""
 
     type: Literal["JobConfigured"] = "JobConfigured"
-    v: Literal[2] = 2
+    v: Literal[3] = 3
     config: JobConfig
+
+
+class DatasetDeclared(Event):
+    """The dataset the job trains on, as `worker` declared it in its Join (the first to
+    declare one); later joiners must declare the same data, or none."""
+
+    type: Literal["DatasetDeclared"] = "DatasetDeclared"
+    worker: WorkerId
+    dataset: Dataset
 
 
 class LeaderElected(Event):
@@ -280,10 +378,14 @@ class LeaderElected(Event):
 
 
 class WorkerJoined(Event):
+    """v2 added `node`, the machine the worker described in its Join."""
+
     type: Literal["WorkerJoined"] = "WorkerJoined"
+    v: Literal[2] = 2
     worker: WorkerId
     host: Annotated[str, StringConstraints(max_length=255)] = ""
     pid: int = 0
+    node: Node | None = None
 
 
 class JoinRefused(Event):
@@ -553,6 +655,7 @@ class GpuAdviceCleared(Event):
 
 Fact = Annotated[
     JobConfigured
+    | DatasetDeclared
     | LeaderElected
     | WorkerJoined
     | JoinRefused

@@ -23,7 +23,7 @@ import functools
 import hashlib
 import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +83,20 @@ class Order:
     def identity(cls, size: int) -> Order:
         return cls(size)
 
+    @staticmethod
+    def of(size: int, files: Sequence[int], seed: int | None, epoch: int) -> Order:
+        """Epoch `epoch`'s order of a dataset of `size` samples: shuffled with `seed` (None:
+        in index order), file by file when it is made of `files` (their sample counts)."""
+        if files:
+            return _file_order(size, files, seed, epoch)
+        return Order.identity(size) if seed is None else Order.shuffled(size, seed, epoch)
+
+    def pieces(self, ranges: Iterable[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
+        """`ranges` of positions cut where a file ends, each piece with its file's index
+        (-1 here: a dataset without files is one whole)."""
+        for start, stop in ranges:
+            yield start, stop, -1
+
     def __len__(self) -> int:
         return self.size
 
@@ -135,19 +149,153 @@ class Order:
 
     def _permute_many(self, x: np.ndarray) -> np.ndarray:
         """`_permute` over an array of uint64, a numpy call per operation."""
-        mix1, mix2, by27, by32 = _numpy_constants()
-        for key, rows, columns in _numpy_rounds(self.keys, self.grid):
-            row, column = divmod(x, columns)
-            z = column ^ key
-            z *= mix1
-            z ^= z >> by27
-            z *= mix2
-            z >>= by32
-            z += row
-            z %= rows
-            column *= rows
-            x = column + z
-        return x
+        return _feistel(x, _numpy_rounds(self.keys, self.grid))
+
+
+def _feistel(x: np.ndarray, rounds: Iterable[tuple[Any, Any, Any]]) -> np.ndarray:
+    """One pass of the network over uint64 `x`; each round's (key, rows, columns) are numpy
+    scalars (one order) or arrays as long as `x` (each position its own file's order)."""
+    mix1, mix2, by27, by32 = _numpy_constants()
+    for key, rows, columns in rounds:
+        row, column = divmod(x, columns)
+        z = column ^ key
+        z *= mix1
+        z ^= z >> by27
+        z *= mix2
+        z >>= by32
+        z += row
+        z %= rows
+        column *= rows
+        x = column + z
+    return x
+
+
+class FileOrder(Order):
+    """The order of a dataset made of files: the files in a shuffled order, and the samples
+    of each file in its own shuffled order (the same network, keyed per file). So a range
+    of positions covers whole files, or runs of one file: a rank given a file's positions
+    reads only that file, which is what the locality placement needs.
+
+    An index costs a binary search over the files (log2 of their count) and the rounds of
+    its file's network; the file order itself, computed once per epoch, is O(files)."""
+
+    __slots__ = ("files", "file_starts", "slots", "slot_starts", "file_keys", "file_grids")
+    files: Any
+    """Each file's sample count (int64 array)."""
+    file_starts: Any
+    slots: Any
+    """Slot k of the epoch holds file `slots[k]`..."""
+    slot_starts: Any
+    """...from position `slot_starts[k]` (one more entry: the end)."""
+    file_keys: list[Any]
+    file_grids: tuple[Any, Any]
+
+    def __init__(self, size: int, files: Sequence[int], seed: int | None, epoch: int) -> None:
+        import numpy as np
+
+        super().__init__(size, () if seed is None else _key_schedule(seed, epoch))
+        sizes = np.asarray(files, dtype=np.int64)
+        starts = np.zeros(sizes.size, dtype=np.int64)
+        np.cumsum(sizes[:-1], out=starts[1:])
+        slots = Order.of(sizes.size, (), seed, epoch).take(np.arange(sizes.size))
+        slot_starts = np.zeros(sizes.size + 1, dtype=np.int64)
+        np.cumsum(sizes[slots], out=slot_starts[1:])
+        set_ = object.__setattr__
+        set_(self, "files", sizes)
+        set_(self, "file_starts", starts)
+        set_(self, "slots", slots)  # slot k of the epoch holds file slots[k]
+        set_(self, "slot_starts", slot_starts)  # ... from position slot_starts[k]
+        if self.keys:
+            # each file's round keys: the epoch's, mixed with the file's index
+            index = np.arange(sizes.size, dtype=np.uint64) + np.uint64(1)
+            mixed = [_mix_many(np.uint64(k) ^ (index * np.uint64(GOLDEN))) for k in self.keys]
+            distinct, which = np.unique(sizes, return_inverse=True)
+            grids = np.array([_grid(int(n)) for n in distinct], dtype=np.int64).reshape(-1, 2)
+            rows, columns = grids[which, 0], grids[which, 1]
+            set_(self, "file_keys", mixed)
+            set_(self, "file_grids", (rows.astype(np.uint64), columns.astype(np.uint64)))
+
+    def __getitem__(self, position: int) -> int:
+        if not 0 <= position < self.size:
+            raise IndexError(f"position {position} is outside [0, {self.size})")
+        return int(self.take((position,))[0])
+
+    def take(self, positions: npt.ArrayLike) -> Indices:
+        import numpy as np
+
+        at = np.asarray(positions, dtype=np.int64)
+        if at.size and (at.min() < 0 or at.max() >= self.size):
+            outside = at[(at < 0) | (at >= self.size)]
+            raise IndexError(f"positions outside [0, {self.size}): {outside[:5].tolist()}")
+        slot = np.searchsorted(self.slot_starts, at, side="right") - 1
+        file = self.slots[slot]
+        offset = at - self.slot_starts[slot]
+        if self.keys:
+            offset = self._within(offset.astype(np.uint64), file)
+        return self.file_starts[file] + offset
+
+    def _within(self, x: np.ndarray, file: np.ndarray) -> Indices:
+        """Each offset through its own file's network, cycle walking into the file."""
+        import numpy as np
+
+        sizes = self.files[file].astype(np.uint64)
+        x = self._pass(x, file)
+        walking = np.flatnonzero(x >= sizes)
+        while walking.size:
+            x[walking] = self._pass(x[walking], file[walking])
+            walking = walking[x[walking] >= sizes[walking]]
+        return x.astype(np.int64)
+
+    def _pass(self, x: np.ndarray, file: np.ndarray) -> np.ndarray:
+        rows, columns = self.file_grids[0][file], self.file_grids[1][file]
+        rounds = []
+        for key in self.file_keys:
+            rounds.append((key[file], rows, columns))
+            rows, columns = columns, rows
+        return _feistel(x, rounds)
+
+    def pieces(self, ranges: Iterable[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
+        import numpy as np
+
+        for start, stop in ranges:
+            slot = int(np.searchsorted(self.slot_starts, [start], side="right")[0]) - 1
+            while start < stop:
+                end = min(stop, int(self.slot_starts[slot + 1]))
+                yield start, end, int(self.slots[slot])
+                start, slot = end, slot + 1
+
+
+GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix_many(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over uint64s: spreads a file index into a round key."""
+    import numpy as np
+
+    z = z.copy()
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(MIX1)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(MIX2)
+    z ^= z >> np.uint64(31)
+    return z
+
+
+_FILE_ORDERS: dict[tuple[int, int | None, int], tuple[Sequence[int], FileOrder]] = {}
+
+
+def _file_order(size: int, files: Sequence[int], seed: int | None, epoch: int) -> FileOrder:
+    """One FileOrder per (files, seed, epoch) in use, found by the files' identity (hashing
+    100,000 file sizes at every step would cost more than the order)."""
+    key = (id(files), seed, epoch)
+    hit = _FILE_ORDERS.get(key)
+    if hit is not None and hit[0] is files:
+        return hit[1]
+    order = FileOrder(size, files, seed, epoch)
+    if len(_FILE_ORDERS) >= 16:
+        _FILE_ORDERS.pop(next(iter(_FILE_ORDERS)))
+    _FILE_ORDERS[key] = (files, order)
+    return order
 
 
 @functools.cache

@@ -62,14 +62,3 @@ def _slice(ranges: Iterable[Range], offset: int, count: int) -> tuple[Range, ...
 
 def range_count(ranges: Iterable[Range]) -> int:
     return sum(stop - start for start, stop in ranges)
-
-
-def consumed(base_step: int, step: int, batch_size: int) -> int:
-    """Samples of its shard a rank has used once steps [base_step, step) are committed."""
-    return max(0, step - base_step) * batch_size
-
-
-def exhausted(shards: Iterable[Shard], base_step: int, next_step: int, batch_size: int) -> bool:
-    """True when no rank has a sample left for `next_step`."""
-    used = consumed(base_step, next_step, batch_size)
-    return all(shard.size <= used for shard in shards)

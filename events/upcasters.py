@@ -52,6 +52,24 @@ def _config_gained_shuffle(body: Body) -> Body:
     return {**body, "config": {**config, "shuffle": False}}
 
 
+@upcaster("Join", 2)
+@upcaster("WorkerJoined", 1)
+def _node_and_dataset_unsaid(body: Body) -> Body:
+    """Joins before v3 described no machine and declared no dataset (both default to None)."""
+    return body
+
+
+@upcaster("JobConfigured", 2)
+def _config_gained_placement(body: Body) -> Body:
+    """A v2 config dealt contiguously with no global batch (today's defaults for the new
+    fields), and one that left out its dataset size meant v2's default of 60000 (today's
+    None would wait for a worker to declare one)."""
+    config = body.get("config")
+    if not isinstance(config, dict) or "dataset_size" in config:
+        return body
+    return {**body, "config": {**config, "dataset_size": 60_000}}
+
+
 def upcast(body: Body) -> Body:
     """Apply every upcaster from the body's version up to the newest one known."""
     type_, v = body.get("type"), body.get("v", 1)

@@ -29,10 +29,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from cohort.events import deal
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.keys import check_job
 from cohort.events.order import Order
-from cohort.events.shards import Range, exhausted
+from cohort.events.shards import Range
 
 from . import checkpoints
 from . import view as views
@@ -95,6 +96,12 @@ class Step:
     world_size: int
     ranges: tuple[Range, ...]
     order: Order
+    micro: tuple[tuple[Range, ...], ...] = ((),)
+    """`ranges` in micro-batches of at most the job's `batch_size` (several only when a
+    constant global batch gives this rank more)."""
+    weight: float = 1.0
+    """This rank's gradient weight in the world's mean (events/deal.py `weight`): 1 unless
+    the job keeps a constant global batch."""
 
     @property
     def samples(self) -> Indices:
@@ -286,6 +293,7 @@ class Elastic:
         ranges = self.worker.batch(self.step)
         view = self.worker.view
         plan = view.plan
+        assert view.config is not None
         self.current = Step(
             step=self.step,
             world=assignment.world_version,
@@ -294,6 +302,8 @@ class Elastic:
             world_size=assignment.world_size,
             ranges=ranges,
             order=views.order_for(view, self.step),
+            micro=deal.micro_batches(view.config, ranges),
+            weight=views.weight(view, self.step),
         )
         return self.current
 
@@ -360,7 +370,7 @@ class Elastic:
             return True
         if plan is None:
             return False
-        epoch_done = exhausted(plan.shards, plan.base_step, step.step + 1, config.batch_size)
+        epoch_done = deal.exhausted(config, plan.shards, plan.base_step, step.step + 1)
         return config.end_reason(step.step, step.epoch, epoch_done) is not None
 
     def _settle(self) -> None:
@@ -496,14 +506,19 @@ class ElasticJob(Elastic):
         return params
 
     def allreduce(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        """The mean of `tensors` over the ranks, for the current step."""
-        assert self.current is not None, "allreduce() inside a step"
+        """The mean of `tensors` (this rank's mean gradients over its batch) over the ranks,
+        for the current step; with a constant global batch, weighted by each rank's share
+        of the step's samples, so every sample counts alike."""
+        current = self.current
+        assert current is not None, "allreduce() inside a step"
         if not self.before_apply():
-            raise WorldChangedError(self.current.step, self.worker.assignment)
+            raise WorldChangedError(current.step, self.worker.assignment)
+        if current.weight != 1.0:
+            tensors = {name: value * current.weight for name, value in tensors.items()}
         return self.collective.allreduce(  # type: ignore[return-value]
             tensors,  # type: ignore[arg-type]
-            self.current.step,
-            world=self.current.world,
+            current.step,
+            world=current.world,
         )
 
     def step_of(self, step: Step) -> _Guard:

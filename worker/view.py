@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from cohort.events import deal
 from cohort.events import models as m
 from cohort.events.order import Order
 from cohort.events.shards import Range, Shard
@@ -89,6 +90,8 @@ class Assignment:
 class View:
     worker: str
     config: m.JobConfig | None = None
+    dataset: m.Dataset | None = None
+    """What the job trains on (its config's size, or the dataset a worker declared)."""
     members: frozenset[str] = frozenset()
     status: Status = "outside"
     joins: int = 0
@@ -194,7 +197,11 @@ def evolve(view: View, fact: m.Fact) -> View:
     me = view.worker
     match fact:
         case m.JobConfigured():
-            return replace(view, config=fact.config)
+            size = fact.config.dataset_size
+            dataset = view.dataset if size is None else m.Dataset(size=size)
+            return replace(view, config=fact.config, dataset=dataset)
+        case m.DatasetDeclared():
+            return replace(view, dataset=fact.dataset)
         case m.LeaderElected():
             return view
         case m.WorkerJoined():
@@ -305,13 +312,6 @@ def fold(facts: Iterable[m.Fact], view: View) -> View:
     return view
 
 
-def take(shard: Shard, base_step: int, step: int, batch_size: int) -> tuple[Range, ...]:
-    """The sample ranges of the batch at `step` for the rank holding `shard` from `base_step`."""
-    if step < base_step:
-        raise ValueError(f"step {step} precedes the shard's base step {base_step}")
-    return shard.take((step - base_step) * batch_size, batch_size)
-
-
 def plan_for(view: View, step: int) -> Plan:
     """The latest plan with base_step <= `step` (the one `step` trains under)."""
     for plan in reversed(view.plans):
@@ -332,13 +332,20 @@ def batch(view: View, step: int) -> tuple[Range, ...]:
             f"worker {view.worker!r} holds no rank at step {step} "
             f"(world {plan.world_version} ranks: {list(plan.ranks)})"
         )
-    shard = plan.shards[plan.ranks.index(view.worker)]
-    return take(shard, plan.base_step, step, config.batch_size)
+    return deal.batch(config, plan.shards, plan.ranks.index(view.worker), plan.base_step, step)
+
+
+def weight(view: View, step: int) -> float:
+    """This worker's gradient weight at `step` (events/deal.py `weight`)."""
+    config = _configured(view)
+    plan = plan_for(view, step)
+    rank = plan.ranks.index(view.worker)
+    return deal.weight(config, plan.shards, rank, plan.base_step, step)
 
 
 def order_for(view: View, step: int) -> Order:
     """The order of the data epoch `step` trains in: the sample at each of its positions."""
-    return _configured(view).order(plan_for(view, step).epoch)
+    return _configured(view).order(plan_for(view, step).epoch, view.dataset)
 
 
 def _configured(view: View) -> m.JobConfig:

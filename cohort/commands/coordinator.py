@@ -46,8 +46,32 @@ if TYPE_CHECKING:
     type=float,
     help="Seconds of silence before a worker is failed (default 5).",
 )
-@click.option("--dataset-size", type=int, help="Samples per epoch (default 60000).")
-@click.option("--batch-size", type=int, help="Samples per rank per step (default 32).")
+@click.option(
+    "--dataset-size",
+    type=int,
+    help="Samples per epoch (default: the dataset the first worker to join declares; a "
+    "worker declaring other data is refused).",
+)
+@click.option(
+    "--batch-size",
+    type=int,
+    help="Samples per rank per step; with --global-batch, the most per forward (default 32).",
+)
+@click.option(
+    "--global-batch",
+    type=int,
+    help="Keep this many samples per step whatever the world size: ranks split them and "
+    "accumulate micro-batches of --batch-size, so the update equals a bigger world's "
+    "(default: --batch-size per rank; the global batch follows the world).",
+)
+@click.option(
+    "--placement",
+    type=click.Choice(["contiguous", "strided", "hash", "locality"]),
+    help="How each epoch's samples are dealt to ranks: contiguous runs, strided (rank r "
+    "takes r, r+n, ...: the global batches follow the epoch's order at any world size), or, "
+    "for a dataset of files, hash (a worker keeps its files across epochs and worlds) or "
+    "locality (files the worker's node holds first). Default: contiguous.",
+)
 @click.option(
     "--shuffle/--no-shuffle",
     default=None,

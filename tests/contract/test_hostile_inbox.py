@@ -109,7 +109,11 @@ def test_no_inbox_entry_stops_the_leader_and_each_is_decided_or_dead_lettered(
     leader = Coordinator.on_redis(
         conn,
         ServiceSettings(
-            job=JOB, coordinator="c", block_ms=1, config=JobConfig(), allow_volatile=True
+            job=JOB,
+            coordinator="c",
+            block_ms=1,
+            config=JobConfig(dataset_size=60_000),
+            allow_volatile=True,
         ),
     )
     leader.start()

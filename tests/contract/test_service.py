@@ -28,7 +28,7 @@ def settings(name: str, **config: object) -> ServiceSettings:
     return ServiceSettings(
         job=JOB,
         coordinator=name,
-        config=JobConfig(**{"min_workers": 1, **config}),  # type: ignore[arg-type]
+        config=JobConfig(**{"min_workers": 1, "dataset_size": 60_000, **config}),  # type: ignore[arg-type]
         lease_ms=2000,
         block_ms=10,
         snapshot_every=5,

@@ -9,7 +9,7 @@ import pytest
 
 from cohort.coordinator.audit import audit
 from cohort.coordinator.fold import fold
-from cohort.coordinator.shards import leftover, merge
+from cohort.events.deal import leftover, merge
 from cohort.events.models import StepCommitted, WorkerFailed, WorldChanged
 from cohort.localredis import LocalRedis
 
@@ -74,7 +74,10 @@ def test_killed_worker_is_failed_within_timeout_and_its_shard_is_reassigned(
     assert report.ok, report
     # The new world's shards hold exactly what was left of the epoch, w1's part included.
     before = fold(f for i, f in cluster.facts if i < world_id)
-    left = leftover(before.shards, before.base_step, world.start_step, 8, before.unassigned)
+    assert before.config is not None
+    left = leftover(
+        before.config, before.shards, before.base_step, world.start_step, before.unassigned
+    )
     assigned = merge(sorted(r for s in world.shards for r in s.ranges))
     assert assigned == merge(sorted(left))
     for proc in cluster.procs:

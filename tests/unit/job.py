@@ -27,6 +27,7 @@ class Job:
         self.core = Core()
         self.now = 1_000.0
         self.journal: list[Fact] = []
+        config = {"dataset_size": 60_000, **config}
         self._record(self.core.take_over(JOB, JobConfig(**config), "c1", 1, self.now))
 
     # ------------------------------------------------------------ plumbing

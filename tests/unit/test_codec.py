@@ -26,6 +26,7 @@ from cohort.events.models import (
     Leave,
     StepCommitted,
     StepDone,
+    WorkerJoined,
     WorldChanged,
 )
 from cohort.events.shards import Shard
@@ -42,7 +43,32 @@ def test_every_upcaster_has_a_stored_old_version_fixture() -> None:
 def test_join_v1_reads_as_today_s_join() -> None:
     join = decode_command((FIXTURES / "Join.v1.msgpack").read_bytes())
     assert isinstance(join, Join)
-    assert (join.v, join.worker, join.host, join.pid) == (2, "w-old", "h1", 42)
+    assert (join.v, join.worker, join.host, join.pid) == (3, "w-old", "h1", 42)
+
+
+def test_a_join_or_joined_before_v3_describes_no_machine_and_declares_no_dataset() -> None:
+    join = decode_command((FIXTURES / "Join.v2.msgpack").read_bytes())
+    assert isinstance(join, Join)
+    assert (join.v, join.worker, join.node, join.dataset) == (3, "w-v2", None, None)
+    joined = decode_fact((FIXTURES / "WorkerJoined.v1.msgpack").read_bytes())
+    assert isinstance(joined, WorkerJoined)
+    assert (joined.v, joined.worker, joined.pid, joined.node) == (2, "w-v1", 9, None)
+
+
+def test_a_v2_job_config_deals_contiguously_with_no_global_batch() -> None:
+    fact = decode_fact((FIXTURES / "JobConfigured.v2.msgpack").read_bytes())
+    assert isinstance(fact, JobConfigured)
+    assert fact.v == 3 and fact.config.shuffle is True
+    assert (fact.config.dataset_size, fact.config.seed, fact.config.epochs) == (2000, 5, 2)
+    assert (fact.config.placement, fact.config.global_batch) == ("contiguous", None)
+
+
+def test_a_config_that_left_out_its_dataset_size_keeps_v2_s_default() -> None:
+    body = {"type": "JobConfigured", "v": 2, "at": 1.0, "job": "j", "config": {}}
+    fact = decode_fact(msgpack.packb(body))
+    assert isinstance(fact, JobConfigured)
+    assert fact.config.dataset_size == 60_000
+    assert JobConfig().dataset_size is None  # today a job may wait for a worker to declare
 
 
 def test_heartbeat_v1_reads_with_unknown_progress() -> None:
@@ -56,7 +82,7 @@ def test_a_v1_job_config_keeps_its_unshuffled_epochs() -> None:
     positions still are its samples, whatever today's default says."""
     fact = decode_fact((FIXTURES / "JobConfigured.v1.msgpack").read_bytes())
     assert isinstance(fact, JobConfigured)
-    assert fact.v == 2 and fact.config.shuffle is False
+    assert fact.v == 3 and fact.config.shuffle is False
     assert (fact.config.dataset_size, fact.config.epochs) == (1000, 3)
     assert fact.config.order(1).samples(((0, 5),)).tolist() == [0, 1, 2, 3, 4]
     assert JobConfig().shuffle is True  # a new job shuffles

@@ -48,7 +48,9 @@ class Setup:
         self.lease_ms = lease_ms
         self.lease = MemoryLease(self.clock, lease_ms=lease_ms)
         self.log = MemoryLog(self.clock, self.lease)
-        self.config = JobConfig(**{"min_workers": 1, "heartbeat_timeout": 5.0, **config})
+        self.config = JobConfig(
+            **{"min_workers": 1, "heartbeat_timeout": 5.0, "dataset_size": 60_000, **config}
+        )
 
     def coordinator(
         self,

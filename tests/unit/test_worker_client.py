@@ -86,7 +86,9 @@ def leader(server: fakeredis.FakeServer) -> Leader:
     lead.say(
         fact(
             m.JobConfigured,
-            config=m.JobConfig(heartbeat_interval=0.05, heartbeat_timeout=1.0, batch_size=4),
+            config=m.JobConfig(
+                heartbeat_interval=0.05, heartbeat_timeout=1.0, batch_size=4, dataset_size=60_000
+            ),
         )
     )
     return lead
@@ -180,7 +182,10 @@ def test_a_worker_started_before_any_coordinator_heartbeats_until_its_join_is_an
         assert leader.expect("Heartbeat").worker == ME
     wait_until(lambda: sum("waiting for a coordinator" in r.message for r in caplog.records) >= 2)
     assert not done.done()
-    leader.say(fact(m.JobConfigured, config=m.JobConfig()), fact(m.WorkerJoined, worker=ME))
+    leader.say(
+        fact(m.JobConfigured, config=m.JobConfig(dataset_size=60_000)),
+        fact(m.WorkerJoined, worker=ME),
+    )
     done.result(timeout=5)
     assert worker.view.member
     kinds = [decode_command(e.raw or b"").type for e in leader.inbox.range()]
@@ -262,7 +267,7 @@ def test_heartbeats_follow_a_config_journaled_after_the_join(server, make_worker
     worker = make_worker()
     done = pool.submit(worker.join, 5)
     leader.expect("Join")
-    config = m.JobConfig(heartbeat_interval=0.05, heartbeat_timeout=0.3)
+    config = m.JobConfig(heartbeat_interval=0.05, heartbeat_timeout=0.3, dataset_size=60_000)
     leader.say(fact(m.JobConfigured, config=config), fact(m.WorkerJoined, worker=ME))
     done.result(timeout=5)
     for _ in range(3):
@@ -294,7 +299,9 @@ def test_wait_active_returns_the_assignment_and_batches_follow_it(
 def test_samples_are_the_batch_s_positions_in_the_epoch_s_order(leader, make_worker, pool) -> None:
     worker = make_worker()
     active(leader, worker, pool, ranks=("x", ME))
-    order = m.JobConfig().order(0)  # the job's config: shuffled, seed 0, 60000 samples
+    order = m.JobConfig(dataset_size=60_000).order(
+        0
+    )  # the job's config: shuffled, seed 0, 60000 samples
     assert worker.samples(0).tolist() == [order[p] for p in range(10, 14)]
     assert worker.samples(0).tolist() != [10, 11, 12, 13]
 

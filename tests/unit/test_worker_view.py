@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cohort.events import models as m
+from cohort.events.deal import batch as deal_batch
 from cohort.events.shards import Range, Shard
 from cohort.worker.errors import NotAssigned
-from cohort.worker.view import KEEP_PLANS, View, batch, evolve, fold, take
+from cohort.worker.view import KEEP_PLANS, View, batch, evolve, fold
 
 JOB = "unit"
 ME = "me"
@@ -39,7 +40,10 @@ def world(version: int, start: int, ranks: tuple[str, ...], shards: tuple[Shard,
 
 
 def configured(**config: Any) -> View:
-    return evolve(View(worker=ME), fact(m.JobConfigured, config=m.JobConfig(**config)))
+    return evolve(
+        View(worker=ME),
+        fact(m.JobConfigured, config=m.JobConfig(**{"dataset_size": 60_000, **config})),
+    )
 
 
 def indices(ranges: tuple[Range, ...]) -> list[int]:
@@ -187,9 +191,9 @@ def test_batch_needs_a_configured_job() -> None:
         batch(view, 0)
 
 
-def test_take_refuses_a_step_before_its_base() -> None:
+def test_a_batch_before_its_world_s_base_step_is_refused() -> None:
     with pytest.raises(ValueError, match="precedes"):
-        take(Shard(ranges=((0, 4),)), 5, 4, 2)
+        deal_batch(m.JobConfig(batch_size=2), (Shard(ranges=((0, 4),)),), 0, 5, 4)
 
 
 @settings(max_examples=150, deadline=None)

@@ -1,0 +1,293 @@
+"""How each epoch's positions are dealt to ranks, so every sample is used exactly once.
+
+Pure, and shared: the leader deals a world's shards, every worker cuts its batches from
+them, the audit and the lineage read them back. An epoch is a sequence of positions
+(events/order.py maps each to a sample); a world starts with `rest`, the positions no
+committed step has used, and a rank uses `counts(config, n)[rank]` of them per step:
+`batch_size` each, or its share of a constant `global_batch` (sizes differ by at most one).
+When the world changes at step S, what its ranks did not use by S is dealt again.
+
+The placements (the job config's `placement`):
+
+- contiguous: rank r holds the r-th run of `rest`, in proportion to its share, and reads
+  it front to back.
+- strided: every rank holds all of `rest`; step j's span of it (the global batch) is
+  dealt item by item, rank r taking items r, r + n, r + 2n ... So the world uses `rest`
+  strictly in order: the global batches follow the epoch's order whatever the world
+  size, and with a constant global batch they are the same batches whatever the world did.
+- hash: a dataset of files; each file goes to the rank that ranks highest for it
+  (rendezvous hashing of worker and file), up to the rank's share: a worker keeps most
+  of its files from one epoch and one world to the next, and a leaver's files move.
+- locality: a dataset of files; each file goes to the rank scoring highest by the
+  seed's best-node score: locality 0.5 (the node holds the file, or its declared score),
+  load 0.3 (how little of its share it has yet), hardware 0.2 (GPUs and their memory,
+  against the best in the world); ties by the hash. Up to each rank's share, as above.
+
+Every placement but strided leaves a rank with runs of positions it reads in order, so
+one bookkeeping serves them ("runs"); strided has its own ("dealt").
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .models import JobConfig, Node
+from .order import Order
+from .shards import Range, Shard, range_count
+
+if TYPE_CHECKING:
+    import numpy as np
+
+LOCALITY, LOAD, HARDWARE = 0.5, 0.3, 0.2
+"""The weights of the best-node score (the SeaweedFS coordinator seed's)."""
+
+
+def counts(config: JobConfig, n: int) -> tuple[int, ...]:
+    """Samples each of `n` ranks uses per step."""
+    if config.global_batch is None:
+        return (config.batch_size,) * n
+    size, extra = divmod(config.global_batch, n) if n else (0, 0)
+    return tuple(size + (1 if rank < extra else 0) for rank in range(n))
+
+
+def merge(ranges: Iterable[Range]) -> tuple[Range, ...]:
+    """Join ranges that touch, keeping order (fewer ranges in every fact)."""
+    out: list[Range] = []
+    for start, stop in ranges:
+        if start >= stop:
+            continue
+        if out and out[-1][1] == start:
+            out[-1] = (out[-1][0], stop)
+        else:
+            out.append((start, stop))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- dealing a world
+
+
+def split(
+    config: JobConfig,
+    rest: Sequence[Range],
+    ranks: Sequence[str],
+    order: Order,
+    nodes: Mapping[str, Node | None],
+) -> tuple[Shard, ...]:
+    """`rest` dealt to `ranks` by the config's placement; `order` is the epoch's (its
+    files), `nodes` what each worker said of its machine."""
+    n = len(ranks)
+    if n == 0:
+        return ()
+    rest = merge(rest)
+    match config.placement:
+        case "strided":
+            return (Shard(ranges=rest),) * n
+        case "hash" | "locality":
+            return _by_file(config, rest, ranks, order, nodes)
+        case _:
+            return _runs(rest, _shares(range_count(rest), counts(config, n)))
+
+
+def _shares(total: int, weights: Sequence[int]) -> list[int]:
+    """`total` in proportion to `weights`, whole, the remainder one each to the first."""
+    whole = sum(weights)
+    if whole == 0:
+        return [0] * len(weights)
+    shares = [total * w // whole for w in weights]
+    for rank in range(total - sum(shares)):
+        shares[rank % len(shares)] += 1
+    return shares
+
+
+def _runs(rest: Sequence[Range], shares: Sequence[int]) -> tuple[Shard, ...]:
+    """`rest` cut front to back into consecutive runs of `shares` positions."""
+    whole = Shard(ranges=tuple(rest))
+    out, offset = [], 0
+    for share in shares:
+        out.append(Shard(ranges=merge(whole.take(offset, share))))
+        offset += share
+    return tuple(out)
+
+
+def _by_file(
+    config: JobConfig,
+    rest: Sequence[Range],
+    ranks: Sequence[str],
+    order: Order,
+    nodes: Mapping[str, Node | None],
+) -> tuple[Shard, ...]:
+    """The hash and locality placements: `rest` cut into pieces of one file each, every
+    piece to the best rank with room left (pieces split where a rank's share runs out)."""
+    import numpy as np
+
+    n = len(ranks)
+    room = np.array(_shares(range_count(rest), counts(config, n)), dtype=np.int64)
+    shares = room.astype(np.float64)
+    given: list[list[Range]] = [[] for _ in ranks]
+    workers = _worker_hashes(ranks)
+    described = [nodes.get(w) or Node() for w in ranks]
+    score = None
+    if config.placement == "locality":
+        score = _Locality(described, shares)
+    for start, stop, file in order.pieces(rest):
+        tie = _mix(workers ^ _mix(np.uint64(file + 1)))
+        while start < stop:
+            open_ = room > 0
+            if score is None:
+                best = _best(np.where(open_, 1.0, -1.0), tie)
+            else:
+                best = _best(np.where(open_, score.of(file, room), -np.inf), tie)
+            take = min(stop - start, int(room[best]))
+            given[best].append((start, start + take))
+            room[best] -= take
+            start += take
+    return tuple(Shard(ranges=merge(runs)) for runs in given)
+
+
+def _best(scores: np.ndarray, tie: np.ndarray) -> int:
+    """The index of the highest score; among equals, of the highest hash."""
+    import numpy as np
+
+    top = np.flatnonzero(scores == scores.max())
+    return int(top[np.argmax(tie[top])]) if top.size > 1 else int(top[0])
+
+
+class _Locality:
+    """The best-node score of every rank for a file, as its share fills: the load term is
+    the part of its share still free."""
+
+    def __init__(self, nodes: Sequence[Node], shares: np.ndarray) -> None:
+        import numpy as np
+
+        self.nodes, self.shares = nodes, shares
+        self.declared = np.array([node.locality for node in nodes])
+        gpus = np.array([node.gpus for node in nodes], dtype=np.float64)
+        memory = np.array([node.gpu_memory for node in nodes], dtype=np.float64)
+        self.hardware = 0.5 * _against_best(gpus) + 0.5 * _against_best(memory)
+        self._holding: dict[int, np.ndarray] = {}
+
+    def of(self, file: int, room: np.ndarray) -> np.ndarray:
+        import numpy as np
+
+        local = self._holding.get(file)
+        if local is None:
+            local = np.where([node.holds(file) for node in self.nodes], 1.0, self.declared)
+            self._holding[file] = local
+        free = np.divide(room, self.shares, out=np.zeros_like(self.shares), where=self.shares > 0)
+        return LOCALITY * local + LOAD * free + HARDWARE * self.hardware  # type: ignore[no-any-return]
+
+
+def _against_best(values: np.ndarray) -> np.ndarray:
+    import numpy as np
+
+    top = values.max() if values.size else 0.0
+    return values / top if top > 0 else np.zeros_like(values)
+
+
+def _worker_hashes(ranks: Sequence[str]) -> np.ndarray:
+    import numpy as np
+
+    digests = (hashlib.blake2b(w.encode(), digest_size=8).digest() for w in ranks)
+    return np.array([int.from_bytes(d, "little") for d in digests], dtype=np.uint64)
+
+
+def _mix(z: Any) -> np.ndarray:
+    """splitmix64's finaliser: a well-spread 64-bit hash of each value."""
+    import numpy as np
+
+    z = np.array(z, dtype=np.uint64)
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return z
+
+
+# ---------------------------------------------------------------- reading a world
+
+
+def batch(
+    config: JobConfig, shards: Sequence[Shard], rank: int, base_step: int, step: int
+) -> tuple[Range, ...]:
+    """The positions rank `rank` uses at `step`, in a world dealt `shards` from `base_step`."""
+    if step < base_step:
+        raise ValueError(f"step {step} precedes the world's base step {base_step}")
+    n, done = len(shards), step - base_step
+    count = counts(config, n)[rank]
+    shard = shards[rank]
+    if config.placement != "strided":
+        return shard.take(done * count, count)
+    span = sum(counts(config, n))
+    items = range(done * span + rank, min((done + 1) * span, shard.size), n)
+    return merge(r for item in items for r in shard.take(item, 1))
+
+
+def used(config: JobConfig, shards: Sequence[Shard], base_step: int, next_step: int) -> int:
+    """Positions the world's steps [base_step, next_step) used, over all ranks."""
+    done = max(0, next_step - base_step)
+    n = len(shards)
+    if config.placement == "strided":
+        return min(done * sum(counts(config, n)), shards[0].size) if n else 0
+    return sum(min(done * c, s.size) for c, s in zip(counts(config, n), shards, strict=True))
+
+
+def step_total(config: JobConfig, shards: Sequence[Shard], base_step: int, step: int) -> int:
+    """Positions the whole world uses at `step` (fewer than a full step's only at an
+    epoch's end)."""
+    return used(config, shards, base_step, step + 1) - used(config, shards, base_step, step)
+
+
+def weight(
+    config: JobConfig, shards: Sequence[Shard], rank: int, base_step: int, step: int
+) -> float:
+    """What rank `rank`'s mean gradient at `step` is multiplied by before the ranks' mean,
+    so that the update weighs every sample of the global batch alike: its share of the
+    step's samples times the world size. 1 without a `global_batch`: each rank's batch
+    counts the same, as under DDP."""
+    if config.global_batch is None:
+        return 1.0
+    total = step_total(config, shards, base_step, step)
+    if total == 0:
+        return 0.0
+    mine = range_count(batch(config, shards, rank, base_step, step))
+    return mine * len(shards) / total
+
+
+def leftover(
+    config: JobConfig,
+    shards: Sequence[Shard],
+    base_step: int,
+    next_step: int,
+    unassigned: Shard | None = None,
+) -> tuple[Range, ...]:
+    """What is left of the epoch when `next_step` is the first uncommitted step."""
+    done = max(0, next_step - base_step)
+    rest: list[Range] = []
+    if config.placement == "strided":
+        if shards:
+            rest.extend(shards[0].skip(used(config, shards, base_step, next_step)).ranges)
+    else:
+        for count, shard in zip(counts(config, len(shards)), shards, strict=True):
+            rest.extend(shard.skip(done * count).ranges)
+    if unassigned is not None:
+        rest.extend(unassigned.ranges)
+    return merge(rest)
+
+
+def exhausted(config: JobConfig, shards: Sequence[Shard], base_step: int, next_step: int) -> bool:
+    """True when no rank has a position left for `next_step`."""
+    total = shards[0].size if config.placement == "strided" and shards else None
+    if total is None:
+        total = sum(s.size for s in shards)
+    return used(config, shards, base_step, next_step) >= total
+
+
+def micro_batches(config: JobConfig, ranges: Sequence[Range]) -> tuple[tuple[Range, ...], ...]:
+    """A rank's batch cut into pieces of at most `batch_size` (one forward and backward
+    each): several only with a `global_batch` bigger than the world's `batch_size`s."""
+    whole = Shard(ranges=tuple(ranges))
+    size = config.batch_size
+    return tuple(whole.take(at, size) for at in range(0, whole.size, size)) or ((),)
