@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cohort.events.connection import RedisSettings, connect
+    from cohort.events.models import Dataset, Node
     from cohort.events.shards import Range, Shard
     from cohort.worker import checkpoints as checkpoints
     from cohort.worker import torch_api as torch
@@ -54,11 +55,13 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeout",
     "CommitTimeout",
+    "Dataset",
     "ElasticJob",
     "Finished",
     "GpuAdvice",
     "JoinRefusedError",
     "JoinTimeout",
+    "Node",
     "NotAssigned",
     "Range",
     "RedisSettings",
@@ -78,6 +81,8 @@ __all__ = [
 _HOMES = {
     "RedisSettings": "cohort.events.connection",
     "connect": "cohort.events.connection",
+    "Dataset": "cohort.events.models",
+    "Node": "cohort.events.models",
     "Range": "cohort.events.shards",
     "Shard": "cohort.events.shards",
     "Worker": "cohort.worker.client",

@@ -34,11 +34,13 @@ from cohort.events.keys import Keys
 from cohort.events.models import (
     CheckpointWritten,
     Command,
+    Dataset,
     GpuDevice,
     GpuReading,
     Heartbeat,
     Join,
     Leave,
+    Node,
     StepDone,
     WeightsLoaded,
     finished_refusal,
@@ -62,6 +64,7 @@ from .errors import (
     WorldChangedError,
 )
 from .gpu import GpuProbe
+from .node import describe as describe_node
 from .outbox import Outbox
 from .retry import AnyOf, Halt, Link, describe, with_retry
 from .view import Assignment, GpuAdvice, View
@@ -98,8 +101,14 @@ class Worker:
         log: logging.Logger | None = None,
         gpu_interval: float | None = None,
         gpu_probe: GpuProbe | None = None,
+        dataset: Dataset | None = None,
+        node: Node | None = None,
     ) -> None:
         self.conn = conn
+        self.dataset = dataset
+        """The data this worker trains on, declared in its Join (None: it takes the job's)."""
+        self.node = node
+        """What it says of its machine (None: described when it joins, worker/node.py)."""
         self.keys = Keys(job)
         self.job = job
         self.id = worker_id or default_worker_id()
@@ -130,6 +139,16 @@ class Worker:
         self._gpu_probe = gpu_probe
         self._advice_callbacks: list[Callable[[GpuAdvice], None]] = []
         self._outbox = self._new_outbox()
+
+    def _node(self) -> Node:
+        if self.node is None:
+            probe = self._gpu_probe or gpu.probe(self.log)
+            try:
+                self.node = describe_node(probe)
+            finally:
+                if probe is not self._gpu_probe:
+                    probe.close()
+        return self.node
 
     # ------------------------------------------------------------ reading
     @property
@@ -218,6 +237,8 @@ class Worker:
                     worker=self.id,
                     host=socket.gethostname()[:255],
                     pid=os.getpid(),
+                    node=self._node(),
+                    dataset=self.dataset,
                 ),
                 deadline=deadline,
                 stop=halt,

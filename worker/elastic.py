@@ -25,13 +25,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cohort.events import deal
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.keys import check_job
+from cohort.events.models import Dataset, Node
 from cohort.events.order import Order
 from cohort.events.shards import Range
 
@@ -47,6 +48,8 @@ from .errors import (
     WorkerError,
     WorldChangedError,
 )
+from .node import describe as describe_node
+from .node import ranges_of
 from .view import Assignment, View
 
 if TYPE_CHECKING:
@@ -114,8 +117,32 @@ class Step:
         return self.samples.tolist()  # type: ignore[no-any-return]
 
 
+def as_dataset(data: Any) -> Dataset | None:
+    """What a worker declares of `data`: a cohort.Dataset as it is; any sized dataset (a
+    torch Dataset) by its length and its `fingerprint` attribute if it has one (a version
+    tag or content hash: it lets the leader refuse a worker holding other data of the same
+    size), else its class's name."""
+    if data is None or isinstance(data, Dataset):
+        return data
+    try:
+        size = len(data)
+    except TypeError:
+        raise WorkerError(
+            f"dataset= takes a cohort.Dataset or a dataset with a length, not "
+            f"{type(data).__name__}"
+        ) from None
+    kind = type(data)
+    fingerprint = getattr(data, "fingerprint", None) or f"{kind.__module__}.{kind.__qualname__}"
+    return Dataset(size=size, fingerprint=str(fingerprint)[:128])
+
+
 class Elastic:
-    """A training process's membership of job `job`, and the walk over its steps."""
+    """A training process's membership of job `job`, and the walk over its steps.
+
+    `dataset`: the data this process trains on (a cohort.Dataset, or any dataset with a
+    length), declared when it joins: the job takes the first declaration, and refuses a
+    worker with other data. `node` and `local_files` say what its machine is and which of
+    the dataset's files it holds (worker/node.py describes the rest)."""
 
     def __init__(
         self,
@@ -128,6 +155,9 @@ class Elastic:
         digest_every: int = 50,
         signals: bool = True,
         gpu_interval: float | None = None,
+        dataset: Any = None,
+        node: Node | None = None,
+        local_files: Iterable[int] | Iterable[tuple[int, int]] | None = None,
     ) -> None:
         job = job or os.environ.get(JOB_ENV)
         if not job:
@@ -137,7 +167,16 @@ class Elastic:
             )
         check_job(job)
         self.conn = conn or connect(RedisSettings.resolve(redis_url, client_name=f"cohort-{job}"))
-        self.worker = Worker(self.conn, job, worker_id=worker_id, gpu_interval=gpu_interval)
+        if local_files is not None:
+            node = (node or describe_node()).model_copy(update={"files": ranges_of(local_files)})
+        self.worker = Worker(
+            self.conn,
+            job,
+            worker_id=worker_id,
+            gpu_interval=gpu_interval,
+            dataset=as_dataset(dataset),
+            node=node,
+        )
         self.collective = Collective(self.conn, job, self.worker)
         self.digest_every = digest_every
         if signals:

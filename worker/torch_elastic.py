@@ -33,6 +33,7 @@ from .collective import Collective
 from .elastic import Elastic, Step
 from .errors import WorkerError, WorldChangedError
 from .overlap import OverlappedGradients
+from .torch_loader import StepLoader
 
 BACKEND_ENV = "COHORT_TORCH_BACKEND"
 """Where a script that names no backend finds one (gloo, nccl); unset: through Redis."""
@@ -125,6 +126,11 @@ class ElasticJob(Elastic):
         self.overlapped: OverlappedGradients | None = None
         self._gate: Callable[[threading.Event], bool] = lambda cancelled: True
         self._launch: bool | None = None
+        self._micro: tuple[int, int] = (0, 1)
+        """(index, count) of the micro-batch being trained in the current step."""
+        self._sizes: tuple[int, ...] = ()
+        """The current step's micro-batch sizes."""
+        self._loaders: dict[int, tuple[Any, StepLoader]] = {}
         if backend is not None:
             from .torchdist import Rendezvous
 
@@ -146,14 +152,27 @@ class ElasticJob(Elastic):
         (`overlap=False`: all after backward, as gradient accumulation over several
         backward passes per step needs)."""
         self.attach(TorchState(model, optimizer, scheduler, extra))
-        original = optimizer.step
-        if self.backend is None and overlap:
+        original, original_zero = optimizer.step, optimizer.zero_grad
+        config = self.worker.view.config
+        accumulating = config is not None and config.global_batch is not None
+        if self.backend is None and overlap and not accumulating:
             self.overlapped = OverlappedGradients(model, self.collective, bucket_bytes)
+
+        def zero_grad(this: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            if self._micro[0] > 0:
+                return None  # inside a step's micro-batches: the gradients accumulate
+            return original_zero(*args, **kwargs)
 
         def step(this: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             current = self.current
             if current is None:
                 raise WorkerError("optimizer.step() outside a step of job.batches()")
+            index, count = self._micro
+            if index < count - 1:
+                self._carry(model, index)
+                return None  # the update comes after the step's last micro-batch
+            if self.backend is None:
+                self._scale(model, self._last_factor(current))
             if (self._mean is not None and self._mean.aborted) or not self.before_apply():
                 if self.overlapped is not None:
                     self.overlapped.cancel()
@@ -168,6 +187,7 @@ class ElasticJob(Elastic):
             return original(*args, **kwargs)
 
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+        optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
         if self.backend is not None:
             return _under_ddp(model, self), optimizer
         return model, optimizer
@@ -194,6 +214,30 @@ class ElasticJob(Elastic):
         )
         self._mean = GuardedMean(self.rdzv, self._may_launch)
         self.ddp.register_comm_hook(self._mean, _guarded_allreduce)
+
+    def _carry(self, model: torch.nn.Module, index: int) -> None:
+        """After micro-batch `index` (not the last): the gradients, which hold W / m_index
+        (W: the sum of every sample's gradient so far, m: micro-batch sizes, the loss a mean
+        over each), are rescaled to W / m_next, so that the next backward adds its own mean
+        at the right weight. In place: no second copy of the gradients."""
+        sizes = self._sizes
+        self._scale(model, sizes[index] / sizes[index + 1])
+
+    def _last_factor(self, current: Step) -> float:
+        """What the gradients (W / m_last) are multiplied by before the ranks' mean, so the
+        mean weighs every sample of the global batch alike: m_last * n / total, i.e. the
+        step's weight (this rank's share times n) over its share, times m_last."""
+        mine = sum(self._sizes)
+        return current.weight * self._sizes[-1] / mine if mine else 0.0
+
+    @staticmethod
+    def _scale(model: torch.nn.Module, factor: float) -> None:
+        if factor == 1.0:
+            return
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
 
     def _average_gradients(self, model: torch.nn.Module, current: Step, bucket_bytes: int) -> None:
         """Replace the gradients by their means over the world (WorldChangedError: aborted)."""
@@ -235,8 +279,12 @@ class ElasticJob(Elastic):
             self.close()
 
     def batches(self, loader: Any) -> Iterator[Any]:
-        """This rank's batch of each step of the current data epoch, as `loader` would
-        build it (its dataset and collate function); an empty share still takes part."""
+        """This rank's batches of each step of the current data epoch, as `loader` would
+        build them (its dataset, collate function and worker processes, which load steps
+        ahead: worker/torch_loader.py); an empty share still takes part. With a constant
+        global batch a step may come as several micro-batches: `optimizer.step()` updates
+        after the last of them."""
+        twin = self._loader_for(loader)
         collate = getattr(loader, "collate_fn", None) or torch.utils.data.default_collate
         dataset = loader.dataset
         first = self._peek()
@@ -249,7 +297,30 @@ class ElasticJob(Elastic):
             if not step.ranges:
                 self._empty_step(dataset, collate)
                 continue
-            yield collate([dataset[i] for i in step.indices])
+            self._sizes = tuple(sum(b - a for a, b in part) for part in step.micro)
+            count = len(step.micro)
+            for index in range(count):
+                self._micro = (index, count)
+                if index == count - 1 and self._mean is not None:
+                    self._mean.scale = self._last_factor(step)
+                batch = twin.fetch((step.world, step.step, index))
+                yield batch
+                if self.aborted or self.current is not step:
+                    break  # the world changed under this step: it is retried whole
+            self._micro = (0, 1)
+
+    def _loader_for(self, loader: Any) -> StepLoader:
+        """One twin per script loader, kept: its persistent workers live across epochs."""
+        known = self._loaders.get(id(loader))
+        if known is None or known[0] is not loader:
+            known = (loader, StepLoader(loader, self.worker))
+            self._loaders[id(loader)] = known
+        return known[1]
+
+    def _accumulating(self) -> bool:
+        """Inside a micro-batch before a step's last (DDP must not reduce its gradients)."""
+        index, count = self._micro
+        return index < count - 1
 
     def _empty_step(self, dataset: Any, collate: Any) -> None:
         """No sample for this rank this step: zero gradients still go into the average.
@@ -295,6 +366,9 @@ def _under_ddp(model: torch.nn.Module, job: ElasticJob) -> torch.nn.Module:
             return base.__call__(self, *args, **kwargs)
         job._inside_ddp = True
         try:
+            if job._accumulating():
+                with ddp.no_sync():  # reduced with the step's last micro-batch
+                    return ddp(*args, **kwargs)
             return ddp(*args, **kwargs)
         finally:
             job._inside_ddp = False
@@ -319,6 +393,8 @@ class GuardedMean:
         brings this rank's part)."""
         self.dog = rdzv.watchdog
         self.size = dist.get_world_size()
+        self.scale = 1.0
+        """This rank's gradient weight in the mean (a constant global batch's, else 1)."""
         self.aborted = False
         self._pending: dict[int, tuple[torch.futures.Future[torch.Tensor], torch.Tensor]] = {}
         """The results DDP waits for, by id, with their buckets: what a trip completes."""
@@ -332,7 +408,7 @@ class GuardedMean:
         if self.dog.tripped.is_set() or not self.may_launch():
             self._zeros(result, tensor)
             return result
-        tensor.div_(self.size)  # then the sum: as DDP's own allreduce hook does
+        tensor.mul_(self.scale / self.size)  # then the sum: as DDP's own allreduce hook does
         work = dist.all_reduce(tensor, async_op=True)
         self.rdzv.track(work)  # pinned with its group if the world is abandoned
         with self._lock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from cohort.coordinator.core import Core
@@ -9,11 +10,13 @@ from cohort.coordinator.fold import fold
 from cohort.events.models import (
     CheckpointRequested,
     CheckpointWritten,
+    Dataset,
     Fact,
     Heartbeat,
     JobConfig,
     Join,
     Leave,
+    Node,
     Resume,
     StepDone,
     WeightsLoaded,
@@ -23,11 +26,20 @@ JOB = "unit"
 
 
 class Job:
-    def __init__(self, **config: Any) -> None:
+    """`dataset`: what every worker declares when it joins (None: nothing, the config's size
+    is the job's); `nodes`: what each worker says of its machine."""
+
+    def __init__(
+        self,
+        dataset: Dataset | None = None,
+        nodes: Callable[[str], Node | None] = lambda worker: None,
+        **config: Any,
+    ) -> None:
+        self.dataset, self.nodes = dataset, nodes
         self.core = Core()
         self.now = 1_000.0
         self.journal: list[Fact] = []
-        config = {"dataset_size": 60_000, **config}
+        config = {"dataset_size": 60_000 if dataset is None else None, **config}
         self._record(self.core.take_over(JOB, JobConfig(**config), "c1", 1, self.now))
 
     # ------------------------------------------------------------ plumbing
@@ -53,7 +65,11 @@ class Job:
 
     # ------------------------------------------------------------ what workers say
     def join(self, worker: str) -> tuple[Fact, ...]:
-        return self.send(Join(at=self.now, job=JOB, worker=worker))
+        return self.send(
+            Join(
+                at=self.now, job=JOB, worker=worker, node=self.nodes(worker), dataset=self.dataset
+            )
+        )
 
     def ready(self, worker: str, step: int = 0) -> tuple[Fact, ...]:
         return self.send(WeightsLoaded(at=self.now, job=JOB, worker=worker, step=step))

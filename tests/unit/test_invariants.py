@@ -3,6 +3,8 @@ invariants 1-3, 9 and 10."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -10,7 +12,15 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from cohort.coordinator.audit import audit
 from cohort.coordinator.fold import evolve, fold
 from cohort.coordinator.state import JobState, dump, load
-from cohort.events.models import Fact, LeaderElected, Rewound, WorkerFailed, WorldChanged
+from cohort.events.models import (
+    Dataset,
+    Fact,
+    LeaderElected,
+    Node,
+    Rewound,
+    WorkerFailed,
+    WorldChanged,
+)
 
 from .job import Job
 
@@ -18,6 +28,9 @@ NAMES = [f"w{i}" for i in range(6)]
 
 
 class Membership(RuleBasedStateMachine):
+    PLACEMENT: dict[str, Any] = {"dataset_size": 13}
+    """The data and how it is dealt: what each variant below changes."""
+
     def __init__(self) -> None:
         super().__init__()
         self.job = Job(
@@ -25,12 +38,12 @@ class Membership(RuleBasedStateMachine):
             max_workers=4,
             heartbeat_interval=1,
             heartbeat_timeout=3,
-            dataset_size=13,
             batch_size=2,
             straggler_steps=2,
             checkpoint_uri="file:///ckpt",
             checkpoint_every=3,
             checkpoint_keep=2,
+            **self.PLACEMENT,
         )
         self.crashed: set[str] = set()
 
@@ -186,3 +199,53 @@ Membership.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_membership_invariants = Membership.TestCase
+
+FILES = Dataset(size=13, fingerprint="thirteen", files=(3, 1, 4, 2, 3))
+"""Five files of uneven sizes: pieces are cut where a rank's share runs out."""
+
+
+def _node(worker: str) -> Node:
+    """Each worker's node holds two of the files, some of them the same."""
+    index = int(worker[1:])
+    return Node(host=f"h{index % 3}", gpus=index % 3, files=((index % 5, index % 5 + 2),))
+
+
+class StridedMembership(Membership):
+    PLACEMENT = {"dataset_size": 13, "placement": "strided"}
+
+
+class GlobalBatchMembership(Membership):
+    PLACEMENT = {"dataset_size": 13, "global_batch": 5}
+
+
+class StridedGlobalBatchMembership(Membership):
+    PLACEMENT = {"dataset_size": 13, "placement": "strided", "global_batch": 5}
+
+
+class HashMembership(Membership):
+    PLACEMENT = {"placement": "hash", "dataset": FILES}
+
+
+class LocalityMembership(Membership):
+    PLACEMENT = {"placement": "locality", "global_batch": 3, "dataset": FILES, "nodes": _node}
+
+
+_variants = settings(
+    max_examples=40,
+    stateful_step_count=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+for _machine in (
+    StridedMembership,
+    GlobalBatchMembership,
+    StridedGlobalBatchMembership,
+    HashMembership,
+    LocalityMembership,
+):
+    _machine.TestCase.settings = _variants
+test_strided_invariants = StridedMembership.TestCase
+test_global_batch_invariants = GlobalBatchMembership.TestCase
+test_strided_global_batch_invariants = StridedGlobalBatchMembership.TestCase
+test_hash_invariants = HashMembership.TestCase
+test_locality_invariants = LocalityMembership.TestCase
