@@ -123,6 +123,7 @@ def build(params: RendezvousParameters) -> CohortRendezvousHandler:
         keep_alive_interval=timedelta(seconds=_whole(params, "keep_alive_interval", 5)),
         keep_alive_max_attempt=_whole(params, "keep_alive_max_attempt", 3),
     )
+    read_timeout = timedelta(seconds=_whole(params, "read_timeout", STORE_TIMEOUT_S))
     conn = connect(settings)
     try:
         conn.ping()
@@ -131,9 +132,7 @@ def build(params: RendezvousParameters) -> CohortRendezvousHandler:
     node = DynamicRendezvousHandler._node_desc_generator.generate(params.local_addr)
     membership = AgentMembership(Worker(conn, job, worker_id=agent_id(node)))
     holder = JournalStateHolder(RedisRendezvousBackend(conn, job), rdzv, membership.gone, node)
-    store = RedisStore(
-        conn, job, timeout=timedelta(seconds=_whole(params, "read_timeout", STORE_TIMEOUT_S))
-    )
+    store = RedisStore(conn, job, timeout=read_timeout)
     return CohortRendezvousHandler(node, rdzv, store, holder, membership, conn)
 
 
