@@ -121,7 +121,9 @@ def start_node(made: list[Node], url: str, job: str, tmp: Path, name: str) -> No
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1:3", "--nproc-per-node=1",
         "--rdzv-backend=cohort", f"--rdzv-endpoint={url}", f"--rdzv-id={job}",
-        "--rdzv-conf=last_call_timeout=2", "--max-restarts=10", "--monitor-interval=0.1",
+        # torch's own keep-alive check would drop a lost node after 90 s: the journal must
+        "--rdzv-conf=last_call_timeout=2,keep_alive_interval=30", "--max-restarts=10",
+        "--monitor-interval=0.1",
         str(SCRIPT),
     ]  # fmt: skip
     with out.open("wb") as handle:
@@ -143,7 +145,7 @@ def test_torchrun_job_survives_lost_nodes_grows_and_passes_the_audit(
     a = start_node(nodes, cluster.url, cluster.job, tmp_path, "a")
     b = start_node(nodes, cluster.url, cluster.job, tmp_path, "b")
 
-    def wait(what: str, done: Any, timeout: float = 90.0) -> None:
+    def wait(what: str, done: Any, timeout: float = 60.0) -> None:
         try:
             wait_until(done, timeout, 0.05, what)
         except AssertionError:
@@ -195,6 +197,14 @@ def test_torchrun_job_survives_lost_nodes_grows_and_passes_the_audit(
     )  # fmt: skip
     assert audit.returncode == 0, audit.stderr
     assert json.loads(audit.stdout)["audit"]["ok"] is True
+    for args in (("status", "--json"), ("report", "-o", str(tmp_path / "report.html"))):
+        shown = subprocess.run(
+            [sys.executable, "-m", "cohort", "--redis-url", cluster.url, args[0], "--job",
+             cluster.job, *args[1:]],
+            capture_output=True, text=True, cwd=ROOT, timeout=60,
+        )  # fmt: skip
+        assert shown.returncode == 0, (args, shown.stderr)
+    assert b.agent in (tmp_path / "report.html").read_text()
     print(
         f"\nb resumed {resumed_alone - killed:.1f} s after a (rank 0) was lost, "
         f"c trained {grown:.1f} s after it started, "
