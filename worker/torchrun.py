@@ -109,9 +109,12 @@ def build(params: RendezvousParameters) -> CohortRendezvousHandler:
         )
     try:
         job = check_job(params.run_id)
+    except EventsError as exc:
+        raise SetupError(f"--rdzv-id: {exc}") from None
+    try:
         settings = RedisSettings.resolve(params.endpoint or None, client_name=f"torchrun-{job}")
     except EventsError as exc:
-        raise SetupError(f"{exc} (from --rdzv-id / --rdzv-endpoint)") from None
+        raise SetupError(f"--rdzv-endpoint: {exc}") from None
     timeouts = RendezvousTimeout(
         *(_seconds(params, name) for name in ("join", "last_call", "close", "heartbeat"))
     )
