@@ -71,6 +71,24 @@ class Keys:
         return f"{self.prefix}:status"
 
     @property
+    def rendezvous(self) -> str:
+        """torchrun's rendezvous state (`--rdzv-backend=cohort`): a hash {state, token}."""
+        return f"{self.prefix}:rdzv"
+
+    @property
+    def c10d_groups(self) -> str:
+        """The set of groups (per rendezvous round) the job's c10d store holds keys in."""
+        return f"{self.prefix}:c10d"
+
+    def c10d(self, group: str) -> str:
+        """A hash of the c10d store's keys of `group` (their part before the first '/')."""
+        return f"{self.prefix}:c10d:{group}"
+
+    def c10d_events(self, group: str) -> str:
+        """A stream of 'key written' notices of `group`, which blocked getters XREAD."""
+        return f"{self.prefix}:c10d-events:{group}"
+
+    @property
     def patterns(self) -> tuple[str, str]:
         """SCAN patterns that match every key of this job, in its own slot and spread."""
         return f"{self.prefix}:*", f"cohort:{{{self.job}/*}}:*"

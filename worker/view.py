@@ -93,6 +93,9 @@ class View:
     dataset: m.Dataset | None = None
     """What the job trains on (its config's size, or the dataset a worker declared)."""
     members: frozenset[str] = frozenset()
+    gone: frozenset[str] = frozenset()
+    """Workers the journal removed (left or failed) that have not joined again (torchrun's
+    agents re-rendezvous without the ones gone: cohort/worker/torchrun.py)."""
     status: Status = "outside"
     joins: int = 0
     """WorkerJoined facts for this worker; join() waits for this count to grow."""
@@ -205,7 +208,9 @@ def evolve(view: View, fact: m.Fact) -> View:
         case m.LeaderElected():
             return view
         case m.WorkerJoined():
-            view = replace(view, members=view.members | {fact.worker})
+            view = replace(
+                view, members=view.members | {fact.worker}, gone=view.gone - {fact.worker}
+            )
             if fact.worker != me:
                 return view
             return replace(
@@ -292,7 +297,7 @@ def _removed(
     view: View, worker: str, reason: str, left: bool = False, failed: bool = False
 ) -> View:
     """`worker` is no longer a member; if that is this worker, it is outside, for `reason`."""
-    view = replace(view, members=view.members - {worker})
+    view = replace(view, members=view.members - {worker}, gone=view.gone | {worker})
     if worker != view.worker:
         return view
     return replace(

@@ -1,0 +1,105 @@
+"""`torchrun --rdzv-backend=cohort` before any rendezvous: the entry point, bad settings
+refused in one line naming the value, agent ids, and the journal's record of gone agents."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from cohort.events import models as m
+from cohort.worker import view as views
+
+torch = pytest.importorskip("torch")
+
+from torch.distributed.elastic.rendezvous.api import RendezvousParameters  # noqa: E402
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc  # noqa: E402
+
+from cohort.worker import torchrun  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+
+
+def params(endpoint: str = "redis://127.0.0.1:1/0", run_id: str = "job", **conf: str):  # type: ignore[no-untyped-def]
+    return RendezvousParameters("cohort", endpoint, run_id, 1, 4, **conf)
+
+
+def test_pyproject_declares_the_torchrun_entry_point_and_it_gives_the_creator() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    target = project["entry-points"]["torchrun.handlers"]["cohort"]
+    assert target == "cohort.worker.torchrun:entry_point"
+    assert torchrun.entry_point() is torchrun.create_handler
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        (params(endpoint="http://redis-host:6379"), "'http://redis-host:6379'"),
+        (params(endpoint="redis://host:99999/0"), "bad port"),
+        (params(run_id="my job!"), "'my job!'"),
+        (params(last_call_timeout="soon"), "last_call_timeout='soon'"),
+        (params(keep_alive_interval="0"), "keep_alive_interval='0'"),
+        (params(read_timeout="1.5"), "read_timeout='1.5'"),
+        (params(), "cannot reach Redis at redis://127.0.0.1:1/0"),
+    ],
+)
+def test_bad_settings_end_torchrun_with_one_line_naming_the_value(
+    setting: RendezvousParameters, named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        torchrun.create_handler(setting)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("torchrun --rdzv-backend=cohort: ") and named in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_an_old_torch_is_refused_saying_which_version_is_needed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torchrun.torch, "__version__", "2.5.1+cpu")
+    with pytest.raises(SystemExit):
+        torchrun.create_handler(params())
+    err = capsys.readouterr().err
+    assert "needs torch >= 2.6" in err and "2.5.1+cpu" in err
+
+
+@pytest.mark.parametrize(
+    ("version", "old"),
+    [("2.5.1", True), ("1.13.0", True), ("2.6.0", False), ("2.13.0+cpu", False),
+     ("3.0.0a0", False), ("nightly", True)],
+)  # fmt: skip
+def test_too_old(version: str, old: bool) -> None:
+    assert torchrun.too_old(version) is old
+
+
+@pytest.mark.parametrize(
+    "addr", ["localhost", "10.0.0.7", "fe80::1%eth0", "node 7/rack", "x" * 200, ""]
+)
+def test_agent_ids_are_valid_worker_ids_and_the_same_on_every_agent(addr: str) -> None:
+    node = _NodeDesc(addr, 4242, 1)
+    assert WORKER_ID.fullmatch(torchrun.agent_id(node))
+    assert torchrun.agent_id(_NodeDesc(addr, 4242, 1)) == torchrun.agent_id(node)
+    assert torchrun.agent_id(_NodeDesc(addr, 4243, 1)) != torchrun.agent_id(node)
+
+
+def test_the_view_remembers_who_failed_or_left_until_they_join_again() -> None:
+    def fact(cls: type, **body: object) -> m.Fact:
+        return cls(at=1.0, job="j", **body)  # type: ignore[no-any-return]
+
+    view = views.fold(
+        [
+            fact(m.WorkerJoined, worker="a"),
+            fact(m.WorkerJoined, worker="b"),
+            fact(m.WorkerJoined, worker="c"),
+            fact(m.WorkerFailed, worker="a", last_seen=0.5, timeout=2.0),
+            fact(m.WorkerLeft, worker="b"),
+        ],
+        views.View(worker="me"),
+    )
+    assert view.gone == {"a", "b"} and view.members == {"c"}
+    again = views.evolve(view, fact(m.WorkerJoined, worker="a"))
+    assert again.gone == {"b"} and again.members == {"a", "c"}
