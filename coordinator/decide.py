@@ -192,7 +192,7 @@ def _join(plan: _Plan, command: Join) -> None:
     if refusal is not None:
         plan.emit(JoinRefused, worker=command.worker, reason=refusal)
         return
-    if dataset != state.dataset:
+    if dataset != state.dataset and command.dataset is not None:
         plan.emit(DatasetDeclared, worker=command.worker, dataset=dataset)
     plan.emit(
         WorkerJoined,
@@ -210,6 +210,8 @@ def _dataset_of(state: JobState, config: JobConfig, command: Join) -> tuple[Data
     one may add a fingerprint or files to what is known (a size the config gave). A
     declaration that differs from the job's dataset is refused, by what differs."""
     known, declared, job = state.dataset, command.dataset, state.job
+    if command.role == "agent" and declared is None:
+        return known or Dataset(size=1), None  # deals no data to it: nothing to check
     if declared is not None and known is not None:
         differs = known.mismatch(declared)
         if differs is not None:

@@ -230,4 +230,10 @@ def view(state: JobState) -> dict[str, Any]:
     for worker, member in body["members"].items():
         member["rank"] = state.rank_of(worker)
     body["shards"] = [s.model_dump(mode="json")["ranges"] for s in state.shards]
+    if state.dataset is not None:  # the files' count, not 100,000 sizes in every status
+        body["dataset"] = {
+            "size": state.dataset.size,
+            "fingerprint": state.dataset.fingerprint,
+            "files": len(state.dataset.files),
+        }
     return body

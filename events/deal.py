@@ -18,10 +18,12 @@ The placements (the job config's `placement`):
 - hash: a dataset of files; each file goes to the rank that ranks highest for it
   (rendezvous hashing of worker and file), up to the rank's share: a worker keeps most
   of its files from one epoch and one world to the next, and a leaver's files move.
-- locality: a dataset of files; each file goes to the rank scoring highest by the
-  seed's best-node score: locality 0.5 (the node holds the file, or its declared score),
-  load 0.3 (how little of its share it has yet), hardware 0.2 (GPUs and their memory,
-  against the best in the world); ties by the hash. Up to each rank's share, as above.
+- locality: a dataset of files; first each file goes to a rank whose node holds it (the
+  nodes say so in their Join), while that rank's share has room; what is left goes to the
+  rank scoring highest by the seed's best-node score: locality 0.5 (the node's declared
+  score for the dataset), load 0.3 (how much of its share is still free), hardware 0.2
+  (GPUs and their memory, against the best in the world); ties by the hash. Among
+  several holders of a file, the same score chooses.
 
 Every placement but strided leaves a rank with runs of positions it reads in order, so
 one bookkeeping serves them ("runs"); strided has its own ("dealt").
@@ -131,19 +133,44 @@ def _by_file(
     score = None
     if config.placement == "locality":
         score = _Locality(described, shares)
-    for start, stop, file in order.pieces(rest):
+    pieces = list(order.pieces(rest))
+    if score is not None:  # first each piece to a node that holds its file, while room lasts
+        pieces = _deal_pieces(pieces, room, given, workers, score, local_only=True)
+    _deal_pieces(pieces, room, given, workers, score, local_only=False)
+    return tuple(Shard(ranges=merge(sorted(runs))) for runs in given)
+
+
+def _deal_pieces(
+    pieces: list[tuple[int, int, int]],
+    room: np.ndarray,
+    given: list[list[Range]],
+    workers: np.ndarray,
+    score: _Locality | None,
+    local_only: bool,
+) -> list[tuple[int, int, int]]:
+    """Each piece (start, stop, file) to the best rank with room (by `score`, else by the
+    hash), cut where that rank's room ends; with `local_only`, only to ranks holding the
+    file. Returns what is left (pieces no rank with room holds)."""
+    import numpy as np
+
+    left = []
+    for start, stop, file in pieces:
         tie = _mix(workers ^ _mix(np.uint64(file + 1)))
         while start < stop:
-            open_ = room > 0
-            if score is None:
-                best = _best(np.where(open_, 1.0, -1.0), tie)
-            else:
-                best = _best(np.where(open_, score.of(file, room), -np.inf), tie)
+            allowed = room > 0
+            if local_only:
+                assert score is not None
+                allowed &= score.holders(file)
+                if not allowed.any():
+                    left.append((start, stop, file))
+                    break
+            values = np.ones(room.size) if score is None else score.of(file, room)
+            best = _best(np.where(allowed, values, -np.inf), tie)
             take = min(stop - start, int(room[best]))
             given[best].append((start, start + take))
             room[best] -= take
             start += take
-    return tuple(Shard(ranges=merge(runs)) for runs in given)
+    return left
 
 
 def _best(scores: np.ndarray, tie: np.ndarray) -> int:
@@ -168,13 +195,20 @@ class _Locality:
         self.hardware = 0.5 * _against_best(gpus) + 0.5 * _against_best(memory)
         self._holding: dict[int, np.ndarray] = {}
 
+    def holders(self, file: int) -> np.ndarray:
+        """Which ranks' nodes hold `file` (a bool per rank)."""
+        import numpy as np
+
+        held = self._holding.get(file)
+        if held is None:
+            held = np.array([node.holds(file) for node in self.nodes], dtype=bool)
+            self._holding[file] = held
+        return held
+
     def of(self, file: int, room: np.ndarray) -> np.ndarray:
         import numpy as np
 
-        local = self._holding.get(file)
-        if local is None:
-            local = np.where([node.holds(file) for node in self.nodes], 1.0, self.declared)
-            self._holding[file] = local
+        local = np.where(self.holders(file), 1.0, self.declared)
         free = np.divide(room, self.shares, out=np.zeros_like(self.shares), where=self.shares > 0)
         return LOCALITY * local + LOAD * free + HARDWARE * self.hardware  # type: ignore[no-any-return]
 

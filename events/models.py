@@ -122,6 +122,9 @@ class Join(Event):
     pid: Annotated[int, Field(ge=0, le=2**31)] = 0
     node: Node | None = None
     dataset: Dataset | None = None
+    role: Literal["trainer", "agent"] = "trainer"
+    """"agent": a launcher's member (a torchrun agent) that trains on no data of the job's
+    own dealing, so it declares none and the job need not know its dataset."""
 
 
 class Heartbeat(Event):

@@ -103,12 +103,15 @@ class Worker:
         gpu_probe: GpuProbe | None = None,
         dataset: Dataset | None = None,
         node: Node | None = None,
+        role: str = "trainer",
     ) -> None:
         self.conn = conn
         self.dataset = dataset
         """The data this worker trains on, declared in its Join (None: it takes the job's)."""
         self.node = node
         """What it says of its machine (None: described when it joins, worker/node.py)."""
+        self.role = role
+        """"agent" for a launcher's member that trains nothing of the job's dealing."""
         self.keys = Keys(job)
         self.job = job
         self.id = worker_id or default_worker_id()
@@ -239,6 +242,7 @@ class Worker:
                     pid=os.getpid(),
                     node=self._node(),
                     dataset=self.dataset,
+                    role=self.role,  # type: ignore[arg-type]
                 ),
                 deadline=deadline,
                 stop=halt,

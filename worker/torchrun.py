@@ -133,7 +133,7 @@ def build(params: RendezvousParameters) -> CohortRendezvousHandler:
     except UNAVAILABLE as exc:
         raise SetupError(f"cannot reach Redis at {settings.display_url}: {exc}") from None
     node = DynamicRendezvousHandler._node_desc_generator.generate(params.local_addr)
-    membership = AgentMembership(Worker(conn, job, worker_id=agent_id(node)))
+    membership = AgentMembership(Worker(conn, job, worker_id=agent_id(node), role="agent"))
     holder = JournalStateHolder(RedisRendezvousBackend(conn, job), rdzv, membership.gone, node)
     store = RedisStore(conn, job, timeout=read_timeout)
     return CohortRendezvousHandler(node, rdzv, store, holder, membership, conn)

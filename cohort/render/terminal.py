@@ -9,6 +9,9 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from cohort.events import deal
+from cohort.events.models import JobConfig
+
 # Piped output is read by people later and by scripts: do not cut words to 80 columns.
 console = Console() if sys.stdout.isatty() else Console(width=160)
 
@@ -76,6 +79,23 @@ def state_summary(body: dict[str, Any]) -> None:
         console.print(line)
 
 
+def node_text(node: dict[str, Any] | None) -> str:
+    """A worker's node in a few words: host, zone (or region), GPUs, files held."""
+    if not node:
+        return "-"
+    parts = [node.get("host") or "?"]
+    where = node.get("zone") or node.get("region")
+    if where:
+        parts.append(where)
+    if node.get("gpus"):
+        memory = node.get("gpu_memory") or 0
+        parts.append(f"{node['gpus']} GPU" + (f" {memory / 2**30:.0f} GiB" if memory else ""))
+    files = sum(b - a for a, b in node.get("files") or ())
+    if files:
+        parts.append(f"{files} files")
+    return " ".join(parts)
+
+
 def _gpu(devices: list[dict[str, Any]]) -> str:
     parts = []
     for d in devices:
@@ -103,6 +123,7 @@ def status_view(body: dict[str, Any], recent: list[tuple[str, str]] | None = Non
         )
     table = Table(
         "worker",
+        "node",
         "state",
         "rank",
         "shard",
@@ -116,7 +137,9 @@ def status_view(body: dict[str, Any], recent: list[tuple[str, str]] | None = Non
     at = live.get("at")
     shards = body.get("shards", [])
     config = body.get("config") or {}
-    used = max(0, body["next_step"] - body.get("base_step", 0)) * config.get("batch_size", 0)
+    done = max(0, body["next_step"] - body.get("base_step", 0))
+    counts = deal.counts(JobConfig.model_validate(config), len(shards)) if config else ()
+    strided = config.get("placement") == "strided"
     for worker, member in body["members"].items():
         seen = workers_live.get(worker, {})
         last = seen.get("last_seen")
@@ -124,10 +147,13 @@ def status_view(body: dict[str, Any], recent: list[tuple[str, str]] | None = Non
         rank = member.get("rank")
         shard = shards[rank] if rank is not None and rank < len(shards) else []
         size = sum(b - a for a, b in shard)
+        # a strided rank holds the world's whole rest and uses its turn of each step
+        used = done * (sum(counts) if strided else counts[rank]) if shard and counts else 0
         progress = seen.get("progress") or [-1, -1]
         step_time = seen.get("step_time")
         table.add_row(
             worker,
+            node_text(member.get("node")),
             member["status"],
             "-" if rank is None else str(rank),
             _shard(shard),
