@@ -30,9 +30,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--save", help="write the final parameters here (.npz)")
+    parser.add_argument("--loader-workers", type=int, default=0, help="DataLoader processes")
     args = parser.parse_args()
     model, optimizer = build()
-    loader = DataLoader(dataset(), batch_size=32, shuffle=True)
+    workers = args.loader_workers
+    loader = DataLoader(
+        dataset(), batch_size=32, shuffle=True, num_workers=workers, persistent_workers=workers > 0
+    )
     for epoch in range(args.epochs):
         for x, y in loader:
             loss = torch.nn.functional.cross_entropy(model(x), y)

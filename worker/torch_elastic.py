@@ -33,7 +33,7 @@ from .collective import Collective
 from .elastic import Elastic, Step
 from .errors import WorkerError, WorldChangedError
 from .overlap import OverlappedGradients
-from .torch_loader import StepLoader
+from .torch_loader import Stale, StepLoader
 
 BACKEND_ENV = "COHORT_TORCH_BACKEND"
 """Where a script that names no backend finds one (gloo, nccl); unset: through Redis."""
@@ -303,7 +303,11 @@ class ElasticJob(Elastic):
                 self._micro = (index, count)
                 if index == count - 1 and self._mean is not None:
                     self._mean.scale = self._last_factor(step)
-                batch = twin.fetch((step.world, step.step, index))
+                try:
+                    batch = twin.fetch((step.world, step.step, index))
+                except Stale:
+                    self.abort()  # its world is over: the step is retried in the next
+                    break
                 yield batch
                 if self.aborted or self.current is not step:
                     break  # the world changed under this step: it is retried whole

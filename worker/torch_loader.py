@@ -50,6 +50,10 @@ LOADER_OPTIONS = (
 """What the twin takes from the script's loader (those its torch has)."""
 
 
+class Stale(Exception):
+    """The step asked for belongs to a world the journal has already replaced."""
+
+
 class StepSampler:
     """A batch sampler over this rank's coming micro-batches, from the step set in `start`."""
 
@@ -115,7 +119,9 @@ class StepLoader:
         self.restarts = 0
 
     def fetch(self, want: Tag) -> Any:
-        """The batch tagged `want`, from the running iteration or a new one from it."""
+        """The batch tagged `want`, from the running iteration or a new one from it.
+        Raises Stale if the journal has moved past `want`'s world meanwhile (the step is
+        retried in the new one)."""
         for _ in range(2):
             if self._batches is None:
                 self.sampler.start = (want[1], want[2])
@@ -129,6 +135,8 @@ class StepLoader:
                 if tag[0] != want[0] or tag[1:] > want[1:]:
                     break  # another world's, or past the step wanted: start again from it
             self._batches = None
+            if self.sampler.worker.view.world_version > want[0]:
+                raise Stale(want)
         raise WorkerError(
             f"the data loader gives no batch for step {want[1]} (micro-batch {want[2]}) of "
             f"world {want[0]}: the journal's plan does not reach it"

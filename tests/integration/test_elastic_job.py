@@ -59,10 +59,10 @@ def ddp_rank(rank: int, port: int, batches_file: Path, out: Path) -> None:
     leave_gloo()
 
 
-def twin(cluster: Cluster, name: str, epochs: int = EPOCHS) -> Process:
+def twin(cluster: Cluster, name: str, epochs: int = EPOCHS, *more: str) -> Process:
     return cluster.python(
         name, str(ROOT / "examples" / "elastic_train.py"), "--save", str(cluster.saved(name)),
-        "--epochs", str(epochs),
+        "--epochs", str(epochs), *more,
     )  # fmt: skip
 
 
@@ -153,6 +153,37 @@ def test_a_twin_killed_mid_epoch_leaves_the_others_equal_and_every_sample_used_o
     report = audit(f for _, f in cluster.facts)
     assert report.ok, report.problems
     assert report.epochs[0].finished and report.epochs[0].used == DATASET
+    assert cluster.state.counters.failed == 1 and cluster.state.finished == "epochs=2 finished"
+
+
+def test_loader_workers_prefetch_across_a_kill_with_a_constant_global_batch(
+    job_env: Cluster,
+) -> None:
+    """The script's DataLoader with two persistent worker processes, strided placement and
+    a global batch of 96: three ranks take 32 each; once one is SIGKILLed mid-epoch, the two
+    left take 48 each, in micro-batches of 32 and 16. What the loaders had prefetched for
+    the dead world is dropped, every sample is used once, and the survivors agree."""
+    cluster = job_env
+    cluster.coordinator(
+        "c1", "--min-workers", "2", "--dataset-size", str(DATASET), "--batch-size", str(BATCH),
+        "--global-batch", str(3 * BATCH), "--placement", "strided",
+        "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2", "--epochs", "2",
+    )  # fmt: skip
+    procs = {n: twin(cluster, n, 2, "--loader-workers", "2") for n in ("a", "b", "c")}
+    cluster.until(
+        lambda s: len(s.ranks) == 3 and s.last_committed >= 8, timeout=120, message="3 training"
+    )
+    procs["b"].kill(signal.SIGKILL)
+    for name in ("a", "c"):
+        assert cluster.finished(procs[name], 240) == 0, procs[name].output()[-3000:]
+    assert max_abs_diff(load(cluster.saved("a")), load(cluster.saved("c"))) == 0.0
+    cluster.pull()
+    report = audit(f for _, f in cluster.facts)
+    assert report.ok, report.problems
+    for epoch in (0, 1):
+        assert report.epochs[epoch].finished and report.epochs[epoch].used == DATASET
+    # constant global batch: ceil(4096 / 96) steps an epoch, whatever the world did
+    assert report.epochs[0].steps == report.epochs[1].steps == -(-DATASET // (3 * BATCH))
     assert cluster.state.counters.failed == 1 and cluster.state.finished == "epochs=2 finished"
 
 
