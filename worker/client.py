@@ -28,8 +28,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, TypeVar
 
 from cohort.events.clock import Clock, SystemClock
-from cohort.events.connection import UNAVAILABLE, Client
-from cohort.events.errors import DecodeError
+from cohort.events.connection import UNAVAILABLE, Client, reach, start_wait
+from cohort.events.errors import DecodeError, RedisUnavailable
 from cohort.events.keys import Keys
 from cohort.events.models import (
     CheckpointWritten,
@@ -55,6 +55,7 @@ from .errors import (
     JoinRefusedError,
     JoinTimeout,
     NotAssigned,
+    RedisUnreachable,
     Removed,
     Stopped,
     WaitTimeout,
@@ -98,10 +99,14 @@ class Worker:
         log: logging.Logger | None = None,
         gpu_interval: float | None = None,
         gpu_probe: GpuProbe | None = None,
+        wait_for_redis: float | None = None,
     ) -> None:
+        """`wait_for_redis`: seconds `join` waits at start-up for Redis to answer before it
+        raises RedisUnreachable naming the URL (default $COHORT_WAIT_FOR_REDIS, else 10)."""
         self.conn = conn
         self.keys = Keys(job)
         self.job = job
+        self.wait_for_redis = start_wait(wait_for_redis)
         self.id = worker_id or default_worker_id()
         self.clock: Clock = clock or SystemClock()
         self.log = log or logging.getLogger("cohort.worker")
@@ -200,6 +205,7 @@ class Worker:
         deadline = None if timeout is None else started + timeout
         try:
             if not self._threads:
+                self._reach(stop)
                 self._start(deadline, halt)
             view = self.view
             if view.member:
@@ -243,6 +249,21 @@ class Worker:
             self.stop()
             raise JoinRefusedError(self.id, view.refused or "no reason given")
         self.log.info("worker %s joined job %r", self.id, self.job)
+
+    def _reach(self, stop: threading.Event) -> None:
+        """At start-up (Redis never answered yet), wait `wait_for_redis` s for it at most."""
+        if self.link.reached:
+            return
+        try:
+            reach(lambda: self.conn, self.link.where, self.wait_for_redis, stop)
+        except RedisUnavailable as exc:
+            if stop.is_set():
+                raise Stopped(
+                    f"worker {self.id!r} was stopped while waiting for Redis at {self.link.where} "
+                    "(unreachable so far)"
+                ) from None
+            raise RedisUnreachable(str(exc)) from exc.__cause__
+        self.link.restored()
 
     def _await_answer(
         self,

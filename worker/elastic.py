@@ -121,6 +121,7 @@ class Elastic:
         digest_every: int = 50,
         signals: bool = True,
         gpu_interval: float | None = None,
+        wait_for_redis: float | None = None,
     ) -> None:
         job = job or os.environ.get(JOB_ENV)
         if not job:
@@ -130,7 +131,13 @@ class Elastic:
             )
         check_job(job)
         self.conn = conn or connect(RedisSettings.resolve(redis_url, client_name=f"cohort-{job}"))
-        self.worker = Worker(self.conn, job, worker_id=worker_id, gpu_interval=gpu_interval)
+        self.worker = Worker(
+            self.conn,
+            job,
+            worker_id=worker_id,
+            gpu_interval=gpu_interval,
+            wait_for_redis=wait_for_redis,
+        )
         self.collective = Collective(self.conn, job, self.worker)
         self.digest_every = digest_every
         if signals:
