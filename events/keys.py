@@ -16,10 +16,15 @@ class BadJobName(EventsError):
 
 def check_job(job: str) -> str:
     """Return `job` if it is a usable job name, else raise naming it and the rule."""
+    if not isinstance(job, str) or not job:
+        raise BadJobName(
+            f"no job name given ({job!r}): pass the name the job's coordinators were started "
+            "with (--job / $COHORT_JOB)"
+        )
     if not JOB_NAME.fullmatch(job):
         raise BadJobName(
-            f"job name {job!r} is not valid: use 1-64 characters from letters, digits, "
-            "'.', '_' and '-', starting with a letter or digit"
+            f"job name {job!r} is not valid: use 1-64 characters from the ASCII letters "
+            "A-Z and a-z, the digits 0-9, '.', '_' and '-', starting with a letter or digit"
         )
     return job
 

@@ -60,7 +60,7 @@ def _check_job(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 
 def job_option(
-    help: str | None = "Job name (letters, digits, '.', '_', '-'); env COHORT_JOB.",
+    help: str | None = "Job name (ASCII letters, digits, '.', '_', '-'); env COHORT_JOB.",
     **overrides: Any,
 ) -> Callable[[F], F]:
     """--job/-j, checked as a job name; required and read from $COHORT_JOB unless overridden."""

@@ -90,6 +90,11 @@ def test_status_export_and_replay_agree_on_the_state(cluster: Cluster, tmp_path:
     [
         (["coordinator", "--job", "x y"], "job name 'x y' is not valid"),
         (
+            ["worker", "--job", "möbius"],
+            "job name 'möbius' is not valid: use 1-64 characters "
+            "from the ASCII letters A-Z and a-z, the digits 0-9, '.', '_' and '-'",
+        ),
+        (
             ["coordinator", "--job", "j", "--min-workers", "3", "--max-workers", "2"],
             "must not exceed max_workers",
         ),
