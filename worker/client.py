@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from cohort.events.clock import Clock, SystemClock
 from cohort.events.connection import UNAVAILABLE, Client, reach, start_wait
@@ -131,6 +131,8 @@ class Worker:
         self._progress: tuple[int, int] | None = None  # (last finished step, its world)
         self._began: tuple[int, int] | None = None  # (step, world) of the last batch() call
         self._signals = 0
+        self._handlers: dict[int, Any] = {}  # the script's own, before install_signal_handlers
+        self._left = False  # leave() is done: a signal has nothing of cohort's to cut short
         self._gpu_interval = gpu_interval
         self._gpu_probe = gpu_probe
         self._advice_callbacks: list[Callable[[GpuAdvice], None]] = []
@@ -201,6 +203,7 @@ class Worker:
         """
         stop = self.stopping if stop is None else stop
         halt = AnyOf(self._stop, stop)  # Redis may be away too: retrying ends on either
+        self._left = False
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         try:
@@ -542,6 +545,7 @@ class Worker:
             pass
         finally:
             self.stop()
+            self._left = True
         return seen
 
     def stop(self) -> None:
@@ -560,13 +564,27 @@ class Worker:
 
     # ------------------------------------------------------------ signals
     def install_signal_handlers(self) -> None:
-        """First SIGINT/SIGTERM: finish the step and leave; second: exit now (main thread only)."""
-        signal.signal(signal.SIGTERM, self.on_signal)
-        signal.signal(signal.SIGINT, self.on_signal)
+        """First SIGINT/SIGTERM: finish the step and leave; second: exit now (main thread only).
+
+        Once the leave is done there is nothing left to cut short: the next signal is only
+        logged, and the script's own handlers are back for any after it (its saving code
+        runs to its end)."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._handlers[signum] = signal.signal(signum, self.on_signal)
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         self._signals += 1
+        if self._left:
+            self.log.warning(
+                "%s received: worker %s has already left job %r, nothing to cut short; the "
+                "script goes on (send it again to interrupt the script itself)",
+                name,
+                self.id,
+                self.job,
+            )
+            self._give_back_signals()
+            return
         if self._signals == 1:
             self.log.warning(
                 "%s received: worker %s finishes its step, then leaves; send it again to exit now",
@@ -577,6 +595,12 @@ class Worker:
             return
         self.log.warning("%s received again: worker %s exits now", name, self.id)
         os._exit(130)
+
+    def _give_back_signals(self) -> None:
+        """The handlers the script had before `install_signal_handlers`, back in place."""
+        for signum, handler in self._handlers.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._handlers = {}
 
     # ------------------------------------------------------------ plumbing
     def _new_outbox(self) -> Outbox:
