@@ -14,6 +14,10 @@ from cohort.events.keys import Keys
 
 from .shared import fail, job_option, or_fail, redis_client, redis_url_option, stop_on_signals
 
+RECENT_LINES = 10
+RECENT_WINDOW = 5000
+"""Facts --watch folds for its recent lines: runs of commits fold into one line each."""
+
 
 @click.command()
 @job_option()
@@ -59,7 +63,8 @@ def _watch(conn: Client, job: str, interval: float) -> None:
     """Redraw the status as the journal grows, until Ctrl-C; rides out Redis outages."""
     from rich.live import Live
 
-    from cohort.coordinator.replay import JournalWatch, describe, view
+    from cohort.coordinator.replay import JournalWatch, view
+    from cohort.coordinator.timeline import lines
     from cohort.events.streams import Journal
     from cohort.render.terminal import console, status_view
 
@@ -70,8 +75,8 @@ def _watch(conn: Client, job: str, interval: float) -> None:
     def frame() -> Any:
         body = view(watch.state)
         body["leader_view"] = _leader_view(conn, job)
-        recent = [(i, f"{type(f).__name__} {describe(f)}") for i, f in watch.facts[-10:]]
-        return status_view(body, recent)
+        folded = lines(watch.facts[-RECENT_WINDOW:])[-RECENT_LINES:]
+        return status_view(body, [(line.entry_id, f"{line.type} {line.text}") for line in folded])
 
     with Live(frame(), console=console, refresh_per_second=4, screen=False) as live:
         while not stop.is_set():
