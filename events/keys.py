@@ -29,6 +29,18 @@ def check_job(job: str) -> str:
     return job
 
 
+JOURNAL_PATTERN = "cohort:{*}:journal"
+"""SCAN pattern matching every job's journal."""
+
+
+def job_of_journal(key: str) -> str | None:
+    """The job whose journal `key` is (`cohort:{J}:journal`), or None for any other key."""
+    if not (key.startswith("cohort:{") and key.endswith("}:journal")):
+        return None
+    job = key[len("cohort:{") : -len("}:journal")]
+    return job if JOB_NAME.fullmatch(job) else None
+
+
 @dataclass(frozen=True, slots=True)
 class Keys:
     """Every key of one job, as DESIGN.md's table names them."""

@@ -66,8 +66,9 @@ def test_status_export_and_replay_agree_on_the_state(cluster: Cluster, tmp_path:
     status = cohort("--redis-url", cluster.url, "status", "--job", cluster.job, "--json")
     assert status.returncode == 0, status.stderr
     body = json.loads(status.stdout)
-    assert body["leader"] == "c1" and body["members"]["a"]["rank"] == 0
-    assert body["lease_holder"].startswith("1:")
+    assert body["version"] == 1 and body["members"]["a"]["rank"] == 0
+    assert body["leader_id"] == body["elected_id"] == "c1"
+    assert body["lease_token"].startswith("1:c1:")
     human = cohort("status", "--job", cluster.job, "--redis-url", cluster.url)
     assert human.returncode == 0 and "c1" in human.stdout and "active" in human.stdout
 
