@@ -7,6 +7,9 @@ import logging
 import sys
 import time
 
+FIELDS = ("job", "fact", "journal_id")
+"""Fields a log call may add with `extra=`, kept as keys of their own in JSON lines."""
+
 
 class JsonLines(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -16,6 +19,7 @@ class JsonLines(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        body.update({k: getattr(record, k) for k in FIELDS if hasattr(record, k)})
         if record.exc_info:
             body["exc"] = self.formatException(record.exc_info)
         return json.dumps(body, default=str)

@@ -35,7 +35,8 @@ from cohort.events.models import (
 )
 from cohort.events.streams import Entry
 
-from .replay import Run, describe
+from .replay import Run
+from .timeline import Folder, Line, recent
 
 TIMELINE_ROWS = 500
 MAX_POINTS = 2000  # per series; more only makes the page heavier, not the plot clearer
@@ -62,14 +63,6 @@ class Marker:
     kind: str  # failure, leader, world, pause, resume, straggler, diverged, advice, advice-cleared
     label: str
     entry_id: str
-
-
-@dataclass(frozen=True)
-class TimelineRow:
-    entry_id: str
-    at: float
-    type: str
-    text: str
 
 
 @dataclass(frozen=True)
@@ -105,8 +98,10 @@ class ReportData:
     gpu_temperature: tuple[Series, ...] = ()
     markers: tuple[Marker, ...] = ()
     summary: Summary = field(default_factory=Summary)
-    timeline: tuple[TimelineRow, ...] = ()
+    timeline: tuple[Line, ...] = ()
+    """The last TIMELINE_ROWS lines, runs of commits folded, every membership fact kept."""
     timeline_total: int = 0
+    """Lines in the whole timeline."""
 
 
 # ---------------------------------------------------------------- extraction
@@ -130,6 +125,7 @@ def series(run: Run) -> ReportData:
         inbox.add(entry)
     times = facts.times + inbox.times
     end = max(times, default=0.0)
+    timeline = facts.timeline.done()
     return ReportData(
         job=run.job,
         start=min(times, default=0.0),
@@ -141,8 +137,8 @@ def series(run: Run) -> ReportData:
         gpu_temperature=_per_device(inbox.temperature, inbox.device_names),
         markers=tuple(facts.markers),
         summary=_summary(facts, inbox, run),
-        timeline=tuple(facts.rows[-TIMELINE_ROWS:]),
-        timeline_total=len(facts.rows),
+        timeline=tuple(recent(timeline, TIMELINE_ROWS)),
+        timeline_total=len(timeline),
     )
 
 
@@ -150,7 +146,7 @@ def series(run: Run) -> ReportData:
 class _FactSeries:
     """What the journal says, fact by fact: timeline rows, markers, membership, counts."""
 
-    rows: list[TimelineRow] = field(default_factory=list)
+    timeline: Folder = field(default_factory=Folder)
     markers: list[Marker] = field(default_factory=list)
     active: list[Point] = field(default_factory=list)
     members: list[Point] = field(default_factory=list)
@@ -165,7 +161,7 @@ class _FactSeries:
         name = type(fact).__name__
         self.counts[name] += 1
         self.times.append(at)
-        self.rows.append(TimelineRow(entry_id, at, name, describe(fact)))
+        self.timeline.add(entry_id, fact)
         if isinstance(fact, WorkerJoined | WorkerLeft | WorkerFailed):
             before = len(self.present)
             if isinstance(fact, WorkerJoined):
@@ -235,7 +231,7 @@ class _InboxSeries:
 def _summary(facts: _FactSeries, inbox: _InboxSeries, run: Run) -> Summary:
     counts = facts.counts
     return Summary(
-        facts=len(facts.rows),
+        facts=len(facts.times),
         steps_committed=counts["StepCommitted"],
         epochs_finished=counts["EpochFinished"],
         joined=counts["WorkerJoined"],

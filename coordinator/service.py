@@ -37,7 +37,7 @@ from cohort.events.codec import decode_command, encode
 from cohort.events.connection import UNAVAILABLE, Client
 from cohort.events.errors import DecodeError
 from cohort.events.keys import Keys
-from cohort.events.models import Command, Fact, JobConfig, StepDone
+from cohort.events.models import Command, Fact, JobConfig, StepCommitted, StepDone
 from cohort.events.streams import ZERO, Entry, Journal, id_ms
 
 from . import snapshot
@@ -46,6 +46,7 @@ from .election import RedisLease
 from .errors import ConfigConflict, Conflict, CoordinatorError, Fenced
 from .joblog import Durability, RedisJobLog
 from .metrics import Metrics
+from .replay import describe
 from .state import JobState, state_hash
 from .stores import DeadLetter, JobLog, Lease, epoch_of
 
@@ -115,6 +116,8 @@ class Turn:
     """Each valid command with the server time (s) it arrived at."""
     dead: list[DeadLetter] = field(default_factory=list)
     facts: list[Fact] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+    """The journal IDs `facts` were appended at, once saved."""
     saved: bool = False
 
     @property
@@ -427,6 +430,7 @@ class Coordinator:
             raise
         self.core.commit()
         turn.saved = True
+        turn.ids = ids
         if ids:
             self.journal_id = ids[-1]
         if turn.cursor is not None:
@@ -452,6 +456,20 @@ class Coordinator:
             self.metrics.dead.inc(len(turn.dead))
         for letter in turn.dead:
             log.warning("dead letter %s: %s", letter.inbox_id, letter.reason)
+        for entry_id, fact in zip(turn.ids, turn.facts, strict=False):
+            self._say(entry_id, fact)
+
+    def _say(self, entry_id: str, fact: Fact) -> None:
+        """One log line per journaled fact: INFO, but DEBUG for the one commit per step."""
+        name = type(fact).__name__
+        log.log(
+            logging.DEBUG if isinstance(fact, StepCommitted) else logging.INFO,
+            "%s %s (journal %s)",
+            name,
+            describe(fact),
+            entry_id,
+            extra={"job": self.settings.job, "fact": name, "journal_id": entry_id},
+        )
 
     def _check_acked(self) -> None:
         """Log (and count) an append that fewer replicas or no fsync confirmed in time: it

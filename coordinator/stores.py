@@ -46,6 +46,12 @@ def epoch_of(token: str) -> int:
     return int(epoch)
 
 
+def coordinator_of(token: str) -> str:
+    """The coordinator a token was issued to: tokens are `epoch:coordinator:random`."""
+    _, _, nonce = token.partition(":")
+    return nonce.rpartition(":")[0] or nonce
+
+
 class Lease(Protocol):
     """Who leads: a token `epoch:nonce` held for a lease time, renewed by its holder."""
 

@@ -15,9 +15,13 @@ Three kinds of deployment, chosen by the URL's scheme, each through redis-py's o
 
 from __future__ import annotations
 
+import logging
 import os
+import random
 import re
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 from urllib.parse import unquote, urlsplit
@@ -30,9 +34,14 @@ from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainEr
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
-from .errors import SettingsError
+from .errors import RedisUnavailable, SettingsError
+
+log = logging.getLogger("cohort.events")
 
 ENV_URL = "COHORT_REDIS_URL"
+ENV_WAIT = "COHORT_WAIT_FOR_REDIS"
+DEFAULT_WAIT = 10.0
+"""Seconds a process waits at start-up for Redis to answer before it gives up, naming it."""
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 SCHEMES = (
     "redis", "rediss", "unix",
@@ -399,3 +408,72 @@ def server_for(conn: Client, key: str) -> redis.Redis:
     if isinstance(conn, RedisCluster):
         return conn.get_redis_connection(conn.get_node_from_key(key))
     return conn
+
+
+def backoff(attempt: int, base: float = 0.05, cap: float = 2.0) -> float:
+    """Seconds to wait before retry number `attempt` (0-based): exponential, capped, jittered."""
+    ceiling = min(cap, base * 2**attempt)
+    return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+
+def start_wait(value: float | None = None, env: Mapping[str, str] | None = None) -> float:
+    """The start-up wait: `value` if given, else $COHORT_WAIT_FOR_REDIS, else DEFAULT_WAIT
+    seconds; SettingsError naming a value that is not a number of seconds >= 0."""
+    if value is None:
+        raw = (os.environ if env is None else env).get(ENV_WAIT)
+        if not raw:
+            return DEFAULT_WAIT
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not 0 <= value < float("inf"):
+            raise SettingsError(
+                f"${ENV_WAIT} {raw!r} is not a number of seconds; use e.g. {ENV_WAIT}=10"
+            )
+    if not 0 <= value < float("inf"):
+        raise SettingsError(f"wait for Redis {value!r} is not a number of seconds >= 0")
+    return value
+
+
+def reach(
+    open_client: Callable[[], Client],
+    shown: str,
+    wait: float,
+    halt: threading.Event | None = None,
+) -> Client:
+    """The first client `open_client()` makes that answers PING, trying for `wait` seconds.
+
+    For start-up only, when a process has never talked to Redis: a wrong URL or a server
+    that is not there ends in one RedisUnavailable naming `shown` (the URL without its
+    password) instead of a retry loop that says a connection it never had was lost. Once
+    running, callers retry with backoff as long as it takes. `halt`, when set, ends the
+    wait early with the same error.
+    """
+    deadline = time.monotonic() + wait
+    pause = halt or threading.Event()
+    attempt = 0
+    while True:
+        try:
+            client = open_client()
+            client.ping()
+            return client
+        except redis.AuthenticationError:
+            raise  # waiting does not change the credentials
+        except UNAVAILABLE as exc:
+            delay = backoff(attempt, cap=1.0)
+            if attempt == 0 and wait:
+                log.info("waiting up to %g s for Redis at %s (%s)", wait, shown, _reason(exc))
+            attempt += 1
+            if time.monotonic() + delay > deadline or pause.wait(delay):
+                within = f" within {wait:g} s" if wait else ""
+                longer = f" (--wait-for-redis / ${ENV_WAIT} waits longer)" if wait else ""
+                raise RedisUnavailable(
+                    f"cannot reach Redis at {shown}{within} ({_reason(exc)}); start it, or "
+                    f"point --redis-url / ${ENV_URL} at it{longer}"
+                ) from exc
+
+
+def _reason(exc: BaseException) -> str:
+    """redis-py's message, on one line."""
+    return " ".join(str(exc).split()) or type(exc).__name__

@@ -16,12 +16,29 @@ class BadJobName(EventsError):
 
 def check_job(job: str) -> str:
     """Return `job` if it is a usable job name, else raise naming it and the rule."""
+    if not isinstance(job, str) or not job:
+        raise BadJobName(
+            f"no job name given ({job!r}): pass the name the job's coordinators were started "
+            "with (--job / $COHORT_JOB)"
+        )
     if not JOB_NAME.fullmatch(job):
         raise BadJobName(
-            f"job name {job!r} is not valid: use 1-64 characters from letters, digits, "
-            "'.', '_' and '-', starting with a letter or digit"
+            f"job name {job!r} is not valid: use 1-64 characters from the ASCII letters "
+            "A-Z and a-z, the digits 0-9, '.', '_' and '-', starting with a letter or digit"
         )
     return job
+
+
+JOURNAL_PATTERN = "cohort:{*}:journal"
+"""SCAN pattern matching every job's journal."""
+
+
+def job_of_journal(key: str) -> str | None:
+    """The job whose journal `key` is (`cohort:{J}:journal`), or None for any other key."""
+    if not (key.startswith("cohort:{") and key.endswith("}:journal")):
+        return None
+    job = key[len("cohort:{") : -len("}:journal")]
+    return job if JOB_NAME.fullmatch(job) else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,10 @@
 """A job's keys, found and deleted: what `cohort reset` (and the demo, before it runs a job
-name again) does, so that the name starts a new run."""
+name again) does, so that the name starts a new run; and which jobs a Redis holds."""
 
 from __future__ import annotations
 
 from .connection import Client, text
-from .keys import Keys
+from .keys import JOURNAL_PATTERN, Keys, job_of_journal
 
 BATCH = 500
 
@@ -29,3 +29,9 @@ def delete_job(conn: Client, job: str) -> int:
         for start in range(0, len(found), BATCH):
             deleted += int(conn.unlink(*found[start : start + BATCH]))
     return deleted
+
+
+def jobs(conn: Client) -> list[str]:
+    """Every job with a journal on this Redis (every primary of a cluster), sorted."""
+    found = (job_of_journal(text(k)) for k in conn.scan_iter(match=JOURNAL_PATTERN, count=BATCH))
+    return sorted({job for job in found if job is not None})

@@ -25,11 +25,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from cohort.events.clock import Clock, SystemClock
-from cohort.events.connection import UNAVAILABLE, Client
-from cohort.events.errors import DecodeError
+from cohort.events.connection import UNAVAILABLE, Client, reach, start_wait
+from cohort.events.errors import DecodeError, RedisUnavailable
 from cohort.events.keys import Keys
 from cohort.events.models import (
     CheckpointWritten,
@@ -57,6 +57,7 @@ from .errors import (
     JoinRefusedError,
     JoinTimeout,
     NotAssigned,
+    RedisUnreachable,
     Removed,
     Stopped,
     WaitTimeout,
@@ -104,7 +105,10 @@ class Worker:
         dataset: Dataset | None = None,
         node: Node | None = None,
         role: str = "trainer",
+        wait_for_redis: float | None = None,
     ) -> None:
+        """`wait_for_redis`: seconds `join` waits at start-up for Redis to answer before it
+        raises RedisUnreachable naming the URL (default $COHORT_WAIT_FOR_REDIS, else 10)."""
         self.conn = conn
         self.dataset = dataset
         """The data this worker trains on, declared in its Join (None: it takes the job's)."""
@@ -114,6 +118,7 @@ class Worker:
         """"agent" for a launcher's member that trains nothing of the job's dealing."""
         self.keys = Keys(job)
         self.job = job
+        self.wait_for_redis = start_wait(wait_for_redis)
         self.id = worker_id or default_worker_id()
         self.clock: Clock = clock or SystemClock()
         self.log = log or logging.getLogger("cohort.worker")
@@ -138,6 +143,8 @@ class Worker:
         self._progress: tuple[int, int] | None = None  # (last finished step, its world)
         self._began: tuple[int, int] | None = None  # (step, world) of the last batch() call
         self._signals = 0
+        self._handlers: dict[int, Any] = {}  # the script's own, before install_signal_handlers
+        self._left = False  # leave() is done: a signal has nothing of cohort's to cut short
         self._gpu_interval = gpu_interval
         self._gpu_probe = gpu_probe
         self._advice_callbacks: list[Callable[[GpuAdvice], None]] = []
@@ -218,10 +225,12 @@ class Worker:
         """
         stop = self.stopping if stop is None else stop
         halt = AnyOf(self._stop, stop)  # Redis may be away too: retrying ends on either
+        self._left = False
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         try:
             if not self._threads:
+                self._reach(stop)
                 self._start(deadline, halt)
             view = self.view
             if view.member:
@@ -268,6 +277,21 @@ class Worker:
             self.stop()
             raise JoinRefusedError(self.id, view.refused or "no reason given")
         self.log.info("worker %s joined job %r", self.id, self.job)
+
+    def _reach(self, stop: threading.Event) -> None:
+        """At start-up (Redis never answered yet), wait `wait_for_redis` s for it at most."""
+        if self.link.reached:
+            return
+        try:
+            reach(lambda: self.conn, self.link.where, self.wait_for_redis, stop)
+        except RedisUnavailable as exc:
+            if stop.is_set():
+                raise Stopped(
+                    f"worker {self.id!r} was stopped while waiting for Redis at {self.link.where} "
+                    "(unreachable so far)"
+                ) from None
+            raise RedisUnreachable(str(exc)) from exc.__cause__
+        self.link.restored()
 
     def _await_answer(
         self,
@@ -546,6 +570,7 @@ class Worker:
             pass
         finally:
             self.stop()
+            self._left = True
         return seen
 
     def stop(self) -> None:
@@ -564,13 +589,27 @@ class Worker:
 
     # ------------------------------------------------------------ signals
     def install_signal_handlers(self) -> None:
-        """First SIGINT/SIGTERM: finish the step and leave; second: exit now (main thread only)."""
-        signal.signal(signal.SIGTERM, self.on_signal)
-        signal.signal(signal.SIGINT, self.on_signal)
+        """First SIGINT/SIGTERM: finish the step and leave; second: exit now (main thread only).
+
+        Once the leave is done there is nothing left to cut short: the next signal is only
+        logged, and the script's own handlers are back for any after it (its saving code
+        runs to its end)."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._handlers[signum] = signal.signal(signum, self.on_signal)
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         self._signals += 1
+        if self._left:
+            self.log.warning(
+                "%s received: worker %s has already left job %r, nothing to cut short; the "
+                "script goes on (send it again to interrupt the script itself)",
+                name,
+                self.id,
+                self.job,
+            )
+            self._give_back_signals()
+            return
         if self._signals == 1:
             self.log.warning(
                 "%s received: worker %s finishes its step, then leaves; send it again to exit now",
@@ -581,6 +620,12 @@ class Worker:
             return
         self.log.warning("%s received again: worker %s exits now", name, self.id)
         os._exit(130)
+
+    def _give_back_signals(self) -> None:
+        """The handlers the script had before `install_signal_handlers`, back in place."""
+        for signum, handler in self._handlers.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._handlers = {}
 
     # ------------------------------------------------------------ plumbing
     def _new_outbox(self) -> Outbox:

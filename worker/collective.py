@@ -54,7 +54,7 @@ from cohort.events.keys import Keys
 from cohort.events.models import WorldChanged
 from cohort.events.streams import ZERO, Entry, entries, read_reply
 
-from . import placement
+from . import calls, placement
 from . import tensors as blobs
 
 # Users import CollectiveError, CollectiveTimeout (cohort/__init__.py) and Transport from here.
@@ -177,7 +177,8 @@ class _Call:
 
     def what(self) -> str:
         return (
-            f"{self.op} of step {self.step} in world {self.world.version} (rank {self.world.rank})"
+            f"{self.op} of {calls.describe(self.step)} in world {self.world.version} "
+            f"(rank {self.world.rank})"
         )
 
     def part_key(self, rank: int, i: int, tags: tuple[str, ...]) -> str:
@@ -249,7 +250,7 @@ class _Call:
     def check_world(self) -> None:
         member = self.owner.worker
         if member.world_version > self.world.version:
-            raise WorldChangedError(self.step, member.assignment)
+            raise WorldChangedError(calls.step_of(self.step), member.assignment)
 
     def see_journal(self, rows: list[Entry]) -> None:
         for _, fields in rows:
@@ -262,7 +263,7 @@ class _Call:
                 continue  # the worker's tail logs undecodable facts
             if isinstance(fact, WorldChanged) and fact.version > self.world.version:
                 assignment = Plan.of(fact).assignment_of(self.owner.worker.id)
-                raise WorldChangedError(self.step, assignment)
+                raise WorldChangedError(calls.step_of(self.step), assignment)
 
     def _read(self, phase: str, pending: set[int]) -> None:
         self.check_world()
@@ -391,7 +392,7 @@ class Collective:
         """Fix the world and the journal position; None for a world of one (nothing to do)."""
         world = self.world()
         if expected is not None and world.version != expected:
-            raise WorldChangedError(step, self.worker.assignment)
+            raise WorldChangedError(calls.step_of(step), self.worker.assignment)
         if world.size == 1:
             return None
         call = _Call(

@@ -128,8 +128,7 @@ def as_dataset(data: Any) -> Dataset | None:
         size = len(data)
     except TypeError:
         raise WorkerError(
-            f"dataset= takes a cohort.Dataset or a dataset with a length, not "
-            f"{type(data).__name__}"
+            f"dataset= takes a cohort.Dataset or a dataset with a length, not {type(data).__name__}"
         ) from None
     kind = type(data)
     fingerprint = getattr(data, "fingerprint", None) or f"{kind.__module__}.{kind.__qualname__}"
@@ -158,6 +157,7 @@ class Elastic:
         dataset: Any = None,
         node: Node | None = None,
         local_files: Iterable[int] | Iterable[tuple[int, int]] | None = None,
+        wait_for_redis: float | None = None,
     ) -> None:
         job = job or os.environ.get(JOB_ENV)
         if not job:
@@ -176,6 +176,7 @@ class Elastic:
             gpu_interval=gpu_interval,
             dataset=as_dataset(dataset),
             node=node,
+            wait_for_redis=wait_for_redis,
         )
         self.collective = Collective(self.conn, job, self.worker)
         self.digest_every = digest_every

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from cohort.events.errors import RedisUnavailable
+
 if TYPE_CHECKING:
     from .view import Assignment
 
 
 class WorkerError(Exception):
     """Root of every error raised by the worker package."""
+
+
+class RedisUnreachable(WorkerError, RedisUnavailable):
+    """Redis did not answer within the start-up wait (`wait_for_redis`): a wrong URL, or a
+    server that is not up. The message names the URL; the cause is redis-py's error."""
 
 
 class WaitTimeout(WorkerError, TimeoutError):

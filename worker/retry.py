@@ -8,13 +8,12 @@ threads notice it.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from cohort.events.connection import UNAVAILABLE, Client, where
+from cohort.events.connection import UNAVAILABLE, Client, backoff, where
 
 from .errors import Stopped
 
@@ -33,11 +32,17 @@ class Link:
         self.log = log
         self.where = where
         self._down = False
+        self._reached = False  # some operation succeeded: a later failure loses a connection
         self._lock = threading.Lock()
 
     @property
     def down(self) -> bool:
         return self._down
+
+    @property
+    def reached(self) -> bool:
+        """Redis has answered this link at least once."""
+        return self._reached
 
     def lost(self, exc: BaseException, what: str) -> None:
         with self._lock:
@@ -45,7 +50,8 @@ class Link:
                 return
             self._down = True
         self.log.warning(
-            "lost the connection to Redis at %s while %s (%s: %s); retrying with backoff",
+            "%s Redis at %s while %s (%s: %s); retrying with backoff",
+            "lost the connection to" if self._reached else "cannot reach",
             self.where,
             what,
             type(exc).__name__,
@@ -53,6 +59,7 @@ class Link:
         )
 
     def restored(self) -> None:
+        self._reached = True
         if not self._down:  # the common case, without taking the lock
             return
         with self._lock:
@@ -89,12 +96,6 @@ class AnyOf:
                 return False
             self.events[0].wait(min(left, self.POLL))
         return True
-
-
-def backoff(attempt: int, base: float = 0.05, cap: float = 2.0) -> float:
-    """Seconds to wait before retry number `attempt` (0-based): exponential, capped, jittered."""
-    ceiling = min(cap, base * 2**attempt)
-    return ceiling / 2 + random.uniform(0, ceiling / 2)
 
 
 def with_retry(

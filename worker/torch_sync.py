@@ -15,7 +15,7 @@ Tensors travel through `Collective` (Redis) as numpy arrays:
   ...) travels as msgpack inside the same blob: no pickle, no `torch.save`, so a blob from
   another process cannot run code. A value msgpack cannot carry raises `StateError`.
 
-Every collective call here has its own call id (see `call_id`), negative so it never
+Every collective call here has its own call id (`worker/calls.py`), negative so it never
 collides with the non-negative steps a training loop passes to `Collective` itself.
 """
 
@@ -30,17 +30,14 @@ import numpy as np
 import torch
 
 from . import tensors as blobs
+from .calls import GRADIENTS, STATE, WEIGHTS, call_id
 from .collective import Collective
 from .errors import WorkerError, WorldChangedError
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 """As DDP's default bucket_cap_mb: bounds the extra memory one allreduce call needs."""
-MAX_BUCKETS = 1 << 20
 META = "__meta__"
 BLOB_VERSION = 1
-
-GRADIENTS, WEIGHTS, STATE = 0, 1, 2
-"""Channels of `call_id`: sync_gradients, LocalSGD and broadcast_state never share a call."""
 
 _NUMPY = {
     torch.float16: np.float16,
@@ -58,13 +55,6 @@ _DTYPES = {str(d): d for d in (*_NUMPY, torch.bfloat16, torch.int8, torch.int16,
 
 class StateError(WorkerError):
     """Model or optimizer state that cannot be sent, or a blob that does not fit the model."""
-
-
-def call_id(step: int, channel: int, bucket: int = 0) -> int:
-    """The collective call id of `bucket` of `channel` at `step` (negative: see module doc)."""
-    if not 0 <= bucket < MAX_BUCKETS:
-        raise StateError(f"bucket {bucket} is out of range; at most {MAX_BUCKETS} per call")
-    return -((step * 3 + channel) * MAX_BUCKETS + bucket) - 1
 
 
 # ------------------------------------------------------------------ tensors <-> numpy

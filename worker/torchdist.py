@@ -160,6 +160,8 @@ class Watchdog:
             except Stopped:
                 self.trip("the worker was stopped")
                 return
+            if self._stop.is_set():  # closed: the world ends with no collective left to break
+                return
             reason = lost(view, self.world)
             if reason is not None:
                 self.trip(reason)
@@ -174,7 +176,12 @@ class Watchdog:
             self.tripped.set()
             waiters = list(self._waiters)
             callbacks, self._on_trip = self._on_trip, []
-        log.warning("world %d is over: %s; breaking its collectives", self.world.version, reason)
+        if waiters:  # a collective is waiting in this world: it is cut short, say so
+            log.warning(
+                "world %d is over: %s; breaking its collectives", self.world.version, reason
+            )
+        else:  # e.g. peers leaving at the end of a job: nothing was broken
+            log.info("world %d is over: %s", self.world.version, reason)
         for event in waiters:
             event.set()
         for callback in callbacks:

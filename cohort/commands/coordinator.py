@@ -9,14 +9,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-import redis
 from pydantic import ValidationError
 
 from cohort.errors import Exit
-from cohort.events.connection import connect
 from cohort.events.models import JobConfig
 
-from .shared import FILE, fail, job_option, log, redis_settings, redis_url_option, stop_on_signals
+from .shared import (
+    FILE,
+    fail,
+    job_option,
+    log,
+    redis_client,
+    redis_settings,
+    redis_url_option,
+    stop_on_signals,
+    wait_for_redis_option,
+)
 
 if TYPE_CHECKING:
     from cohort.coordinator.metrics import Metrics
@@ -160,6 +168,7 @@ if TYPE_CHECKING:
     type=click.IntRange(0, 65535),
     help="Serve Prometheus metrics on this port (0: any free port, logged).",
 )
+@wait_for_redis_option()
 @click.pass_context
 def coordinator(
     ctx: click.Context,
@@ -174,6 +183,7 @@ def coordinator(
     wait_replicas: int,
     gpu_rules_file: Path | None,
     stay: bool,
+    wait_for_redis: float,
     **flags: Any,
 ) -> None:
     """Run a coordinator for JOB. Run several: one leads, the others follow and take over.
@@ -204,10 +214,7 @@ def coordinator(
         given=given,
         stay=stay,
     )
-    try:
-        conn = connect(server)  # a cluster client asks for the slot map at once
-    except redis.ConnectionError as exc:
-        fail(f"cannot reach Redis at {server.display_url} ({exc})", Exit.REDIS)
+    conn = redis_client(ctx, server.client_name or "", wait_for_redis)
     stop = threading.Event()
     stop_on_signals(stop, f"coordinator {name}")
     log.info("coordinator %s for job %r on %s", name, job, server.display_url)

@@ -12,7 +12,7 @@ import click
 from cohort.events.keys import Keys
 from cohort.events.reset import delete_job, job_keys
 
-from .runs import reads_whole_run, run_from, write_whole
+from .runs import reads_whole_run, write_whole
 from .shared import FILE, fail, job_option, or_fail, redis_client, redis_url_option
 
 T = TypeVar("T")
@@ -41,7 +41,7 @@ def reset(ctx: click.Context, job: str, yes: bool, export_to: Path | None, force
 
     Asks first, and offers to export the run; --yes skips both (--export still writes).
     """
-    from cohort.coordinator.replay import rebuild
+    from cohort.coordinator.replay import from_redis, rebuild
 
     conn = redis_client(ctx, "cohort-reset")
     keys = Keys(job)
@@ -54,7 +54,7 @@ def reset(ctx: click.Context, job: str, yes: bool, export_to: Path | None, force
             f"job {job!r} has a running coordinator (it holds {keys.leader}); stop the job's "
             "coordinators and workers first, or pass --force",
         )
-    run = run_from(ctx, job, None, "cohort-reset", with_inbox=True)
+    run = from_redis(conn, job, with_inbox=True)  # keys without a journal are reset too
     state, _ = or_fail(lambda: rebuild(run))
     where = state.config.checkpoint_uri if state.config is not None else None
     click.echo(

@@ -13,6 +13,8 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 import click
 
 from cohort.errors import Exit
+from cohort.events.connection import Client, where
+from cohort.events.keys import Keys
 
 from .shared import FILE, F, fail, job_option, or_fail, redis_client, redis_url_option
 
@@ -55,7 +57,24 @@ def run_from(
     if path is not None:
         return or_fail(lambda: from_file(path))
     assert job is not None
-    return from_redis(redis_client(ctx, name), job, with_inbox=with_inbox)
+    conn = redis_client(ctx, name)
+    known(conn, job)
+    return from_redis(conn, job, with_inbox=with_inbox)
+
+
+def known(conn: Client, job: str) -> None:
+    """Return if Redis holds JOB's journal or inbox; else exit 2 naming it and the jobs
+    this Redis does hold (a typo must not read as an empty run)."""
+    from cohort.events.reset import jobs
+
+    keys = Keys(job)
+    if conn.exists(keys.journal, keys.inbox):
+        return
+    held = jobs(conn)
+    fail(
+        f"job {job!r} has no journal or inbox in Redis at {where(conn)}; "
+        + (f"the jobs there: {', '.join(held)}" if held else "it holds no cohort job")
+    )
 
 
 def write_whole(output: Path, write: Callable[[IO[bytes]], T]) -> T:

@@ -21,8 +21,15 @@ import click
 import redis
 
 from cohort.errors import Exit
-from cohort.events.connection import Client, RedisSettings, connect
-from cohort.events.errors import EventsError, SettingsError
+from cohort.events.connection import (
+    DEFAULT_WAIT,
+    ENV_WAIT,
+    Client,
+    RedisSettings,
+    connect,
+    reach,
+)
+from cohort.events.errors import EventsError, RedisUnavailable, SettingsError
 from cohort.events.keys import check_job
 
 log = logging.getLogger("cohort")
@@ -53,7 +60,7 @@ def _check_job(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 
 def job_option(
-    help: str | None = "Job name (letters, digits, '.', '_', '-'); env COHORT_JOB.",
+    help: str | None = "Job name (ASCII letters, digits, '.', '_', '-'); env COHORT_JOB.",
     **overrides: Any,
 ) -> Callable[[F], F]:
     """--job/-j, checked as a job name; required and read from $COHORT_JOB unless overridden."""
@@ -104,29 +111,43 @@ def redis_settings(ctx: click.Context, name: str) -> RedisSettings:
         fail(str(exc))
 
 
-def redis_client(ctx: click.Context, name: str) -> Client:
-    """A client that has answered PING; else exit 3 saying what to check."""
+def redis_client(ctx: click.Context, name: str, wait: float = 0.0) -> Client:
+    """A client that has answered PING, trying for `wait` seconds (start-up: see
+    `--wait-for-redis`); else exit 3 with one line naming the URL and what to check."""
     settings = redis_settings(ctx, name)
     try:
-        conn = connect(settings)  # a cluster client asks for the slot map at once
-        conn.ping()
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        if tls_failure(settings, exc):
+        # a cluster client asks for the slot map as it is made
+        return reach(lambda: connect(settings), settings.display_url, wait)
+    except KeyboardInterrupt:
+        fail(f"interrupted while waiting for Redis at {settings.display_url}", Exit.INTERRUPTED)
+    except RedisUnavailable as exc:
+        if tls_failure(settings, exc.__cause__ or exc):
             fail(
-                f"TLS handshake with Redis at {settings.display_url} failed ({exc}); check "
-                "--redis-tls-ca ($COHORT_REDIS_TLS_CA) names the CA that signed the server's "
-                "certificate, and --redis-tls-cert/--redis-tls-key if the server asks for a "
-                "client certificate",
+                f"TLS handshake with Redis at {settings.display_url} failed ({exc.__cause__}); "
+                "check --redis-tls-ca ($COHORT_REDIS_TLS_CA) names the CA that signed the "
+                "server's certificate, and --redis-tls-cert/--redis-tls-key if the server asks "
+                "for a client certificate",
                 Exit.REDIS,
             )
-        fail(
-            f"cannot reach Redis at {settings.display_url} ({exc}); start one, or point "
-            "--redis-url / $COHORT_REDIS_URL at it",
-            Exit.REDIS,
-        )
+        fail(str(exc), Exit.REDIS)
     except redis.AuthenticationError as exc:
         fail(f"Redis at {settings.display_url} refused the credentials: {exc}", Exit.REDIS)
-    return conn
+
+
+def wait_for_redis_option() -> Callable[[F], F]:
+    """--wait-for-redis SECONDS: how long a long-running command waits at start-up for Redis
+    to answer before it exits 3 naming the URL (once running, it rides out outages)."""
+    return click.option(
+        "--wait-for-redis",
+        type=click.FloatRange(min=0),
+        default=DEFAULT_WAIT,
+        show_default=True,
+        envvar=ENV_WAIT,
+        metavar="SECONDS",
+        help="At start-up, wait this long for Redis to answer, then exit 3 naming the URL "
+        "(a wrong URL, a server not up yet); once running, outages are retried with backoff "
+        f"for as long as they last; env {ENV_WAIT}.",
+    )
 
 
 def tls_failure(settings: RedisSettings, exc: BaseException) -> bool:

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import click
-import redis
 
-from cohort.events.connection import Client, text
+from cohort.events.connection import UNAVAILABLE, Client, text
 from cohort.events.keys import Keys
 
 from .shared import fail, job_option, or_fail, redis_client, redis_url_option, stop_on_signals
+
+if TYPE_CHECKING:
+    from cohort.coordinator.state import JobState
+
+RECENT_LINES = 10
+RECENT_WINDOW = 5000
+"""Facts --watch folds for its recent lines: runs of commits fold into one line each."""
 
 
 @click.command()
@@ -30,7 +38,7 @@ from .shared import fail, job_option, or_fail, redis_client, redis_url_option, s
 @click.pass_context
 def status(ctx: click.Context, job: str, as_json: bool, watch: bool, interval: float) -> None:
     """Leader, epoch, world and every worker of JOB, from the journal and the leader's view."""
-    from cohort.coordinator.replay import from_redis, read_once, rebuild, view
+    from cohort.coordinator.replay import from_redis, read_once, rebuild
     from cohort.render.terminal import status_table
 
     if watch and as_json:
@@ -41,11 +49,7 @@ def status(ctx: click.Context, job: str, as_json: bool, watch: bool, interval: f
         return
     with read_once():
         state, _ = or_fail(lambda: rebuild(from_redis(conn, job, with_inbox=False)))
-    live = _leader_view(conn, job)
-    body = view(state)
-    body["leader_view"] = live
-    holder = conn.get(Keys(job).leader)
-    body["lease_holder"] = text(holder) if holder is not None else None
+    body = _status(conn, job, state)
     if as_json:
         click.echo(json.dumps(body, default=str))
         return
@@ -56,10 +60,11 @@ def status(ctx: click.Context, job: str, as_json: bool, watch: bool, interval: f
 
 
 def _watch(conn: Client, job: str, interval: float) -> None:
-    """Redraw the status as the journal grows, until Ctrl-C; rides out Redis outages."""
-    from rich.live import Live
-
-    from cohort.coordinator.replay import JournalWatch, describe, view
+    """Redraw the status as the journal grows, until Ctrl-C; rides out Redis outages. On a
+    terminal the view is redrawn in place; piped or redirected, a frame is printed at most
+    every `interval` seconds, each under a line with its time."""
+    from cohort.coordinator.replay import JournalWatch
+    from cohort.coordinator.timeline import lines
     from cohort.events.streams import Journal
     from cohort.render.terminal import console, status_view
 
@@ -68,19 +73,52 @@ def _watch(conn: Client, job: str, interval: float) -> None:
     stop_on_signals(stop, "status --watch")
 
     def frame() -> Any:
-        body = view(watch.state)
-        body["leader_view"] = _leader_view(conn, job)
-        recent = [(i, f"{type(f).__name__} {describe(f)}") for i, f in watch.facts[-10:]]
-        return status_view(body, recent)
+        body = _status(conn, job, watch.state)
+        folded = lines(watch.facts[-RECENT_WINDOW:])[-RECENT_LINES:]
+        return status_view(body, [(line.entry_id, f"{line.type} {line.text}") for line in folded])
+
+    def refresh(show: Callable[[Any], None]) -> None:
+        """Fold what the journal gained (waiting up to `interval` for it) and show it."""
+        try:
+            watch.pull(block_ms=int(interval * 1000))
+            show(frame())
+        except UNAVAILABLE as exc:
+            show(f"[red]Redis unreachable ({exc}); retrying[/]")
+            stop.wait(interval)
+
+    if not console.is_terminal:
+        _print_frames(refresh, stop, interval)
+        return
+    from rich.live import Live
 
     with Live(frame(), console=console, refresh_per_second=4, screen=False) as live:
         while not stop.is_set():
-            try:
-                watch.pull(block_ms=int(interval * 1000))
-                live.update(frame())
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                live.update(f"[red]Redis unreachable ({exc}); retrying[/]")
-                stop.wait(interval)
+            refresh(live.update)
+
+
+def _print_frames(
+    refresh: Callable[[Callable[[Any], None]], None], stop: threading.Event, interval: float
+) -> None:
+    """Plain periodic output for a pipe or a file: one frame at most every `interval` s."""
+    from cohort.render.terminal import console
+
+    def show(renderable: Any) -> None:
+        console.print(f"--- {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
+        console.print(renderable)
+        console.file.flush()
+
+    while not stop.is_set():
+        started = time.monotonic()
+        refresh(show)
+        stop.wait(max(0.0, started + interval - time.monotonic()))
+
+
+def _status(conn: Client, job: str, state: JobState) -> dict[str, Any]:
+    """The status body of docs/status-json.md: `state`, the lease now, the leader's view."""
+    from cohort.coordinator.status import status as status_body
+
+    token = conn.get(Keys(job).leader)
+    return status_body(state, text(token) if token is not None else None, _leader_view(conn, job))
 
 
 def _leader_view(conn: Client, job: str) -> dict[str, Any] | None:

@@ -13,7 +13,15 @@ import click
 from cohort.errors import Exit
 from cohort.events.connection import Client
 
-from .shared import FILE, F, fail, job_option, redis_client, redis_url_option
+from .shared import (
+    FILE,
+    F,
+    fail,
+    job_option,
+    redis_client,
+    redis_url_option,
+    wait_for_redis_option,
+)
 
 if TYPE_CHECKING:
     from cohort.worker.client import Worker
@@ -55,6 +63,7 @@ def worker_command(name: str, steps: int | None, steps_help: str) -> Callable[[F
                 "0 (the default): wait however late one starts, heartbeating meanwhile, until "
                 "stopped; env COHORT_JOIN_TIMEOUT.",
             ),
+            wait_for_redis_option(),
         )
         for option in reversed(shared):  # click lists options in the reverse of applying them
             command = option(command)
@@ -72,6 +81,7 @@ def run_worker(
     job: str,
     worker_id: str | None,
     gpu_interval: float,
+    wait_for_redis: float,
     name: str,
     train: Callable[[Client, Worker], dict[str, Any]],
 ) -> dict[str, Any]:
@@ -82,7 +92,7 @@ def run_worker(
     """
     from cohort.worker.client import Worker
 
-    conn = redis_client(ctx, name)
+    conn = redis_client(ctx, name, wait_for_redis)
 
     def joined() -> dict[str, Any]:
         client = Worker(conn, job, worker_id=worker_id, gpu_interval=gpu_interval or None)
@@ -95,10 +105,12 @@ def run_worker(
 def summarised(train: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Run a worker's `train`, print its summary as one JSON line (without its parameters)
     and return it; a stop before the join exits 0, a WorkerError exits 4 naming it."""
-    from cohort.worker.errors import Stopped, WorkerError
+    from cohort.worker.errors import RedisUnreachable, Stopped, WorkerError
 
     try:
         summary = train()
+    except RedisUnreachable as exc:
+        fail(str(exc), Exit.REDIS)
     except Stopped as exc:
         click.echo(f"cohort: {exc}", err=True)
         sys.exit(Exit.OK)
@@ -124,6 +136,7 @@ def worker(
     step_time: float,
     gpu_interval: float,
     join_timeout: float | None,
+    wait_for_redis: float,
 ) -> None:
     """A simulated worker: joins JOB, trains on its shard, survives world changes, leaves.
 
@@ -137,6 +150,7 @@ def worker(
         job,
         worker_id,
         gpu_interval,
+        wait_for_redis,
         "cohort-worker",
         lambda conn, client: run(
             client,
@@ -191,6 +205,7 @@ def example_worker(
     save: Path | None,
     gpu_interval: float,
     join_timeout: float | None,
+    wait_for_redis: float,
 ) -> None:
     """Train a real model (a numpy MLP on a deterministic 4-class data set) as one worker,
     with `cohort.ElasticJob`: the loop a training script writes (see cohort/example.py).
@@ -204,7 +219,7 @@ def example_worker(
     from cohort.example import run
     from cohort.worker.elastic import ElasticJob
 
-    conn = redis_client(ctx, "cohort-example-worker")
+    conn = redis_client(ctx, "cohort-example-worker", wait_for_redis)
     summary = summarised(
         lambda: run(
             ElasticJob(

@@ -317,6 +317,13 @@ SCRIPT = """
 """
 
 
+NO_GPU = (
+    '<p class="note" id="no-gpu">No GPU readings in this run: its workers sent none (no '
+    "GPU, no NVML, or <code>--gpu-interval 0</code>), so there are no GPU memory or "
+    "temperature plots.</p>"
+)
+
+
 def _summary_table(data: ReportData) -> str:
     s = data.summary
     rows = (
@@ -346,8 +353,8 @@ def _timeline_table(data: ReportData) -> str:
     note = ""
     if data.timeline_total > len(data.timeline):
         note = (
-            f'<p class="note">Showing the last {len(data.timeline)} of '
-            f"{data.timeline_total} facts; <code>cohort replay</code> prints them all.</p>"
+            f'<p class="note">Showing the last lines of {data.timeline_total} and every '
+            "membership fact before them; <code>cohort replay</code> prints every fact.</p>"
         )
     rows = "".join(
         f"<tr><td><code>{_e(r.entry_id)}</code></td><td>{_e(_fmt_rel(r.at - data.start))}</td>"
@@ -372,13 +379,17 @@ def render(data: ReportData, title: str) -> str:
         }
     )
     order = {w: i for i, w in enumerate(workers)}
-    plots = (
+    plots = [
         ("plot-membership", "Membership", "workers", data.membership, True),
         ("plot-step-time", "Step time per worker", "seconds", data.step_time, True),
         ("plot-loss", "Loss per worker", "loss", data.loss, False),
-        ("plot-gpu-memory", "GPU memory used", "%", data.gpu_memory, True),
-        ("plot-gpu-temperature", "GPU temperature", "°C", data.gpu_temperature, False),
-    )
+    ]
+    gpu = data.gpu_memory or data.gpu_temperature
+    if gpu:
+        plots += [
+            ("plot-gpu-memory", "GPU memory used", "%", data.gpu_memory, True),
+            ("plot-gpu-temperature", "GPU temperature", "°C", data.gpu_temperature, False),
+        ]
     figures = [
         "<figure>"
         + _line_plot(pid, name, unit, lines, axis, data.markers, order, zero_based)
@@ -386,6 +397,8 @@ def render(data: ReportData, title: str) -> str:
         + "</figure>"
         for pid, name, unit, lines, zero_based in plots
     ]
+    if not gpu:
+        figures.append(NO_GPU)
     figures.append("<figure>" + _events_plot(axis, data.markers) + "</figure>")
     started = _fmt_abs(data.start) if data.timeline_total or data.end else "-"
     return f"""<!DOCTYPE html>

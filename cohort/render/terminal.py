@@ -5,7 +5,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from rich import box
 from rich.console import Console, Group
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -35,7 +37,7 @@ _PHASES = {
 def _summary_lines(body: dict[str, Any]) -> list[str]:
     counters = body["counters"]
     return [
-        f"[bold]job[/] {body['job'] or '?'}  [bold]leader[/] {body['leader'] or '-'} "
+        f"[bold]job[/] {body['job'] or '?'}  [bold]leader[/] {_leader(body)} "
         f"(epoch {body['leader_epoch']})  [bold]world[/] v{body['world_version']} "
         f"size {body['world_size']}  [bold]data epoch[/] {body['epoch']}{_order(body)}  "
         f"[bold]next step[/] {body['next_step']}  "
@@ -46,6 +48,13 @@ def _summary_lines(body: dict[str, Any]) -> list[str]:
         f"facts {body['facts']}  state hash {body['state_hash']}",
         *_lineage_lines(body),
     ]
+
+
+def _leader(body: dict[str, Any]) -> str:
+    """Who leads: the lease holder in a status body, the last elected in a replayed state."""
+    if "leader_id" in body:
+        return body["leader_id"] or f"none (last: {body['elected_id'] or '-'})"
+    return body["leader"] or "-"
 
 
 def _order(body: dict[str, Any]) -> str:
@@ -121,29 +130,16 @@ def status_view(body: dict[str, Any], recent: list[tuple[str, str]] | None = Non
         rows.append(
             Text.from_markup("[yellow]no live leader view (no coordinator leads right now?)[/]")
         )
-    table = Table(
-        "worker",
-        "node",
-        "state",
-        "rank",
-        "shard",
-        "used",
-        "last heartbeat",
-        "step",
-        "step time",
-        "GPU mem/temp",
-        "flags",
-    )
     at = live.get("at")
     shards = body.get("shards", [])
     config = body.get("config") or {}
     done = max(0, body["next_step"] - body.get("base_step", 0))
     counts = deal.counts(JobConfig.model_validate(config), len(shards)) if config else ()
     strided = config.get("placement") == "strided"
+    cells: list[tuple[str, ...]] = []
     for worker, member in body["members"].items():
         seen = workers_live.get(worker, {})
         last = seen.get("last_seen")
-        ago = f"{at - last:.1f}s ago" if last and at else "-"
         rank = member.get("rank")
         shard = shards[rank] if rank is not None and rank < len(shards) else []
         size = sum(b - a for a, b in shard)
@@ -151,26 +147,94 @@ def status_view(body: dict[str, Any], recent: list[tuple[str, str]] | None = Non
         used = done * (sum(counts) if strided else counts[rank]) if shard and counts else 0
         progress = seen.get("progress") or [-1, -1]
         step_time = seen.get("step_time")
-        table.add_row(
-            worker,
-            node_text(member.get("node")),
-            member["status"],
-            "-" if rank is None else str(rank),
-            _shard(shard),
-            f"{min(used, size)}/{size}" if shard else "-",
-            ago,
-            str(progress[1]) if progress[1] >= 0 else "-",
-            f"{step_time:.3f}s" if step_time is not None else "-",
-            _gpu(seen.get("gpu") or []),
-            "[red]straggler[/]" if member.get("straggler") else "",
+        cells.append(
+            (
+                worker,
+                node_text(member.get("node")),
+                member["status"],
+                "-" if rank is None else str(rank),
+                _shard(shard),
+                f"{min(used, size)}/{size}" if shard else "-",
+                f"{at - last:.1f}s ago" if last and at else "-",
+                str(progress[1]) if progress[1] >= 0 else "-",
+                f"{step_time:.3f}s" if step_time is not None else "-",
+                _gpu(seen.get("gpu") or []),
+                "[red]straggler[/]" if member.get("straggler") else "",
+            )
         )
-    rows.append(table)
+    rows.extend(_fitted(WORKER_COLUMNS, cells))
     if recent:
         facts = Table("journal id", "fact", title="recent facts", title_justify="left")
         for entry_id, text in recent[-10:]:
             facts.add_row(entry_id, text)
         rows.append(facts)
     return Group(*rows)
+
+
+WORKER_COLUMNS = (
+    "worker",
+    "node",
+    "state",
+    "rank",
+    "shard",
+    "used",
+    "heartbeat",
+    "step",
+    "step time",
+    "GPU mem/temp",
+    "flags",
+)
+KEPT = 2
+"""Columns shown even when empty: the worker and its state."""
+DROPPED_FIRST = (
+    "used",
+    "step",
+    "step time",
+    "heartbeat",
+    "GPU mem/temp",
+    "node",
+    "shard",
+    "rank",
+)
+"""What a narrow terminal leaves out first, until the table fits."""
+
+
+def _fitted(headers: tuple[str, ...], cells: list[tuple[str, ...]]) -> list[Any]:
+    """A table of `cells` that fits the console, and a line naming what it left out.
+
+    A column no row fills ("-" or "" in every row, e.g. GPUs on a CPU-only job) is left
+    out; then, while the table cannot fit even with its words wrapped, the columns of
+    DROPPED_FIRST, in order. What still does not fit wraps rather than being cut."""
+    shown = [
+        i for i in range(len(headers)) if i < KEPT or any(row[i] not in ("-", "") for row in cells)
+    ]
+    left_out: list[str] = []
+    while True:
+        whole_words = _table(headers, cells, shown, "ellipsis")  # its minimum: the longest words
+        wide = console.options.update_width(10_000)  # a measurement is capped at the width
+        need = Measurement.get(console, wide, whole_words).minimum
+        drop = [i for i in shown if headers[i] in DROPPED_FIRST]
+        if need <= console.width or not drop:
+            break
+        worst = min(drop, key=lambda i: DROPPED_FIRST.index(headers[i]))
+        shown.remove(worst)
+        left_out.append(headers[worst])
+    table = _table(headers, cells, shown, "fold")
+    if not left_out:
+        return [table]
+    note = f"[dim]{console.width} columns: {', '.join(left_out)} not shown (widen to see)[/]"
+    return [table, Text.from_markup(note)]
+
+
+def _table(
+    headers: tuple[str, ...], cells: list[tuple[str, ...]], shown: list[int], overflow: Any
+) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for i in shown:
+        table.add_column(headers[i], overflow=overflow, no_wrap=i == 0)
+    for row in cells:
+        table.add_row(*(row[i] for i in shown))
+    return table
 
 
 def status_table(body: dict[str, Any]) -> None:

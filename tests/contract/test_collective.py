@@ -18,6 +18,7 @@ from cohort.events.codec import FIELD, encode
 from cohort.events.keys import Keys
 from cohort.events.models import WorldChanged
 from cohort.events.shards import Shard
+from cohort.worker import calls
 from cohort.worker import wire as wire_module
 from cohort.worker.collective import Collective, Participant
 from cohort.worker.errors import CollectiveError, CollectiveTimeout, WorldChangedError
@@ -268,6 +269,29 @@ def test_a_timeout_names_the_ranks_that_did_not_contribute(
     error = run_ranks(connect_more, members, body)[0]
     assert isinstance(error, CollectiveTimeout)
     assert "[2]" in str(error) and "step 0" in str(error)
+
+
+def test_a_call_id_s_errors_name_the_training_step_it_serves(
+    connect_more: Callable[[], redis.Redis],
+) -> None:
+    """sync_gradients calls allreduce with a call id per bucket (negative); a person reading
+    its timeout or world change wants step 90, not -283115521."""
+    members = _members(2)
+    call = calls.call_id(90, calls.GRADIENTS, 0)
+    assert call == -283115521
+
+    def body(c: Collective, m: StandIn) -> Any:
+        if m.rank == 0:
+            return c.allreduce({"x": np.ones(10, "<f4")}, call, timeout=0.3)
+        wait_until(lambda: c.conn.exists(KEYS.step_events(1, call)), message="rank 0 began")
+        members[1].world_version = 2
+        return c.allreduce({"x": np.ones(10, "<f4")}, call, timeout=5, world=1)
+
+    timeout, moved = run_ranks(connect_more, members, body)
+    assert isinstance(timeout, CollectiveTimeout)
+    assert str(timeout).startswith("allreduce of step 90 (gradients, bucket 0) in world 1")
+    assert "-283115521" not in str(timeout)
+    assert isinstance(moved, WorldChangedError) and moved.step == 90
 
 
 def test_ranks_passing_different_shapes_are_told_so(

@@ -66,8 +66,9 @@ def test_status_export_and_replay_agree_on_the_state(cluster: Cluster, tmp_path:
     status = cohort("--redis-url", cluster.url, "status", "--job", cluster.job, "--json")
     assert status.returncode == 0, status.stderr
     body = json.loads(status.stdout)
-    assert body["leader"] == "c1" and body["members"]["a"]["rank"] == 0
-    assert body["lease_holder"].startswith("1:")
+    assert body["version"] == 1 and body["members"]["a"]["rank"] == 0
+    assert body["leader_id"] == body["elected_id"] == "c1"
+    assert body["lease_token"].startswith("1:c1:")
     human = cohort("status", "--job", cluster.job, "--redis-url", cluster.url)
     assert human.returncode == 0 and "c1" in human.stdout and "active" in human.stdout
 
@@ -89,6 +90,11 @@ def test_status_export_and_replay_agree_on_the_state(cluster: Cluster, tmp_path:
     "args, says",
     [
         (["coordinator", "--job", "x y"], "job name 'x y' is not valid"),
+        (
+            ["worker", "--job", "möbius"],
+            "job name 'möbius' is not valid: use 1-64 characters "
+            "from the ASCII letters A-Z and a-z, the digits 0-9, '.', '_' and '-'",
+        ),
         (
             ["coordinator", "--job", "j", "--min-workers", "3", "--max-workers", "2"],
             "must not exceed max_workers",

@@ -231,7 +231,7 @@ def test_a_training_job_on_the_cluster_survives_a_sigkilled_worker(
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert status.returncode == 0, status.stderr
-        assert json.loads(status.stdout)["lease_holder"]
+        assert json.loads(status.stdout)["lease_token"]
     finally:
         job.stop()
 

@@ -133,6 +133,32 @@ def cohort_rank(url: str, job: str, name: str, victim: bool, steps_alone: int) -
     worker.leave(reason="done")
 
 
+def finishing_rank(url: str, job: str, name: str, steps: int, first: bool) -> None:
+    """A cohort worker that trains `steps` steps in a world of two and ends normally: the
+    `first` leaves at once; the other waits (its watchdog running) until the first has left."""
+    from cohort.events.connection import RedisSettings, connect
+    from cohort.worker.client import Worker
+    from cohort.worker.torchdist import Rendezvous
+
+    conn = connect(RedisSettings(url=url))
+    worker = Worker(conn, job, worker_id=name)
+    worker.join()
+    worker.ready(step=0)
+    rendezvous = Rendezvous(worker, conn, job, host="127.0.0.1", timeout=60)
+    world = rendezvous.init_process_group("gloo")  # a world of two: --min-workers 2
+    start = max(world.start_step, worker.next_step)
+    for step in range(start, start + steps):
+        worker.batch(step)
+        rendezvous.all_reduce(torch.ones(10), step)
+        worker.step_done(step)
+        worker.wait_committed(step, timeout=30)
+    if not first:
+        worker.wait_for(lambda v: len(v.members) == 1, timeout=30)  # the peer has left
+    say(event="done", size=world.size)
+    rendezvous.close()
+    worker.leave(reason="done")
+
+
 # ------------------------------------------------------------------ the tests
 def events(proc: Process) -> list[dict[str, Any]]:
     out = []
@@ -255,6 +281,7 @@ def test_with_cohorts_watchdog_the_survivor_raises_within_seconds_and_goes_on_al
             f"{5 * 60} s); watchdog: {raised['reason']}"
         )
         assert took <= TIMEOUT + 2.0
+        assert "breaking its collectives" in survivor.output()  # a live all_reduce was cut
         assert finished(survivor, 60) == 0, survivor.output()[-3000:]
         alone = [
             e
@@ -267,9 +294,25 @@ def test_with_cohorts_watchdog_the_survivor_raises_within_seconds_and_goes_on_al
         end_keeper(victim)
 
 
+def test_ranks_that_end_normally_log_no_broken_collective(cluster: Cluster) -> None:
+    """A peer leaving at the end of a job ends the world for the other rank, whose
+    watchdog still runs; no collective was running, so nothing is reported broken."""
+    cluster.coordinator("c1", "--min-workers", "2", "--heartbeat-timeout", "5", "--lease", "1")
+    first = spawn(cluster, "a", "finish", cluster.url, cluster.job, "a", "1")
+    last_ = spawn(cluster, "b", "finish", cluster.url, cluster.job, "b", "0")
+    for rank in (first, last_):
+        assert finished(rank, 120) == 0, rank.output()[-3000:]
+    assert [(last(r, "done") or {}).get("size") for r in (first, last_)] == [2, 2]
+    assert "breaking its collectives" not in first.output() + last_.output()
+    assert "WARNING" not in last_.output(), last_.output()[-3000:]
+
+
 def main(argv: list[str]) -> None:
     if argv[0] == "plain":
         plain_rank(int(argv[1]), int(argv[2]), int(argv[3]))
+    elif argv[0] == "finish":
+        url, job, name, first = argv[1:5]
+        finishing_rank(url, job, name, steps=10, first=first == "1")
     else:
         url, job, name, victim = argv[1:5]
         cohort_rank(url, job, name, victim == "1", steps_alone=20)

@@ -33,6 +33,19 @@ def test_ci_runs_the_readme_test_command_unchanged() -> None:
     assert "apt-get install -y -q redis-server" in ci
 
 
+def test_readme_installs_the_cpu_build_of_torch_before_the_torch_extra() -> None:
+    """The extra alone pulls a CUDA build (GBs) on a machine without a GPU."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### PyTorch") :]
+    block = re.search(r"```sh\n(.*?)```", section, re.S)
+    assert block, "the PyTorch section has no install commands"
+    commands = [line.split("#")[0].strip() for line in block.group(1).splitlines()]
+    assert commands[:2] == [
+        "pip install torch --index-url https://download.pytorch.org/whl/cpu",
+        "pip install -e '.[torch]'",
+    ]
+
+
 def test_compose_runs_redis_with_aof_two_coordinators_and_workers() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]

@@ -229,19 +229,38 @@ def test_summary_counts_steps_members_elections_dead_letters_and_unreadable_comm
     assert summary.final_world_size == 2
 
 
-def test_long_series_are_thinned_and_the_timeline_keeps_its_last_rows() -> None:
+def test_long_series_are_thinned() -> None:
     s = Streams()
-    for step in range(TIMELINE_ROWS + 100):
-        s.fact(StepCommitted(at=T0 + step, job=JOB, step=step, world=1))
     for i in range(3 * MAX_POINTS):
         s.command(StepDone(at=T0 + i / 10, job=JOB, worker="w1", step=i, world=1, step_time=1))
     data = series(s.run)
 
     assert len(data.step_time[0].points) <= MAX_POINTS + 1
     assert data.step_time[0].points[-1][0] == s.run.inbox[-1].ms / 1000
-    assert len(data.timeline) == TIMELINE_ROWS and data.timeline_total == TIMELINE_ROWS + 100
-    assert data.timeline[-1].text == f"step={TIMELINE_ROWS + 99} world=1"
-    assert f"last {TIMELINE_ROWS} of {TIMELINE_ROWS + 100} facts" in render(data, "t")
+
+
+def test_the_timeline_folds_runs_of_commits_and_keeps_every_membership_fact() -> None:
+    """Commits flooded the timeline and pushed an early WorkerFailed out of its last rows."""
+    s = Streams()
+    s.fact(WorkerJoined(at=T0, job=JOB, worker="w1"))
+    s.fact(WorkerFailed(at=T0 + 1, job=JOB, worker="w1", last_seen=T0, timeout=5))
+    rounds = TIMELINE_ROWS + 100
+    for i in range(rounds):  # a run of three commits, then a pause: two lines a round
+        for step in range(3 * i, 3 * i + 3):
+            s.fact(StepCommitted(at=T0 + 2 + step, job=JOB, step=step, world=1))
+        s.fact(TrainingPaused(at=T0 + 2 + 3 * i, job=JOB, reason="r", active=1, min_workers=2))
+    data = series(s.run)
+
+    assert data.timeline_total == 2 + 2 * rounds
+    assert [line.type for line in data.timeline[:2]] == ["WorkerJoined", "WorkerFailed"]
+    assert len(data.timeline) == 2 + TIMELINE_ROWS
+    last_run = data.timeline[-2]
+    first_step = 3 * (rounds - 1)
+    assert last_run.text == f"steps {first_step}–{first_step + 2} committed (3 commits, world 1)"
+    assert data.summary.facts == 2 + 4 * rounds
+    page = render(data, "t")
+    assert "w1 failed" in page or "worker=w1" in page
+    assert f"Showing the last lines of {data.timeline_total}" in page
 
 
 # ---------------------------------------------------------------- what is drawn
@@ -311,13 +330,20 @@ def test_worker_names_from_any_source_are_escaped_in_lines_and_legends() -> None
     assert [e.attrs["data-worker"] for e in page.elements if e.tag == "li"] == [name]
 
 
-def test_an_empty_run_renders_every_plot_with_no_data() -> None:
+def test_an_empty_run_renders_every_plot_with_no_data_and_says_it_had_no_gpu() -> None:
     text = render(series(Run(JOB)), "empty")
     page = parse(text)
 
-    assert {e.attrs["id"] for e in page.elements if e.tag == "svg"} == set(PLOTS)
+    gpu = {"plot-gpu-memory", "plot-gpu-temperature"}
+    assert {e.attrs["id"] for e in page.elements if e.tag == "svg"} == set(PLOTS) - gpu
     assert not [e for e in page.elements if e.tag == "polyline"]
-    assert text.count(">no data<") == 5 and ">no events<" in text
+    assert text.count(">no data<") == 3 and ">no events<" in text
+    assert 'id="no-gpu"' in text and "No GPU readings in this run" in text
+
+
+def test_a_run_with_gpu_readings_has_its_gpu_plots_and_no_such_note() -> None:
+    text = render(series(a_run()), "run")
+    assert 'id="plot-gpu-memory"' in text and 'id="no-gpu"' not in text
 
 
 def test_a_single_sample_or_a_flat_series_still_draws() -> None:

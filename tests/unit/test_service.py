@@ -417,3 +417,28 @@ def test_coordinators_exit_once_the_job_finished_and_its_last_worker_left() -> N
     latecomer = setup.coordinator("c3")
     latecomer.run(threading.Event())  # a finished job: nothing to do, exit at once
     assert latecomer.state.finished and not latecomer.leading
+
+
+def test_the_leader_logs_each_fact_it_journals_at_info_and_commits_at_debug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    setup = Setup(heartbeat_timeout=5.0, lease_ms=60_000, min_workers=2)
+    with caplog.at_level("DEBUG", logger="cohort.coordinator"):
+        leader = leader_of(setup)
+        setup.join("a", "b")
+        leader.step()
+        setup.done("a", 0)
+        setup.done("b", 0)
+        leader.step()
+        setup.clock.advance(6)
+        leader.step()  # both silent: failed, and training pauses
+    lines = {r.getMessage().split()[0]: r for r in caplog.records if hasattr(r, "fact")}
+    for name in ("LeaderElected", "WorkerJoined", "WorldChanged", "WorkerFailed"):
+        assert lines[name].levelname == "INFO", name
+    assert lines["StepCommitted"].levelname == "DEBUG"
+    failed = lines["WorkerFailed"]
+    assert failed.getMessage().startswith("WorkerFailed worker=") and "(journal " in failed.msg
+    assert failed.fact == "WorkerFailed" and failed.job == JOB  # type: ignore[attr-defined]
+    journaled = [type(f).__name__ for f in setup.log.facts()]
+    logged = [r.fact for r in caplog.records if hasattr(r, "fact")]  # type: ignore[attr-defined]
+    assert logged == journaled  # one line per fact, in journal order

@@ -21,6 +21,7 @@ if os.environ.get("CI") == "true":
 else:
     torch = pytest.importorskip("torch")
 
+from cohort.worker import calls  # noqa: E402
 from cohort.worker import torch_sync as ct  # noqa: E402
 from cohort.worker.collective import World  # noqa: E402
 
@@ -287,8 +288,8 @@ def test_a_parameter_without_gradient_counts_as_zero() -> None:
 
 
 @given(
-    a=st.tuples(st.integers(0, 10**6), st.integers(0, 2), st.integers(0, ct.MAX_BUCKETS - 1)),
-    b=st.tuples(st.integers(0, 10**6), st.integers(0, 2), st.integers(0, ct.MAX_BUCKETS - 1)),
+    a=st.tuples(st.integers(0, 10**6), st.integers(0, 2), st.integers(0, calls.MAX_BUCKETS - 1)),
+    b=st.tuples(st.integers(0, 10**6), st.integers(0, 2), st.integers(0, calls.MAX_BUCKETS - 1)),
 )
 def test_call_ids_are_negative_and_distinct(
     a: tuple[int, int, int], b: tuple[int, int, int]

@@ -19,7 +19,7 @@ import pytest
 
 from cohort.events import decode_command, encode
 from cohort.events import models as m
-from cohort.events.keys import Keys
+from cohort.events.keys import BadJobName, Keys
 from cohort.events.shards import Shard
 from cohort.events.streams import ZERO, Inbox, Journal
 from cohort.worker import client, simulated
@@ -630,3 +630,14 @@ def _world(version: int, start: int, worker: str, first: int) -> Any:
     return fact(
         m.WorldChanged, version=version, start_step=start, epoch=0, ranks=(worker,), shards=(shard,)
     )
+
+
+# ---------------------------------------------------------------- bad arguments
+
+
+@pytest.mark.parametrize("job", [None, ""])
+def test_a_worker_without_a_job_name_says_so(server, job) -> None:
+    with pytest.raises(
+        BadJobName, match=r"no job name given \(" + repr(job) + r"\): pass the name"
+    ):
+        Worker(fakeredis.FakeRedis(server=server), job)
