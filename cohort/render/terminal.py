@@ -150,8 +150,8 @@ def status_view(body: dict[str, Any], recent: list[tuple[str, str]] | None = Non
         cells.append(
             (
                 worker,
-                node_text(member.get("node")),
                 member["status"],
+                node_text(member.get("node")),
                 "-" if rank is None else str(rank),
                 _shard(shard),
                 f"{min(used, size)}/{size}" if shard else "-",
@@ -173,8 +173,8 @@ def status_view(body: dict[str, Any], recent: list[tuple[str, str]] | None = Non
 
 WORKER_COLUMNS = (
     "worker",
-    "node",
     "state",
+    "node",
     "rank",
     "shard",
     "used",
