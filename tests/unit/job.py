@@ -66,9 +66,7 @@ class Job:
     # ------------------------------------------------------------ what workers say
     def join(self, worker: str) -> tuple[Fact, ...]:
         return self.send(
-            Join(
-                at=self.now, job=JOB, worker=worker, node=self.nodes(worker), dataset=self.dataset
-            )
+            Join(at=self.now, job=JOB, worker=worker, node=self.nodes(worker), dataset=self.dataset)
         )
 
     def ready(self, worker: str, step: int = 0) -> tuple[Fact, ...]:
