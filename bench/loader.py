@@ -69,9 +69,8 @@ class _Member:
 def _loader(dataset: _Decoded, **more: Any) -> Any:
     from torch.utils.data import DataLoader
 
-    return DataLoader(
-        dataset,  # type: ignore[arg-type] batch_size=BATCH, num_workers=WORKERS, persistent_workers=True, **more
-    )
+    options = {"batch_size": BATCH, "num_workers": WORKERS, "persistent_workers": True}
+    return DataLoader(dataset, **options, **more)  # type: ignore[arg-type]
 
 
 def _waits(batches: Any, steps: int, compute: float) -> float:
