@@ -23,6 +23,7 @@ from . import (
     cluster,
     control_plane,
     failover,
+    loader,
     order,
     overhead,
     peer_death,
@@ -43,6 +44,7 @@ FULL: dict[str, Callable[[], Section]] = {
     "cluster": lambda: cluster.measure((16, 64), (3,), 5),
     "checkpoint": lambda: checkpoint.measure(3),
     "order": lambda: order.measure((60_000, 1_000_000, 10_000_000), 5),
+    "loader": lambda: loader.run(200, 100, 5, 3),
     "throughput": lambda: throughput.measure((2, 4), ("1m", "25m"), 3),
 }
 QUICK: dict[str, Callable[[], Section]] = {
@@ -56,6 +58,7 @@ QUICK: dict[str, Callable[[], Section]] = {
     "cluster": lambda: cluster.measure((16,), (3,), 3),
     "checkpoint": lambda: checkpoint.measure(1),
     "order": lambda: order.measure((60_000, 1_000_000), 3),
+    "loader": lambda: loader.run(40, 100, 5, 1),
     "throughput": lambda: throughput.measure((2,), ("1m",), 1, steps=10),
 }
 
