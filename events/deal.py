@@ -121,56 +121,110 @@ def _by_file(
     nodes: Mapping[str, Node | None],
 ) -> tuple[Shard, ...]:
     """The hash and locality placements: `rest` cut into pieces of one file each, every
-    piece to the best rank with room left (pieces split where a rank's share runs out)."""
+    piece to the best rank with room left (pieces split where a rank's share runs out).
+
+    At a world change this runs in the leader's decision, so it is kept to a few numpy
+    calls per piece: each piece's first choice is found for all pieces at once, and the
+    ranks' scores are updated where a share fills, not recomputed."""
     import numpy as np
 
     n = len(ranks)
     room = np.array(_shares(range_count(rest), counts(config, n)), dtype=np.int64)
-    shares = room.astype(np.float64)
     given: list[list[Range]] = [[] for _ in ranks]
-    workers = _worker_hashes(ranks)
-    described = [nodes.get(w) or Node() for w in ranks]
-    score = None
-    if config.placement == "locality":
-        score = _Locality(described, shares)
     pieces = list(order.pieces(rest))
-    if score is not None:  # first each piece to a node that holds its file, while room lasts
-        pieces = _deal_pieces(pieces, room, given, workers, score, local_only=True)
-    _deal_pieces(pieces, room, given, workers, score, local_only=False)
+    files = np.fromiter((f for _, _, f in pieces), dtype=np.int64, count=len(pieces))
+    deal = _Dealer(ranks, room, given, files)
+    if config.placement == "locality":
+        described = [nodes.get(w) or Node() for w in ranks]
+        score = _Locality(described, room.astype(np.float64), int(files.max(initial=-1)) + 1)
+        left = []  # first each piece to a node that holds its file, while room lasts
+        for i, (start, stop, file) in enumerate(pieces):
+            start = deal.among(i, start, stop, score.holders(file), score)
+            if start < stop:
+                left.append(i)
+        for i in left:  # then the rest, to the best score over every rank
+            start, stop, _ = pieces[i]
+            start += sum(b - a for a, b in deal.taken.get(i, ()))
+            deal.anywhere(i, start, stop, score)
+    else:
+        first = deal.first_choices()
+        for i, (start, stop, _) in enumerate(pieces):
+            best = int(first[i])
+            if room[best] >= stop - start:  # nearly always: its first choice has room
+                deal.give(i, best, start, stop - start)
+            else:
+                deal.anywhere(i, start, stop, None)
     return tuple(Shard(ranges=merge(sorted(runs))) for runs in given)
 
 
-def _deal_pieces(
-    pieces: list[tuple[int, int, int]],
-    room: np.ndarray,
-    given: list[list[Range]],
-    workers: np.ndarray,
-    score: _Locality | None,
-    local_only: bool,
-) -> list[tuple[int, int, int]]:
-    """Each piece (start, stop, file) to the best rank with room (by `score`, else by the
-    hash), cut where that rank's room ends; with `local_only`, only to ranks holding the
-    file. Returns what is left (pieces no rank with room holds)."""
-    import numpy as np
+class _Dealer:
+    """Pieces handed to ranks, tracking each rank's room."""
 
-    left = []
-    for start, stop, file in pieces:
-        tie = _mix(workers ^ _mix(np.uint64(file + 1)))
+    CHUNK = 1 << 22  # hash cells computed at once (pieces x ranks)
+
+    def __init__(
+        self, ranks: Sequence[str], room: np.ndarray, given: list[list[Range]], files: np.ndarray
+    ) -> None:
+        self.workers = _worker_hashes(ranks)
+        self.worker_ints: list[int] = self.workers.tolist()
+        self.room, self.given, self.files = room, given, files
+        self.taken: dict[int, list[Range]] = {}
+
+    def tie(self, piece: int) -> np.ndarray:
+        """Each rank's rendezvous hash for the piece's file (the hash placement's choice,
+        the tie-break of the others)."""
+        import numpy as np
+
+        return _mix(self.workers ^ _mix(np.uint64(self.files[piece] + 1)))
+
+    def first_choices(self) -> np.ndarray:
+        """Each piece's highest-hashing rank, all pieces at once (in chunks)."""
+        import numpy as np
+
+        out = np.empty(self.files.size, dtype=np.int64)
+        step = max(1, self.CHUNK // max(1, self.workers.size))
+        for at in range(0, self.files.size, step):
+            keys = _mix((self.files[at : at + step] + 1).astype(np.uint64))
+            out[at : at + step] = np.argmax(_mix(keys[:, None] ^ self.workers[None, :]), axis=1)
+        return out
+
+    def give(self, piece: int, rank: int, start: int, take: int) -> None:
+        self.given[rank].append((start, start + take))
+        self.taken.setdefault(piece, []).append((start, start + take))
+        self.room[rank] -= take
+
+    def among(self, piece: int, start: int, stop: int, ranks: np.ndarray, score: _Locality) -> int:
+        """The piece to the best of `ranks` with room, cut as their room runs out; returns
+        where what none of them could take starts. `ranks` are a file's holders, a few:
+        plain Python beats numpy's per-call cost here."""
+        if not ranks.size:
+            return start
+        holders = ranks.tolist()
+        key = _mix_int(int(self.files[piece]) + 1)
+        tie = {r: _mix_int(self.worker_ints[r] ^ key) for r in holders}
+        room = self.room
         while start < stop:
-            allowed = room > 0
-            if local_only:
-                assert score is not None
-                allowed &= score.holders(file)
-                if not allowed.any():
-                    left.append((start, stop, file))
-                    break
-            values = np.ones(room.size) if score is None else score.of(file, room)
-            best = _best(np.where(allowed, values, -np.inf), tie)
+            open_ = [r for r in holders if room[r] > 0]
+            if not open_:
+                break
+            best = max(open_, key=lambda r: (score.local_of(r, int(room[r])), tie[r]))
             take = min(stop - start, int(room[best]))
-            given[best].append((start, start + take))
-            room[best] -= take
+            self.give(piece, best, start, take)
             start += take
-    return left
+        return start
+
+    def anywhere(self, piece: int, start: int, stop: int, score: _Locality | None) -> None:
+        """The piece to the best ranks with room over the whole world."""
+        import numpy as np
+
+        tie = self.tie(piece)
+        while start < stop:
+            open_ = self.room > 0
+            values = open_.astype(np.float64) if score is None else score.remote(self.room)
+            best = _best(np.where(open_, values, -np.inf), tie)
+            take = min(stop - start, int(self.room[best]))
+            self.give(piece, best, start, take)
+            start += take
 
 
 def _best(scores: np.ndarray, tie: np.ndarray) -> int:
@@ -182,35 +236,44 @@ def _best(scores: np.ndarray, tie: np.ndarray) -> int:
 
 
 class _Locality:
-    """The best-node score of every rank for a file, as its share fills: the load term is
-    the part of its share still free."""
+    """The best-node score of every rank, as its share fills: the load term is the part of
+    its share still free. Which nodes hold which file is indexed once, from the nodes' file
+    ranges (its size is the number of (file, node) pairs they declare)."""
 
-    def __init__(self, nodes: Sequence[Node], shares: np.ndarray) -> None:
+    def __init__(self, nodes: Sequence[Node], shares: np.ndarray, files: int) -> None:
         import numpy as np
 
-        self.nodes, self.shares = nodes, shares
-        self.declared = np.array([node.locality for node in nodes])
+        self.shares = np.where(shares > 0, shares, 1.0)
+        declared = np.array([node.locality for node in nodes])
         gpus = np.array([node.gpus for node in nodes], dtype=np.float64)
         memory = np.array([node.gpu_memory for node in nodes], dtype=np.float64)
-        self.hardware = 0.5 * _against_best(gpus) + 0.5 * _against_best(memory)
-        self._holding: dict[int, np.ndarray] = {}
+        hardware = 0.5 * _against_best(gpus) + 0.5 * _against_best(memory)
+        self.fixed_local = LOCALITY * 1.0 + HARDWARE * hardware
+        self.fixed_remote = LOCALITY * declared + HARDWARE * hardware
+        self._local, self._shares = self.fixed_local.tolist(), self.shares.tolist()
+        held, by = [], []
+        for rank, node in enumerate(nodes):
+            for start, stop in node.files:
+                if start < files:
+                    held.append(np.arange(start, min(stop, files)))
+                    by.append(np.full(min(stop, files) - start, rank))
+        file_of = np.concatenate(held) if held else np.zeros(0, dtype=np.int64)
+        rank_of = np.concatenate(by) if by else np.zeros(0, dtype=np.int64)
+        sort = np.argsort(file_of, kind="stable")
+        self.rank_of = rank_of[sort]
+        self.bounds = np.searchsorted(file_of[sort], np.arange(files + 1))
 
     def holders(self, file: int) -> np.ndarray:
-        """Which ranks' nodes hold `file` (a bool per rank)."""
-        import numpy as np
+        """The ranks whose nodes hold `file`."""
+        return self.rank_of[self.bounds[file] : self.bounds[file + 1]]  # type: ignore[no-any-return]
 
-        held = self._holding.get(file)
-        if held is None:
-            held = np.array([node.holds(file) for node in self.nodes], dtype=bool)
-            self._holding[file] = held
-        return held
+    def local_of(self, rank: int, room: int) -> float:
+        """The score of `rank`, a holder of the file, with `room` left."""
+        return self._local[rank] + LOAD * room / self._shares[rank]
 
-    def of(self, file: int, room: np.ndarray) -> np.ndarray:
-        import numpy as np
-
-        local = np.where(self.holders(file), 1.0, self.declared)
-        free = np.divide(room, self.shares, out=np.zeros_like(self.shares), where=self.shares > 0)
-        return LOCALITY * local + LOAD * free + HARDWARE * self.hardware  # type: ignore[no-any-return]
+    def remote(self, room: np.ndarray) -> np.ndarray:
+        """The score of every rank for a file none with room holds."""
+        return self.fixed_remote + LOAD * room / self.shares  # type: ignore[no-any-return]
 
 
 def _against_best(values: np.ndarray) -> np.ndarray:
@@ -225,6 +288,18 @@ def _worker_hashes(ranks: Sequence[str]) -> np.ndarray:
 
     digests = (hashlib.blake2b(w.encode(), digest_size=8).digest() for w in ranks)
     return np.array([int.from_bytes(d, "little") for d in digests], dtype=np.uint64)
+
+
+MASK64 = (1 << 64) - 1
+
+
+def _mix_int(z: int) -> int:
+    """`_mix` of one Python int (numpy's scalars cost more than the arithmetic)."""
+    z ^= z >> 30
+    z = (z * 0xBF58476D1CE4E5B9) & MASK64
+    z ^= z >> 27
+    z = (z * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
 
 
 def _mix(z: Any) -> np.ndarray:
