@@ -30,8 +30,13 @@ def spawn(url: str, name: str, *args: str) -> Proc:
     return proc
 
 
+FLEET_DATASET = 10_000_000
+
+
 def coordinator(url: str, job: str, *flags: str) -> Proc:
     """A `cohort coordinator` process (AOF-less bench server: --allow-volatile)."""
+    if "--dataset-size" not in flags:  # the simulated workers declare no dataset
+        flags = (*flags, "--dataset-size", str(FLEET_DATASET))
     return spawn(url, job, "coordinator", "--job", job, "--allow-volatile", *flags)
 
 

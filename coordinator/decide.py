@@ -192,7 +192,7 @@ def _join(plan: _Plan, command: Join) -> None:
     if refusal is not None:
         plan.emit(JoinRefused, worker=command.worker, reason=refusal)
         return
-    if dataset != state.dataset and command.dataset is not None:
+    if dataset is not None and dataset != state.dataset:
         plan.emit(DatasetDeclared, worker=command.worker, dataset=dataset)
     plan.emit(
         WorkerJoined,
@@ -203,7 +203,9 @@ def _join(plan: _Plan, command: Join) -> None:
     )
 
 
-def _dataset_of(state: JobState, config: JobConfig, command: Join) -> tuple[Dataset, str | None]:
+def _dataset_of(
+    state: JobState, config: JobConfig, command: Join
+) -> tuple[Dataset | None, str | None]:
     """The job's dataset once `command` joins, or why its dataset keeps it out.
 
     The first declaration is journaled (DatasetDeclared); until training starts a later
@@ -211,7 +213,9 @@ def _dataset_of(state: JobState, config: JobConfig, command: Join) -> tuple[Data
     declaration that differs from the job's dataset is refused, by what differs."""
     known, declared, job = state.dataset, command.dataset, state.job
     if command.role == "agent" and declared is None:
-        return known or Dataset(size=1), None  # deals no data to it: nothing to check
+        return known, None  # deals no data to it: nothing to check
+    if declared is not None and declared.adapts and known is not None:
+        declared = None  # it makes its data to the job's size
     if declared is not None and known is not None:
         differs = known.mismatch(declared)
         if differs is not None:
@@ -227,7 +231,7 @@ def _dataset_of(state: JobState, config: JobConfig, command: Join) -> tuple[Data
             files=declared.files or (known.files if known else ()),
         )
     if known is None:
-        return Dataset(size=1), (
+        return None, (
             f"job {job!r} does not know its dataset yet and worker {command.worker!r} "
             "declares none: declare it in the worker (ElasticJob(dataset=...)) or start the "
             "coordinators with --dataset-size N"

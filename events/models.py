@@ -91,6 +91,9 @@ class Dataset(BaseModel):
     files: tuple[Annotated[int, Field(ge=1, le=MAX_INT)], ...] = Field(
         default=(), max_length=MAX_FILES
     )
+    adapts: bool = False
+    """The worker makes its data to the job's size (synthetic data): a job that knows its
+    dataset keeps it, and one that does not takes this one."""
 
     @model_validator(mode="after")
     def _files_add_up(self) -> Dataset:
@@ -101,7 +104,10 @@ class Dataset(BaseModel):
         return self
 
     def mismatch(self, other: Dataset) -> str | None:
-        """How `other` differs from this dataset, in words (None: it is the same data)."""
+        """How `other` differs from this dataset, in words (None: it is the same data, or
+        `other` adapts to it)."""
+        if other.adapts:
+            return None
         if other.size != self.size:
             return f"{other.size} samples, not {self.size}"
         if other.fingerprint and self.fingerprint and other.fingerprint != self.fingerprint:

@@ -12,6 +12,7 @@ import click
 
 from cohort.errors import Exit
 from cohort.events.connection import Client
+from cohort.events.models import Dataset
 
 from .shared import (
     FILE,
@@ -25,6 +26,11 @@ from .shared import (
 
 if TYPE_CHECKING:
     from cohort.worker.client import Worker
+
+SYNTHETIC = Dataset(size=60_000, adapts=True)
+"""What these workers declare: they make their data to whatever size the job has, so a job
+that knows its dataset (--dataset-size, or another worker's declaration) keeps it, and one
+that does not takes 60000 samples."""
 
 
 def worker_command(name: str, steps: int | None, steps_help: str) -> Callable[[F], click.Command]:
@@ -95,7 +101,13 @@ def run_worker(
     conn = redis_client(ctx, name, wait_for_redis)
 
     def joined() -> dict[str, Any]:
-        client = Worker(conn, job, worker_id=worker_id, gpu_interval=gpu_interval or None)
+        client = Worker(
+            conn,
+            job,
+            worker_id=worker_id,
+            gpu_interval=gpu_interval or None,
+            dataset=SYNTHETIC,
+        )
         client.install_signal_handlers()
         return train(conn, client)
 
@@ -229,6 +241,7 @@ def example_worker(
                 join_timeout=join_timeout,
                 digest_every=1,
                 gpu_interval=gpu_interval or None,
+                dataset=SYNTHETIC,
             ),
             steps=steps,
             lr=lr,

@@ -87,6 +87,10 @@ class Cluster:
         return proc
 
     def coordinator(self, name: str, *flags: str) -> Process:
+        """A coordinator of this job; a test that names no dataset size gets 2048 samples (its
+        workers declare none)."""
+        if not any(f.startswith("--dataset-size") or f == "--config" for f in flags):
+            flags = (*flags, "--dataset-size", "2048")
         return self.spawn(name, "coordinator", "--job", self.job, "--id", name, *flags)
 
     def trainer_coordinator(

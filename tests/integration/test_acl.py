@@ -282,7 +282,13 @@ def test_coordinator_runs_every_step_of_its_loop_and_nothing_is_refused(
 ) -> None:
     admin.function_flush()  # so the coordinator loads the library itself (FUNCTION LOAD)
     admin.acl_log_reset()
-    settings = ServiceSettings(job=JOB, coordinator="c1", block_ms=10, snapshot_every=1)
+    settings = ServiceSettings(
+        job=JOB,
+        coordinator="c1",
+        block_ms=10,
+        snapshot_every=1,
+        config=JobConfig(dataset_size=1000),
+    )
     coord = Coordinator.on_redis(coordinator_conn, settings)
     coord.start()  # INFO persistence, FUNCTION LOAD, the snapshot, the journal
     coord.step()

@@ -235,7 +235,10 @@ def test_ca_and_client_certificate_reach_the_server_and_a_coordinator_leads_over
         coord = Coordinator.on_redis(
             conn,
             ServiceSettings(
-                job=JOB, coordinator="c1", config=JobConfig(min_workers=1), block_ms=10
+                job=JOB,
+                coordinator="c1",
+                config=JobConfig(min_workers=1, dataset_size=1000),
+                block_ms=10,
             ),
         )
         coord.start()

@@ -208,6 +208,18 @@ def test_the_first_declared_dataset_is_journaled_and_other_data_is_refused_by_na
     assert job.replayed().dataset == DATA
 
 
+def test_a_worker_whose_data_adapts_takes_the_job_s_or_gives_its_own() -> None:
+    """The example and simulated workers make their data to the job's size: they never
+    meet a refusal for it, and a job that knows nothing takes their size."""
+    synthetic = Dataset(size=60_000, adapts=True)
+    job = Job(dataset=synthetic, dataset_size=2048)
+    assert types(job.join("a")) == ["WorkerJoined"] and job.state.dataset == Dataset(size=2048)
+    fresh = Job(dataset=synthetic, dataset_size=None)
+    facts = fresh.join("a")
+    assert types(facts) == ["DatasetDeclared", "WorkerJoined"]
+    assert fresh.state.dataset == Dataset(size=60_000)  # journaled as plain data
+
+
 def test_a_job_that_knows_no_dataset_refuses_a_worker_that_declares_none() -> None:
     job = Job(dataset=None, dataset_size=None)
     (refusal,) = job.join("a")
