@@ -1,0 +1,83 @@
+"""The loader's batch sampler follows the journal's plan: a step's micro-batches in order,
+and after a rewind exactly the rest of the epoch's order (worker/torch_loader.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cohort.events import models as m
+from cohort.events.shards import Shard
+from cohort.worker.torch_loader import StepSampler
+from cohort.worker.view import View, fold
+
+JOB = "unit"
+
+
+def fact(cls: Any, **body: Any) -> Any:
+    return cls(at=1.0, job=JOB, **body)
+
+
+class _Member:
+    def __init__(self, view: View) -> None:
+        self.view = view
+
+
+def sampler(facts: list[m.Fact], me: str = "me") -> StepSampler:
+    return StepSampler(_Member(fold(facts, View(worker=me))))  # type: ignore[arg-type]
+
+
+def test_a_rewound_world_reads_exactly_the_rest_of_the_epoch_s_order() -> None:
+    config = m.JobConfig(
+        dataset_size=40, batch_size=3, global_batch=6, seed=11, placement="strided"
+    )
+    rest = ((13, 20), (25, 40))  # what a checkpoint's data position left of epoch 2
+    facts = [
+        fact(m.JobConfigured, config=config),
+        fact(
+            m.WorldChanged, version=4, start_step=50, epoch=2, ranks=("me", "peer"),
+            shards=(Shard(ranges=rest), Shard(ranges=rest)),
+        ),
+    ]  # fmt: skip
+    mine = sampler(facts, "me")
+    theirs = sampler(facts, "peer")
+    mine.start = theirs.start = (50, 0)
+    got = [list(b) for b in mine], [list(b) for b in theirs]
+    order = config.order(2)
+    expected = order.samples(rest).tolist()  # 22 positions: steps of 6, the last of 4
+    by_step = []
+    for step in range(4):
+        by_step += got[0][step] + got[1][step]
+    assert sorted(by_step) == sorted(expected)
+    span = expected[:6]
+    assert sorted(got[0][0] + got[1][0]) == sorted(span)  # the world reads the rest in turn
+    assert [t[1] for t in mine.tags] == [50, 51, 52, 53]
+
+
+def test_micro_batches_and_a_start_inside_a_step() -> None:
+    config = m.JobConfig(dataset_size=30, batch_size=4, global_batch=10, shuffle=False)
+    facts = [
+        fact(m.JobConfigured, config=config),
+        fact(
+            m.WorldChanged, version=1, start_step=0, epoch=0, ranks=("me",),
+            shards=(Shard(ranges=((0, 30),)),),
+        ),
+    ]  # fmt: skip
+    steps = sampler(facts)
+    steps.start = (1, 1)  # step 1's second micro-batch: the first one was trained
+    batches = [list(b) for b in steps]
+    assert batches[0] == [14, 15, 16, 17]
+    assert batches[1] == [18, 19]
+    assert [tag[1:] for tag in steps.tags][:4] == [(1, 1), (1, 2), (2, 0), (2, 1)]
+    assert sum(len(b) for b in batches) == 30 - 14
+
+
+def test_a_worker_outside_the_world_samples_nothing() -> None:
+    config = m.JobConfig(dataset_size=8, batch_size=4)
+    facts = [
+        fact(m.JobConfigured, config=config),
+        fact(
+            m.WorldChanged, version=1, start_step=0, epoch=0, ranks=("other",),
+            shards=(Shard(ranges=((0, 8),)),),
+        ),
+    ]  # fmt: skip
+    assert list(sampler(facts)) == []
