@@ -101,7 +101,11 @@ class StepLoader:
                 f"job.batches() takes a torch DataLoader over a map-style dataset, not "
                 f"{type(loader).__name__}"
             )
-        if not hasattr(loader.dataset, "__getitem__"):
+        from torch.utils.data import IterableDataset
+
+        if isinstance(loader.dataset, IterableDataset) or not hasattr(
+            loader.dataset, "__getitem__"
+        ):
             raise WorkerError(
                 "job.batches() needs a map-style dataset (one with __getitem__): the job "
                 "chooses which samples each rank reads"

@@ -46,3 +46,17 @@ def test_micro_batches_accumulate_to_the_share_s_gradient_times_its_weight() -> 
     # the share's summed gradient times n / total: its part of the world's mean
     for mine, whole in zip(got, (p.grad * 3 / 30 for p in model.parameters()), strict=True):
         assert torch.allclose(mine, whole, atol=1e-6)
+
+
+def test_a_loader_over_an_iterable_dataset_is_refused_by_name() -> None:
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from cohort.worker.errors import WorkerError
+    from cohort.worker.torch_loader import StepLoader
+
+    class Stream(IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(range(3))
+
+    with pytest.raises(WorkerError, match="map-style dataset"):
+        StepLoader(DataLoader(Stream()), worker=None)  # type: ignore[arg-type]
