@@ -97,11 +97,25 @@ def _listening(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _torchrun_once(kill: str) -> float:
+def _torchrun_once(kill: str, backend: str = "c10d") -> float:
     """Seconds from the kill to the first step finished after it; inf if training never
     came back within LIMIT_S, nan if the job died. `kill`: "worker" (agent 2's worker),
-    "agent" (agent 2 and its worker) or "host" (agent 1, which hosts the c10d store)."""
-    port = _free_port()
+    "agent" (agent 2 and its worker) or "host" (agent 1, which hosts the c10d store).
+    `backend` "cohort": the same agents on `--rdzv-backend=cohort`, a Redis and a cohort
+    coordinator (heartbeat timeout TIMEOUT_S) instead of a store on agent 1."""
+    if backend == "cohort":
+        with LocalRedis(appendonly=False) as server:
+            lead = coordinator(server.url, "bench", "--heartbeat-interval", "0.5",
+                               "--heartbeat-timeout", str(TIMEOUT_S))  # fmt: skip
+            try:
+                return _agents(kill, backend, server.url)
+            finally:
+                lead.stop()
+    return _agents(kill, backend, f"127.0.0.1:{_free_port()}")
+
+
+def _agents(kill: str, backend: str, endpoint: str) -> float:
+    port = int(endpoint.rsplit(":", 1)[1]) if backend == "c10d" else 0
     tmp = Path(tempfile.mkdtemp(prefix="cohort-bench-torchrun-"))
     logs = [tmp / "agent1.jsonl", tmp / "agent2.jsonl"]
     trainer = Path(__file__).with_name("torch_trainer.py")
@@ -112,15 +126,16 @@ def _torchrun_once(kill: str) -> float:
             agents.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
-                     "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
-                     "--max-restarts", "5", "--monitor-interval", "0.1", str(trainer)],
+                     "--nproc-per-node", "1", "--rdzv-backend", backend,
+                     "--rdzv-endpoint", endpoint, "--rdzv-id", "bench",
+                     "--rdzv-conf", "last_call_timeout=2", "--max-restarts", "5",
+                     "--monitor-interval", "0.1", str(trainer)],
                     env=env, stdout=(tmp / f"agent{i + 1}.out").open("wb"),
                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                 )
             )  # fmt: skip
             deadline = time.monotonic() + 60
-            while i == 0 and not _listening(port):  # agent 1 hosts the store
+            while port and i == 0 and not _listening(port):  # agent 1 hosts the c10d store
                 if time.monotonic() > deadline or agents[0].poll() is not None:
                     raise TimeoutError(f"torchrun's store never listened; see {tmp}")
                 time.sleep(0.05)  # another process binds the port: nothing to block on
@@ -173,13 +188,20 @@ def measure(runs: int = 3) -> Section:
         torchrun: dict[str, list[float]] = {}
     else:
         torchrun = {
-            kill: [_torchrun_once(kill) for _ in range(runs)]
+            f"{backend}:{kill}": [_torchrun_once(kill, backend) for _ in range(runs)]
+            for backend in ("c10d", "cohort")
             for kill in ("worker", "agent", "host")
         }
         rows += [
-            ("torchrun: every worker restarted (worker SIGKILLed)", torchrun["worker"]),
-            ("torchrun: agent 2 + its worker SIGKILLed (a node lost)", torchrun["agent"]),
-            ("torchrun: agent 1, the c10d store host, + worker SIGKILLed", torchrun["host"]),
+            ("torchrun: every worker restarted (worker SIGKILLed)", torchrun["c10d:worker"]),
+            ("torchrun: agent 2 + its worker SIGKILLed (a node lost)", torchrun["c10d:agent"]),
+            (
+                "torchrun: agent 1, the c10d store host, + worker SIGKILLed",
+                torchrun["c10d:host"],
+            ),
+            ("torchrun on cohort: worker SIGKILLed", torchrun["cohort:worker"]),
+            ("torchrun on cohort: agent 2 + its worker (a node lost)", torchrun["cohort:agent"]),
+            ("torchrun on cohort: agent 1 + its worker (no store host)", torchrun["cohort:host"]),
         ]
     mine = statistics.median(cohort)
     section = Section(
@@ -204,6 +226,12 @@ def measure(runs: int = 3) -> Section:
         "A lost node that hosted the c10d store takes the job with it: the other agent "
         "exits with RendezvousConnectionError ('job died'); cohort keeps its state in "
         "Redis and any coordinator can lead.",
+        "torchrun on cohort: the same agents and script with `--rdzv-backend=cohort "
+        "--rdzv-endpoint=redis://...` and a cohort coordinator (heartbeat timeout "
+        f"{TIMEOUT_S:g} s); both backends run with `--rdzv-conf last_call_timeout=2`. It "
+        "still restarts every worker (torchrun's own policy), but no agent hosts the "
+        "rendezvous, so losing agent 1 does not end the job, and a lost node is noticed "
+        "from the journal's WorkerFailed instead of torchrun's keep-alive expiry.",
     ]
     if not torchrun:
         section.notes.append("torch is not installed here: the torchrun rows were skipped.")
