@@ -306,6 +306,8 @@ class ElasticJob(Elastic):
                 try:
                     batch = twin.fetch((step.world, step.step, index))
                 except Stale:
+                    if self.overlapped is not None:
+                        self.overlapped.cancel()
                     self.abort()  # its world is over: the step is retried in the next
                     break
                 yield batch
