@@ -223,6 +223,7 @@ def _position(body: dict[str, Any]) -> str:
 def view(state: JobState) -> dict[str, Any]:
     """The state as plain data, for `--json` and for people."""
     body = dump(state)
+    del body["commits"]  # the rate's raw window: `cohort status` gives the rate itself
     body["state_hash"] = state_hash(state)
     body["world_size"] = len(state.ranks)
     body["next_step"] = state.next_step

@@ -298,7 +298,7 @@ class Coordinator:
         self.catch_up(block_ms=min(self.settings.block_ms, 500))
         self._check_config()  # a leader that started with us may have journaled its own
         if self.metrics is not None:
-            self.metrics.update(self.state, leading=False, lag_seconds=0.0)
+            self.metrics.update(self.state, False, 0.0, self.clock.now())
         if self.lease.holder() is None and not self.done:  # a finished job needs no leader
             token = self.lease.acquire(self._nonce)
             if token is not None:
@@ -567,7 +567,7 @@ class Coordinator:
         lag_ms = max(0, id_ms(last) - id_ms(self.cursor)) if last != self.cursor else 0
         self._lag = lag_ms / 1000
         if self.metrics is not None:
-            self.metrics.update(self.state, leading=True, lag_seconds=self._lag)
+            self.metrics.update(self.state, True, self._lag, self.clock.now())
         body: dict[str, Any] = {
             "coordinator": self.settings.coordinator,
             "epoch": epoch_of(self.token) if self.token else 0,

@@ -30,6 +30,9 @@ from cohort.events.shards import Shard
 from .gpu_rules import DEFAULT_RULES, Rules, parse_rules
 
 Status = Literal["syncing", "ready", "active", "draining"]
+RATE_WINDOW = 32
+"""Commits the job's rate is measured over: long enough to smooth a step's jitter, short
+enough to follow a world that grew or shrank."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +108,9 @@ class JobState:
     checkpoint's, or the initial ones)."""
     finished: str | None = None
     """Why the job ended (its JobFinished's reason); None while it has steps to go."""
+    commits: tuple[tuple[int, float], ...] = ()
+    """(step, at) of the last RATE_WINDOW commits since training last paused or rewound:
+    what the job's steps per second are measured over (coordinator/progress.py)."""
     facts: int = 0
 
     @property

@@ -46,8 +46,35 @@ def _summary_lines(body: dict[str, Any]) -> list[str]:
         f"refused {counters['refused']}  steps {counters['steps_committed']}  "
         f"epochs {counters['epochs_finished']}  elections {counters['elections']}  "
         f"facts {body['facts']}  state hash {body['state_hash']}",
+        *_progress_lines(body),
         *_lineage_lines(body),
     ]
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def _progress_lines(body: dict[str, Any]) -> list[str]:
+    """Steps per second, how far the epoch is, and the time to the job's end."""
+    ahead = body.get("progress")
+    if not ahead:
+        return []  # a replayed state: no `now` to date it
+    config = body.get("config") or {}
+    rate, done = ahead["steps_per_second"], ahead["epoch_progress"]
+    parts = [f"[bold]rate[/] {rate:.2f} steps/s" if rate is not None else "[bold]rate[/] -"]
+    epochs = f"/{config['epochs']}" if config.get("epochs") else ""
+    if done is not None:
+        parts.append(f"[bold]epoch[/] {body['epoch']}{epochs} {done:.0%} done")
+    left, eta = ahead["steps_left"], ahead["eta_seconds"]
+    if left is None:
+        parts.append("[bold]end[/] no configured length")
+    else:
+        when = _duration(eta) if eta is not None else "unknown while paused or measuring"
+        parts.append(f"[bold]steps left[/] {left}  [bold]ETA[/] {when}")
+    return ["  ".join(parts)]
 
 
 def _leader(body: dict[str, Any]) -> str:
