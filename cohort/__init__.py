@@ -46,6 +46,7 @@ if TYPE_CHECKING:
         WorkerError,
         WorldChangedError,
     )
+    from cohort.worker.evaluator import Evaluator
     from cohort.worker.torchdist import Rendezvous
     from cohort.worker.view import Assignment, GpuAdvice
 
@@ -58,6 +59,7 @@ __all__ = [
     "CommitTimeout",
     "Dataset",
     "ElasticJob",
+    "Evaluator",
     "Finished",
     "GpuAdvice",
     "JoinRefusedError",
@@ -90,6 +92,7 @@ _HOMES = {
     "Worker": "cohort.worker.client",
     "Collective": "cohort.worker.collective",
     "ElasticJob": "cohort.worker.elastic",
+    "Evaluator": "cohort.worker.evaluator",
     "CollectiveError": "cohort.worker.errors",
     "CollectiveTimeout": "cohort.worker.errors",
     "ActivationTimeout": "cohort.worker.errors",

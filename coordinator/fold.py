@@ -13,6 +13,7 @@ from cohort.events.models import (
     DatasetDeclared,
     EpochFinished,
     EpochStarted,
+    EvalReported,
     Fact,
     GpuAdviceCleared,
     GpuAdviceIssued,
@@ -39,7 +40,7 @@ from cohort.events.models import (
 )
 from cohort.events.shards import Shard
 
-from .state import RATE_WINDOW, Counters, JobState, Member
+from .state import KEEP_EVALS, RATE_WINDOW, Counters, JobState, Member, Status
 
 KEEP_REQUESTS = 8
 """Checkpoint requests kept unanswered: a writer answers within a few; older ones are dropped
@@ -88,7 +89,10 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:
                 "counters": _count(state.counters, elections=1),
             }
         case WorkerJoined():
-            member = Member(fact.worker, "syncing", fact.at, fact.host, fact.pid, node=fact.node)
+            status: Status = "evaluating" if fact.role == "evaluator" else "syncing"
+            member = Member(
+                fact.worker, status, fact.at, fact.host, fact.pid, node=fact.node, role=fact.role
+            )
             return {
                 "members": {**state.members, fact.worker: member},
                 "counters": _count(state.counters, joined=1),
@@ -176,6 +180,8 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:
                     state.counters, rewinds=1, discarded_steps=fact.from_step - fact.to_step
                 ),
             }
+        case EvalReported():
+            return {"evals": (*state.evals, fact)[-KEEP_EVALS:]}
         case JobFinished():
             return {"finished": fact.reason or "finished", "paused": True}
     raise TypeError(f"evolve has no branch for {type(fact).__name__}")  # pragma: no cover

@@ -227,6 +227,7 @@ def view(state: JobState) -> dict[str, Any]:
     body["state_hash"] = state_hash(state)
     body["world_size"] = len(state.ranks)
     body["next_step"] = state.next_step
+    body["chief"] = state.chief
     body["phase"] = "finished" if state.finished else "paused" if state.paused else "running"
     for worker, member in body["members"].items():
         member["rank"] = state.rank_of(worker)

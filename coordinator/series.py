@@ -15,6 +15,7 @@ from cohort.events.codec import decode_command
 from cohort.events.errors import DecodeError
 from cohort.events.models import (
     CheckpointSaved,
+    EvalReported,
     Fact,
     GpuAdviceCleared,
     GpuAdviceIssued,
@@ -94,6 +95,9 @@ class ReportData:
     membership: tuple[Series, ...] = ()
     step_time: tuple[Series, ...] = ()
     loss: tuple[Series, ...] = ()
+    evaluation: tuple[Series, ...] = ()
+    """Each evaluator's metrics (journaled, so never trimmed), one line per evaluator and
+    metric, at the time the leader journaled them."""
     gpu_memory: tuple[Series, ...] = ()
     gpu_temperature: tuple[Series, ...] = ()
     markers: tuple[Marker, ...] = ()
@@ -133,6 +137,10 @@ def series(run: Run) -> ReportData:
         membership=facts.membership(end),
         step_time=_per_worker(inbox.step_time),
         loss=_per_worker(inbox.loss),
+        evaluation=tuple(
+            Series(f"{worker} {name}", worker, tuple(points[-MAX_POINTS:]))
+            for (worker, name), points in sorted(facts.evals.items())
+        ),
         gpu_memory=_per_device(inbox.memory, inbox.device_names),
         gpu_temperature=_per_device(inbox.temperature, inbox.device_names),
         markers=tuple(facts.markers),
@@ -155,6 +163,7 @@ class _FactSeries:
     counts: Counter[str] = field(default_factory=Counter)
     world_size: int = 0
     discarded: int = 0
+    evals: dict[tuple[str, str], list[Point]] = field(default_factory=lambda: defaultdict(list))
 
     def add(self, entry_id: str, fact: Fact) -> None:
         at = fact.at
@@ -172,6 +181,10 @@ class _FactSeries:
                 self.members.append((at, float(len(self.present))))
         if isinstance(fact, Rewound):
             self.discarded += fact.from_step - fact.to_step
+        if isinstance(fact, EvalReported):
+            for name, value in fact.metrics.items():
+                if math.isfinite(value):
+                    self.evals[(fact.worker, name)].append((at, value))
         if isinstance(fact, WorldChanged):
             self.world_size = len(fact.ranks)
             self.active.append((at, float(len(fact.ranks))))

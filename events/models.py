@@ -117,6 +117,14 @@ class Dataset(BaseModel):
         return None
 
 
+Role = Literal["trainer", "agent", "evaluator"]
+MetricName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,63}$")]
+Metrics = Annotated[
+    dict[MetricName, Annotated[float, Field(allow_inf_nan=True)]], Field(max_length=64)
+]
+"""Named values of one evaluation (loss, accuracy, ...): at most 64, names of 1-64 characters."""
+
+
 class Join(Event):
     """A worker asks to join the job. v2 renamed v1's `name` to `worker`; v3 added `node`
     (what its machine is) and `dataset` (the data it trains on)."""
@@ -128,9 +136,10 @@ class Join(Event):
     pid: Annotated[int, Field(ge=0, le=2**31)] = 0
     node: Node | None = None
     dataset: Dataset | None = None
-    role: Literal["trainer", "agent"] = "trainer"
+    role: Role = "trainer"
     """"agent": a launcher's member (a torchrun agent) that trains on no data of the job's
-    own dealing, so it declares none and the job need not know its dataset."""
+    own dealing, so it declares none and the job need not know its dataset. "evaluator": a
+    member that trains nothing; it evaluates the committed weights and reports `EvalDone`."""
 
 
 class Heartbeat(Event):
@@ -218,6 +227,15 @@ class Leave(Event):
     reason: Text = ""
 
 
+class EvalDone(Event):
+    """An evaluator evaluated the weights after `step` (a checkpoint's): its `metrics`."""
+
+    type: Literal["EvalDone"] = "EvalDone"
+    worker: WorkerId
+    step: Count
+    metrics: Metrics
+
+
 CheckpointUri = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
@@ -280,7 +298,8 @@ Command = Annotated[
     | WeightsLoaded
     | Leave
     | CheckpointWritten
-    | Resume,
+    | Resume
+    | EvalDone,
     Field(discriminator="type"),
 ]
 
@@ -387,14 +406,16 @@ class LeaderElected(Event):
 
 
 class WorkerJoined(Event):
-    """v2 added `node`, the machine the worker described in its Join."""
+    """v2 added `node`, the machine the worker described in its Join; v3 its `role` (every
+    member before v3 was a trainer or an agent, and the journal never told them apart)."""
 
     type: Literal["WorkerJoined"] = "WorkerJoined"
-    v: Literal[2] = 2
+    v: Literal[3] = 3
     worker: WorkerId
     host: Annotated[str, StringConstraints(max_length=255)] = ""
     pid: int = 0
     node: Node | None = None
+    role: Role = "trainer"
 
 
 class JoinRefused(Event):
@@ -601,6 +622,16 @@ class Rewound(Event):
     reason: Text = ""
 
 
+class EvalReported(Event):
+    """Evaluator `worker` evaluated the weights after `step`: its `metrics`, journaled as it
+    sent them (the report plots them)."""
+
+    type: Literal["EvalReported"] = "EvalReported"
+    worker: WorkerId
+    step: Count
+    metrics: Metrics
+
+
 class JobFinished(Event):
     """The job reached its length (`reason`): `step` is its last, `digest` the final weights.
     Nothing trains after it; workers end with the final weights and leave."""
@@ -689,6 +720,7 @@ Fact = Annotated[
     | CheckpointExpired
     | WeightsLost
     | Rewound
+    | EvalReported
     | JobFinished,
     Field(discriminator="type"),
 ]
@@ -708,5 +740,6 @@ COMMAND_TYPES = frozenset(
         Leave,
         CheckpointWritten,
         Resume,
+        EvalDone,
     )
 )

@@ -19,7 +19,7 @@ from cohort.events.shards import Range, Shard
 
 from .errors import NotAssigned
 
-Status = Literal["outside", "syncing", "ready", "active", "draining"]
+Status = Literal["outside", "syncing", "ready", "active", "draining", "evaluating"]
 
 KEEP_PLANS = 8
 """Plans kept for `batch` of recent steps; a training loop is at most a step or two behind."""
@@ -215,7 +215,7 @@ def evolve(view: View, fact: m.Fact) -> View:
                 return view
             return replace(
                 view,
-                status="syncing",
+                status="evaluating" if fact.role == "evaluator" else "syncing",
                 joins=view.joins + 1,
                 left=False,
                 failed=False,

@@ -374,7 +374,13 @@ def render(data: ReportData, title: str) -> str:
     workers = sorted(
         {
             s.worker
-            for group in (data.step_time, data.loss, data.gpu_memory, data.gpu_temperature)
+            for group in (
+                data.step_time,
+                data.loss,
+                data.evaluation,
+                data.gpu_memory,
+                data.gpu_temperature,
+            )
             for s in group
         }
     )
@@ -384,6 +390,8 @@ def render(data: ReportData, title: str) -> str:
         ("plot-step-time", "Step time per worker", "seconds", data.step_time, True),
         ("plot-loss", "Loss per worker", "loss", data.loss, False),
     ]
+    if data.evaluation:
+        plots.append(("plot-evaluation", "Evaluations", "metric", data.evaluation, False))
     gpu = data.gpu_memory or data.gpu_temperature
     if gpu:
         plots += [

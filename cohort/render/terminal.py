@@ -186,16 +186,41 @@ def status_view(body: dict[str, Any], recent: list[tuple[str, str]] | None = Non
                 str(progress[1]) if progress[1] >= 0 else "-",
                 f"{step_time:.3f}s" if step_time is not None else "-",
                 _gpu(seen.get("gpu") or []),
-                "[red]straggler[/]" if member.get("straggler") else "",
+                _flags(worker, member, body),
             )
         )
     rows.extend(_fitted(WORKER_COLUMNS, cells))
+    rows.extend(Text(line) for line in _evaluation_lines(body))
     if recent:
         facts = Table("journal id", "fact", title="recent facts", title_justify="left")
         for entry_id, text in recent[-10:]:
             facts.add_row(entry_id, text)
         rows.append(facts)
     return Group(*rows)
+
+
+def _flags(worker: str, member: dict[str, Any], body: dict[str, Any]) -> str:
+    """The chief (rank 0: every new world's weights come from it), evaluators, stragglers."""
+    flags = []
+    if worker == body.get("chief"):
+        flags.append("[bold]chief[/]")
+    if member.get("role") == "evaluator":
+        flags.append("evaluator")
+    if member.get("straggler"):
+        flags.append("[red]straggler[/]")
+    return " ".join(flags)
+
+
+def _evaluation_lines(body: dict[str, Any]) -> list[str]:
+    """Each evaluator's latest evaluation: the step it evaluated and its metrics."""
+    latest: dict[str, dict[str, Any]] = {}
+    for report in body.get("evals") or ():
+        latest[report["worker"]] = report
+    return [
+        f"evaluation by {worker} of step {report['step']}: "
+        + "  ".join(f"{name} {value:.4g}" for name, value in sorted(report["metrics"].items()))
+        for worker, report in sorted(latest.items())
+    ]
 
 
 WORKER_COLUMNS = (
