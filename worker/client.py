@@ -68,6 +68,7 @@ from .gpu import GpuProbe
 from .node import describe as describe_node
 from .outbox import Outbox
 from .retry import AnyOf, Halt, Link, describe, with_retry
+from .transfers import Slot, TransferScheduler
 from .view import Assignment, GpuAdvice, View
 
 if TYPE_CHECKING:
@@ -148,6 +149,7 @@ class Worker:
         self._gpu_interval = gpu_interval
         self._gpu_probe = gpu_probe
         self._advice_callbacks: list[Callable[[GpuAdvice], None]] = []
+        self._transfers: TransferScheduler | None = None
         self._outbox = self._new_outbox()
 
     def _node(self) -> Node:
@@ -681,6 +683,22 @@ class Worker:
                 self._cond.wait(remaining if stop is None else min(remaining, STOP_POLL))
 
     # ------------------------------------------------------------ GPU telemetry and advice
+    @property
+    def transfers(self) -> TransferScheduler:
+        """This worker's transfer queue: honours its current GPU advice, and stages big
+        transfers while it trains in a running world (worker/transfers.py)."""
+        if self._transfers is None:
+            self._transfers = TransferScheduler(
+                lambda: self.advice, lambda: self.view.active, self.clock
+            )
+        return self._transfers
+
+    def schedule_transfer(self, size: int, kind: str, priority: int = 0) -> Slot:
+        """When a transfer of `size` bytes of `kind` ("model", "dataset", "checkpoint",
+        "other") may start, as the GPU advice stands now; `transfers.due()` lists those
+        that may start, in order, and `transfers.start(slot.transfer)` takes one."""
+        return self.transfers.schedule_transfer(size, kind, priority)
+
     @property
     def advice(self) -> GpuAdvice:
         """The coordinator's current GPU advice for this worker (prefetch factor, delays)."""
