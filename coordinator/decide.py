@@ -36,6 +36,8 @@ The rules (DESIGN.md "Membership", "Data shards"):
 - Roles: an evaluator joins as a member "evaluating": it is never synced, activated or
   ranked, so it counts toward no world and no `min_workers`, and its failure changes no
   world; its EvalDone of a committed step → EvalReported (also after the end).
+- RegisterWorkload of a member, new or changed → WorkloadRegistered; TransfersWaiting is
+  telemetry (observed only).
 - GpuReading of a member: the GPU rules (journaled in the config) with hysteresis and
   priorities → GpuAdviceCleared / GpuAdviceIssued (coordinator/gpu_rules.py).
 """
@@ -69,6 +71,7 @@ from cohort.events.models import (
     JoinRefused,
     LeaderElected,
     Leave,
+    RegisterWorkload,
     Resume,
     Rewound,
     StepCommitted,
@@ -77,6 +80,7 @@ from cohort.events.models import (
     StragglerDetected,
     TrainingPaused,
     TrainingResumed,
+    TransfersWaiting,
     Weights,
     WeightsDiverged,
     WeightsLoaded,
@@ -87,6 +91,7 @@ from cohort.events.models import (
     WorkerLeaving,
     WorkerLeft,
     WorkerSynced,
+    WorkloadRegistered,
     WorldChanged,
     finished_refusal,
 )
@@ -178,7 +183,9 @@ def decide(state: JobState, seen: Liveness, command: Command, now: float) -> Dec
             _resume(plan, command)
         case EvalDone():
             _evaluated(plan, command)
-        case EpochDone():
+        case RegisterWorkload():
+            _workload(plan, command)
+        case EpochDone() | TransfersWaiting():
             pass  # observed only
     return plan.decision()
 
@@ -209,6 +216,14 @@ def _join(plan: _Plan, command: Join) -> None:
         node=command.node,
         role=command.role,
     )
+
+
+def _workload(plan: _Plan, command: RegisterWorkload) -> None:
+    """A member's GPU workload is journaled when it is new or changed (a resend is not)."""
+    member = plan.state.members.get(command.worker)
+    if member is None or command.workload in member.workloads:
+        return
+    plan.emit(WorkloadRegistered, worker=command.worker, workload=command.workload)
 
 
 def _evaluated(plan: _Plan, command: EvalDone) -> None:

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from cohort.events.models import (
+    MAX_WORKLOADS,
     CheckpointExpired,
     CheckpointRequested,
     CheckpointSaved,
@@ -36,6 +37,7 @@ from cohort.events.models import (
     WorkerLeaving,
     WorkerLeft,
     WorkerSynced,
+    WorkloadRegistered,
     WorldChanged,
 )
 from cohort.events.shards import Shard
@@ -180,11 +182,22 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:
                     state.counters, rewinds=1, discarded_steps=fact.from_step - fact.to_step
                 ),
             }
+        case WorkloadRegistered():
+            return _workloads(state, fact)
         case EvalReported():
             return {"evals": (*state.evals, fact)[-KEEP_EVALS:]}
         case JobFinished():
             return {"finished": fact.reason or "finished", "paused": True}
     raise TypeError(f"evolve has no branch for {type(fact).__name__}")  # pragma: no cover
+
+
+def _workloads(state: JobState, fact: WorkloadRegistered) -> dict[str, object]:
+    """The member's workloads with `fact`'s in place of any of its name, newest last."""
+    owner = state.members.get(fact.worker)
+    if owner is None:
+        return {}
+    kept = tuple(w for w in owner.workloads if w.name != fact.workload.name)
+    return _member(state, fact.worker, workloads=(*kept, fact.workload)[-MAX_WORKLOADS:])
 
 
 def _committed(state: JobState, run: Sequence[StepCommitted]) -> dict[str, object]:

@@ -27,6 +27,7 @@ from cohort.events.models import (
     StragglerDetected,
     TrainingPaused,
     TrainingResumed,
+    TransfersWaiting,
     WeightsDiverged,
     WeightsLost,
     WorkerFailed,
@@ -100,6 +101,8 @@ class ReportData:
     metric, at the time the leader journaled them."""
     gpu_memory: tuple[Series, ...] = ()
     gpu_temperature: tuple[Series, ...] = ()
+    transfers: tuple[Series, ...] = ()
+    """Transfers each worker waited to start, as its TransfersWaiting said (retained inbox)."""
     markers: tuple[Marker, ...] = ()
     summary: Summary = field(default_factory=Summary)
     timeline: tuple[Line, ...] = ()
@@ -143,6 +146,7 @@ def series(run: Run) -> ReportData:
         ),
         gpu_memory=_per_device(inbox.memory, inbox.device_names),
         gpu_temperature=_per_device(inbox.temperature, inbox.device_names),
+        transfers=_per_worker(inbox.transfers),
         markers=tuple(facts.markers),
         summary=_summary(facts, inbox, run),
         timeline=tuple(recent(timeline, TIMELINE_ROWS)),
@@ -215,6 +219,7 @@ class _InboxSeries:
         default_factory=lambda: defaultdict(list)
     )
     device_names: dict[tuple[str, int], str] = field(default_factory=dict)
+    transfers: dict[str, list[Point]] = field(default_factory=lambda: defaultdict(list))
     times: list[float] = field(default_factory=list)
     skipped: int = 0
 
@@ -230,6 +235,9 @@ class _InboxSeries:
             self.step_time[command.worker].append((at, command.step_time))
             if command.loss is not None and math.isfinite(command.loss):
                 self.loss[command.worker].append((at, command.loss))
+        elif isinstance(command, TransfersWaiting):
+            self.times.append(at)
+            self.transfers[command.worker].append((at, float(command.pending)))
         elif isinstance(command, GpuReading):
             self.times.append(at)
             for device in command.devices:

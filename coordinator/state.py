@@ -25,6 +25,7 @@ from cohort.events.models import (
     Node,
     Role,
     Weights,
+    Workload,
 )
 from cohort.events.order import Order
 from cohort.events.shards import Shard
@@ -53,6 +54,8 @@ class Member:
     node: Node | None = None
     """What the worker said of its machine when it joined."""
     role: Role = "trainer"
+    workloads: tuple[Workload, ...] = ()
+    """The GPU workloads it registered, oldest first."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -203,6 +203,43 @@ class GpuDevice(BaseModel):
     processes: tuple[GpuProcess, ...] = Field(default=(), max_length=MAX_GPU_PROCESSES)
 
 
+class Workload(BaseModel):
+    """A GPU workload a worker runs: process `pid` on `devices`, holding `memory` bytes
+    (its expected footprint), `priority` higher first (after the seed's GPU workloads)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,63}$")]
+    pid: Annotated[int, Field(ge=0, le=2**32)] = 0
+    devices: tuple[Annotated[int, Field(ge=0, le=1024)], ...] = Field(default=(), max_length=64)
+    memory: Count = 0
+    priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
+
+
+MAX_WORKLOADS = 16
+"""Workloads one worker may register (a later one with a new name replaces the oldest)."""
+
+
+class RegisterWorkload(Event):
+    """A worker registers (or, under the same name, updates) a GPU workload."""
+
+    type: Literal["RegisterWorkload"] = "RegisterWorkload"
+    worker: WorkerId
+    workload: Workload
+
+
+class TransfersWaiting(Event):
+    """A worker's transfer queue now: `pending` transfers (`staged` of them until training
+    stops), and `delayed` seconds its started transfers waited in all. Telemetry: the
+    leader's view and metrics show it; nothing is journaled."""
+
+    type: Literal["TransfersWaiting"] = "TransfersWaiting"
+    worker: WorkerId
+    pending: Count
+    staged: Count = 0
+    delayed: Seconds = 0.0
+
+
 class GpuReading(Event):
     type: Literal["GpuReading"] = "GpuReading"
     worker: WorkerId
@@ -299,7 +336,9 @@ Command = Annotated[
     | Leave
     | CheckpointWritten
     | Resume
-    | EvalDone,
+    | EvalDone
+    | RegisterWorkload
+    | TransfersWaiting,
     Field(discriminator="type"),
 ]
 
@@ -622,6 +661,15 @@ class Rewound(Event):
     reason: Text = ""
 
 
+class WorkloadRegistered(Event):
+    """`worker` runs `workload` (a new one, or one it registered before under its name,
+    changed); its workloads go when it does."""
+
+    type: Literal["WorkloadRegistered"] = "WorkloadRegistered"
+    worker: WorkerId
+    workload: Workload
+
+
 class EvalReported(Event):
     """Evaluator `worker` evaluated the weights after `step`: its `metrics`, journaled as it
     sent them (the report plots them)."""
@@ -721,6 +769,7 @@ Fact = Annotated[
     | WeightsLost
     | Rewound
     | EvalReported
+    | WorkloadRegistered
     | JobFinished,
     Field(discriminator="type"),
 ]
@@ -741,5 +790,7 @@ COMMAND_TYPES = frozenset(
         CheckpointWritten,
         Resume,
         EvalDone,
+        RegisterWorkload,
+        TransfersWaiting,
     )
 )

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from pydantic import ValidationError
+
 from cohort.events.clock import Clock, SystemClock
 from cohort.events.connection import UNAVAILABLE, Client, reach, start_wait
 from cohort.events.errors import DecodeError, RedisUnavailable
@@ -41,8 +43,11 @@ from cohort.events.models import (
     Join,
     Leave,
     Node,
+    RegisterWorkload,
     StepDone,
+    TransfersWaiting,
     WeightsLoaded,
+    Workload,
     finished_refusal,
 )
 from cohort.events.shards import Range
@@ -689,9 +694,56 @@ class Worker:
         transfers while it trains in a running world (worker/transfers.py)."""
         if self._transfers is None:
             self._transfers = TransferScheduler(
-                lambda: self.advice, lambda: self.view.active, self.clock
+                lambda: self.advice,
+                lambda: self.view.active,
+                self.clock,
+                on_change=self._report_transfers,
             )
         return self._transfers
+
+    def _report_transfers(self, stats: dict[str, float]) -> None:
+        """The queue as it is now, to the leader's view and metrics, without waiting."""
+        if not self.view.member:
+            return
+        waiting = TransfersWaiting(
+            at=self.clock.now(),
+            job=self.job,
+            worker=self.id,
+            pending=int(stats["pending"]),
+            staged=int(stats["staged"]),
+            delayed=stats["delayed_seconds"],
+        )
+        try:
+            self._outbox.post(waiting)
+        except WorkerError as exc:  # telemetry: a lost report is not the caller's problem
+            self.log.warning("worker %s could not report its transfers: %s", self.id, exc)
+
+    def register_workload(
+        self,
+        name: str,
+        devices: tuple[int, ...] = (),
+        memory: int = 0,
+        priority: int = 0,
+        pid: int | None = None,
+    ) -> None:
+        """Tell the leader this worker runs GPU workload `name` on `devices`, holding
+        `memory` bytes, at `priority`; `cohort status` and the metrics show it. Registering
+        the same name again updates it. ValueError names a bad value."""
+        try:
+            workload = Workload(
+                name=name,
+                pid=os.getpid() if pid is None else pid,
+                devices=tuple(devices),
+                memory=memory,
+                priority=priority,
+            )
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(part) for part in error["loc"])
+            raise ValueError(f"workload {where}={error.get('input')!r}: {error['msg']}") from None
+        self._send(
+            RegisterWorkload(at=self.clock.now(), job=self.job, worker=self.id, workload=workload)
+        )
 
     def schedule_transfer(self, size: int, kind: str, priority: int = 0) -> Slot:
         """When a transfer of `size` bytes of `kind` ("model", "dataset", "checkpoint",

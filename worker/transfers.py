@@ -112,8 +112,12 @@ class TransferScheduler:
         training: Callable[[], bool],
         clock: Clock | None = None,
         policy: Policy = Policy(),
+        on_change: Callable[[dict[str, float]], None] | None = None,
     ) -> None:
+        """`on_change(stats)`: called after a transfer is queued or started (a worker
+        reports its queue to the leader there)."""
         self._advice, self._training = advice, training
+        self._on_change = on_change
         self.clock: Clock = clock or SystemClock()
         self.policy = policy
         self._pending: dict[int, Transfer] = {}
@@ -133,6 +137,7 @@ class TransferScheduler:
         with self._lock:
             transfer = Transfer(next(self._ids), size, kind, priority, self.clock.now())  # type: ignore[arg-type]
             self._pending[transfer.id] = transfer
+        self._changed()
         return self.slot_of(transfer)
 
     def slot_of(self, transfer: Transfer) -> Slot:
@@ -149,8 +154,14 @@ class TransferScheduler:
     def start(self, transfer: Transfer) -> None:
         """`transfer` starts now: it leaves the queue; the time it waited is counted."""
         with self._lock:
-            if self._pending.pop(transfer.id, None) is not None:
-                self.delayed_seconds += max(0.0, self.clock.now() - transfer.asked_at)
+            if self._pending.pop(transfer.id, None) is None:
+                return
+            self.delayed_seconds += max(0.0, self.clock.now() - transfer.asked_at)
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(self.stats())
 
     @property
     def pending(self) -> list[Slot]:

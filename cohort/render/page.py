@@ -380,6 +380,7 @@ def render(data: ReportData, title: str) -> str:
                 data.evaluation,
                 data.gpu_memory,
                 data.gpu_temperature,
+                data.transfers,
             )
             for s in group
         }
@@ -392,6 +393,8 @@ def render(data: ReportData, title: str) -> str:
     ]
     if data.evaluation:
         plots.append(("plot-evaluation", "Evaluations", "metric", data.evaluation, False))
+    if data.transfers:
+        plots.append(("plot-transfers", "Transfers waiting", "transfers", data.transfers, True))
     gpu = data.gpu_memory or data.gpu_temperature
     if gpu:
         plots += [

@@ -191,6 +191,7 @@ def status_view(body: dict[str, Any], recent: list[tuple[str, str]] | None = Non
         )
     rows.extend(_fitted(WORKER_COLUMNS, cells))
     rows.extend(Text(line) for line in _evaluation_lines(body))
+    rows.extend(Text(line) for line in _workload_lines(body, workers_live))
     if recent:
         facts = Table("journal id", "fact", title="recent facts", title_justify="left")
         for entry_id, text in recent[-10:]:
@@ -209,6 +210,26 @@ def _flags(worker: str, member: dict[str, Any], body: dict[str, Any]) -> str:
     if member.get("straggler"):
         flags.append("[red]straggler[/]")
     return " ".join(flags)
+
+
+def _workload_lines(body: dict[str, Any], live: dict[str, Any]) -> list[str]:
+    """Each worker's registered GPU workloads and, as it last said, its transfer queue."""
+    lines = []
+    for worker, member in body["members"].items():
+        parts = [
+            f"{w['name']} (pid {w['pid']}, gpu {','.join(map(str, w['devices'])) or '-'}, "
+            f"{w['memory'] / 2**30:.1f} GiB, priority {w['priority']})"
+            for w in member.get("workloads") or ()
+        ]
+        queue = (live.get(worker) or {}).get("transfers")
+        if queue:
+            parts.append(
+                f"transfers: {queue['pending']} pending, {queue['staged']} staged, "
+                f"waited {queue['delayed']:.0f} s"
+            )
+        if parts:
+            lines.append(f"{worker}: " + "; ".join(parts))
+    return lines
 
 
 def _evaluation_lines(body: dict[str, Any]) -> list[str]:

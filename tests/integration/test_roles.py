@@ -86,3 +86,49 @@ def test_an_evaluator_evaluates_checkpoints_without_a_rank_and_its_death_aborts_
     lines = [json.loads(line) for line in evaluator.output().splitlines() if line.startswith("{")]
     assert [line["step"] for line in lines][: len(steps)] == steps
     assert all(line["journaled"] in (None, line["digest"]) for line in lines)
+
+
+def test_a_workers_gpu_workload_and_transfer_queue_show_in_status_and_metrics(
+    cluster: Cluster,
+) -> None:
+    import re
+    import urllib.request
+
+    from ..helpers import wait_until
+
+    leader = cluster.coordinator("c1", "--metrics-port", "0", "--heartbeat-timeout", "600")
+    w = cluster.python("w", "-m", "tests.integration.gpu_workload", cluster.url, cluster.job, "w")
+    cluster.until(lambda s: "w" in s.members and s.members["w"].workloads, message="w's workload")
+    port = wait_until(
+        lambda: re.search(r"metrics on http://0\.0\.0\.0:(\d+)/", leader.output()),
+        20,
+        message="metrics port logged",
+    ).group(1)
+    expected = [
+        'cohort_gpu_workloads{coordinator="c1",job="itest"} 1.0',
+        'cohort_gpu_workload_memory_bytes{coordinator="c1",job="itest"} 3.221225472e+09',
+        'cohort_transfers_pending{coordinator="c1",job="itest"} 2.0',
+    ]
+
+    def missing() -> list[str]:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        lines = body.decode().splitlines()
+        return [line for line in expected if line not in lines]
+
+    wait_until(lambda: not missing(), 20, 0.1, message="metrics show the workload")
+    body = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "cohort", "--redis-url", cluster.url, "status", "--job",
+             cluster.job, "--json"], capture_output=True, text=True, timeout=60,
+        ).stdout
+    )  # fmt: skip
+    (workload,) = body["members"]["w"]["workloads"]
+    assert workload["devices"] == [0, 1] and workload["priority"] == 5
+    assert body["leader_view"]["workers"]["w"]["transfers"]["pending"] == 2
+    human = subprocess.run(
+        [sys.executable, "-m", "cohort", "--redis-url", cluster.url, "status", "--job",
+         cluster.job], capture_output=True, text=True, timeout=60,
+    ).stdout  # fmt: skip
+    assert "w: train (pid" in human and "transfers: 2 pending, 0 staged" in human
+    w.popen.send_signal(signal.SIGTERM)
+    assert cluster.finished(w, 30) == 0, w.output()[-3000:]
