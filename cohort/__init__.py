@@ -47,6 +47,7 @@ if TYPE_CHECKING:
         WorldChangedError,
     )
     from cohort.worker.evaluator import Evaluator
+    from cohort.worker.hierarchy import HierarchicalCollective
     from cohort.worker.torchdist import Rendezvous
     from cohort.worker.view import Assignment, GpuAdvice
 
@@ -62,6 +63,7 @@ __all__ = [
     "Evaluator",
     "Finished",
     "GpuAdvice",
+    "HierarchicalCollective",
     "JoinRefusedError",
     "JoinTimeout",
     "Node",
@@ -93,6 +95,7 @@ _HOMES = {
     "Collective": "cohort.worker.collective",
     "ElasticJob": "cohort.worker.elastic",
     "Evaluator": "cohort.worker.evaluator",
+    "HierarchicalCollective": "cohort.worker.hierarchy",
     "CollectiveError": "cohort.worker.errors",
     "CollectiveTimeout": "cohort.worker.errors",
     "ActivationTimeout": "cohort.worker.errors",

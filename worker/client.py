@@ -189,6 +189,10 @@ class Worker:
     def world_version(self) -> int:
         return self.view.world_version
 
+    def rank_hosts(self) -> tuple[str, ...]:
+        """The host of each rank of the current world, as its Join's node named it."""
+        return self.view.rank_hosts()
+
     @property
     def next_step(self) -> int:
         """The step after the last committed one."""
