@@ -423,6 +423,22 @@ class Collective:
         call.written.append(call.events)
         return call
 
+    def broadcast_in(
+        self, call: _Call, tensors: Mapping[str, np.ndarray] | None, root: int
+    ) -> dict[str, np.ndarray]:
+        """`root`'s tensors on every rank of `call.world` (see `begin_in`)."""
+        return self._run(call, lambda: self._broadcast(call, tensors, root))
+
+    def barrier_in(self, call: _Call) -> None:
+        """Return once every rank of `call.world` reached it (see `begin_in`)."""
+
+        def arrive() -> None:
+            call.notify("arrived")
+            for _ in call.arrivals("arrived", call.world.others):
+                pass
+
+        self._run(call, arrive)
+
     def allreduce_in(
         self,
         call: _Call,

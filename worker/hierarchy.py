@@ -34,13 +34,14 @@ import redis
 
 from cohort.events.connection import text
 
+from . import tensors as blobs
 from .collective import Collective, Participant, World, _Call
 from .errors import CollectiveError
 from .layout import Transport, flatten, unflatten
 
 SHM_PREFIX = "cohort-"
-LOCAL, HOSTS = "allreduce-local", "allreduce-hosts"
-"""The ops of the host stage's notices and of the leaders' exchange."""
+LOCAL, HOSTS = "-local", "-hosts"
+"""Suffixes of an op's host stage (its notices) and of the leaders' exchange."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,13 @@ class Hosts:
     def flat(self) -> bool:
         """One rank per host: nothing to reduce locally."""
         return all(len(g) == 1 for g in self.groups)
+
+    def led_by(self, rank: int) -> Hosts:
+        """The same hosts with `rank` first in its group: it leads its host (a broadcast's
+        root sends for its host itself)."""
+        return Hosts(
+            tuple((rank, *(r for r in g if r != rank)) if rank in g else g for g in self.groups)
+        )
 
 
 def segment_name(
@@ -153,6 +161,44 @@ class HierarchicalCollective:
         transport: Transport = "float32",
     ) -> dict[str, np.ndarray]:
         """The mean of `tensors` over the ranks of the current world, as the flat one."""
+        current, layout = self._layout()
+        if current.size == 1 or layout.flat or (world is not None and world != current.version):
+            return self.flat.allreduce(tensors, step, timeout, world, transport)  # or raises
+        return _HostCall(self, "allreduce", current, layout, step, timeout, transport).run(tensors)
+
+    def broadcast(
+        self,
+        tensors: Mapping[str, np.ndarray] | None,
+        root: int,
+        step: int,
+        timeout: float = 60.0,
+        world: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        """`root`'s tensors on every rank: through Redis to one rank per host (`root` for
+        its own), through shared memory to the others."""
+        current, layout = self._layout()
+        if current.size == 1 or layout.flat or (world is not None and world != current.version):
+            return self.flat.broadcast(tensors, root, step, timeout, world)
+        if not 0 <= root < current.size:
+            raise CollectiveError(
+                f"broadcast root {root} is not a rank of a world of {current.size}"
+            )
+        if current.rank == root and tensors is None:
+            raise CollectiveError(f"rank {root} is the broadcast root but passed no tensors")
+        layout = layout.led_by(root)
+        call = _HostCall(self, "broadcast", current, layout, step, timeout, "float32")
+        return call.broadcast(tensors, root)
+
+    def barrier(self, step: int, timeout: float = 60.0, world: int | None = None) -> None:
+        """Every rank of the world reached the barrier of `step`: each host's ranks meet
+        their leader, the leaders meet through Redis, the leaders release their hosts."""
+        current, layout = self._layout()
+        if current.size == 1 or layout.flat or (world is not None and world != current.version):
+            self.flat.barrier(step, timeout, world)
+            return
+        _HostCall(self, "barrier", current, layout, step, timeout, "float32").barrier()
+
+    def _layout(self) -> tuple[World, Hosts]:
         current = self.flat.world()
         assert self._hosts is not None
         hosts = tuple(self._hosts())
@@ -160,12 +206,7 @@ class HierarchicalCollective:
             raise CollectiveError(
                 f"{len(hosts)} hosts named for a world of {current.size} ranks: {hosts!r}"
             )
-        layout = Hosts.of(hosts)
-        if current.size == 1 or layout.flat:
-            return self.flat.allreduce(tensors, step, timeout, world, transport)
-        if world is not None and world != current.version:
-            return self.flat.allreduce(tensors, step, timeout, world, transport)  # raises
-        return _HostCall(self, current, layout, step, timeout, transport).run(tensors)
+        return current, Hosts.of(hosts)
 
 
 class _HostCall:
@@ -174,13 +215,14 @@ class _HostCall:
     def __init__(
         self,
         owner: HierarchicalCollective,
+        op: str,
         world: World,
         hosts: Hosts,
         step: int,
         timeout: float,
         transport: Transport,
     ) -> None:
-        self.owner, self.world, self.hosts = owner, world, hosts
+        self.owner, self.op, self.world, self.hosts = owner, op, world, hosts
         self.step, self.timeout, self.transport = step, timeout, transport
         self.group = hosts.group_of(world.rank)
         self.leader = self.group[0]
@@ -188,24 +230,96 @@ class _HostCall:
         self.created: list[SharedMemory] = []
 
     def name(self, rank: int, kind: str) -> str:
-        return segment_name(self.owner.job, self.world.version, self.step, self.group, rank, kind)
+        """The segment `rank` writes in this call (`kind` c or r, prefixed by the op's
+        initial: an allreduce and a broadcast of one step never share a name)."""
+        job, version = self.owner.job, self.world.version
+        return segment_name(job, version, self.step, self.group, rank, f"{self.op[0]}{kind}")
 
-    def run(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        layout, flats = flatten(tensors)
+    def begin(self, stage: str, world: World) -> _Call:
+        call = self.owner.flat.begin_in(world, self.op + stage, self.step, self.timeout)
+        self.calls.append(call)
+        return call
+
+    def guarded(self, body: Callable[[], Any]) -> Any:
+        """`body`, and on any failure nothing of the call left behind; the segments this
+        rank created are removed either way."""
         try:
-            local = self.owner.flat.begin_in(self.world, LOCAL, self.step, self.timeout)
-            self.calls.append(local)
-            if self.world.rank == self.leader:
-                result = self._lead(local, layout.digest, layout.sizes(), flats)
-            else:
-                result = self._follow(local, layout.digest, layout.sizes(), flats)
+            return body()
         except BaseException:
             self._abort()
             raise
         finally:
             for shm in self.created:
                 _remove(shm)
-        return unflatten(layout, result)
+
+    def leaders(self) -> World:
+        """The hosts' leaders as a world of their own: host i is rank i."""
+        return World(
+            self.world.version, self.hosts.index_of(self.world.rank), len(self.hosts.groups)
+        )
+
+    # ------------------------------------------------------------ barrier and broadcast
+    def barrier(self) -> None:
+        def body() -> None:
+            local = self.begin(LOCAL, self.world)
+            members = set(self.group) - {self.leader}
+            if self.world.rank != self.leader:
+                local.notify("arrived")
+                next(local.arrivals("released", {self.leader}))
+                return
+            for _ in local.arrivals("arrived", members):
+                pass
+            self.owner.flat.barrier_in(self.begin(HOSTS, self.leaders()))
+            local.notify("released")
+
+        self.guarded(body)
+
+    def broadcast(
+        self, tensors: Mapping[str, np.ndarray] | None, root: int
+    ) -> dict[str, np.ndarray]:
+        def body() -> dict[str, np.ndarray]:
+            local = self.begin(LOCAL, self.world)
+            members = set(self.group) - {self.leader}
+            if self.world.rank != self.leader:
+                _, notice = next(local.arrivals("result", {self.leader}))
+                size = int(notice.get(b"n", b"0"))
+                shared = _open(self.name(self.leader, "r"))
+                try:
+                    raw = bytes(shared.buf[:size]) if shared.buf is not None else b""
+                finally:
+                    shared.close()
+                got = {k: v.copy() for k, v in blobs.unpack(raw).items()}
+                local.notify("copied")
+                return got
+            root_host = self.hosts.index_of(root)
+            mine = tensors if self.world.rank == root else None
+            result = self.owner.flat.broadcast_in(
+                self.begin(HOSTS, self.leaders()), mine, root_host
+            )
+            if members:
+                packed = b"".join(bytes(part) for part in blobs.pack(result))
+                shared = self._create(self.name(self.leader, "r"), len(packed))
+                view = shared.buf
+                assert view is not None
+                view[: len(packed)] = packed
+                del view
+                local.notify("result", n=len(packed))
+                for _ in local.arrivals("copied", members):
+                    pass
+            return result
+
+        return self.guarded(body)
+
+    def run(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        layout, flats = flatten(tensors)
+
+        def body() -> dict[str, np.ndarray]:
+            local = self.begin(LOCAL, self.world)
+            if self.world.rank == self.leader:
+                return self._lead(local, layout.digest, layout.sizes(), flats)
+            return self._follow(local, layout.digest, layout.sizes(), flats)
+
+        return unflatten(layout, self.guarded(body))
 
     # ------------------------------------------------------------ the host's leader
     def _lead(
@@ -244,10 +358,9 @@ class _HostCall:
         scaled = {g: (s * (h / n)).astype(g) for g, s in sums.items()}
         if h == 1:
             return scaled
-        sub = World(self.world.version, self.hosts.index_of(self.world.rank), h)
-        call = self.owner.flat.begin_in(sub, HOSTS, self.step, self.timeout)
-        self.calls.append(call)
-        return self.owner.flat.allreduce_in(call, scaled, self.transport)
+        return self.owner.flat.allreduce_in(
+            self.begin(HOSTS, self.leaders()), scaled, self.transport
+        )
 
     # ------------------------------------------------------------ the host's other ranks
     def _follow(
@@ -283,7 +396,10 @@ class _HostCall:
                 if self.name(rank, kind) not in mine:
                     _unlink(self.name(rank, kind))
         keys = self.owner.flat.keys
-        streams = [keys.step_events(self.world.version, self.step, op) for op in (LOCAL, HOSTS)]
+        streams = [
+            keys.step_events(self.world.version, self.step, self.op + stage)
+            for stage in (LOCAL, HOSTS)
+        ]
         with contextlib.suppress(redis.RedisError):  # a peer's notices, even if no call began
             self.owner.flat.conn.unlink(*streams)
         for call in self.calls:

@@ -2,7 +2,8 @@
 `python -m tests.integration.hier_rank URL JOB RANK HOSTS OUT MODE [MIB]`.
 
 HOSTS names the host of every rank, comma-separated; MODE is `hier` or `flat` (the same
-call without the shared memory stage). Prints `entered` before the call; the mean goes to
+allreduce without the shared memory stage), or `bcast`: rank 1's tensors broadcast, then a
+barrier, through the hierarchy. Prints `entered` before the call; the mean goes to
 OUT (npz) and the call's seconds to stdout; a call a world change aborts exits 3."""
 
 from __future__ import annotations
@@ -52,12 +53,16 @@ def main(url: str, job: str, rank: int, hosts: list[str], out: str, mode: str, m
     try:
         if mode == "hier":
             result = hier.allreduce(mine, step=0, timeout=60)
-        else:
+        elif mode == "flat":
             result = flat.allreduce(mine, step=0, timeout=60)
+        else:  # the hierarchy's broadcast from rank 1 (which leads no host), then a barrier
+            result = hier.broadcast(mine if rank == 1 else None, root=1, step=1, timeout=60)
+            hier.barrier(step=2, timeout=60)
+        seconds = time.perf_counter() - started
     except WorldChangedError:
         print("aborted", flush=True)
         return ABORTED
-    print(json.dumps({"seconds": time.perf_counter() - started}), flush=True)
+    print(json.dumps({"seconds": seconds}), flush=True)
     np.savez(out, **result)
     return 0
 

@@ -1,7 +1,8 @@
 """The hierarchical allreduce with real processes: 4 ranks as 2 hosts x 2.
 
 Ranks of one host reduce through shared memory; only the host leaders' sums go through
-Redis. The mean equals numpy's; a rank killed mid-call and the world change that follows
+Redis. The mean equals numpy's, a broadcast from a rank that leads no host reaches every
+rank, and a barrier passes; a rank killed mid-call and the world change that follows
 leave no segment in /dev/shm and no key of the call in Redis.
 """
 
@@ -96,6 +97,14 @@ def test_four_ranks_on_two_hosts_get_numpys_mean_with_fewer_bytes_through_redis(
     )
     # S payload bytes cross the server (3N-2)S times flat (10S), (3H-2)S with H=2 hosts (4S)
     assert hier_bytes * 2 < flat_bytes
+
+
+def test_a_broadcast_from_a_rank_that_leads_no_host_reaches_every_rank(cluster: Cluster) -> None:
+    sent, _, _ = run(cluster, "bcast", 1.0, "b")
+    mine = tensors(1, 1.0)
+    for result in sent:  # through rank 1's host's memory, and through host B's leader
+        assert np.array_equal(result["w"], mine["w"]) and np.array_equal(result["b"], mine["b"])
+    assert segments(cluster.job) == []
 
 
 def test_a_rank_killed_mid_call_and_the_world_change_leave_nothing_behind(
