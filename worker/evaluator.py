@@ -20,6 +20,8 @@ import time
 from collections.abc import Iterator, Mapping
 from types import TracebackType
 
+from pydantic import ValidationError
+
 from cohort.events.clock import Clock
 from cohort.events.connection import Client
 from cohort.events.models import CheckpointSaved, EvalDone
@@ -101,12 +103,19 @@ class Evaluator:
                 self.log.warning("evaluator %s skips step %d: %s", self.id, saved.step, exc)
 
     def report(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Send the metrics of the weights after `step`; the leader journals them."""
+        """Send the metrics of the weights after `step`; the leader journals them. ValueError
+        names a bad value (at most 64 metrics, names of 1-64 letters, digits, ._:/-)."""
         worker = self.worker
-        worker._send(  # the worker's own delivery: in order, retried through outages
-            EvalDone(at=worker.clock.now(), job=worker.job, worker=self.id, step=step,
-                     metrics=dict(metrics))
-        )  # fmt: skip
+        try:
+            done = EvalDone(
+                at=worker.clock.now(), job=worker.job, worker=self.id, step=step,
+                metrics=dict(metrics),
+            )  # fmt: skip
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(part) for part in error["loc"] if part != "[key]")
+            raise ValueError(f"evaluation {where}={error.get('input')!r}: {error['msg']}") from None
+        worker._send(done)  # the worker's own delivery: in order, retried through outages
 
     # ------------------------------------------------------------ what is due
     def _due(self, view: View) -> CheckpointSaved | None:

@@ -98,3 +98,18 @@ def test_the_report_plots_each_evaluators_metrics() -> None:
     data = series(run)
     (line,) = data.evaluation
     assert line.label == "e loss" and [v for _, v in line.points] == [1.0, 0.5, 1 / 3]
+
+
+def test_an_evaluators_bad_report_is_refused_naming_the_value() -> None:
+    import fakeredis
+    import pytest
+
+    from cohort.worker.evaluator import Evaluator
+
+    evaluator = Evaluator(fakeredis.FakeRedis(), JOB, worker_id="e")
+    with pytest.raises(ValueError, match="evaluation metrics.bad name='bad name': String"):
+        evaluator.report(3, {"bad name": 1.0})
+    with pytest.raises(ValueError, match="evaluation step=-1"):
+        evaluator.report(-1, {"loss": 1.0})
+    with pytest.raises(ValueError, match="every=0"):
+        Evaluator(fakeredis.FakeRedis(), JOB, every=0)
