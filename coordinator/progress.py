@@ -29,7 +29,8 @@ class Progress:
     eta_seconds: float | None
     """Seconds until the job's end at `steps_per_second` (None: unknown, or paused)."""
     since_commit: float | None
-    """Seconds since the last commit (None: no commit yet)."""
+    """Seconds since the last commit of the window (None: none since training last paused
+    or rewound)."""
 
     def body(self) -> dict[str, float | int | None]:
         return {
