@@ -46,6 +46,8 @@ if TYPE_CHECKING:
         WorkerError,
         WorldChangedError,
     )
+    from cohort.worker.evaluator import Evaluator
+    from cohort.worker.hierarchy import HierarchicalCollective
     from cohort.worker.torchdist import Rendezvous
     from cohort.worker.view import Assignment, GpuAdvice
 
@@ -58,8 +60,10 @@ __all__ = [
     "CommitTimeout",
     "Dataset",
     "ElasticJob",
+    "Evaluator",
     "Finished",
     "GpuAdvice",
+    "HierarchicalCollective",
     "JoinRefusedError",
     "JoinTimeout",
     "Node",
@@ -90,6 +94,8 @@ _HOMES = {
     "Worker": "cohort.worker.client",
     "Collective": "cohort.worker.collective",
     "ElasticJob": "cohort.worker.elastic",
+    "Evaluator": "cohort.worker.evaluator",
+    "HierarchicalCollective": "cohort.worker.hierarchy",
     "CollectiveError": "cohort.worker.errors",
     "CollectiveTimeout": "cohort.worker.errors",
     "ActivationTimeout": "cohort.worker.errors",

@@ -33,6 +33,11 @@ The rules (DESIGN.md "Membership", "Data shards"):
 - The job's length (`max_steps`, `epochs`): the commit that reaches it ends the job with
   the last checkpoint's request and JobFinished; then no step commits, joins are refused,
   leavers leave at once and silent members fail, without new worlds.
+- Roles: an evaluator joins as a member "evaluating": it is never synced, activated or
+  ranked, so it counts toward no world and no `min_workers`, and its failure changes no
+  world; its EvalDone of a committed step → EvalReported (also after the end).
+- RegisterWorkload of a member, new or changed → WorkloadRegistered; TransfersWaiting is
+  telemetry (observed only).
 - GpuReading of a member: the GPU rules (journaled in the config) with hysteresis and
   priorities → GpuAdviceCleared / GpuAdviceIssued (coordinator/gpu_rules.py).
 """
@@ -54,6 +59,8 @@ from cohort.events.models import (
     EpochDone,
     EpochFinished,
     EpochStarted,
+    EvalDone,
+    EvalReported,
     Fact,
     GpuReading,
     Heartbeat,
@@ -64,6 +71,7 @@ from cohort.events.models import (
     JoinRefused,
     LeaderElected,
     Leave,
+    RegisterWorkload,
     Resume,
     Rewound,
     StepCommitted,
@@ -72,6 +80,7 @@ from cohort.events.models import (
     StragglerDetected,
     TrainingPaused,
     TrainingResumed,
+    TransfersWaiting,
     Weights,
     WeightsDiverged,
     WeightsLoaded,
@@ -82,6 +91,7 @@ from cohort.events.models import (
     WorkerLeaving,
     WorkerLeft,
     WorkerSynced,
+    WorkloadRegistered,
     WorldChanged,
     finished_refusal,
 )
@@ -171,7 +181,11 @@ def decide(state: JobState, seen: Liveness, command: Command, now: float) -> Dec
             _checkpoint_written(plan, command)
         case Resume():
             _resume(plan, command)
-        case EpochDone():
+        case EvalDone():
+            _evaluated(plan, command)
+        case RegisterWorkload():
+            _workload(plan, command)
+        case EpochDone() | TransfersWaiting():
             pass  # observed only
     return plan.decision()
 
@@ -200,7 +214,25 @@ def _join(plan: _Plan, command: Join) -> None:
         host=command.host,
         pid=command.pid,
         node=command.node,
+        role=command.role,
     )
+
+
+def _workload(plan: _Plan, command: RegisterWorkload) -> None:
+    """A member's GPU workload is journaled when it is new or changed (a resend is not)."""
+    member = plan.state.members.get(command.worker)
+    if member is None or command.workload in member.workloads:
+        return
+    plan.emit(WorkloadRegistered, worker=command.worker, workload=command.workload)
+
+
+def _evaluated(plan: _Plan, command: EvalDone) -> None:
+    """An evaluator's metrics of committed weights are journaled; a trainer's, or metrics of
+    a step that never committed, are not evaluations of this job's lineage."""
+    member = plan.state.members.get(command.worker)
+    if member is None or member.role != "evaluator" or command.step > plan.state.last_committed:
+        return
+    plan.emit(EvalReported, worker=command.worker, step=command.step, metrics=command.metrics)
 
 
 def _dataset_of(
@@ -212,7 +244,7 @@ def _dataset_of(
     one may add a fingerprint or files to what is known (a size the config gave). A
     declaration that differs from the job's dataset is refused, by what differs."""
     known, declared, job = state.dataset, command.dataset, state.job
-    if command.role == "agent" and declared is None:
+    if command.role != "trainer" and declared is None:
         return known, None  # deals no data to it: nothing to check
     if declared is not None and declared.adapts and known is not None:
         declared = None  # it makes its data to the job's size
@@ -537,6 +569,8 @@ def _after_end(plan: _Plan, command: Command) -> None:
             plan.emit(WorkerLeft, worker=command.worker, reason=command.reason or "left")
         case CheckpointWritten():
             _checkpoint_written(plan, command)
+        case EvalDone():
+            _evaluated(plan, command)  # the final weights are evaluated after the end
 
 
 # ---------------------------------------------------------------- checkpoints and lineage

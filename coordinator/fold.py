@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from cohort.events.models import (
+    MAX_WORKLOADS,
     CheckpointExpired,
     CheckpointRequested,
     CheckpointSaved,
@@ -13,6 +14,7 @@ from cohort.events.models import (
     DatasetDeclared,
     EpochFinished,
     EpochStarted,
+    EvalReported,
     Fact,
     GpuAdviceCleared,
     GpuAdviceIssued,
@@ -35,11 +37,12 @@ from cohort.events.models import (
     WorkerLeaving,
     WorkerLeft,
     WorkerSynced,
+    WorkloadRegistered,
     WorldChanged,
 )
 from cohort.events.shards import Shard
 
-from .state import Counters, JobState, Member
+from .state import KEEP_EVALS, RATE_WINDOW, Counters, JobState, Member, Status
 
 KEEP_REQUESTS = 8
 """Checkpoint requests kept unanswered: a writer answers within a few; older ones are dropped
@@ -88,7 +91,10 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:
                 "counters": _count(state.counters, elections=1),
             }
         case WorkerJoined():
-            member = Member(fact.worker, "syncing", fact.at, fact.host, fact.pid, node=fact.node)
+            status: Status = "evaluating" if fact.role == "evaluator" else "syncing"
+            member = Member(
+                fact.worker, status, fact.at, fact.host, fact.pid, node=fact.node, role=fact.role
+            )
             return {
                 "members": {**state.members, fact.worker: member},
                 "counters": _count(state.counters, joined=1),
@@ -117,7 +123,7 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:
                 "counters": _count(state.counters, world_changes=1),
             }
         case StepCommitted():
-            return _committed(state, fact, 1)
+            return _committed(state, (fact,))
         case WeightsDiverged():
             return {"counters": _count(state.counters, divergences=1)}
         case EpochFinished():
@@ -138,7 +144,7 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:
         case GpuAdviceCleared():
             return {"advice": state.advice - {(fact.worker, fact.device, fact.rule)}}
         case TrainingPaused():
-            return {"paused": True}
+            return {"paused": True, "commits": ()}
         case TrainingResumed():
             return {"paused": False}
         case CheckpointRequested():
@@ -164,6 +170,7 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:
                 "unassigned": fact.position.rest,
                 "requested": (),
                 "weights_lost": None,
+                "commits": (),
                 "restart": Weights(
                     step=fact.to_step,
                     source="checkpoint" if fact.source == "checkpoint" else "initial",
@@ -175,26 +182,42 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:
                     state.counters, rewinds=1, discarded_steps=fact.from_step - fact.to_step
                 ),
             }
+        case WorkloadRegistered():
+            return _workloads(state, fact)
+        case EvalReported():
+            return {"evals": (*state.evals, fact)[-KEEP_EVALS:]}
         case JobFinished():
             return {"finished": fact.reason or "finished", "paused": True}
     raise TypeError(f"evolve has no branch for {type(fact).__name__}")  # pragma: no cover
 
 
-def _committed(state: JobState, last: StepCommitted, count: int) -> dict[str, object]:
-    """`count` steps committed, the last of them `last`: the ranks that committed it hold
-    its weights."""
+def _workloads(state: JobState, fact: WorkloadRegistered) -> dict[str, object]:
+    """The member's workloads with `fact`'s in place of any of its name, newest last."""
+    owner = state.members.get(fact.worker)
+    if owner is None:
+        return {}
+    kept = tuple(w for w in owner.workloads if w.name != fact.workload.name)
+    return _member(state, fact.worker, workloads=(*kept, fact.workload)[-MAX_WORKLOADS:])
+
+
+def _committed(state: JobState, run: Sequence[StepCommitted]) -> dict[str, object]:
+    """The steps of `run` committed, in order: the ranks that committed the last hold its
+    weights, and the last RATE_WINDOW commit times are kept for the rate."""
+    last = run[-1]
+    recent = tuple((fact.step, fact.at) for fact in run[-RATE_WINDOW:])
     return {
         "last_committed": last.step,
         "last_digest": last.digest,
         "holders": frozenset(state.ranks),
         "restart": None,
-        "counters": _count(state.counters, steps_committed=count),
+        "commits": (*state.commits, *recent)[-RATE_WINDOW:],
+        "counters": _count(state.counters, steps_committed=len(run)),
     }
 
 
-def _commits(state: JobState, last: StepCommitted, count: int) -> JobState:
-    """`count` StepCommitted facts in a row, ending with `last`: what evolving each gives."""
-    return replace(state, facts=state.facts + count, **_committed(state, last, count))  # type: ignore[arg-type]
+def _commits(state: JobState, run: Sequence[StepCommitted]) -> JobState:
+    """StepCommitted facts in a row: what evolving each gives."""
+    return replace(state, facts=state.facts + len(run), **_committed(state, run))  # type: ignore[arg-type]
 
 
 def fold(facts: Iterable[Fact], state: JobState | None = None) -> JobState:
@@ -210,7 +233,7 @@ def fold(facts: Iterable[Fact], state: JobState | None = None) -> JobState:
             run.append(fact)
             continue
         if run:
-            state = _commits(state, run[-1], len(run))
-            run.clear()
+            state = _commits(state, run)
+            run = []
         state = evolve(state, fact)
-    return _commits(state, run[-1], len(run)) if run else state
+    return _commits(state, run) if run else state

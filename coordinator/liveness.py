@@ -16,7 +16,14 @@ from __future__ import annotations
 from collections import defaultdict
 from statistics import median
 
-from cohort.events.models import Command, GpuReading, Heartbeat, Join, StepDone
+from cohort.events.models import (
+    Command,
+    GpuReading,
+    Heartbeat,
+    Join,
+    StepDone,
+    TransfersWaiting,
+)
 
 KEEP_STEPS = 256  # step reports and times older than this many steps are dropped
 
@@ -31,6 +38,7 @@ class Liveness:
         self.digests: dict[int, dict[str, str]] = defaultdict(dict)  # step -> worker -> digest
         self.losses: dict[str, float] = {}
         self.gpus: dict[str, GpuReading] = {}
+        self.transfers: dict[str, TransfersWaiting] = {}
         self.commands = 0
 
     def observe(self, command: Command, received_at: float) -> None:
@@ -52,6 +60,8 @@ class Liveness:
                 self._progress(worker, command.world, command.step)
             case GpuReading():
                 self.gpus[worker] = command
+            case TransfersWaiting():
+                self.transfers[worker] = command
             case Join():
                 self.progress.pop(worker, None)
 
@@ -97,6 +107,7 @@ class Liveness:
         self.progress.pop(worker, None)
         self.losses.pop(worker, None)
         self.gpus.pop(worker, None)
+        self.transfers.pop(worker, None)
 
     def prune(self, committed: int) -> None:
         """Drop reports of steps long committed, so memory stays bounded."""

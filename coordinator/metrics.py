@@ -7,9 +7,17 @@ what this process did. Each coordinator has its own registry: nothing global.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from cohort.events.models import TransfersWaiting
+
+from .progress import progress
 from .state import JobState
+
+UNKNOWN = float("nan")
+"""What a progress gauge reads while it cannot be known (Prometheus's convention)."""
 
 STEP_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
@@ -36,6 +44,28 @@ class Metrics:
         self.inbox_lag = gauge("cohort_inbox_lag_seconds", "Age of the oldest unread command")
         self.failed = gauge("cohort_workers_failed", "Workers failed since the job began")
         self.elections = gauge("cohort_elections", "Leader elections since the job began")
+        self.steps_per_second = gauge(
+            "cohort_steps_per_second", "Steps committed per second over the last commits"
+        )
+        self.epoch_progress = gauge(
+            "cohort_epoch_progress", "Fraction of the current epoch's samples used (0..1)"
+        )
+        self.steps_left = gauge("cohort_steps_left", "Steps to the job's configured length")
+        self.eta = gauge("cohort_eta_seconds", "Estimated seconds to the job's configured end")
+        self.workloads = gauge("cohort_gpu_workloads", "GPU workloads the members registered")
+        self.workload_memory = gauge(
+            "cohort_gpu_workload_memory_bytes", "GPU memory the registered workloads hold"
+        )
+        self.transfers_pending = gauge(
+            "cohort_transfers_pending", "Transfers the workers wait to start (leader only)"
+        )
+        self.transfers_staged = gauge(
+            "cohort_transfers_staged", "Of them, staged until training stops (leader only)"
+        )
+        self.transfer_delay = gauge(
+            "cohort_transfer_delay_seconds",
+            "Seconds the workers' started transfers waited, in all (leader only)",
+        )
         self.commands = counter("cohort_commands", "Inbox commands this coordinator decided")
         self.facts = counter("cohort_facts", "Facts this coordinator appended")
         self.dead = counter("cohort_dead_letters", "Inbox entries this coordinator rejected")
@@ -53,7 +83,16 @@ class Metrics:
         server, _ = start_http_server(port, addr=addr, registry=self.registry)
         return int(server.server_port)
 
-    def update(self, state: JobState, leading: bool, lag_seconds: float) -> None:
+    def transfers(self, queues: Iterable[TransfersWaiting]) -> None:
+        """The workers' transfer queues as they last reported them (the leader sees them)."""
+        queues = list(queues)
+        self.transfers_pending.set(sum(q.pending for q in queues))
+        self.transfers_staged.set(sum(q.staged for q in queues))
+        self.transfer_delay.set(sum(q.delayed for q in queues))
+
+    def update(self, state: JobState, leading: bool, lag_seconds: float, now: float) -> None:
+        """Set every gauge from `state`; `now` (the clock that stamped its facts) dates the
+        estimated time to the end."""
         self.leading.set(1 if leading else 0)
         self.leader_epoch.set(state.leader_epoch)
         self.world_size.set(len(state.ranks))
@@ -64,3 +103,14 @@ class Metrics:
         self.inbox_lag.set(lag_seconds)
         self.failed.set(state.counters.failed)
         self.elections.set(state.counters.elections)
+        workloads = [w for member in state.members.values() for w in member.workloads]
+        self.workloads.set(len(workloads))
+        self.workload_memory.set(sum(w.memory for w in workloads))
+        ahead = progress(state, now)
+        for gauge, value in (
+            (self.steps_per_second, ahead.steps_per_second),
+            (self.epoch_progress, ahead.epoch_progress),
+            (self.steps_left, ahead.steps_left),
+            (self.eta, ahead.eta_seconds),
+        ):
+            gauge.set(UNKNOWN if value is None else value)

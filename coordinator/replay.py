@@ -223,9 +223,11 @@ def _position(body: dict[str, Any]) -> str:
 def view(state: JobState) -> dict[str, Any]:
     """The state as plain data, for `--json` and for people."""
     body = dump(state)
+    del body["commits"]  # the rate's raw window: `cohort status` gives the rate itself
     body["state_hash"] = state_hash(state)
     body["world_size"] = len(state.ranks)
     body["next_step"] = state.next_step
+    body["chief"] = state.chief
     body["phase"] = "finished" if state.finished else "paused" if state.paused else "running"
     for worker, member in body["members"].items():
         member["rank"] = state.rank_of(worker)

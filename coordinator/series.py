@@ -15,6 +15,7 @@ from cohort.events.codec import decode_command
 from cohort.events.errors import DecodeError
 from cohort.events.models import (
     CheckpointSaved,
+    EvalReported,
     Fact,
     GpuAdviceCleared,
     GpuAdviceIssued,
@@ -26,6 +27,7 @@ from cohort.events.models import (
     StragglerDetected,
     TrainingPaused,
     TrainingResumed,
+    TransfersWaiting,
     WeightsDiverged,
     WeightsLost,
     WorkerFailed,
@@ -94,8 +96,13 @@ class ReportData:
     membership: tuple[Series, ...] = ()
     step_time: tuple[Series, ...] = ()
     loss: tuple[Series, ...] = ()
+    evaluation: tuple[Series, ...] = ()
+    """Each evaluator's metrics (journaled, so never trimmed), one line per evaluator and
+    metric, at the time the leader journaled them."""
     gpu_memory: tuple[Series, ...] = ()
     gpu_temperature: tuple[Series, ...] = ()
+    transfers: tuple[Series, ...] = ()
+    """Transfers each worker waited to start, as its TransfersWaiting said (retained inbox)."""
     markers: tuple[Marker, ...] = ()
     summary: Summary = field(default_factory=Summary)
     timeline: tuple[Line, ...] = ()
@@ -133,8 +140,13 @@ def series(run: Run) -> ReportData:
         membership=facts.membership(end),
         step_time=_per_worker(inbox.step_time),
         loss=_per_worker(inbox.loss),
+        evaluation=tuple(
+            Series(f"{worker} {name}", worker, tuple(points[-MAX_POINTS:]))
+            for (worker, name), points in sorted(facts.evals.items())
+        ),
         gpu_memory=_per_device(inbox.memory, inbox.device_names),
         gpu_temperature=_per_device(inbox.temperature, inbox.device_names),
+        transfers=_per_worker(inbox.transfers),
         markers=tuple(facts.markers),
         summary=_summary(facts, inbox, run),
         timeline=tuple(recent(timeline, TIMELINE_ROWS)),
@@ -155,6 +167,7 @@ class _FactSeries:
     counts: Counter[str] = field(default_factory=Counter)
     world_size: int = 0
     discarded: int = 0
+    evals: dict[tuple[str, str], list[Point]] = field(default_factory=lambda: defaultdict(list))
 
     def add(self, entry_id: str, fact: Fact) -> None:
         at = fact.at
@@ -172,6 +185,10 @@ class _FactSeries:
                 self.members.append((at, float(len(self.present))))
         if isinstance(fact, Rewound):
             self.discarded += fact.from_step - fact.to_step
+        if isinstance(fact, EvalReported):
+            for name, value in fact.metrics.items():
+                if math.isfinite(value):
+                    self.evals[(fact.worker, name)].append((at, value))
         if isinstance(fact, WorldChanged):
             self.world_size = len(fact.ranks)
             self.active.append((at, float(len(fact.ranks))))
@@ -202,6 +219,7 @@ class _InboxSeries:
         default_factory=lambda: defaultdict(list)
     )
     device_names: dict[tuple[str, int], str] = field(default_factory=dict)
+    transfers: dict[str, list[Point]] = field(default_factory=lambda: defaultdict(list))
     times: list[float] = field(default_factory=list)
     skipped: int = 0
 
@@ -217,6 +235,9 @@ class _InboxSeries:
             self.step_time[command.worker].append((at, command.step_time))
             if command.loss is not None and math.isfinite(command.loss):
                 self.loss[command.worker].append((at, command.loss))
+        elif isinstance(command, TransfersWaiting):
+            self.times.append(at)
+            self.transfers[command.worker].append((at, float(command.pending)))
         elif isinstance(command, GpuReading):
             self.times.append(at)
             for device in command.devices:

@@ -37,7 +37,14 @@ from cohort.events.codec import decode_command, encode
 from cohort.events.connection import UNAVAILABLE, Client
 from cohort.events.errors import DecodeError
 from cohort.events.keys import Keys
-from cohort.events.models import Command, Fact, JobConfig, StepCommitted, StepDone
+from cohort.events.models import (
+    Command,
+    Fact,
+    JobConfig,
+    StepCommitted,
+    StepDone,
+    TransfersWaiting,
+)
 from cohort.events.streams import ZERO, Entry, Journal, id_ms
 
 from . import snapshot
@@ -298,7 +305,7 @@ class Coordinator:
         self.catch_up(block_ms=min(self.settings.block_ms, 500))
         self._check_config()  # a leader that started with us may have journaled its own
         if self.metrics is not None:
-            self.metrics.update(self.state, leading=False, lag_seconds=0.0)
+            self.metrics.update(self.state, False, 0.0, self.clock.now())
         if self.lease.holder() is None and not self.done:  # a finished job needs no leader
             token = self.lease.acquire(self._nonce)
             if token is not None:
@@ -567,7 +574,8 @@ class Coordinator:
         lag_ms = max(0, id_ms(last) - id_ms(self.cursor)) if last != self.cursor else 0
         self._lag = lag_ms / 1000
         if self.metrics is not None:
-            self.metrics.update(self.state, leading=True, lag_seconds=self._lag)
+            self.metrics.update(self.state, True, self._lag, self.clock.now())
+            self.metrics.transfers(seen.transfers.values())
         body: dict[str, Any] = {
             "coordinator": self.settings.coordinator,
             "epoch": epoch_of(self.token) if self.token else 0,
@@ -593,6 +601,7 @@ class Coordinator:
                         }
                         for d in (seen.gpus[w].devices if w in seen.gpus else ())
                     ],
+                    "transfers": _transfers(seen.transfers.get(w)),
                 }
                 for w in self.state.members
             },
@@ -618,6 +627,13 @@ class Coordinator:
             return
         self.core.restore(state)
         self.journal_id = journal_id
+
+
+def _transfers(waiting: TransfersWaiting | None) -> dict[str, float] | None:
+    """A worker's transfer queue as it last said (None: it never did)."""
+    if waiting is None:
+        return None
+    return {"pending": waiting.pending, "staged": waiting.staged, "delayed": waiting.delayed}
 
 
 def _elects(entries: list[Entry]) -> bool:

@@ -7,11 +7,11 @@ import msgpack
 
 from .state import JobState, dump, load
 
-VERSION = 4
+VERSION = 5
 """2: the state knows its weight lineage (holders, checkpoints); 3: its config says whether
 epochs are shuffled (a v2 snapshot's config would read with today's default, shuffled, so
-it is refolded, and the journal's upcaster gives it its old meaning). Older ones are
-refolded."""
+it is refolded, and the journal's upcaster gives it its old meaning); 5: the state keeps
+its last commits' times (the job's rate). Older ones are refolded."""
 
 
 class SnapshotUnusable(Exception):

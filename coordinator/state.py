@@ -20,16 +20,25 @@ from cohort.events.models import (
     CheckpointRequested,
     CheckpointSaved,
     Dataset,
+    EvalReported,
     JobConfig,
     Node,
+    Role,
     Weights,
+    Workload,
 )
 from cohort.events.order import Order
 from cohort.events.shards import Shard
 
 from .gpu_rules import DEFAULT_RULES, Rules, parse_rules
 
-Status = Literal["syncing", "ready", "active", "draining"]
+Status = Literal["syncing", "ready", "active", "draining", "evaluating"]
+"""An evaluator is "evaluating" from its join to its end: it never syncs, holds no rank."""
+KEEP_EVALS = 16
+"""Evaluations kept in the state for `cohort status` (the journal keeps them all)."""
+RATE_WINDOW = 32
+"""Commits the job's rate is measured over: long enough to smooth a step's jitter, short
+enough to follow a world that grew or shrank."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +53,9 @@ class Member:
     straggler: bool = False
     node: Node | None = None
     """What the worker said of its machine when it joined."""
+    role: Role = "trainer"
+    workloads: tuple[Workload, ...] = ()
+    """The GPU workloads it registered, oldest first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +117,11 @@ class JobState:
     checkpoint's, or the initial ones)."""
     finished: str | None = None
     """Why the job ended (its JobFinished's reason); None while it has steps to go."""
+    evals: tuple[EvalReported, ...] = ()
+    """The last KEEP_EVALS evaluations the evaluators reported, oldest first."""
+    commits: tuple[tuple[int, float], ...] = ()
+    """(step, at) of the last RATE_WINDOW commits since training last paused or rewound:
+    what the job's steps per second are measured over (coordinator/progress.py)."""
     facts: int = 0
 
     @property
@@ -123,6 +140,11 @@ class JobState:
     @property
     def nodes(self) -> dict[str, Node | None]:
         return {worker: member.node for worker, member in self.members.items()}
+
+    @property
+    def chief(self) -> str | None:
+        """Rank 0 of the current world: the source of every new world's weights."""
+        return self.ranks[0] if self.ranks else None
 
     def rank_of(self, worker: str) -> int | None:
         try:

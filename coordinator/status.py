@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .progress import progress
 from .replay import view
 from .state import JobState
 from .stores import coordinator_of
@@ -17,9 +18,10 @@ STATUS_VERSION = 1
 
 
 def status(
-    state: JobState, lease_token: str | None, leader_view: dict[str, Any] | None
+    state: JobState, lease_token: str | None, leader_view: dict[str, Any] | None, now: float
 ) -> dict[str, Any]:
-    """The status body: `state` as of the journal, the lease as Redis holds it now, and the
+    """The status body: `state` as of the journal, its progress as of `now` (the Redis
+    server's clock, which stamped the facts), the lease as Redis holds it now, and the
     leader's volatile view (None when no leader published one)."""
     body = view(state)
     elected = body.pop("leader")
@@ -30,5 +32,6 @@ def status(
         "lease_token": lease_token,
         "elected_id": elected,
         **body,
+        "progress": progress(state, now).body(),
         "leader_view": leader_view,
     }

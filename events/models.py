@@ -117,6 +117,14 @@ class Dataset(BaseModel):
         return None
 
 
+Role = Literal["trainer", "agent", "evaluator"]
+MetricName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,63}$")]
+Metrics = Annotated[
+    dict[MetricName, Annotated[float, Field(allow_inf_nan=True)]], Field(max_length=64)
+]
+"""Named values of one evaluation (loss, accuracy, ...): at most 64, names of 1-64 characters."""
+
+
 class Join(Event):
     """A worker asks to join the job. v2 renamed v1's `name` to `worker`; v3 added `node`
     (what its machine is) and `dataset` (the data it trains on)."""
@@ -128,9 +136,10 @@ class Join(Event):
     pid: Annotated[int, Field(ge=0, le=2**31)] = 0
     node: Node | None = None
     dataset: Dataset | None = None
-    role: Literal["trainer", "agent"] = "trainer"
+    role: Role = "trainer"
     """"agent": a launcher's member (a torchrun agent) that trains on no data of the job's
-    own dealing, so it declares none and the job need not know its dataset."""
+    own dealing, so it declares none and the job need not know its dataset. "evaluator": a
+    member that trains nothing; it evaluates the committed weights and reports `EvalDone`."""
 
 
 class Heartbeat(Event):
@@ -194,6 +203,43 @@ class GpuDevice(BaseModel):
     processes: tuple[GpuProcess, ...] = Field(default=(), max_length=MAX_GPU_PROCESSES)
 
 
+class Workload(BaseModel):
+    """A GPU workload a worker runs: process `pid` on `devices`, holding `memory` bytes
+    (its expected footprint), `priority` higher first (after the seed's GPU workloads)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,63}$")]
+    pid: Annotated[int, Field(ge=0, le=2**32)] = 0
+    devices: tuple[Annotated[int, Field(ge=0, le=1024)], ...] = Field(default=(), max_length=64)
+    memory: Count = 0
+    priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
+
+
+MAX_WORKLOADS = 16
+"""Workloads one worker may register (a later one with a new name replaces the oldest)."""
+
+
+class RegisterWorkload(Event):
+    """A worker registers (or, under the same name, updates) a GPU workload."""
+
+    type: Literal["RegisterWorkload"] = "RegisterWorkload"
+    worker: WorkerId
+    workload: Workload
+
+
+class TransfersWaiting(Event):
+    """A worker's transfer queue now: `pending` transfers (`staged` of them until training
+    stops), and `delayed` seconds its started transfers waited in all. Telemetry: the
+    leader's view and metrics show it; nothing is journaled."""
+
+    type: Literal["TransfersWaiting"] = "TransfersWaiting"
+    worker: WorkerId
+    pending: Count
+    staged: Count = 0
+    delayed: Seconds = 0.0
+
+
 class GpuReading(Event):
     type: Literal["GpuReading"] = "GpuReading"
     worker: WorkerId
@@ -216,6 +262,15 @@ class Leave(Event):
     worker: WorkerId
     after_step: Count | None = None
     reason: Text = ""
+
+
+class EvalDone(Event):
+    """An evaluator evaluated the weights after `step` (a checkpoint's): its `metrics`."""
+
+    type: Literal["EvalDone"] = "EvalDone"
+    worker: WorkerId
+    step: Count
+    metrics: Metrics
 
 
 CheckpointUri = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
@@ -280,7 +335,10 @@ Command = Annotated[
     | WeightsLoaded
     | Leave
     | CheckpointWritten
-    | Resume,
+    | Resume
+    | EvalDone
+    | RegisterWorkload
+    | TransfersWaiting,
     Field(discriminator="type"),
 ]
 
@@ -387,14 +445,16 @@ class LeaderElected(Event):
 
 
 class WorkerJoined(Event):
-    """v2 added `node`, the machine the worker described in its Join."""
+    """v2 added `node`, the machine the worker described in its Join; v3 its `role` (every
+    member before v3 was a trainer or an agent, and the journal never told them apart)."""
 
     type: Literal["WorkerJoined"] = "WorkerJoined"
-    v: Literal[2] = 2
+    v: Literal[3] = 3
     worker: WorkerId
     host: Annotated[str, StringConstraints(max_length=255)] = ""
     pid: int = 0
     node: Node | None = None
+    role: Role = "trainer"
 
 
 class JoinRefused(Event):
@@ -601,6 +661,25 @@ class Rewound(Event):
     reason: Text = ""
 
 
+class WorkloadRegistered(Event):
+    """`worker` runs `workload` (a new one, or one it registered before under its name,
+    changed); its workloads go when it does."""
+
+    type: Literal["WorkloadRegistered"] = "WorkloadRegistered"
+    worker: WorkerId
+    workload: Workload
+
+
+class EvalReported(Event):
+    """Evaluator `worker` evaluated the weights after `step`: its `metrics`, journaled as it
+    sent them (the report plots them)."""
+
+    type: Literal["EvalReported"] = "EvalReported"
+    worker: WorkerId
+    step: Count
+    metrics: Metrics
+
+
 class JobFinished(Event):
     """The job reached its length (`reason`): `step` is its last, `digest` the final weights.
     Nothing trains after it; workers end with the final weights and leave."""
@@ -689,6 +768,8 @@ Fact = Annotated[
     | CheckpointExpired
     | WeightsLost
     | Rewound
+    | EvalReported
+    | WorkloadRegistered
     | JobFinished,
     Field(discriminator="type"),
 ]
@@ -708,5 +789,8 @@ COMMAND_TYPES = frozenset(
         Leave,
         CheckpointWritten,
         Resume,
+        EvalDone,
+        RegisterWorkload,
+        TransfersWaiting,
     )
 )

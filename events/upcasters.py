@@ -59,6 +59,13 @@ def _node_and_dataset_unsaid(body: Body) -> Body:
     return body
 
 
+@upcaster("WorkerJoined", 2)
+def _joined_as_a_trainer(body: Body) -> Body:
+    """Members before v3 had no role in the journal: they read as trainers (the default),
+    as the leader that journaled them treated them."""
+    return body
+
+
 @upcaster("JobConfigured", 2)
 def _config_gained_placement(body: Body) -> Body:
     """A v2 config dealt contiguously with no global batch (today's defaults for the new

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from pydantic import ValidationError
+
 from cohort.events.clock import Clock, SystemClock
 from cohort.events.connection import UNAVAILABLE, Client, reach, start_wait
 from cohort.events.errors import DecodeError, RedisUnavailable
@@ -41,8 +43,11 @@ from cohort.events.models import (
     Join,
     Leave,
     Node,
+    RegisterWorkload,
     StepDone,
+    TransfersWaiting,
     WeightsLoaded,
+    Workload,
     finished_refusal,
 )
 from cohort.events.shards import Range
@@ -68,6 +73,7 @@ from .gpu import GpuProbe
 from .node import describe as describe_node
 from .outbox import Outbox
 from .retry import AnyOf, Halt, Link, describe, with_retry
+from .transfers import Slot, TransferScheduler
 from .view import Assignment, GpuAdvice, View
 
 if TYPE_CHECKING:
@@ -148,6 +154,7 @@ class Worker:
         self._gpu_interval = gpu_interval
         self._gpu_probe = gpu_probe
         self._advice_callbacks: list[Callable[[GpuAdvice], None]] = []
+        self._transfers: TransferScheduler | None = None
         self._outbox = self._new_outbox()
 
     def _node(self) -> Node:
@@ -181,6 +188,10 @@ class Worker:
     @property
     def world_version(self) -> int:
         return self.view.world_version
+
+    def rank_hosts(self) -> tuple[str, ...]:
+        """The host of each rank of the current world, as its Join's node named it."""
+        return self.view.rank_hosts()
 
     @property
     def next_step(self) -> int:
@@ -681,6 +692,69 @@ class Worker:
                 self._cond.wait(remaining if stop is None else min(remaining, STOP_POLL))
 
     # ------------------------------------------------------------ GPU telemetry and advice
+    @property
+    def transfers(self) -> TransferScheduler:
+        """This worker's transfer queue: honours its current GPU advice, and stages big
+        transfers while it trains in a running world (worker/transfers.py)."""
+        if self._transfers is None:
+            self._transfers = TransferScheduler(
+                lambda: self.advice,
+                lambda: self.view.active,
+                self.clock,
+                on_change=self._report_transfers,
+            )
+        return self._transfers
+
+    def _report_transfers(self, stats: dict[str, float]) -> None:
+        """The queue as it is now, to the leader's view and metrics, without waiting."""
+        if not self.view.member:
+            return
+        waiting = TransfersWaiting(
+            at=self.clock.now(),
+            job=self.job,
+            worker=self.id,
+            pending=int(stats["pending"]),
+            staged=int(stats["staged"]),
+            delayed=stats["delayed_seconds"],
+        )
+        try:
+            self._outbox.post(waiting)
+        except WorkerError as exc:  # telemetry: a lost report is not the caller's problem
+            self.log.warning("worker %s could not report its transfers: %s", self.id, exc)
+
+    def register_workload(
+        self,
+        name: str,
+        devices: tuple[int, ...] = (),
+        memory: int = 0,
+        priority: int = 0,
+        pid: int | None = None,
+    ) -> None:
+        """Tell the leader this worker runs GPU workload `name` on `devices`, holding
+        `memory` bytes, at `priority`; `cohort status` and the metrics show it. Registering
+        the same name again updates it. ValueError names a bad value."""
+        try:
+            workload = Workload(
+                name=name,
+                pid=os.getpid() if pid is None else pid,
+                devices=tuple(devices),
+                memory=memory,
+                priority=priority,
+            )
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(part) for part in error["loc"])
+            raise ValueError(f"workload {where}={error.get('input')!r}: {error['msg']}") from None
+        self._send(
+            RegisterWorkload(at=self.clock.now(), job=self.job, worker=self.id, workload=workload)
+        )
+
+    def schedule_transfer(self, size: int, kind: str, priority: int = 0) -> Slot:
+        """When a transfer of `size` bytes of `kind` ("model", "dataset", "checkpoint",
+        "other") may start, as the GPU advice stands now; `transfers.due()` lists those
+        that may start, in order, and `transfers.start(slot.transfer)` takes one."""
+        return self.transfers.schedule_transfer(size, kind, priority)
+
     @property
     def advice(self) -> GpuAdvice:
         """The coordinator's current GPU advice for this worker (prefetch factor, delays)."""

@@ -395,6 +395,11 @@ class Collective:
             raise WorldChangedError(calls.step_of(step), self.worker.assignment)
         if world.size == 1:
             return None
+        return self.begin_in(world, op, step, timeout)
+
+    def begin_in(self, world: World, op: str, step: int, timeout: float) -> _Call:
+        """A call of `op` among the ranks of `world` (the current world, or a group of its
+        ranks renumbered 0..n-1, as the hierarchical allreduce's host leaders are)."""
         call = _Call(
             owner=self,
             op=op,
@@ -417,6 +422,32 @@ class Collective:
         call.positions = {call.events: ZERO, self.keys.journal: rows[0].id if rows else ZERO}
         call.written.append(call.events)
         return call
+
+    def broadcast_in(
+        self, call: _Call, tensors: Mapping[str, np.ndarray] | None, root: int
+    ) -> dict[str, np.ndarray]:
+        """`root`'s tensors on every rank of `call.world` (see `begin_in`)."""
+        return self._run(call, lambda: self._broadcast(call, tensors, root))
+
+    def barrier_in(self, call: _Call) -> None:
+        """Return once every rank of `call.world` reached it (see `begin_in`)."""
+
+        def arrive() -> None:
+            call.notify("arrived")
+            for _ in call.arrivals("arrived", call.world.others):
+                pass
+
+        self._run(call, arrive)
+
+    def allreduce_in(
+        self,
+        call: _Call,
+        tensors: Mapping[str, np.ndarray],
+        transport: Transport = "float32",
+    ) -> dict[str, np.ndarray]:
+        """The mean of `tensors` over the ranks of `call.world` (see `begin_in`)."""
+        layout, flats = flatten(tensors)
+        return self._run(call, lambda: self._allreduce(call, layout, flats, transport))
 
     def _run(self, call: _Call, body: Any) -> Any:
         try:

@@ -19,7 +19,7 @@ from cohort.events.shards import Range, Shard
 
 from .errors import NotAssigned
 
-Status = Literal["outside", "syncing", "ready", "active", "draining"]
+Status = Literal["outside", "syncing", "ready", "active", "draining", "evaluating"]
 
 KEEP_PLANS = 8
 """Plans kept for `batch` of recent steps; a training loop is at most a step or two behind."""
@@ -93,6 +93,8 @@ class View:
     dataset: m.Dataset | None = None
     """What the job trains on (its config's size, or the dataset a worker declared)."""
     members: frozenset[str] = frozenset()
+    hosts: tuple[tuple[str, str], ...] = ()
+    """(worker, host) of every member that named its host when it joined."""
     gone: frozenset[str] = frozenset()
     """Workers the journal removed (left or failed) that have not joined again (torchrun's
     agents re-rendezvous without the ones gone: cohort/worker/torchrun.py)."""
@@ -164,6 +166,12 @@ class View:
         """A rank of the current world, and training is not paused."""
         return self.worker in self.ranks and not self.paused
 
+    def rank_hosts(self) -> tuple[str, ...]:
+        """The host of each rank of the current world (a rank that named none: its id, so
+        it is a host of its own)."""
+        hosts = dict(self.hosts)
+        return tuple(hosts.get(worker) or worker for worker in self.ranks)
+
     @property
     def assignment(self) -> Assignment | None:
         plan = self.plan
@@ -208,14 +216,19 @@ def evolve(view: View, fact: m.Fact) -> View:
         case m.LeaderElected():
             return view
         case m.WorkerJoined():
+            host = (fact.node.host if fact.node is not None else "") or fact.host
+            others = tuple(pair for pair in view.hosts if pair[0] != fact.worker)
             view = replace(
-                view, members=view.members | {fact.worker}, gone=view.gone - {fact.worker}
+                view,
+                members=view.members | {fact.worker},
+                gone=view.gone - {fact.worker},
+                hosts=(*others, (fact.worker, host)) if host else others,
             )
             if fact.worker != me:
                 return view
             return replace(
                 view,
-                status="syncing",
+                status="evaluating" if fact.role == "evaluator" else "syncing",
                 joins=view.joins + 1,
                 left=False,
                 failed=False,

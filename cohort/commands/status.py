@@ -116,9 +116,11 @@ def _print_frames(
 def _status(conn: Client, job: str, state: JobState) -> dict[str, Any]:
     """The status body of docs/status-json.md: `state`, the lease now, the leader's view."""
     from cohort.coordinator.status import status as status_body
+    from cohort.events.clock import ServerClock
 
     token = conn.get(Keys(job).leader)
-    return status_body(state, text(token) if token is not None else None, _leader_view(conn, job))
+    lease = text(token) if token is not None else None
+    return status_body(state, lease, _leader_view(conn, job), ServerClock(conn).now())
 
 
 def _leader_view(conn: Client, job: str) -> dict[str, Any] | None:

@@ -374,7 +374,14 @@ def render(data: ReportData, title: str) -> str:
     workers = sorted(
         {
             s.worker
-            for group in (data.step_time, data.loss, data.gpu_memory, data.gpu_temperature)
+            for group in (
+                data.step_time,
+                data.loss,
+                data.evaluation,
+                data.gpu_memory,
+                data.gpu_temperature,
+                data.transfers,
+            )
             for s in group
         }
     )
@@ -384,6 +391,10 @@ def render(data: ReportData, title: str) -> str:
         ("plot-step-time", "Step time per worker", "seconds", data.step_time, True),
         ("plot-loss", "Loss per worker", "loss", data.loss, False),
     ]
+    if data.evaluation:
+        plots.append(("plot-evaluation", "Evaluations", "metric", data.evaluation, False))
+    if data.transfers:
+        plots.append(("plot-transfers", "Transfers waiting", "transfers", data.transfers, True))
     gpu = data.gpu_memory or data.gpu_temperature
     if gpu:
         plots += [

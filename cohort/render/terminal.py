@@ -46,8 +46,35 @@ def _summary_lines(body: dict[str, Any]) -> list[str]:
         f"refused {counters['refused']}  steps {counters['steps_committed']}  "
         f"epochs {counters['epochs_finished']}  elections {counters['elections']}  "
         f"facts {body['facts']}  state hash {body['state_hash']}",
+        *_progress_lines(body),
         *_lineage_lines(body),
     ]
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def _progress_lines(body: dict[str, Any]) -> list[str]:
+    """Steps per second, how far the epoch is, and the time to the job's end."""
+    ahead = body.get("progress")
+    if not ahead:
+        return []  # a replayed state: no `now` to date it
+    config = body.get("config") or {}
+    rate, done = ahead["steps_per_second"], ahead["epoch_progress"]
+    parts = [f"[bold]rate[/] {rate:.2f} steps/s" if rate is not None else "[bold]rate[/] -"]
+    epochs = f"/{config['epochs']}" if config.get("epochs") else ""
+    if done is not None:
+        parts.append(f"[bold]epoch[/] {body['epoch']}{epochs} {done:.0%} done")
+    left, eta = ahead["steps_left"], ahead["eta_seconds"]
+    if left is None:
+        parts.append("[bold]end[/] no configured length")
+    else:
+        when = _duration(eta) if eta is not None else "unknown while paused or measuring"
+        parts.append(f"[bold]steps left[/] {left}  [bold]ETA[/] {when}")
+    return ["  ".join(parts)]
 
 
 def _leader(body: dict[str, Any]) -> str:
@@ -159,16 +186,62 @@ def status_view(body: dict[str, Any], recent: list[tuple[str, str]] | None = Non
                 str(progress[1]) if progress[1] >= 0 else "-",
                 f"{step_time:.3f}s" if step_time is not None else "-",
                 _gpu(seen.get("gpu") or []),
-                "[red]straggler[/]" if member.get("straggler") else "",
+                _flags(worker, member, body),
             )
         )
     rows.extend(_fitted(WORKER_COLUMNS, cells))
+    rows.extend(Text(line) for line in _evaluation_lines(body))
+    rows.extend(Text(line) for line in _workload_lines(body, workers_live))
     if recent:
         facts = Table("journal id", "fact", title="recent facts", title_justify="left")
         for entry_id, text in recent[-10:]:
             facts.add_row(entry_id, text)
         rows.append(facts)
     return Group(*rows)
+
+
+def _flags(worker: str, member: dict[str, Any], body: dict[str, Any]) -> str:
+    """The chief (rank 0: every new world's weights come from it), evaluators, stragglers."""
+    flags = []
+    if worker == body.get("chief"):
+        flags.append("[bold]chief[/]")
+    if member.get("role") == "evaluator":
+        flags.append("evaluator")
+    if member.get("straggler"):
+        flags.append("[red]straggler[/]")
+    return " ".join(flags)
+
+
+def _workload_lines(body: dict[str, Any], live: dict[str, Any]) -> list[str]:
+    """Each worker's registered GPU workloads and, as it last said, its transfer queue."""
+    lines = []
+    for worker, member in body["members"].items():
+        parts = [
+            f"{w['name']} (pid {w['pid']}, gpu {','.join(map(str, w['devices'])) or '-'}, "
+            f"{w['memory'] / 2**30:.1f} GiB, priority {w['priority']})"
+            for w in member.get("workloads") or ()
+        ]
+        queue = (live.get(worker) or {}).get("transfers")
+        if queue:
+            parts.append(
+                f"transfers: {queue['pending']} pending, {queue['staged']} staged, "
+                f"waited {queue['delayed']:.0f} s"
+            )
+        if parts:
+            lines.append(f"{worker}: " + "; ".join(parts))
+    return lines
+
+
+def _evaluation_lines(body: dict[str, Any]) -> list[str]:
+    """Each evaluator's latest evaluation: the step it evaluated and its metrics."""
+    latest: dict[str, dict[str, Any]] = {}
+    for report in body.get("evals") or ():
+        latest[report["worker"]] = report
+    return [
+        f"evaluation by {worker} of step {report['step']}: "
+        + "  ".join(f"{name} {value:.4g}" for name, value in sorted(report["metrics"].items()))
+        for worker, report in sorted(latest.items())
+    ]
 
 
 WORKER_COLUMNS = (

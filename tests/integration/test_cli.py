@@ -236,3 +236,42 @@ def test_coordinator_metrics_are_scraped_over_http(cluster: Cluster) -> None:
         return [line for line in expected if line not in lines]
 
     wait_until(lambda: not missing(), 20, 0.1, message="metrics show the job")
+
+
+def test_status_and_metrics_show_the_rate_epoch_progress_and_eta(cluster: Cluster) -> None:
+    import urllib.request
+
+    leader = cluster.coordinator(
+        "c1", "--min-workers", "2", "--heartbeat-timeout", "600", "--dataset-size", "640",
+        "--batch-size", "32", "--max-steps", "50", "--metrics-port", "0",
+    )  # fmt: skip
+    inbox = Inbox(cluster.conn, Keys(cluster.job).inbox)
+    for name in ("a", "b"):
+        inbox.send(Join(at=time.time(), job=cluster.job, worker=name))
+        inbox.send(WeightsLoaded(at=time.time(), job=cluster.job, worker=name))
+    cluster.until(lambda s: len(s.ranks) == 2, message="a and b in the world")
+    for step in range(5):
+        for name in ("a", "b"):
+            inbox.send(StepDone(at=time.time(), job=cluster.job, worker=name, step=step, world=1))
+        cluster.until(lambda s, step=step: s.last_committed == step, message=f"step {step}")
+
+    body = json.loads(
+        cohort("--redis-url", cluster.url, "status", "--job", cluster.job, "--json").stdout
+    )
+    ahead = body["progress"]
+    assert ahead["steps_left"] == 45 and ahead["epoch_progress"] == pytest.approx(0.5)
+    assert ahead["steps_per_second"] > 0 and ahead["eta_seconds"] is not None
+    human = cohort("status", "--job", cluster.job, "--redis-url", cluster.url).stdout
+    assert "steps/s" in human and "epoch 0 50% done" in human and "steps left 45" in human
+
+    port = wait_until(
+        lambda: re.search(r"metrics on http://0\.0\.0\.0:(\d+)/", leader.output()),
+        20,
+        message="metrics port logged",
+    ).group(1)
+
+    def steps_left() -> bool:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        return 'cohort_steps_left{coordinator="c1",job="itest"} 45.0' in body.decode()
+
+    wait_until(steps_left, 20, 0.1, message="metrics show the steps left")

@@ -52,7 +52,7 @@ def test_a_join_or_joined_before_v3_describes_no_machine_and_declares_no_dataset
     assert (join.v, join.worker, join.node, join.dataset) == (3, "w-v2", None, None)
     joined = decode_fact((FIXTURES / "WorkerJoined.v1.msgpack").read_bytes())
     assert isinstance(joined, WorkerJoined)
-    assert (joined.v, joined.worker, joined.pid, joined.node) == (2, "w-v1", 9, None)
+    assert (joined.v, joined.worker, joined.pid, joined.node) == (3, "w-v1", 9, None)
 
 
 def test_a_v2_job_config_deals_contiguously_with_no_global_batch() -> None:

@@ -114,9 +114,9 @@ def test_every_decided_fact_is_folded_exactly_once(monkeypatch: pytest.MonkeyPat
         evolved[type(fact).__name__] += 1
         return original(state, fact)
 
-    def counting_commits(state: Any, last: Any, count: int) -> Any:
-        evolved["StepCommitted"] += count
-        return commits(state, last, count)
+    def counting_commits(state: Any, run: Any) -> Any:
+        evolved["StepCommitted"] += len(run)
+        return commits(state, run)
 
     monkeypatch.setattr(fold_module, "evolve", counting)
     monkeypatch.setattr(fold_module, "_commits", counting_commits)
