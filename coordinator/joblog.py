@@ -29,6 +29,8 @@ class Durability:
 
     allow_volatile: bool = False
     """Lead even when Redis keeps no AOF (a restart would lose the journal)."""
+    allow_eviction: bool = False
+    """Lead even when Redis may evict keys (`maxmemory-policy` other than noeviction)."""
     wait_aof: bool = False
     """After each append, wait until the AOF is fsynced locally (WAITAOF, Redis >= 7.2)."""
     wait_replicas: int = 0
@@ -67,11 +69,20 @@ class RedisJobLog:
         """Refuse a Redis that would lose the journal on a restart (unless allowed), and load
         the fencing library on every primary."""
         wanted = self.durability
-        persistence = durability.require(self.conn, self.display_url, wanted.allow_volatile)
+        persistence = durability.require(
+            self.conn, self.display_url, wanted.allow_volatile, wanted.allow_eviction
+        )
         if not persistence.aof:
             log.warning(
                 "leading without persistence (--allow-volatile): a Redis restart "
                 "loses the journal of job %r",
+                self.keys.job,
+            )
+        if persistence.policy != durability.SAFE_POLICY:
+            log.warning(
+                "leading on a Redis that may evict keys (--allow-eviction, maxmemory-policy "
+                "%s): memory pressure may silently drop the journal of job %r",
+                persistence.policy or "unknown",
                 self.keys.job,
             )
         if wanted.wait_aof and not persistence.waitaof:

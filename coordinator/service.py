@@ -70,6 +70,8 @@ class ServiceSettings:
     dead_maxlen: int = 10_000
     allow_volatile: bool = False
     """Lead even when Redis keeps no AOF (a restart would lose the journal)."""
+    allow_eviction: bool = False
+    """Lead even when Redis may evict keys (`maxmemory-policy` other than noeviction)."""
     wait_aof: bool = False
     """After each append, wait until the AOF is fsynced locally (WAITAOF, Redis >= 7.2)."""
     wait_replicas: int = 0
@@ -168,6 +170,7 @@ class Coordinator:
         Redis's own clock unless given another."""
         durability = Durability(
             allow_volatile=settings.allow_volatile,
+            allow_eviction=settings.allow_eviction,
             wait_aof=settings.wait_aof,
             wait_replicas=settings.wait_replicas,
             wait_ms=settings.wait_ms,
