@@ -211,9 +211,7 @@ class Coordinator:
                     started = True
                 self.step()
                 if self._down_since is not None:
-                    log.warning("Redis is reachable again; %s resumes", self.settings.coordinator)
-                    self._down_since = None
-                    self._resync()
+                    self._back()
                 backoff = 0.1
             except UNAVAILABLE as exc:
                 if self._down_since is None:
@@ -402,7 +400,7 @@ class Coordinator:
         as of the read."""
         for received_at, command in turn.commands:
             turn.facts.extend(self.core.handle(command, received_at, received_at))
-        if turn.drained:
+        if turn.drained and self._down_since is None:  # after an outage: see `_back` first
             turn.facts.extend(self.core.tick(turn.read_at))
 
     def _save(self, turn: Turn) -> None:
@@ -527,6 +525,19 @@ class Coordinator:
         self._load_snapshot()
         self.catch_up()
         self.cursor = self.joblog.cursor()
+
+    def _back(self) -> None:
+        """Redis answers again: fold what the journal holds, and give every member a full
+        heartbeat timeout from now, since nobody could heartbeat while Redis was away."""
+        assert self._down_since is not None
+        log.warning(
+            "Redis is reachable again after %.1f s; %s resumes",
+            self.clock.monotonic() - self._down_since,
+            self.settings.coordinator,
+        )
+        self._resync()
+        self.core.seen.excuse(list(self.state.members), self.clock.now())
+        self._down_since = None
 
     def _lost_redis(self) -> None:
         """Redis went away mid-turn: whether the last append landed is unknown."""

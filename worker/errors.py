@@ -19,6 +19,11 @@ class RedisUnreachable(WorkerError, RedisUnavailable):
     server that is not up. The message names the URL; the cause is redis-py's error."""
 
 
+class OutageTooLong(RedisUnreachable):
+    """Redis stayed unreachable longer than the worker rides out (`ride_out`); the message
+    names the URL, what waited, for how long, and the setting."""
+
+
 class WaitTimeout(WorkerError, TimeoutError):
     """A bounded wait ran out before the journal said what was awaited."""
 
