@@ -12,7 +12,10 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from cohort.events.connection import Client
+import redis
+
+from cohort.events import budget
+from cohort.events.connection import Client, primaries
 from cohort.events.keys import Keys
 from cohort.events.streams import ZERO, Entry, Inbox, Journal
 
@@ -136,3 +139,19 @@ class RedisJobLog:
 
     def publish_status(self, blob: bytes, ttl_ms: int) -> None:
         self.conn.set(self.keys.status, blob, px=ttl_ms)
+
+    def publish_memory(self, ttl_ms: int) -> None:
+        # The tightest primary: a step's chunks spread over all of them (docs/redis-ha.md).
+        tightest: budget.Memory | None = None
+        for _, server in primaries(self.conn):
+            try:
+                info = server.info("memory")
+            except redis.ResponseError:
+                return  # INFO refused: collectives write without a budget
+            found = budget.Memory(int(info.get("maxmemory", 0)), int(info.get("used_memory", 0)))
+            if found.limited and (tightest is None or found.free < tightest.free):
+                tightest = found
+        if tightest is None:
+            self.conn.delete(self.keys.memory)
+        else:
+            self.conn.set(self.keys.memory, tightest.encode(), px=ttl_ms)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import redis
 
 from cohort.events.clock import Clock, ServerClock
 from cohort.events.codec import decode_command, encode
@@ -156,6 +157,7 @@ class Coordinator:
         self._trimmed_at = 0.0
         self._facts_since_snapshot = 0
         self._down_since: float | None = None
+        self._oom = False  # the last housekeeping found Redis over maxmemory
         self._nonce = f"{settings.coordinator}:{random.getrandbits(32):08x}"
 
     @classmethod
@@ -562,6 +564,22 @@ class Coordinator:
 
     # ------------------------------------------------------------ housekeeping
     def _housekeeping(self) -> None:
+        """Snapshot, status, memory figures, inbox trimming: caches and views, so a server
+        out of memory (which refuses them) only costs a warning."""
+        try:
+            self._keep_house()
+            self._oom = False
+        except redis.OutOfMemoryError as exc:
+            if self._oom:
+                return
+            self._oom = True  # one line per episode, not one per turn
+            log.warning(
+                "Redis is over its maxmemory (%s): the snapshot and status wait; the journal "
+                "still takes facts (allow-oom). Raise maxmemory or free memory",
+                exc,
+            )
+
+    def _keep_house(self) -> None:
         now = self.clock.monotonic()
         if self.token and self._facts_since_snapshot >= self.settings.snapshot_every:
             self.joblog.save_snapshot(self.token, snapshot.encode(self.state, self.journal_id))
@@ -613,6 +631,7 @@ class Coordinator:
         }
         ttl = int(max(self.settings.status_interval * 5, 3) * 1000)
         self.joblog.publish_status(msgpack.packb(body, use_bin_type=True), ttl)
+        self.joblog.publish_memory(ttl)
 
     def _load_snapshot(self) -> None:
         blob = self.joblog.load_snapshot()

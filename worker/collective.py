@@ -35,6 +35,13 @@ deadline on, so a Redis restart of minutes costs the step its time, not the step
 longer than `ride_out` ($COHORT_RIDE_OUT, default 5 minutes) ends the call with
 `OutageTooLong` naming the URL and the step.
 
+Before a call writes blobs it checks the memory budget the leader publishes
+(`events/budget.py`): a step whose blobs would leave less than a quarter of maxmemory for
+the journal and inbox is refused before anything is written, and the refusing rank's
+"abort" notice ends the call on every other rank at once (`MemoryBudgetError`, naming
+maxmemory). A write Redis refuses for memory (OOM) ends the call the same way. A refused
+call's blobs are unlinked by the ranks that wrote them.
+
 A call is named by (world version, step, op): calling the same op twice for one step of one
 world mixes their notices. The coordinator starts a new world on every membership change, so
 an aborted step is retried in a new world and never collides with itself.
@@ -53,6 +60,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import redis
 
+from cohort.events import budget
 from cohort.events.codec import decode_fact
 from cohort.events.connection import Client, text
 from cohort.events.errors import DecodeError
@@ -64,7 +72,7 @@ from . import calls, placement
 from . import tensors as blobs
 
 # Users import CollectiveError, CollectiveTimeout (cohort/__init__.py) and Transport from here.
-from .errors import CollectiveError, CollectiveTimeout, WorldChangedError
+from .errors import CollectiveError, CollectiveTimeout, MemoryBudgetError, WorldChangedError
 from .layout import (
     TRANSPORTS,
     Chunk,
@@ -308,6 +316,9 @@ class _Call:
                     kind = text(fields[b"p"])
                 except (KeyError, ValueError, UnicodeDecodeError):
                     continue
+                if kind == "abort" and rank != self.world.rank:
+                    why = text(fields.get(b"why", b"no reason given"))
+                    raise MemoryBudgetError(f"{self.what()}: rank {rank} refused the step: {why}")
                 self.notices.setdefault(kind, {}).setdefault(rank, fields)
 
 
@@ -448,10 +459,42 @@ class Collective:
     def _run(self, call: _Call, body: Any) -> Any:
         try:
             return body()
+        except MemoryBudgetError:
+            self._withdraw(call)
+            raise
         except redis.RedisError as exc:
             raise CollectiveError(f"{call.what()}: Redis failed: {exc}") from exc
         finally:
             self._done.append(call.written)
+
+    # ------------------------------------------------------------ the memory budget
+    def _check_budget(self, call: _Call, step_bytes: int) -> None:
+        """Refuse the call on every rank if `step_bytes` (all ranks' blobs of the step) do
+        not fit in the budget the leader published."""
+        raw = call.retry(lambda: self.conn.get(self.keys.memory), "reading the memory budget")
+        why = budget.refusal(budget.Memory.decode(raw), step_bytes)  # type: ignore[arg-type]
+        if why is not None:
+            self._abort(call, f"Redis at {self.link.where}: {why}")
+
+    def _abort(self, call: _Call, why: str) -> None:
+        """Tell the other ranks this call is refused, and raise MemoryBudgetError."""
+        self._withdraw(call)
+        try:
+            call.notify("abort", why=why[:1000])
+        except redis.RedisError as exc:  # a full server: the others time out instead
+            LOG.warning("%s: could not tell the other ranks: %s", call.what(), exc)
+        raise MemoryBudgetError(f"{call.what()}: {why}")
+
+    def _withdraw(self, call: _Call) -> None:
+        """Unlink the blobs this rank wrote for a refused call (its notices stay: a rank
+        that has not read the abort yet must find it)."""
+        blobs_written = [key for key in call.written if key != call.events]
+        if blobs_written:
+            try:
+                call.retry(lambda: self.conn.unlink(*blobs_written), "deleting refused blobs")
+            except redis.RedisError as exc:  # they expire with their TTL
+                LOG.warning("%s: could not delete its blobs: %s", call.what(), exc)
+        call.written = [call.events]
 
     def _cleanup(self) -> None:
         while len(self._done) > 1:
@@ -462,7 +505,15 @@ class Collective:
 
     def _store(self, call: _Call, items: list[Item]) -> None:
         call.written.extend(key for key, _ in items)
-        self.wire.store(items, call.retry)
+        try:
+            self.wire.store(items, call.retry)
+        except redis.OutOfMemoryError as exc:
+            self._abort(
+                call,
+                f"Redis at {self.link.where} is out of memory ({exc}): raise maxmemory "
+                "(CONFIG SET maxmemory, and in redis.conf), or send fewer bytes "
+                "(transport='float16', smaller tensors or buckets)",
+            )
 
     def _fetch(
         self, call: _Call, keys: list[str], each_bytes: int
@@ -480,6 +531,11 @@ class Collective:
     ) -> dict[str, np.ndarray]:
         """Reduce-scatter then all-gather, in the three phases of the module docstring."""
         plan = self._plan(call, layout, flats, transport)
+        payload = sum(
+            f.size * (2 if plan.transport == "float16" and f.dtype == np.float32 else f.itemsize)
+            for f in flats.values()
+        )
+        self._check_budget(call, payload * call.world.size)  # each rank writes about its all
         self._scatter(call, plan, flats)
         result = self._reduce(call, plan, flats)
         self._gather(call, plan, result)
@@ -604,6 +660,7 @@ class Collective:
     def _send_pieces(self, call: _Call, tensors: Mapping[str, np.ndarray]) -> list[str]:
         """SET `tensors` in pieces of at most max_value_bytes and notify "sent"; their keys."""
         tags = self.placement.tags()
+        self._check_budget(call, sum(np.asarray(a).nbytes for a in tensors.values()))
         pieces = [
             (call.piece_key(i, tags), blobs.pack(group))
             for i, group in enumerate(self._groups(call, tensors))

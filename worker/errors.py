@@ -98,6 +98,12 @@ class CollectiveError(WorkerError):
     """A collective could not complete (ranks disagree, a key vanished, Redis failed)."""
 
 
+class MemoryBudgetError(CollectiveError):
+    """A step's gradients do not fit in Redis's maxmemory with room left for the journal
+    (`events/budget.py`); nothing of the step is left on the server. The message names
+    maxmemory and what to do."""
+
+
 class CollectiveTimeout(CollectiveError, WaitTimeout):
     """Some ranks did not do their part in time; the message names them."""
 
