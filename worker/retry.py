@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Protocol, TypeVar
 
+import redis
+
 from cohort.events.connection import UNAVAILABLE, Client, backoff, where
 from cohort.events.errors import SettingsError
 
@@ -50,6 +52,7 @@ class Link:
         self._lock = threading.Lock()
         self._down_since = 0.0
         self._down_before = 0.0  # seconds of the outages that ended
+        self._full = False  # Redis refused a write for memory; logged once until one lands
 
     def outage(self) -> float:
         """Seconds Redis has been unreachable in all, the current outage included: a
@@ -87,8 +90,23 @@ class Link:
             exc,
         )
 
+    def full(self, exc: BaseException, what: str) -> None:
+        """Redis refused a write for memory (over maxmemory, noeviction): said once."""
+        with self._lock:
+            if self._full:
+                return
+            self._full = True
+        self.log.warning(
+            "Redis at %s is over its maxmemory while %s (%s); retrying with backoff, nothing "
+            "is dropped: raise maxmemory or free memory on the server",
+            self.where,
+            what,
+            exc,
+        )
+
     def restored(self) -> None:
         self._reached = True
+        self._full = False
         if not self._down:  # the common case, without taking the lock
             return
         with self._lock:
@@ -138,18 +156,30 @@ def with_retry(
     deadline: float | None = None,
     cap: float = 2.0,
     ride_out: float | None = None,
+    wait_for_memory: bool = False,
 ) -> T:
     """`op()`, retried on connection errors until it succeeds.
 
     Raises `Stopped` when `stop` is set while waiting, the last connection
     error once `deadline` (time.monotonic seconds) would pass, and `OutageTooLong`
-    once the outage has lasted `ride_out` seconds. Other errors propagate at once:
-    retrying cannot fix them.
+    once the outage has lasted `ride_out` seconds. With `wait_for_memory`, a write Redis
+    refuses for memory is retried the same way (back-pressure: a command waits, it is not
+    dropped). Other errors propagate at once: retrying cannot fix them.
     """
     attempt = 0
     while True:
         try:
             result = op()
+        except redis.OutOfMemoryError as exc:
+            if not wait_for_memory:
+                raise
+            link.full(exc, what)
+            attempt += 1
+            if deadline is not None and time.monotonic() + cap > deadline:
+                raise
+            if stop.wait(backoff(attempt, cap=cap)):
+                raise Stopped(f"stopped while {what} (Redis at {link.where} is full)") from exc
+            continue
         except UNAVAILABLE as exc:
             link.lost(exc, what)
             delay = backoff(attempt, cap=cap)

@@ -5,6 +5,7 @@ step whose tensors fit trains on."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,11 +20,13 @@ from cohort.coordinator.election import FencedJournal, RedisLease, load_library
 from cohort.events.codec import encode
 from cohort.events.connection import RedisSettings, connect
 from cohort.events.keys import Keys
-from cohort.events.models import WorkerJoined, WorldChanged
+from cohort.events.models import Heartbeat, WorkerJoined, WorldChanged
+from cohort.events.streams import Inbox
 from cohort.localredis import LocalRedis
 from cohort.worker.client import Worker
 from cohort.worker.collective import Collective
 from cohort.worker.errors import MemoryBudgetError
+from cohort.worker.retry import Link, with_retry
 from tests.helpers import require_redis_server, wait_until
 
 from .cluster import Cluster
@@ -141,6 +144,18 @@ def test_a_server_over_maxmemory_still_takes_the_journal_and_refuses_gradients_c
     ids = store.append(token, "0-0", [encode(fact)], cursor="1-0")  # allow-oom
     assert [i.decode() for i, _ in conn.xrange(keys.journal)] == ids
 
+    # A worker's command waits for memory instead of being dropped (back-pressure).
+    beat = Heartbeat(at=2.0, job="full", worker="w")
+    sent: list[str] = []
+    link = Link(logging.getLogger("test.memory"), small.url)
+    sender = threading.Thread(
+        target=lambda: sent.append(
+            with_retry(lambda: Inbox(conn, keys.inbox).send(beat), threading.Event(), link,
+                       "sending Heartbeat", wait_for_memory=True)
+        )
+    )  # fmt: skip
+    sender.start()
+
     clients = [connect(RedisSettings(url=small.url)) for _ in range(2)]
     collectives = [Collective(clients[r], "full", _Rank(r, 2)) for r in range(2)]
     tensors = {"w": np.ones(64 * 1024, dtype=np.float32)}
@@ -152,7 +167,10 @@ def test_a_server_over_maxmemory_still_takes_the_journal_and_refuses_gradients_c
         assert "out of memory" in str(error) and "maxmemory" in str(error), error
     assert took < 5.0, f"the refusal took {took:.1f} s"
 
+    assert not sent, "the heartbeat was written over maxmemory?"
     conn.delete(*(f"filler:{i}" for i in range(5)))
     wait_until(lambda: conn.info("memory")["used_memory"] < 16 * MIB, 10, message="memory freed")
+    sender.join(10)
+    assert sent and [i.decode() for i, _ in conn.xrange(keys.inbox)] == sent
     means = on_ranks(lambda r: collectives[r].allreduce(tensors, step=1))
     assert all(isinstance(m, dict) and float(m["w"][0]) == 1.0 for m in means), means

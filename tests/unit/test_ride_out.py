@@ -74,3 +74,25 @@ def test_ride_out_comes_from_the_environment_and_bad_values_are_named() -> None:
     for bad in ("soon", "-1", "0", "inf"):
         with pytest.raises(SettingsError, match=f"COHORT_RIDE_OUT '{bad}'"):
             ride_out_of(env={"COHORT_RIDE_OUT": bad})
+
+
+def test_a_write_refused_for_memory_waits_when_asked_and_is_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    link = Link(logging.getLogger("test.full"), "redis://r:1/0")
+    answers = iter([redis.OutOfMemoryError("full"), redis.OutOfMemoryError("full"), "id"])
+
+    def op() -> str:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    with caplog.at_level(logging.WARNING, logger="test.full"):
+        got = with_retry(op, threading.Event(), link, "sending Heartbeat", wait_for_memory=True)
+    assert got == "id"
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "maxmemory" in warnings[0] and "nothing is dropped" in warnings[0]
+    with pytest.raises(redis.OutOfMemoryError):  # not asked: the caller handles it
+        with_retry(lambda: (_ for _ in ()).throw(redis.OutOfMemoryError("full")),
+                   threading.Event(), link, "x")  # fmt: skip
