@@ -1,6 +1,6 @@
 """Every benchmark in one command; BENCHMARKS.md is written from the results.
 
-    python -m bench                 # the full suite (about 35 min on 2 cores), writes BENCHMARKS.md
+    python -m bench                 # the full suite (about 50 min on 2 cores), writes BENCHMARKS.md
     python -m bench --quick         # smaller sizes and fewer runs; prints, writes nothing
     python -m bench --only replay,failover   # re-runs these two, keeps the other sections
 
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from . import (
     allreduce,
+    chaos,
     checkpoint,
     cluster,
     control_plane,
@@ -46,6 +47,7 @@ FULL: dict[str, Callable[[], Section]] = {
     "order": lambda: order.measure((60_000, 1_000_000, 10_000_000), 5),
     "loader": lambda: loader.run(200, 100, 5, 3),
     "throughput": lambda: throughput.measure((2, 4), ("1m", "25m"), 3),
+    "chaos": lambda: chaos.measure(10),
 }
 QUICK: dict[str, Callable[[], Section]] = {
     "ingest": lambda: control_plane.measure(20_000, 200, 1),
@@ -60,6 +62,7 @@ QUICK: dict[str, Callable[[], Section]] = {
     "order": lambda: order.measure((60_000, 1_000_000), 3),
     "loader": lambda: loader.run(40, 100, 5, 1),
     "throughput": lambda: throughput.measure((2,), ("1m",), 1, steps=10),
+    "chaos": lambda: chaos.measure(0.5),
 }
 
 

@@ -103,6 +103,7 @@ def rules(job: str, role: Role, redis_version: tuple[int, int] = MIN_VERSION) ->
             *_WORKER,
             f"%W~{keys.inbox}",
             f"%R~{keys.journal}",
+            f"%R~{keys.memory}",  # the gradient budget the leader publishes
             f"~{keys.prefix}:grad:*",  # chunks, reduced chunks, broadcasts, notice streams
             f"~{keys.spread('g*')}:grad:*",  # chunks spread over a cluster's primaries
             f"~{keys.prefix}:weights:*",

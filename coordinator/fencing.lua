@@ -10,7 +10,7 @@ call in one Cluster slot. Bump VERSION whenever this file changes: Python
 replaces a library whose cohort_version is older than its own.
 ]]
 
-local VERSION = 1
+local VERSION = 2
 local FIELD = 'e' -- events/codec.py FIELD: the one stream field holding an event
 
 local function bad_args(fn, what)
@@ -156,8 +156,11 @@ local function snapshot(keys, args)
 end
 
 redis.register_function{function_name = 'cohort_version', callback = version, flags = {'no-writes'}}
-redis.register_function('cohort_acquire', acquire)
-redis.register_function('cohort_renew', renew)
-redis.register_function('cohort_release', release)
-redis.register_function('cohort_append', append)
+-- 'allow-oom': the lease and the journal keep working on a server that is over maxmemory
+-- (noeviction refuses every other write): they are small, and without them nothing can
+-- even say why training stopped. The snapshot, a cache that may be large, is refused.
+redis.register_function{function_name = 'cohort_acquire', callback = acquire, flags = {'allow-oom'}}
+redis.register_function{function_name = 'cohort_renew', callback = renew, flags = {'allow-oom'}}
+redis.register_function{function_name = 'cohort_release', callback = release, flags = {'allow-oom'}}
+redis.register_function{function_name = 'cohort_append', callback = append, flags = {'allow-oom'}}
 redis.register_function('cohort_snapshot', snapshot)

@@ -12,7 +12,10 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from cohort.events.connection import Client
+import redis
+
+from cohort.events import budget
+from cohort.events.connection import Client, primaries
 from cohort.events.keys import Keys
 from cohort.events.streams import ZERO, Entry, Inbox, Journal
 
@@ -29,6 +32,8 @@ class Durability:
 
     allow_volatile: bool = False
     """Lead even when Redis keeps no AOF (a restart would lose the journal)."""
+    allow_eviction: bool = False
+    """Lead even when Redis may evict keys (`maxmemory-policy` other than noeviction)."""
     wait_aof: bool = False
     """After each append, wait until the AOF is fsynced locally (WAITAOF, Redis >= 7.2)."""
     wait_replicas: int = 0
@@ -67,11 +72,20 @@ class RedisJobLog:
         """Refuse a Redis that would lose the journal on a restart (unless allowed), and load
         the fencing library on every primary."""
         wanted = self.durability
-        persistence = durability.require(self.conn, self.display_url, wanted.allow_volatile)
+        persistence = durability.require(
+            self.conn, self.display_url, wanted.allow_volatile, wanted.allow_eviction
+        )
         if not persistence.aof:
             log.warning(
                 "leading without persistence (--allow-volatile): a Redis restart "
                 "loses the journal of job %r",
+                self.keys.job,
+            )
+        if persistence.policy != durability.SAFE_POLICY:
+            log.warning(
+                "leading on a Redis that may evict keys (--allow-eviction, maxmemory-policy "
+                "%s): memory pressure may silently drop the journal of job %r",
+                persistence.policy or "unknown",
                 self.keys.job,
             )
         if wanted.wait_aof and not persistence.waitaof:
@@ -125,3 +139,19 @@ class RedisJobLog:
 
     def publish_status(self, blob: bytes, ttl_ms: int) -> None:
         self.conn.set(self.keys.status, blob, px=ttl_ms)
+
+    def publish_memory(self, ttl_ms: int) -> None:
+        # The tightest primary: a step's chunks spread over all of them (docs/redis-ha.md).
+        tightest: budget.Memory | None = None
+        for _, server in primaries(self.conn):
+            try:
+                info = server.info("memory")
+            except redis.ResponseError:
+                return  # INFO refused: collectives write without a budget
+            found = budget.Memory(int(info.get("maxmemory", 0)), int(info.get("used_memory", 0)))
+            if found.limited and (tightest is None or found.free < tightest.free):
+                tightest = found
+        if tightest is None:
+            self.conn.delete(self.keys.memory)
+        else:
+            self.conn.set(self.keys.memory, tightest.encode(), px=ttl_ms)

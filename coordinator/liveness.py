@@ -124,3 +124,10 @@ class Liveness:
         """Members this view has never heard from count as seen at `since` (a new leader)."""
         for worker in workers:
             self.last_seen.setdefault(worker, since)
+
+    def excuse(self, workers: list[str], until: float) -> None:
+        """Members count as seen at `until` at the latest: silence while the leader itself
+        could not reach Redis says nothing about them (they could not reach it either)."""
+        for worker in workers:
+            if self.last_seen.get(worker, 0.0) < until:
+                self.last_seen[worker] = until

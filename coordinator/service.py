@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import redis
 
 from cohort.events.clock import Clock, ServerClock
 from cohort.events.codec import decode_command, encode
@@ -77,6 +78,8 @@ class ServiceSettings:
     dead_maxlen: int = 10_000
     allow_volatile: bool = False
     """Lead even when Redis keeps no AOF (a restart would lose the journal)."""
+    allow_eviction: bool = False
+    """Lead even when Redis may evict keys (`maxmemory-policy` other than noeviction)."""
     wait_aof: bool = False
     """After each append, wait until the AOF is fsynced locally (WAITAOF, Redis >= 7.2)."""
     wait_replicas: int = 0
@@ -161,6 +164,7 @@ class Coordinator:
         self._trimmed_at = 0.0
         self._facts_since_snapshot = 0
         self._down_since: float | None = None
+        self._oom = False  # the last housekeeping found Redis over maxmemory
         self._nonce = f"{settings.coordinator}:{random.getrandbits(32):08x}"
 
     @classmethod
@@ -175,6 +179,7 @@ class Coordinator:
         Redis's own clock unless given another."""
         durability = Durability(
             allow_volatile=settings.allow_volatile,
+            allow_eviction=settings.allow_eviction,
             wait_aof=settings.wait_aof,
             wait_replicas=settings.wait_replicas,
             wait_ms=settings.wait_ms,
@@ -215,9 +220,7 @@ class Coordinator:
                     started = True
                 self.step()
                 if self._down_since is not None:
-                    log.warning("Redis is reachable again; %s resumes", self.settings.coordinator)
-                    self._down_since = None
-                    self._resync()
+                    self._back()
                 backoff = 0.1
             except UNAVAILABLE as exc:
                 if self._down_since is None:
@@ -406,7 +409,7 @@ class Coordinator:
         as of the read."""
         for received_at, command in turn.commands:
             turn.facts.extend(self.core.handle(command, received_at, received_at))
-        if turn.drained:
+        if turn.drained and self._down_since is None:  # after an outage: see `_back` first
             turn.facts.extend(self.core.tick(turn.read_at))
 
     def _save(self, turn: Turn) -> None:
@@ -532,6 +535,19 @@ class Coordinator:
         self.catch_up()
         self.cursor = self.joblog.cursor()
 
+    def _back(self) -> None:
+        """Redis answers again: fold what the journal holds, and give every member a full
+        heartbeat timeout from now, since nobody could heartbeat while Redis was away."""
+        assert self._down_since is not None
+        log.warning(
+            "Redis is reachable again after %.1f s; %s resumes",
+            self.clock.monotonic() - self._down_since,
+            self.settings.coordinator,
+        )
+        self._resync()
+        self.core.seen.excuse(list(self.state.members), self.clock.now())
+        self._down_since = None
+
     def _lost_redis(self) -> None:
         """Redis went away mid-turn: whether the last append landed is unknown."""
         if self.token is not None and self.clock.monotonic() - self._renewed_at > (
@@ -555,6 +571,22 @@ class Coordinator:
 
     # ------------------------------------------------------------ housekeeping
     def _housekeeping(self) -> None:
+        """Snapshot, status, memory figures, inbox trimming: caches and views, so a server
+        out of memory (which refuses them) only costs a warning."""
+        try:
+            self._keep_house()
+            self._oom = False
+        except redis.OutOfMemoryError as exc:
+            if self._oom:
+                return
+            self._oom = True  # one line per episode, not one per turn
+            log.warning(
+                "Redis is over its maxmemory (%s): the snapshot and status wait; the journal "
+                "still takes facts (allow-oom). Raise maxmemory or free memory",
+                exc,
+            )
+
+    def _keep_house(self) -> None:
         now = self.clock.monotonic()
         if self.token and self._facts_since_snapshot >= self.settings.snapshot_every:
             self.joblog.save_snapshot(self.token, snapshot.encode(self.state, self.journal_id))
@@ -608,6 +640,7 @@ class Coordinator:
         }
         ttl = int(max(self.settings.status_interval * 5, 3) * 1000)
         self.joblog.publish_status(msgpack.packb(body, use_bin_type=True), ttl)
+        self.joblog.publish_memory(ttl)
 
     def _load_snapshot(self) -> None:
         blob = self.joblog.load_snapshot()

@@ -142,3 +142,8 @@ class JobLog(Protocol):
     def publish_status(self, blob: bytes, ttl_ms: int) -> None:
         """The leader's volatile view, for `cohort status`; it expires if the leader dies."""
         ...
+
+    def publish_memory(self, ttl_ms: int) -> None:
+        """Redis's maxmemory and used memory, for the collectives' gradient budget; expires
+        if the leader dies (then collectives write without a budget)."""
+        ...

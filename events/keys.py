@@ -88,6 +88,12 @@ class Keys:
         return f"{self.prefix}:status"
 
     @property
+    def memory(self) -> str:
+        """Redis's memory as the leader last read it (maxmemory, used): the budget a
+        collective checks before it writes gradients (`worker/budget.py`)."""
+        return f"{self.prefix}:memory"
+
+    @property
     def rendezvous(self) -> str:
         """torchrun's rendezvous state (`--rdzv-backend=cohort`): a hash {state, token}."""
         return f"{self.prefix}:rdzv"

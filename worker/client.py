@@ -660,6 +660,7 @@ class Worker:
             self.link,
             f"sending {command.type}",
             deadline=deadline,
+            wait_for_memory=True,
         )
 
     def _wait(

@@ -29,6 +29,19 @@ primary; each notice names the writer's tags (field `t`) and readers use them, s
 need not agree on the slot map. The notice stream stays in the job's slot: it is XREAD
 together with the journal.
 
+A call's deadline (`timeout`, default $COHORT_COLLECTIVE_TIMEOUT or 60 s) counts the time
+Redis answers, not the time it is away: what the worker's `Link` counts as outage moves the
+deadline on, so a Redis restart of minutes costs the step its time, not the step. An outage
+longer than `ride_out` ($COHORT_RIDE_OUT, default 5 minutes) ends the call with
+`OutageTooLong` naming the URL and the step.
+
+Before a call writes blobs it checks the memory budget the leader publishes
+(`events/budget.py`): a step whose blobs would leave less than a quarter of maxmemory for
+the journal and inbox is refused before anything is written, and the refusing rank's
+"abort" notice ends the call on every other rank at once (`MemoryBudgetError`, naming
+maxmemory). A write Redis refuses for memory (OOM) ends the call the same way. A refused
+call's blobs are unlinked by the ranks that wrote them.
+
 A call is named by (world version, step, op): calling the same op twice for one step of one
 world mixes their notices. The coordinator starts a new world on every membership change, so
 an aborted step is retried in a new world and never collides with itself.
@@ -47,6 +60,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import redis
 
+from cohort.events import budget
 from cohort.events.codec import decode_fact
 from cohort.events.connection import Client, text
 from cohort.events.errors import DecodeError
@@ -58,7 +72,7 @@ from . import calls, placement
 from . import tensors as blobs
 
 # Users import CollectiveError, CollectiveTimeout (cohort/__init__.py) and Transport from here.
-from .errors import CollectiveError, CollectiveTimeout, WorldChangedError
+from .errors import CollectiveError, CollectiveTimeout, MemoryBudgetError, WorldChangedError
 from .layout import (
     TRANSPORTS,
     Chunk,
@@ -70,13 +84,16 @@ from .layout import (
     transported,
     unflatten,
 )
-from .retry import Link, describe, with_retry
+from .retry import Link, describe, ride_out_of, seconds_of, with_retry
 from .view import Assignment, Plan
 from .wire import TTL_MS, Item, Wire
 
 T = TypeVar("T")
 LOG = logging.getLogger("cohort.collective")
 
+ENV_TIMEOUT = "COHORT_COLLECTIVE_TIMEOUT"
+DEFAULT_TIMEOUT = 60.0
+"""Seconds a call may wait for its peers while Redis answers (outages do not count)."""
 WAKE_S = 0.25
 """How often a blocked waiter rechecks the worker's view (the journal wakes it at once)."""
 JOURNAL_LOOKBACK = 16
@@ -169,8 +186,11 @@ class _Call:
     step: int
     world: World
     deadline: float
+    """When the call gives up (time.monotonic), if Redis never went away meanwhile."""
     timeout: float
     events: str
+    outage: float = 0.0
+    """The link's outage count when the call began: what it grew since extends the deadline."""
     positions: dict[str, str] = field(default_factory=dict)
     notices: dict[str, dict[int, Notice]] = field(default_factory=dict)
     written: list[str] = field(default_factory=list)
@@ -199,15 +219,21 @@ class _Call:
             self.world.version, self.step, i, placement.tag_of(tags, i)
         )
 
+    def remaining(self) -> float:
+        """Seconds left before the deadline, not counting the time Redis was away."""
+        extra = self.owner.link.outage() - self.outage
+        return self.deadline + extra - time.monotonic()
+
     def retry(self, op: Callable[[], T], what: str) -> T:
-        """`op` retried with backoff while Redis is unreachable, until the call's deadline.
+        """`op` retried with backoff while Redis is unreachable, for as long as the owner
+        rides out an outage (the deadline is not spent meanwhile).
 
         Every Redis operation of a collective is idempotent (SET of the same bytes, GET,
         XREAD from the same positions, a notice readers dedupe by rank), so a restart of
         Redis with its AOF costs the step time, not the step.
         """
         return with_retry(
-            op, _NEVER, self.owner.link, f"{self.what()}: {what}", deadline=self.deadline
+            op, _NEVER, self.owner.link, f"{self.what()}: {what}", ride_out=self.owner.ride_out
         )
 
     def notify(self, phase: str, **extra: str | int) -> None:
@@ -267,11 +293,11 @@ class _Call:
 
     def _read(self, phase: str, pending: set[int]) -> None:
         self.check_world()
-        remaining = self.deadline - time.monotonic()
+        remaining = self.remaining()
         if remaining <= 0:
             raise CollectiveTimeout(
                 f"{self.what()}: no {phase!r} from ranks {sorted(pending)} within "
-                f"{self.timeout:g} s; those ranks are slow, stuck or gone"
+                f"{self.timeout:g} s (while Redis answered); those ranks are slow, stuck or gone"
             )
         block = max(1, int(min(remaining, WAKE_S) * 1000))
         reply = self.retry(
@@ -290,6 +316,9 @@ class _Call:
                     kind = text(fields[b"p"])
                 except (KeyError, ValueError, UnicodeDecodeError):
                     continue
+                if kind == "abort" and rank != self.world.rank:
+                    why = text(fields.get(b"why", b"no reason given"))
+                    raise MemoryBudgetError(f"{self.what()}: rank {rank} refused the step: {why}")
                 self.notices.setdefault(kind, {}).setdefault(rank, fields)
 
 
@@ -302,8 +331,15 @@ class Collective:
         job: str,
         worker: Participant,
         max_value_bytes: int = blobs.DEFAULT_MAX_VALUE_BYTES,
+        timeout: float | None = None,
+        ride_out: float | None = None,
     ) -> None:
+        """`timeout`: each call's default deadline (else $COHORT_COLLECTIVE_TIMEOUT, else 60 s),
+        outage time left out; `ride_out`: how long one Redis outage may last before a call
+        gives up (else $COHORT_RIDE_OUT, else 300 s)."""
         self.conn = conn
+        self.timeout = seconds_of(timeout, ENV_TIMEOUT, DEFAULT_TIMEOUT)
+        self.ride_out = ride_out_of(ride_out)
         self.keys = Keys(job)
         self.worker = worker
         self.max_value_bytes = max_value_bytes
@@ -318,7 +354,7 @@ class Collective:
         self,
         tensors: Mapping[str, np.ndarray],
         step: int,
-        timeout: float = 60.0,
+        timeout: float | None = None,
         world: int | None = None,
         transport: Transport = "float32",
     ) -> dict[str, np.ndarray]:
@@ -348,7 +384,7 @@ class Collective:
         tensors: Mapping[str, np.ndarray] | None,
         root: int,
         step: int,
-        timeout: float = 60.0,
+        timeout: float | None = None,
         world: int | None = None,
     ) -> dict[str, np.ndarray]:
         """`root`'s tensors on every rank (read-only views on receivers; `root` passes its own)."""
@@ -363,7 +399,7 @@ class Collective:
             return dict(tensors or {})
         return self._run(call, lambda: self._broadcast(call, tensors, root))
 
-    def barrier(self, step: int, timeout: float = 60.0, world: int | None = None) -> None:
+    def barrier(self, step: int, timeout: float | None = None, world: int | None = None) -> None:
         """Return once every rank of the current world reached the barrier of `step`."""
         call = self._begin("barrier", step, timeout, world)
         if call is None:
@@ -387,9 +423,10 @@ class Collective:
                 return world
 
     def _begin(
-        self, op: str, step: int, timeout: float, expected: int | None = None
+        self, op: str, step: int, timeout: float | None, expected: int | None = None
     ) -> _Call | None:
         """Fix the world and the journal position; None for a world of one (nothing to do)."""
+        timeout = self.timeout if timeout is None else timeout
         world = self.world()
         if expected is not None and world.version != expected:
             raise WorldChangedError(calls.step_of(step), self.worker.assignment)
@@ -408,6 +445,7 @@ class Collective:
             deadline=time.monotonic() + timeout,
             timeout=timeout,
             events=self.keys.step_events(world.version, step, op),
+            outage=self.link.outage(),
         )
         try:
             call.retry(self._cleanup, "deleting finished keys")
@@ -452,10 +490,42 @@ class Collective:
     def _run(self, call: _Call, body: Any) -> Any:
         try:
             return body()
+        except MemoryBudgetError:
+            self._withdraw(call)
+            raise
         except redis.RedisError as exc:
             raise CollectiveError(f"{call.what()}: Redis failed: {exc}") from exc
         finally:
             self._done.append(call.written)
+
+    # ------------------------------------------------------------ the memory budget
+    def _check_budget(self, call: _Call, step_bytes: int) -> None:
+        """Refuse the call on every rank if `step_bytes` (all ranks' blobs of the step) do
+        not fit in the budget the leader published."""
+        raw = call.retry(lambda: self.conn.get(self.keys.memory), "reading the memory budget")
+        why = budget.refusal(budget.Memory.decode(raw), step_bytes)  # type: ignore[arg-type]
+        if why is not None:
+            self._abort(call, f"Redis at {self.link.where}: {why}")
+
+    def _abort(self, call: _Call, why: str) -> None:
+        """Tell the other ranks this call is refused, and raise MemoryBudgetError."""
+        self._withdraw(call)
+        try:
+            call.notify("abort", why=why[:1000])
+        except redis.RedisError as exc:  # a full server: the others time out instead
+            LOG.warning("%s: could not tell the other ranks: %s", call.what(), exc)
+        raise MemoryBudgetError(f"{call.what()}: {why}")
+
+    def _withdraw(self, call: _Call) -> None:
+        """Unlink the blobs this rank wrote for a refused call (its notices stay: a rank
+        that has not read the abort yet must find it)."""
+        blobs_written = [key for key in call.written if key != call.events]
+        if blobs_written:
+            try:
+                call.retry(lambda: self.conn.unlink(*blobs_written), "deleting refused blobs")
+            except redis.RedisError as exc:  # they expire with their TTL
+                LOG.warning("%s: could not delete its blobs: %s", call.what(), exc)
+        call.written = [call.events]
 
     def _cleanup(self) -> None:
         while len(self._done) > 1:
@@ -466,7 +536,15 @@ class Collective:
 
     def _store(self, call: _Call, items: list[Item]) -> None:
         call.written.extend(key for key, _ in items)
-        self.wire.store(items, call.retry)
+        try:
+            self.wire.store(items, call.retry)
+        except redis.OutOfMemoryError as exc:
+            self._abort(
+                call,
+                f"Redis at {self.link.where} is out of memory ({exc}): raise maxmemory "
+                "(CONFIG SET maxmemory, and in redis.conf), or send fewer bytes "
+                "(transport='float16', smaller tensors or buckets)",
+            )
 
     def _fetch(
         self, call: _Call, keys: list[str], each_bytes: int
@@ -484,6 +562,11 @@ class Collective:
     ) -> dict[str, np.ndarray]:
         """Reduce-scatter then all-gather, in the three phases of the module docstring."""
         plan = self._plan(call, layout, flats, transport)
+        payload = sum(
+            f.size * (2 if plan.transport == "float16" and f.dtype == np.float32 else f.itemsize)
+            for f in flats.values()
+        )
+        self._check_budget(call, payload * call.world.size)  # each rank writes about its all
         self._scatter(call, plan, flats)
         result = self._reduce(call, plan, flats)
         self._gather(call, plan, result)
@@ -608,6 +691,7 @@ class Collective:
     def _send_pieces(self, call: _Call, tensors: Mapping[str, np.ndarray]) -> list[str]:
         """SET `tensors` in pieces of at most max_value_bytes and notify "sent"; their keys."""
         tags = self.placement.tags()
+        self._check_budget(call, sum(np.asarray(a).nbytes for a in tensors.values()))
         pieces = [
             (call.piece_key(i, tags), blobs.pack(group))
             for i, group in enumerate(self._groups(call, tensors))

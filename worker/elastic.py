@@ -138,6 +138,10 @@ def as_dataset(data: Any) -> Dataset | None:
 class Elastic:
     """A training process's membership of job `job`, and the walk over its steps.
 
+    `collective_timeout`: how long a collective waits for its peers while Redis answers
+    (else $COHORT_COLLECTIVE_TIMEOUT, else 60 s); `ride_out`: how long one Redis outage may
+    last before a collective gives up (else $COHORT_RIDE_OUT, else 300 s).
+
     `dataset`: the data this process trains on (a cohort.Dataset, or any dataset with a
     length), declared when it joins: the job takes the first declaration, and refuses a
     worker with other data. `node` and `local_files` say what its machine is and which of
@@ -158,6 +162,8 @@ class Elastic:
         node: Node | None = None,
         local_files: Iterable[int] | Iterable[tuple[int, int]] | None = None,
         wait_for_redis: float | None = None,
+        collective_timeout: float | None = None,
+        ride_out: float | None = None,
     ) -> None:
         job = job or os.environ.get(JOB_ENV)
         if not job:
@@ -178,7 +184,9 @@ class Elastic:
             node=node,
             wait_for_redis=wait_for_redis,
         )
-        self.collective = Collective(self.conn, job, self.worker)
+        self.collective = Collective(
+            self.conn, job, self.worker, timeout=collective_timeout, ride_out=ride_out
+        )
         self.digest_every = digest_every
         if signals:
             self.worker.install_signal_handlers()

@@ -19,6 +19,11 @@ class RedisUnreachable(WorkerError, RedisUnavailable):
     server that is not up. The message names the URL; the cause is redis-py's error."""
 
 
+class OutageTooLong(RedisUnreachable):
+    """Redis stayed unreachable longer than the worker rides out (`ride_out`); the message
+    names the URL, what waited, for how long, and the setting."""
+
+
 class WaitTimeout(WorkerError, TimeoutError):
     """A bounded wait ran out before the journal said what was awaited."""
 
@@ -91,6 +96,12 @@ class Stopped(WorkerError):
 
 class CollectiveError(WorkerError):
     """A collective could not complete (ranks disagree, a key vanished, Redis failed)."""
+
+
+class MemoryBudgetError(CollectiveError):
+    """A step's gradients do not fit in Redis's maxmemory with room left for the journal
+    (`events/budget.py`); nothing of the step is left on the server. The message names
+    maxmemory and what to do."""
 
 
 class CollectiveTimeout(CollectiveError, WaitTimeout):

@@ -151,6 +151,12 @@ if TYPE_CHECKING:
     help="Lead even if Redis keeps no append-only file (a Redis restart loses the journal).",
 )
 @click.option(
+    "--allow-eviction",
+    is_flag=True,
+    help="Lead even if Redis may evict keys (maxmemory-policy other than noeviction): "
+    "memory pressure could then drop the journal.",
+)
+@click.option(
     "--wait-aof",
     is_flag=True,
     help="After each append, wait for the AOF fsync (WAITAOF; Redis >= 7.2).",
@@ -179,6 +185,7 @@ def coordinator(
     snapshot_every: int,
     metrics_port: int | None,
     allow_volatile: bool,
+    allow_eviction: bool,
     wait_aof: bool,
     wait_replicas: int,
     gpu_rules_file: Path | None,
@@ -208,6 +215,7 @@ def coordinator(
         lease_ms=int(lease * 1000),
         snapshot_every=snapshot_every,
         allow_volatile=allow_volatile,
+        allow_eviction=allow_eviction,
         wait_aof=wait_aof,
         wait_replicas=wait_replicas,
         display_url=server.display_url,

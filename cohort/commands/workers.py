@@ -206,6 +206,22 @@ def worker(
     type=FILE,
     help="Write the final weights to this .npz file.",
 )
+@click.option(
+    "--collective-timeout",
+    type=click.FloatRange(min=0, min_open=True, max=1e9),
+    envvar="COHORT_COLLECTIVE_TIMEOUT",
+    metavar="SECONDS",
+    help="How long an allreduce waits for its peers while Redis answers (time Redis is away "
+    "does not count); env COHORT_COLLECTIVE_TIMEOUT. Default 60.",
+)
+@click.option(
+    "--ride-out",
+    type=click.FloatRange(min=0, min_open=True, max=1e9),
+    envvar="COHORT_RIDE_OUT",
+    metavar="SECONDS",
+    help="How long one Redis outage may last before the worker gives up (exit 3); env "
+    "COHORT_RIDE_OUT. Default 300.",
+)
 def example_worker(
     ctx: click.Context,
     job: str,
@@ -215,6 +231,8 @@ def example_worker(
     seed: int,
     pace: float,
     save: Path | None,
+    collective_timeout: float | None,
+    ride_out: float | None,
     gpu_interval: float,
     join_timeout: float | None,
     wait_for_redis: float,
@@ -242,6 +260,8 @@ def example_worker(
                 digest_every=1,
                 gpu_interval=gpu_interval or None,
                 dataset=SYNTHETIC,
+                collective_timeout=collective_timeout,
+                ride_out=ride_out,
             ),
             steps=steps,
             lr=lr,

@@ -114,6 +114,7 @@ def test_no_inbox_entry_stops_the_leader_and_each_is_decided_or_dead_lettered(
             block_ms=1,
             config=JobConfig(dataset_size=60_000),
             allow_volatile=True,
+            allow_eviction=True,
         ),
     )
     leader.start()

@@ -33,6 +33,7 @@ def settings(name: str, **config: object) -> ServiceSettings:
         block_ms=10,
         snapshot_every=5,
         allow_volatile=True,  # fakeredis cannot say how it persists
+        allow_eviction=True,  # nor whether it evicts
     )
 
 

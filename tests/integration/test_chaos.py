@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -146,3 +149,17 @@ def test_training_survives_chaos_and_keeps_every_invariant(
     ends = [p.summary() for p in finishers]
     assert len({e["weights_digest"] for e in ends}) == 1, ends
     assert all(e["steps"] > 0 for e in ends)
+
+
+def test_the_chaos_benchmark_keeps_every_invariant_for_half_a_minute() -> None:
+    """The short version of `python -m bench.chaos`: every kind of fault, partitions through
+    the proxies included, then every check of the benchmark's table."""
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.chaos", "--minutes", "0.5"],
+        cwd=root, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "Every check passed." in result.stdout
+    assert "| commands lost (Joins never decided) | 0 |" in result.stdout
+    assert "| commands applied twice (Joins decided twice) | 0 |" in result.stdout

@@ -76,3 +76,33 @@ def test_coordinator_refuses_redis_without_aof_unless_allowed(tmp_path: Path) ->
         finally:
             allowed.terminate()
             allowed.wait(10)
+
+
+def test_coordinator_refuses_a_redis_that_evicts_unless_allowed() -> None:
+    evicting = ("--maxmemory-policy", "allkeys-lru")
+    with LocalRedis(appendonly=True, extra_args=evicting, binary=require_redis_server()) as server:
+        refused = cohort(
+            "--redis-url", server.url, "coordinator", "--job", "j", "--dataset-size", "64"
+        )
+        assert refused.returncode == 4, refused.stderr
+        assert "maxmemory-policy allkeys-lru" in refused.stderr
+        assert "noeviction" in refused.stderr and "--allow-eviction" in refused.stderr
+        assert "Traceback" not in refused.stderr
+        assert not server.client().exists("cohort:{j}:journal"), "it led before refusing"
+        allowed = subprocess.Popen(
+            [
+                sys.executable, "-m", "cohort", "--redis-url", server.url, "coordinator",
+                "--job", "j", "--dataset-size", "64", "--allow-eviction",
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        try:
+            seen = []
+            while not seen or "leads job" not in seen[-1]:
+                seen.append(allowed.stderr.readline())  # type: ignore[union-attr]
+                assert seen[-1], "the coordinator exited instead of leading"
+            assert any("--allow-eviction" in s and "allkeys-lru" in s for s in seen), seen
+        finally:
+            allowed.terminate()
+            allowed.wait(10)

@@ -181,6 +181,9 @@ class MemoryLog:
     def publish_status(self, blob: bytes, ttl_ms: int) -> None:
         self.status = blob
 
+    def publish_memory(self, ttl_ms: int) -> None:
+        pass
+
 
 def _after(entries: list[Entry], after: str) -> list[Entry]:
     return [e for e in entries if id_key(e.id) > id_key(after)]

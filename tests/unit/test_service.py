@@ -442,3 +442,34 @@ def test_the_leader_logs_each_fact_it_journals_at_info_and_commits_at_debug(
     journaled = [type(f).__name__ for f in setup.log.facts()]
     logged = [r.fact for r in caplog.records if hasattr(r, "fact")]  # type: ignore[attr-defined]
     assert logged == journaled  # one line per fact, in journal order
+
+
+def test_silence_during_the_leaders_own_redis_outage_fails_nobody() -> None:
+    """Nobody can heartbeat while Redis is away: once back, the leader gives every member a
+    full heartbeat timeout before judging silence, even if it reconnects before they do."""
+    setup = Setup(heartbeat_timeout=5.0)
+    leader = leader_of(setup)
+    setup.join("a")
+    leader.step()
+    assert "a" in leader.state.members
+    stop = threading.Event()
+    reads = setup.log.commands
+    outage = iter([True])
+
+    def commands(after: str, block_ms: int, count: int) -> list[Any]:
+        if next(outage, False):  # Redis goes away for a minute, then comes back
+            setup.clock.advance(60.0)
+            raise redis.ConnectionError("Redis is away")
+        stop.set()  # the first turn after the outage is the loop's last
+        return reads(after, block_ms, count)
+
+    setup.log.commands = commands  # type: ignore[method-assign]
+    leader.run(stop)
+    assert "WorkerFailed" not in setup.types(), "silence while Redis was away failed a worker"
+    setup.log.commands = reads  # type: ignore[method-assign]
+    setup.clock.advance(4.0)
+    leader.step()
+    assert "WorkerFailed" not in setup.types()
+    setup.clock.advance(2.0)  # more than the timeout since Redis came back, and still silent
+    leader.step()
+    assert "WorkerFailed" in setup.types()

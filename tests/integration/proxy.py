@@ -1,0 +1,96 @@
+"""A TCP proxy the tests own, to cut one process off from Redis while it runs on.
+
+`cut()` is a network partition: the proxy stops passing bytes both ways, so requests in
+flight and any sent meanwhile wait, nothing is refused, no connection closes (as TCP
+retransmits through a cut link). `heal()` delivers everything held, late, in order.
+Clients whose socket timeout passes meanwhile see a timeout, as they would on a real
+network; cuts shorter than it deliver every held command late.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from types import TracebackType
+
+HOST = "127.0.0.1"
+CHUNK = 1 << 16
+
+
+class Proxy:
+    """Forwards HOST:`port` to HOST:`target`; use as a context manager."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self._open = threading.Event()
+        self._open.set()
+        self._closed = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._listener = socket.create_server((HOST, 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._acceptor = threading.Thread(target=self._accept, name="proxy-accept", daemon=True)
+        self._acceptor.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    def cut(self) -> None:
+        """From now on, hold every byte either way."""
+        self._open.clear()
+
+    def heal(self) -> None:
+        """Deliver what was held and pass bytes again."""
+        self._open.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._open.set()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+        self._acceptor.join(5)
+
+    def __enter__(self) -> Proxy:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+                upstream = socket.create_connection((HOST, self.target))
+            except OSError:
+                if self._closed.is_set():
+                    return
+                continue  # Redis is down: the client sees its connection closed
+            with self._lock:
+                self._sockets += [client, upstream]
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(CHUNK)
+                if not data:
+                    break
+                self._open.wait()  # a cut holds the bytes here until it heals
+                if self._closed.is_set():
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
