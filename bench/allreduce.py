@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
+import queue
 import socket
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from typing import Any
 
 import numpy as np
@@ -32,6 +35,7 @@ import redis
 from cohort.events.connection import RedisSettings, connect
 from cohort.localredis import LocalRedis
 from cohort.worker.collective import Collective
+from cohort.worker.hierarchy import HierarchicalCollective
 from cohort.worker.layout import Transport
 from cohort.worker.tensors import pack
 from cohort.worker.wire import TTL_MS, set_command
@@ -52,18 +56,41 @@ class Fixed:
     assignment: None = None
 
 
+def _own_resource_tracker() -> None:
+    """Track this process's shared memory in a tracker of its own, as a rank started on its
+    own (torchrun, the integration test) does: spawned ranks share their parent's, where
+    one rank's opening and forgetting a peer's segment drops the peer's registration (a
+    KeyError from the tracker for every segment)."""
+    tracker: Any = resource_tracker._resource_tracker
+    if tracker._fd is not None:
+        os.close(tracker._fd)  # the parent's tracker keeps the parent's end
+        tracker._fd = None  # the next segment starts one for this process
+
+
 def _rank(
-    url: str, n: int, rank: int, size: int, runs: int, transport: Transport, out: Any
+    url: str,
+    n: int,
+    rank: int,
+    size: int,
+    runs: int,
+    transport: Transport,
+    hosts: tuple[str, ...] | None,
+    out: Any,
 ) -> None:
     conn = connect(RedisSettings(url=url, socket_timeout=120))
-    job = f"bench-{n}-{size}-{transport}"  # a job per cell: (world, step) names one call
+    # a job per cell: (world, step) names one call
+    job = f"bench-{n}-{size}-{transport}" + ("-hier" if hosts else "")
     collective = Collective(conn, job, Fixed(f"w{rank}", rank, n))
+    reduce: Callable[..., dict[str, np.ndarray]] = collective.allreduce
+    if hosts is not None:  # the same call through shared memory on each host
+        _own_resource_tracker()
+        reduce = HierarchicalCollective(collective, hosts=lambda: hosts).allreduce
     vector = {"g": np.random.default_rng(rank).standard_normal(size // 4).astype("<f4")}
     times = []
     for run in range(runs + 1):  # run 0 warms up
-        collective.barrier(step=2 * run, timeout=120)
+        collective.barrier(step=2 * run, timeout=120)  # flat either way: the same sync cost
         start = time.perf_counter()
-        got = collective.allreduce(vector, step=2 * run + 1, timeout=120, transport=transport)
+        got = reduce(vector, step=2 * run + 1, timeout=120, transport=transport)
         times.append(time.perf_counter() - start)
     if rank == 0:  # the error against the float32 mean, recomputed here from every rank's input
         inputs = [
@@ -77,25 +104,59 @@ def _rank(
     conn.close()
 
 
-def time_allreduce(
-    url: str, n: int, size: int, runs: int, transport: str = "float32"
-) -> tuple[float, float]:
-    """Median over runs of the slowest rank's allreduce time (s); the result's max error
-    relative to the largest magnitude of the exact mean."""
+def run_ranks(target: Callable[..., None], args: list[tuple[Any, ...]]) -> dict[int, Any]:
+    """One spawned process per rank, `target(*args[rank], out)`; what each put on `out` as
+    (rank, *report), by rank."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank, args=(url, n, r, size, runs, transport, out)) for r in range(n)
-    ]
+    procs = [ctx.Process(target=target, args=(*a, out)) for a in args]
     for p in procs:
         p.start()
-    per_rank = {
-        rank: (times, error) for rank, times, error in (out.get(timeout=600) for _ in procs)
-    }
-    for p in procs:
-        p.join(60)
-    slowest = [max(per_rank[r][0][i] for r in range(n)) for i in range(runs)]
-    return statistics.median(slowest), per_rank[0][1]
+    reports: dict[int, Any] = {}
+    deadline = time.monotonic() + 600
+    try:
+        while len(reports) < len(procs):
+            try:
+                rank, *report = out.get(timeout=1)
+                reports[rank] = report
+            except queue.Empty:
+                # a rank that died (its traceback is on stderr) would leave the rest waiting
+                dead = [
+                    (r, p.exitcode) for r, p in enumerate(procs) if p.exitcode and r not in reports
+                ]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{target.__name__}: ranks {sorted(set(range(len(procs))) - set(reports))}"
+                        f" did not report; (rank, exit code) of the dead: {dead}"
+                    ) from None
+    finally:
+        for p in procs:
+            p.join(60 if len(reports) == len(procs) else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return reports
+
+
+def slowest_median(times: dict[int, list[float]]) -> float:
+    """Median over runs of the slowest rank's time in each run."""
+    return statistics.median(max(run) for run in zip(*times.values(), strict=True))
+
+
+def time_allreduce(
+    url: str,
+    n: int,
+    size: int,
+    runs: int,
+    transport: Transport = "float32",
+    hosts: tuple[str, ...] | None = None,
+) -> tuple[float, float]:
+    """Median over runs of the slowest rank's allreduce time (s); the result's max error
+    relative to the largest magnitude of the exact mean. With `hosts` (one per rank), the
+    hierarchical allreduce over them."""
+    args = [(url, n, r, size, runs, transport, hosts) for r in range(n)]
+    per_rank = run_ranks(_rank, args)
+    return slowest_median({r: times for r, (times, _) in per_rank.items()}), per_rank[0][1]
 
 
 def raw_throughput(url: str, size: int, runs: int) -> dict[str, float]:
@@ -142,18 +203,12 @@ def _gloo_rank(port: int, n: int, rank: int, size: int, runs: int, out: Any) -> 
 
 
 def time_gloo(n: int, size: int, runs: int) -> float:
+    """Median over runs of the slowest rank's gloo all_reduce time (s) of `size` bytes."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_rank, args=(port, n, r, size, runs, out)) for r in range(n)]
-    for p in procs:
-        p.start()
-    per_rank = dict(out.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(60)
-    return statistics.median(max(per_rank[r][i] for r in range(n)) for i in range(runs))
+    per_rank = run_ranks(_gloo_rank, [(port, n, r, size, runs) for r in range(n)])
+    return slowest_median({r: times for r, (times,) in per_rank.items()})
 
 
 def torch_available() -> bool:

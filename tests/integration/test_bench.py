@@ -119,3 +119,30 @@ def test_the_order_benchmark_prices_an_index_beside_a_materialised_permutation(
     assert set(section["raw"]) == {"60000", "1000000"}
     for figures in section["raw"].values():
         assert all(figures[k] > 0 for k in ("epoch", "batch", "scalar", "epoch_peer"))
+
+
+def test_a_quick_hierarchy_run_times_three_collectives_and_counts_fewer_bytes_through_redis(
+    tmp_path: Path,
+) -> None:
+    """4 ranks as 2 hosts x 2: the hierarchical and flat collectives (and gloo, with torch)
+    are timed, and the hierarchical one writes about half the flat one's bytes to Redis
+    (H/N of the payload; the byte counts do not depend on the machine's load)."""
+    out = tmp_path / "B.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--only", "hierarchy", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    page = out.read_text()
+    assert "## Hierarchical allreduce, 4 ranks as 2 hosts x 2" in page
+    assert "`python -m bench.hierarchy --sizes 1 --runs 2`" in page
+    assert "KeyError" not in result.stderr  # each rank's shared memory tracked by its own
+    (section,) = json.loads(out.with_suffix(".json").read_text())
+    (cell,) = section["raw"]["cells"]
+    hier, flat = cell["hierarchical"], cell["flat"]
+    assert hier["s"] > 0 and flat["s"] > 0 and hier["error"] < 1e-5
+    assert 0.45 < hier["written"] / flat["written"] < 0.55
+    assert 0.35 < hier["through"] / flat["through"] < 0.45
