@@ -137,9 +137,10 @@ class Join(Event):
     node: Node | None = None
     dataset: Dataset | None = None
     role: Role = "trainer"
-    """"agent": a launcher's member (a torchrun agent) that trains on no data of the job's
-    own dealing, so it declares none and the job need not know its dataset. "evaluator": a
-    member that trains nothing; it evaluates the committed weights and reports `EvalDone`."""
+    """What the member does. An agent is a launcher's member (a torchrun agent) that trains
+    on no data of the job's own dealing, so it declares none and the job need not know its
+    dataset. An evaluator trains nothing; it evaluates the committed weights and reports
+    `EvalDone`."""
 
 
 class Heartbeat(Event):

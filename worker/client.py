@@ -121,7 +121,8 @@ class Worker:
         self.node = node
         """What it says of its machine (None: described when it joins, worker/node.py)."""
         self.role = role
-        """"agent" for a launcher's member that trains nothing of the job's dealing."""
+        """The member's role: "agent" for a launcher's member that trains nothing of the job's
+        dealing (events.models.Join)."""
         self.keys = Keys(job)
         self.job = job
         self.wait_for_redis = start_wait(wait_for_redis)
