@@ -419,21 +419,40 @@ def backoff(attempt: int, base: float = 0.05, cap: float = 2.0) -> float:
 def start_wait(value: float | None = None, env: Mapping[str, str] | None = None) -> float:
     """The start-up wait: `value` if given, else $COHORT_WAIT_FOR_REDIS, else DEFAULT_WAIT
     seconds; SettingsError naming a value that is not a number of seconds >= 0."""
+    return seconds_of(value, ENV_WAIT, DEFAULT_WAIT, env, zero=True)
+
+
+def seconds_of(
+    value: float | None,
+    name: str,
+    default: float,
+    env: Mapping[str, str] | None = None,
+    zero: bool = False,
+) -> float:
+    """`value`, else the environment variable `name`, else `default`: a finite number of
+    seconds > 0 (>= 0 with `zero`), or SettingsError naming the variable or value and what
+    to do."""
+    bound = ">= 0" if zero else "> 0"
+
+    def fits(seconds: float) -> bool:
+        return (seconds >= 0 if zero else seconds > 0) and seconds < float("inf")
+
     if value is None:
-        raw = (os.environ if env is None else env).get(ENV_WAIT)
+        raw = (os.environ if env is None else env).get(name)
         if not raw:
-            return DEFAULT_WAIT
+            return default
         try:
             value = float(raw)
         except ValueError:
             value = -1.0
-        if not 0 <= value < float("inf"):
+        if not fits(value):
             raise SettingsError(
-                f"${ENV_WAIT} {raw!r} is not a number of seconds; use e.g. {ENV_WAIT}=10"
+                f"${name} {raw!r} is not a number of seconds {bound}; use e.g. {name}={default:g}"
             )
-    if not 0 <= value < float("inf"):
-        raise SettingsError(f"wait for Redis {value!r} is not a number of seconds >= 0")
-    return value
+    if not fits(value):
+        what = name.removeprefix("COHORT_").lower().replace("_", " ")
+        raise SettingsError(f"{what} {value!r} is not a number of seconds {bound}")
+    return float(value)
 
 
 def reach(

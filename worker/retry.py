@@ -10,7 +10,6 @@ operation given `ride_out` gives up only once one outage lasted that long.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -18,8 +17,7 @@ from typing import Protocol, TypeVar
 
 import redis
 
-from cohort.events.connection import UNAVAILABLE, Client, backoff, where
-from cohort.events.errors import SettingsError
+from cohort.events.connection import UNAVAILABLE, Client, backoff, seconds_of, where
 
 from .errors import OutageTooLong, Stopped
 
@@ -204,26 +202,3 @@ def ride_out_of(value: float | None = None, env: Mapping[str, str] | None = None
     """How long a worker rides out one Redis outage: `value` if given, else $COHORT_RIDE_OUT,
     else DEFAULT_RIDE_OUT; SettingsError naming a value that is not seconds > 0."""
     return seconds_of(value, ENV_RIDE_OUT, DEFAULT_RIDE_OUT, env)
-
-
-def seconds_of(
-    value: float | None, name: str, default: float, env: Mapping[str, str] | None = None
-) -> float:
-    """`value`, else the environment variable `name`, else `default`: a finite number of
-    seconds > 0, or SettingsError naming the variable or value and what to do."""
-    if value is None:
-        raw = (os.environ if env is None else env).get(name)
-        if not raw:
-            return default
-        try:
-            value = float(raw)
-        except ValueError:
-            value = -1.0
-        if not 0 < value < float("inf"):
-            raise SettingsError(
-                f"${name} {raw!r} is not a number of seconds > 0; use e.g. {name}={default:g}"
-            )
-    if not 0 < value < float("inf"):
-        what = name.removeprefix("COHORT_").lower().replace("_", " ")
-        raise SettingsError(f"{what} {value!r} is not a number of seconds > 0")
-    return float(value)
