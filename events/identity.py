@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .codec import FIELD
 from .errors import EventsError
@@ -85,7 +85,7 @@ class Signer:
     """What a sender needs to sign: who it is and its secret."""
 
     worker: str
-    secret: str
+    secret: str = field(repr=False)  # never in a log line or traceback
 
     def fields(self, raw: bytes) -> dict[bytes, bytes]:
         """The inbox entry's fields for the command bytes `raw`."""
