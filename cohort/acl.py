@@ -34,6 +34,7 @@ commands.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -43,10 +44,10 @@ from typing import Any, Literal, get_args
 from urllib.parse import quote, urlsplit
 
 import redis
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterNode, RedisCluster
 
 from cohort.events import identity
-from cohort.events.connection import Client, is_cluster
+from cohort.events.connection import Client
 from cohort.events.keys import Keys
 
 from .errors import CohortError
@@ -57,8 +58,13 @@ PASSWORD_ENV = "COHORT_ACL_{role}_PASSWORD"
 MIN_VERSION = (7, 0)  # %R~ / %W~ key permissions
 
 # What redis-py sends on connect and for health checks, for every role. CLIENT SETNAME
-# names the connection (client_name); SELECT follows the URL's /db.
-_CONNECTION = ("+ping", "+hello", "+auth", "+client|setname", "+client|getname", "+select")
+# names the connection (client_name); SELECT follows the URL's /db; a Cluster client asks
+# for the slot map when it connects and after a MOVED.
+_CONNECTION = (
+    "+ping", "+hello", "+auth", "+client|setname", "+client|getname", "+select",
+    # a cluster client's slot map and key positions (COMMAND, COMMAND GETKEYS): no data
+    "+cluster|slots", "+cluster|shards", "+command",
+)  # fmt: skip
 # Redis 7.2 added CLIENT SETINFO, which redis-py sends (and tolerates being refused).
 _CONNECTION_7_2 = ("+client|setinfo",)
 
@@ -218,12 +224,9 @@ def url_as(admin_url: str, username: str, password: str) -> str:
             q for q in parts.query.split("&") if q and not q.startswith(("username=", "password="))
         )
         return parts._replace(query=f"{query}&{rest}" if rest else query).geturl()
-    host = parts.hostname or "127.0.0.1"
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{quote(username, safe='')}:{quote(password, safe='*')}@{host}"
-    if parts.port is not None:
-        netloc += f":{parts.port}"
+    # the hosts as given (a cluster's or Sentinels' URL lists several), without the admin's
+    hosts = parts.netloc.rpartition("@")[2] or "127.0.0.1"
+    netloc = f"{quote(username, safe='')}:{quote(password, safe='*')}@{hosts}"
     return parts._replace(netloc=netloc).geturl()
 
 
@@ -264,10 +267,9 @@ def apply(
     version = server_version(conn) if redis_version is None else redis_version
     _check_version(version)
     names = []
-    where = _everywhere(conn)
     for command in setuser_commands(job, passwords, version):
         try:
-            conn.execute_command(*command, **where)
+            on_every_node(conn, command)
         except redis.ResponseError as exc:
             raise _explain(exc, command[2]) from exc
         names.append(command[2])
@@ -358,7 +360,7 @@ def issue(
         for worker, secret in secrets_of.items():
             command = worker_setuser(job, worker, secret, version)
             try:
-                conn.execute_command(*command, **_everywhere(conn))
+                on_every_node(conn, command)
             except redis.ResponseError as exc:
                 raise _explain(exc, command[2]) from exc
     return secrets_of
@@ -381,15 +383,12 @@ def revoke(conn: Client, job: str, worker: str) -> int:
             f"check the name, or issue one with cohort acl --job {job} --worker {worker} --apply"
         )
     conn.sadd(keys.revoked, worker)  # first: whatever the worker still sends is refused
-    where = _everywhere(conn)
-    conn.execute_command("ACL", "DELUSER", name, **where)  # Redis disconnects its clients too
-    try:
-        killed: Any = conn.execute_command("CLIENT", "KILL", "USER", name, **where)
-    except redis.ResponseError:  # "No such user": DELUSER already closed them
-        killed = 0
-    if isinstance(killed, dict):
-        return sum(int(n) for n in killed.values() if isinstance(n, int))
-    return int(killed) if isinstance(killed, int) else 0
+    on_every_node(conn, ["ACL", "DELUSER", name])  # Redis closes its connections too
+    killed = 0
+    for node in nodes(conn):
+        with contextlib.suppress(redis.ResponseError):  # "No such user": DELUSER closed them
+            killed += int(node.execute_command("CLIENT", "KILL", "USER", name))
+    return killed
 
 
 class CredentialRefused(AclError):
@@ -397,9 +396,27 @@ class CredentialRefused(AclError):
     worker, a job without its key); the message names the value and the fix."""
 
 
-def _everywhere(conn: Client) -> dict[str, Any]:
-    """Users live on each server: on a cluster, every node (a replica may be promoted)."""
-    return {"target_nodes": RedisCluster.ALL_NODES} if is_cluster(conn) else {}
+def nodes(conn: Client) -> list[redis.Redis]:
+    """A client of every node: users live on each server, and on a cluster a replica may be
+    promoted. CLUSTER NODES lists them all; the client's slot map (CLUSTER SLOTS, which
+    `target_nodes=ALL_NODES` goes by) leaves out a replica that has replicated nothing yet."""
+    if not isinstance(conn, RedisCluster):
+        return [conn]
+    listed: Any = conn.cluster_nodes()
+    found = []
+    for address, node in sorted(listed.items()):
+        flags = str(node.get("flags", ""))
+        if "fail" in flags or "noaddr" in flags or "handshake" in flags:
+            continue
+        host, _, port = address.rpartition(":")
+        kind = "replica" if "slave" in flags else "primary"
+        found.append(conn.get_redis_connection(ClusterNode(host, int(port), kind)))
+    return found
+
+
+def on_every_node(conn: Client, command: Sequence[str]) -> None:
+    for node in nodes(conn):
+        node.execute_command(*command)
 
 
 def _check_version(version: tuple[int, int]) -> None:
