@@ -26,8 +26,8 @@ class IdentityMismatch(WorkerError):
     def __init__(self, worker: str, owner: str, username: str) -> None:
         super().__init__(
             f"worker id {worker!r} does not match its Redis user {username!r}, which is worker "
-            f"{owner!r}'s credential: start it as --worker-id {owner}, or issue its own with "
-            f"cohort acl --worker {worker} --apply"
+            f"{owner!r}'s credential: start it with id {owner!r} (--id {owner}), or connect "
+            f"with its own credential (cohort acl --job J --worker {worker} --apply)"
         )
         self.worker = worker
         self.owner = owner

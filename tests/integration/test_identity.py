@@ -385,4 +385,4 @@ def test_a_worker_started_with_another_worker_s_credential_refuses_to_start(job:
     assert done.returncode == 2
     line = one_line(done)
     assert "worker id 'b' does not match its Redis user 'cohort-ident-w-a'" in line
-    assert "--worker-id a" in line or "cohort acl --worker b" in line
+    assert "(--id a)" in line and "cohort acl --job J --worker b --apply" in line
