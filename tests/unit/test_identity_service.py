@@ -186,3 +186,23 @@ def test_the_leader_s_status_says_whether_commands_must_be_signed_and_counts_for
     assert setup.log.status is not None
     body = msgpack.unpackb(setup.log.status)
     assert body["identity"] is True and body["counters"]["forged"] == 1
+
+
+def test_forged_commands_are_counted_in_the_metrics_beside_the_dead_letters() -> None:
+    from cohort.coordinator.metrics import Metrics
+    from cohort.coordinator.service import ServiceSettings
+
+    setup = Signed()
+    metrics = Metrics(JOB, "c1")
+    leader = Coordinator(
+        setup.log, setup.lease, ServiceSettings(job=JOB, coordinator="c1"), setup.clock, metrics
+    )
+    leader.start()
+    leader.step()
+    setup.send_as("a", Join(at=0, job=JOB, worker="b"))
+    setup.log.send_fields(signer("a").fields(b"\xc1 not msgpack"))  # dead, but a's own
+    leader.step()
+    labels = {"job": JOB, "coordinator": "c1"}
+    sample = metrics.registry.get_sample_value
+    assert sample("cohort_forged_commands_total", labels) == 1
+    assert sample("cohort_dead_letters_total", labels) == 2
