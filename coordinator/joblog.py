@@ -23,6 +23,7 @@ from cohort.events.streams import ZERO, Entry, Inbox, Journal
 
 from . import durability
 from .election import FencedJournal, load_library
+from .errors import CoordinatorError
 from .stores import Acked, DeadLetter
 
 log = logging.getLogger("cohort.coordinator")
@@ -146,7 +147,15 @@ class RedisJobLog:
         job_key: Any = self.conn.get(self.keys.identity)
         if not job_key:
             return None
-        revoked: Any = self.conn.smembers(self.keys.revoked)
+        try:
+            revoked: Any = self.conn.smembers(self.keys.revoked)
+        except redis.exceptions.NoPermissionError as exc:
+            raise CoordinatorError(
+                f"job {self.keys.job!r} requires signed commands, but this coordinator's Redis "
+                f"user may not read its revoked workers ({exc}): its ACL rules predate "
+                f"per-worker credentials; apply them again with "
+                f"cohort acl --job {self.keys.job} --role coordinator --apply"
+            ) from exc
         return Trust(bytes(job_key), frozenset(text(w) for w in revoked))
 
     def publish_memory(self, ttl_ms: int) -> None:

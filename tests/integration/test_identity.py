@@ -386,3 +386,21 @@ def test_a_worker_started_with_another_worker_s_credential_refuses_to_start(job:
     line = one_line(done)
     assert "worker id 'b' does not match its Redis user 'cohort-ident-w-a'" in line
     assert "(--id a)" in line and "cohort acl --job J --worker b --apply" in line
+
+
+def test_a_coordinator_whose_rules_predate_identity_stops_naming_the_fix(job: Job) -> None:
+    from cohort.coordinator.errors import CoordinatorError
+
+    old = [r for r in acl.rules(JOB, "coordinator") if r != "+smembers"]
+    job.admin.execute_command(
+        "ACL", "SETUSER", acl.user(JOB, "coordinator"), "reset", "on",
+        acl.password_hash(PASSWORDS["coordinator"]), *old,
+    )  # fmt: skip
+    conn = job.connect(job.role("coordinator"))
+    try:
+        coordinator = Coordinator.on_redis(conn, ServiceSettings(job=JOB, coordinator="c1"))
+        coordinator.start()
+        with pytest.raises(CoordinatorError, match="--role coordinator --apply"):
+            coordinator.step()
+    finally:
+        conn.close()
