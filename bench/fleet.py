@@ -7,6 +7,7 @@ learns the world and the committed steps by folding the journal, like workers do
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -14,7 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from cohort.coordinator.replay import JournalWatch
-from cohort.events.codec import encode
+from cohort.events import identity
+from cohort.events.codec import FIELD, encode
 from cohort.events.connection import Client
 from cohort.events.keys import Keys
 from cohort.events.models import Command, Heartbeat, Join, StepDone, WeightsLoaded
@@ -40,19 +42,36 @@ def coordinator(url: str, job: str, *flags: str) -> Proc:
     return spawn(url, job, "coordinator", "--job", job, "--allow-volatile", *flags)
 
 
+def enable_identity(conn: Client, job: str) -> bytes:
+    """Switch `job` to signed commands (as `cohort acl --worker` does): its job key."""
+    key = Keys(job).identity
+    conn.set(key, os.urandom(identity.JOB_KEY_BYTES), nx=True)
+    return bytes(conn.get(key))  # type: ignore[arg-type]
+
+
 class Fleet:
-    def __init__(self, conn: Client, job: str, workers: int) -> None:
+    """`job_key`: sign each worker's commands with its own secret (identity mode)."""
+
+    def __init__(self, conn: Client, job: str, workers: int, job_key: bytes | None = None) -> None:
         self.conn = conn
         self.job = job
         self.inbox = Keys(job).inbox
         self.names = [f"w{i:05d}" for i in range(workers)]
         self.watch = JournalWatch(Journal(conn, Keys(job).journal))
+        self.signers: dict[str, identity.Signer] = {}
+        if job_key is not None:
+            self.signers = {
+                w: identity.Signer(w, identity.secret_of(job_key, w)) for w in self.names
+            }
 
     def send(self, commands: Iterable[Command]) -> str:
-        """XADD every command in one pipeline; returns the last entry ID."""
+        """XADD every command in one pipeline (signed by its worker, with a job key);
+        returns the last entry ID."""
         pipe = self.conn.pipeline(transaction=False)
         for command in commands:
-            pipe.xadd(self.inbox, {b"e": encode(command)})
+            raw = encode(command)
+            signer = self.signers.get(command.worker)
+            pipe.xadd(self.inbox, signer.fields(raw) if signer else {FIELD: raw})  # type: ignore[arg-type]
         ids = pipe.execute()
         return ids[-1].decode() if ids else ""
 

@@ -8,7 +8,10 @@ full world formed:
 - the coordinator process's CPU (utime + stime from /proc) per second of wall time;
 - its peak RSS (VmRSS, sampled every 200 ms).
 
-    python -m bench.soak [--workers 1000] [--seconds 60]
+    python -m bench.soak [--workers 1000] [--seconds 60] [--signed]
+
+With --signed the job has an identity key and every command is signed with its worker's
+secret (docs/identity.md): the leader verifies an HMAC per command.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from cohort.events.keys import Keys
 from cohort.events.streams import id_key
 from cohort.localredis import LocalRedis
 
-from .fleet import Fleet, coordinator
+from .fleet import Fleet, coordinator, enable_identity
 from .results import Section, verdict
 
 TICKS = 10  # per second: each tick sends one tenth of the fleet's commands
@@ -43,10 +46,11 @@ def _rss_mb(pid: int) -> float:
     return 0.0
 
 
-def measure(workers: int = 1000, seconds: float = 60.0) -> Section:
+def measure(workers: int = 1000, seconds: float = 60.0, signed: bool = False) -> Section:
     job = "soak"
     with LocalRedis(appendonly=False) as server:
         conn = server.client()
+        job_key = enable_identity(conn, job) if signed else None
         proc = coordinator(
             server.url, job, "--min-workers", str(workers), "--max-workers", str(workers),
             "--heartbeat-interval", "1", "--heartbeat-timeout", "10", "--lease", "10",
@@ -54,7 +58,7 @@ def measure(workers: int = 1000, seconds: float = 60.0) -> Section:
         try:
             assert proc.popen is not None
             pid = proc.popen.pid
-            fleet = Fleet(conn, job, workers)
+            fleet = Fleet(conn, job, workers, job_key)
             fleet.join_all()
             pending: list[tuple[tuple[int, int], float]] = []
             lags: list[float] = []
@@ -101,6 +105,8 @@ def measure(workers: int = 1000, seconds: float = 60.0) -> Section:
             done.set()
             thread.join()
             assert proc.alive(), "the coordinator died"
+            dead = conn.xlen(Keys(job).dead)
+            assert dead == 0, f"{dead} commands were dead-lettered"
         except Exception:
             print(proc.tail(40))
             raise
@@ -112,9 +118,11 @@ def measure(workers: int = 1000, seconds: float = 60.0) -> Section:
     load = cpu / wall
     peak = max(rss)
     section = Section(
-        key="soak",
-        title=f"{workers:,} simulated workers at 1 Hz for {seconds:.0f} s",
-        command=f"python -m bench.soak --workers {workers} --seconds {seconds:g}",
+        key="soak-signed" if signed else "soak",
+        title=f"{workers:,} simulated workers at 1 Hz for {seconds:.0f} s"
+        + (", every command signed" if signed else ""),
+        command=f"python -m bench.soak --workers {workers} --seconds {seconds:g}"
+        + (" --signed" if signed else ""),
         header=["what", "measured", "target", ""],
     )
     section.rows = [
@@ -141,8 +149,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--signed", action="store_true", help="per-worker signed commands")
     args = parser.parse_args()
-    print(measure(args.workers, args.seconds).markdown())
+    print(measure(args.workers, args.seconds, args.signed).markdown())
 
 
 if __name__ == "__main__":

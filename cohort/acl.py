@@ -1,19 +1,40 @@
-"""Redis ACL users for one job: a coordinator, a worker and a viewer role.
+"""Redis ACL users for one job: coordinator, worker and viewer roles, and workers' own.
 
 DESIGN.md's "Two streams" promise (a worker cannot forge a fact) is kept by Redis
 itself: the worker user may XADD to the inbox and touch its gradient/weights keys,
 read the journal, and nothing else. Only the coordinator user may FCALL the fenced
 functions that write the journal, cursor, snapshot and dead letters. The viewer reads.
 
-`rules` is pure (Redis 7 ACL syntax); `apply` is the only function that talks to Redis.
+A worker speaks only for itself (issue 24, docs/identity.md) once it has its own
+credential: `issue` makes the job's identity key (`Keys.identity`, 32 random bytes, which
+only the coordinator role's pattern covers: the worker role's patterns name other keys, and
+the viewer's skip every key whose name starts with `i` but the inbox) and a user
+`cohort-<job>-w-<worker>` with the worker role's rules whose password is the worker's secret,
+HMAC-SHA256(job key, "cohort-worker:" + worker). The worker signs each command with it; the
+leader dead-letters any command that is unsigned, badly signed, signed by a revoked worker,
+or names another worker than its signer. `revoke` deletes the user on every node, kills its
+connections and adds it to the revoked set the leader reads every second.
+
+What each mode protects against:
+- no ACLs: nothing; anyone who reaches Redis is every role (the demo, a private Redis).
+- role users: a worker cannot write or fake a fact, the cursor, the lease or dead letters,
+  read the inbox (so it cannot replay another's signed entry) or touch another job.
+- per-worker credentials: on top, worker A cannot make worker B leave, fail, commit,
+  diverge or stay alive; each such command is dead-lettered with the reason.
 
 What ACLs cannot do: a key is writable or not, whatever the arguments, so a worker may
 trim or delete the inbox (XADD ... MAXLEN 0 does it too). That loses unread commands of
-the job, never a fact: the journal, cursor and lease stay out of a worker's reach.
+the job, never a fact: the journal, cursor and lease stay out of a worker's reach. And the
+collective's gradient and weights keys are shared by every worker: a worker can corrupt
+another's gradients (the digests in StepDone then disagree: WeightsDiverged), not forge its
+commands.
+
+`rules` is pure (Redis 7 ACL syntax); `apply`, `issue` and `revoke` talk to Redis.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -23,9 +44,10 @@ from typing import Any, Literal, get_args
 from urllib.parse import quote, urlsplit
 
 import redis
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterNode, RedisCluster
 
-from cohort.events.connection import Client, is_cluster
+from cohort.events import identity
+from cohort.events.connection import Client
 from cohort.events.keys import Keys
 
 from .errors import CohortError
@@ -36,8 +58,13 @@ PASSWORD_ENV = "COHORT_ACL_{role}_PASSWORD"
 MIN_VERSION = (7, 0)  # %R~ / %W~ key permissions
 
 # What redis-py sends on connect and for health checks, for every role. CLIENT SETNAME
-# names the connection (client_name); SELECT follows the URL's /db.
-_CONNECTION = ("+ping", "+hello", "+auth", "+client|setname", "+client|getname", "+select")
+# names the connection (client_name); SELECT follows the URL's /db; a Cluster client asks
+# for the slot map when it connects and after a MOVED.
+_CONNECTION = (
+    "+ping", "+hello", "+auth", "+client|setname", "+client|getname", "+select",
+    # a cluster client's slot map and key positions (COMMAND, COMMAND GETKEYS): no data
+    "+cluster|slots", "+cluster|shards", "+command",
+)  # fmt: skip
 # Redis 7.2 added CLIENT SETINFO, which redis-py sends (and tolerates being refused).
 _CONNECTION_7_2 = ("+client|setinfo",)
 
@@ -48,6 +75,7 @@ _COORDINATOR = (
     "+get", "+set", "+exists", "+incr", "+pexpire", "+del",  # fencing.lua, status
     "+xadd", "+xrange", "+xrevrange", "+xread", "+xlen", "+xtrim",  # journal, inbox
     "+time",  # the server clock decides silence
+    "+smembers",  # the revoked workers (identity mode)
     "+info",  # durability: refuse a Redis without AOF (INFO persistence)
 )  # fmt: skip
 _COORDINATOR_7_2 = ("+waitaof",)  # --wait-aof
@@ -115,7 +143,10 @@ def rules(job: str, role: Role, redis_version: tuple[int, int] = MIN_VERSION) ->
             "-@dangerous",
             *_KEYLESS_READS,
             "+time",
-            f"%R~{keys.prefix}:*",
+            # every key of the job but its identity key: Redis has no deny patterns, so
+            # the viewer reads no key whose name starts with 'i', but the inbox
+            f"%R~{keys.prefix}:[^i]*",
+            f"%R~{keys.inbox}",
         ]
     raise AclError(f"role {role!r} is not one of {', '.join(ROLES)}")
 
@@ -181,19 +212,21 @@ def passwords(
 
 def role_url(admin_url: str, job: str, role: Role, password: str) -> str:
     """`admin_url` with the role's user name and password instead of the admin's."""
+    return url_as(admin_url, user(job, role), password)
+
+
+def url_as(admin_url: str, username: str, password: str) -> str:
+    """`admin_url` with `username` and `password` instead of the admin's."""
     parts = urlsplit(admin_url)
     if parts.scheme == "unix":
-        query = f"username={quote(user(job, role))}&password={quote(password, safe='*')}"
+        query = f"username={quote(username, safe='')}&password={quote(password, safe='*')}"
         rest = "&".join(
             q for q in parts.query.split("&") if q and not q.startswith(("username=", "password="))
         )
         return parts._replace(query=f"{query}&{rest}" if rest else query).geturl()
-    host = parts.hostname or "127.0.0.1"
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{quote(user(job, role))}:{quote(password, safe='*')}@{host}"
-    if parts.port is not None:
-        netloc += f":{parts.port}"
+    # the hosts as given (a cluster's or Sentinels' URL lists several), without the admin's
+    hosts = parts.netloc.rpartition("@")[2] or "127.0.0.1"
+    netloc = f"{quote(username, safe='')}:{quote(password, safe='*')}@{hosts}"
     return parts._replace(netloc=netloc).geturl()
 
 
@@ -232,17 +265,11 @@ def apply(
     `conn` must be allowed ACL SETUSER (an admin). `redis_version` defaults to the server's.
     """
     version = server_version(conn) if redis_version is None else redis_version
-    if version < MIN_VERSION:
-        raise AclError(
-            f"Redis {version[0]}.{version[1]} has no per-key read/write ACLs (%R~, %W~); "
-            "cohort's ACL users need Redis >= 7.0"
-        )
+    _check_version(version)
     names = []
-    # users live on each server: on a cluster, every node (a replica may be promoted)
-    where: dict[str, Any] = {"target_nodes": RedisCluster.ALL_NODES} if is_cluster(conn) else {}
     for command in setuser_commands(job, passwords, version):
         try:
-            conn.execute_command(*command, **where)
+            on_every_node(conn, command)
         except redis.ResponseError as exc:
             raise _explain(exc, command[2]) from exc
         names.append(command[2])
@@ -262,3 +289,139 @@ def _explain(exc: redis.ResponseError, name: str) -> AclError:
             "does not know one of the commands; cohort's ACL users need Redis >= 7.0"
         )
     return AclError(f"creating user {name!r} failed: {text}")
+
+
+# ---------------------------------------------------------------- workers' own credentials
+
+
+def worker_setuser(
+    job: str, worker: str, secret: str, redis_version: tuple[int, int] = MIN_VERSION
+) -> list[str]:
+    """The `ACL SETUSER` arguments of `worker`'s own user: the worker role's rules, its secret
+    as the password."""
+    return [
+        "ACL",
+        "SETUSER",
+        identity.worker_user(job, worker),
+        "reset",
+        "on",
+        password_hash(secret),
+        *rules(job, "worker", redis_version),
+    ]
+
+
+def check_workers(workers: Sequence[str]) -> list[str]:
+    """`workers` if each can carry a credential, else CredentialRefused naming the first
+    that cannot."""
+    try:
+        return [identity.check_worker(w) for w in workers]
+    except identity.IdentityError as exc:
+        raise CredentialRefused(str(exc)) from None
+
+
+def job_key(conn: Client, job: str, create: bool) -> bytes:
+    """The job's identity key; made (32 random bytes) if absent and `create`, else AclError."""
+    keys = Keys(job)
+    if create:
+        conn.set(keys.identity, secrets.token_bytes(identity.JOB_KEY_BYTES), nx=True)
+    found: Any = conn.get(keys.identity)
+    if not found:
+        raise CredentialRefused(
+            f"job {job!r} has no identity key yet: issue the first worker credential with "
+            f"cohort acl --job {job} --worker W --apply"
+        )
+    return bytes(found)
+
+
+def issue(
+    conn: Client,
+    job: str,
+    workers: Sequence[str],
+    apply_users: bool = True,
+    redis_version: tuple[int, int] | None = None,
+) -> dict[str, str]:
+    """Each worker's secret (the password of its own user), creating the job key and, if
+    `apply_users`, the users on every node. The first issue switches the job to identity
+    mode: from then on its leader decides only signed commands."""
+    check_workers(workers)
+    keys = Keys(job)
+    revoked: Any = conn.smembers(keys.revoked)
+    for worker in workers:
+        if worker.encode() in revoked or worker in revoked:
+            raise CredentialRefused(
+                f"worker {worker!r}'s credential of job {job!r} was revoked; a new one would "
+                "carry the same secret: give the worker another id"
+            )
+    version = server_version(conn) if redis_version is None else redis_version
+    key = job_key(conn, job, create=apply_users)
+    secrets_of = {w: identity.secret_of(key, w) for w in workers}
+    if apply_users:
+        _check_version(version)
+        for worker, secret in secrets_of.items():
+            command = worker_setuser(job, worker, secret, version)
+            try:
+                on_every_node(conn, command)
+            except redis.ResponseError as exc:
+                raise _explain(exc, command[2]) from exc
+    return secrets_of
+
+
+def revoke(conn: Client, job: str, worker: str) -> int:
+    """Take `worker`'s credential back on every node: the leader dead-letters its commands
+    from its next refresh on, its user is deleted and its connections killed. Returns how
+    many connections were killed."""
+    check_workers([worker])
+    name = identity.worker_user(job, worker)
+    keys = Keys(job)
+    try:
+        known = conn.execute_command("ACL", "GETUSER", name) is not None
+    except redis.ResponseError as exc:
+        raise _explain(exc, name) from exc
+    if not known:
+        raise CredentialRefused(
+            f"worker {worker!r} has no credential in job {job!r} (no Redis user {name!r}): "
+            f"check the name, or issue one with cohort acl --job {job} --worker {worker} --apply"
+        )
+    conn.sadd(keys.revoked, worker)  # first: whatever the worker still sends is refused
+    on_every_node(conn, ["ACL", "DELUSER", name])  # Redis closes its connections too
+    killed = 0
+    for node in nodes(conn):
+        with contextlib.suppress(redis.ResponseError):  # "No such user": DELUSER closed them
+            killed += int(node.execute_command("CLIENT", "KILL", "USER", name))
+    return killed
+
+
+class CredentialRefused(AclError):
+    """A worker's credential cannot be issued or revoked as asked (an unknown or revoked
+    worker, a job without its key); the message names the value and the fix."""
+
+
+def nodes(conn: Client) -> list[redis.Redis]:
+    """A client of every node: users live on each server, and on a cluster a replica may be
+    promoted. CLUSTER NODES lists them all; the client's slot map (CLUSTER SLOTS, which
+    `target_nodes=ALL_NODES` goes by) leaves out a replica that has replicated nothing yet."""
+    if not isinstance(conn, RedisCluster):
+        return [conn]
+    listed: Any = conn.cluster_nodes()
+    found = []
+    for address, node in sorted(listed.items()):
+        flags = str(node.get("flags", ""))
+        if "fail" in flags or "noaddr" in flags or "handshake" in flags:
+            continue
+        host, _, port = address.rpartition(":")
+        kind = "replica" if "slave" in flags else "primary"
+        found.append(conn.get_redis_connection(ClusterNode(host, int(port), kind)))
+    return found
+
+
+def on_every_node(conn: Client, command: Sequence[str]) -> None:
+    for node in nodes(conn):
+        node.execute_command(*command)
+
+
+def _check_version(version: tuple[int, int]) -> None:
+    if version < MIN_VERSION:
+        raise AclError(
+            f"Redis {version[0]}.{version[1]} has no per-key read/write ACLs (%R~, %W~); "
+            "cohort's ACL users need Redis >= 7.0"
+        )

@@ -11,16 +11,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
 from cohort.events import budget
-from cohort.events.connection import Client, primaries
+from cohort.events.connection import Client, primaries, text
+from cohort.events.identity import Trust
 from cohort.events.keys import Keys
 from cohort.events.streams import ZERO, Entry, Inbox, Journal
 
 from . import durability
 from .election import FencedJournal, load_library
+from .errors import CoordinatorError
 from .stores import Acked, DeadLetter
 
 log = logging.getLogger("cohort.coordinator")
@@ -139,6 +142,21 @@ class RedisJobLog:
 
     def publish_status(self, blob: bytes, ttl_ms: int) -> None:
         self.conn.set(self.keys.status, blob, px=ttl_ms)
+
+    def trust(self) -> Trust | None:
+        job_key: Any = self.conn.get(self.keys.identity)
+        if not job_key:
+            return None
+        try:
+            revoked: Any = self.conn.smembers(self.keys.revoked)
+        except redis.exceptions.NoPermissionError as exc:
+            raise CoordinatorError(
+                f"job {self.keys.job!r} requires signed commands, but this coordinator's Redis "
+                f"user may not read its revoked workers ({exc}): its ACL rules predate "
+                f"per-worker credentials; apply them again with "
+                f"cohort acl --job {self.keys.job} --role coordinator --apply"
+            ) from exc
+        return Trust(bytes(job_key), frozenset(text(w) for w in revoked))
 
     def publish_memory(self, ttl_ms: int) -> None:
         # The tightest primary: a step's chunks spread over all of them (docs/redis-ha.md).

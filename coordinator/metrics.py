@@ -69,6 +69,10 @@ class Metrics:
         self.commands = counter("cohort_commands", "Inbox commands this coordinator decided")
         self.facts = counter("cohort_facts", "Facts this coordinator appended")
         self.dead = counter("cohort_dead_letters", "Inbox entries this coordinator rejected")
+        self.forged = counter(
+            "cohort_forged_commands",
+            "Of the dead letters, commands whose signature did not prove the worker they name",
+        )
         self.failovers = counter("cohort_failovers", "Times this coordinator took over the lead")
         self.step_time = Histogram(
             "cohort_step_time_seconds",

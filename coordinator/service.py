@@ -33,10 +33,11 @@ from typing import Any
 import msgpack
 import redis
 
+from cohort.events import identity
 from cohort.events.clock import Clock, ServerClock
 from cohort.events.codec import decode_command, encode
 from cohort.events.connection import UNAVAILABLE, Client
-from cohort.events.errors import DecodeError
+from cohort.events.errors import DecodeError, ForgedCommand
 from cohort.events.keys import Keys
 from cohort.events.models import (
     Command,
@@ -62,6 +63,8 @@ log = logging.getLogger("cohort.coordinator")
 
 WINDOW_PAGE = 10_000
 """Inbox entries read per round trip when a new leader looks at who was alive."""
+TRUST_REFRESH = 1.0
+"""Seconds between reads of the job key and revoked workers while leading."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,8 @@ class ServiceCounters:
     """Appends that WAIT confirmed on fewer than --wait-replicas replicas in time."""
     rollbacks: int = 0
     """Times the journal was found to have lost entries this coordinator had folded."""
+    forged: int = 0
+    """Of `dead`, the entries whose signature did not prove their worker (identity mode)."""
 
 
 @dataclass
@@ -125,6 +130,8 @@ class Turn:
     commands: list[tuple[float, Command]] = field(default_factory=list)
     """Each valid command with the server time (s) it arrived at."""
     dead: list[DeadLetter] = field(default_factory=list)
+    forged: int = 0
+    """Of `dead`, how many were refused for their signature (events/identity.py)."""
     facts: list[Fact] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
     """The journal IDs `facts` were appended at, once saved."""
@@ -165,6 +172,8 @@ class Coordinator:
         self._facts_since_snapshot = 0
         self._down_since: float | None = None
         self._oom = False  # the last housekeeping found Redis over maxmemory
+        self._trust: identity.Trust | None = None  # None: commands need no signature
+        self._trusted_at = -1e9
         self._nonce = f"{settings.coordinator}:{random.getrandbits(32):08x}"
 
     @classmethod
@@ -324,6 +333,7 @@ class Coordinator:
             self.metrics.failovers.inc()
         self.catch_up()
         self.cursor = self.joblog.cursor()
+        self._refresh_trust(force=True)
         now = self.clock.now()
         self._rebuild_liveness(now)
         epoch = epoch_of(token)
@@ -381,6 +391,7 @@ class Coordinator:
 
     def _load(self) -> Turn:
         """The inbox after the cursor: this job's valid commands, dead letters for the rest."""
+        self._refresh_trust()
         batch = self.settings.batch
         asked_at = self.clock.now()  # entries added after this have IDs from it on
         entries = self.joblog.commands(self.cursor, self.settings.block_ms, batch)
@@ -394,14 +405,32 @@ class Coordinator:
                 turn.commands.append((entry.ms / 1000, self._command_of(entry)))
             except DecodeError as exc:
                 turn.dead.append(DeadLetter(entry.id, exc.reason, _raw_of(entry)))
+                turn.forged += isinstance(exc, ForgedCommand)
         return turn
 
+    def _refresh_trust(self, force: bool = False) -> None:
+        """Identity mode is on iff the job has a key; the revoked set may grow any time."""
+        now = self.clock.monotonic()
+        if force or now - self._trusted_at >= TRUST_REFRESH:
+            self._trust = self.joblog.trust()
+            self._trusted_at = now
+
     def _command_of(self, entry: Entry) -> Command:
+        """The entry's command, if valid, for this job and (in identity mode) for its signer."""
+        trust = self._trust
+        if trust is not None:
+            reason = identity.verify(trust, entry.fields)
+            if reason is not None:
+                raise ForgedCommand(reason, _raw_of(entry))
         command = decode_command(entry.raw if entry.raw is not None else _no_field(entry))
         if command.job != self.settings.job:
             raise DecodeError(
                 f"command is for job {command.job!r} but sits in the inbox of {self.settings.job!r}"
             )
+        if trust is not None:
+            reason = identity.claims(command.worker, entry.fields[identity.SIGNER].decode())
+            if reason is not None:
+                raise ForgedCommand(reason, _raw_of(entry))
         return command
 
     def _decide(self, turn: Turn) -> None:
@@ -459,11 +488,13 @@ class Coordinator:
             return
         self.counters.facts += len(turn.facts)
         self.counters.dead += len(turn.dead)
+        self.counters.forged += turn.forged
         self.counters.batches += 1
         self._facts_since_snapshot += len(turn.facts)
         if self.metrics is not None:
             self.metrics.facts.inc(len(turn.facts))
             self.metrics.dead.inc(len(turn.dead))
+            self.metrics.forged.inc(turn.forged)
         for letter in turn.dead:
             log.warning("dead letter %s: %s", letter.inbox_id, letter.reason)
         for entry_id, fact in zip(turn.ids, turn.facts, strict=False):
@@ -614,6 +645,7 @@ class Coordinator:
             "journal_id": self.journal_id,
             "cursor": self.cursor,
             "inbox_lag_ms": lag_ms,
+            "identity": self._trust is not None,
             "state_hash": state_hash(self.state),
             "at": self.clock.now(),
             "counters": self.counters.__dict__,

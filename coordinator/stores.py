@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from cohort.events.identity import Trust
 from cohort.events.streams import Entry
 
 from .errors import CoordinatorError
@@ -141,6 +142,11 @@ class JobLog(Protocol):
 
     def publish_status(self, blob: bytes, ttl_ms: int) -> None:
         """The leader's volatile view, for `cohort status`; it expires if the leader dies."""
+        ...
+
+    def trust(self) -> Trust | None:
+        """The job key and the revoked workers, or None if the job has no identity key
+        (then commands need no signature)."""
         ...
 
     def publish_memory(self, ttl_ms: int) -> None:

@@ -363,6 +363,19 @@ def connect(settings: RedisSettings) -> Client:
     )
 
 
+def credentials(conn: Client) -> tuple[str | None, str | None]:
+    """The (username, password) `conn` authenticates with; (None, None) if it does not say."""
+    if isinstance(conn, RedisCluster):
+        kw = conn.nodes_manager.connection_kwargs
+    else:
+        kw = getattr(getattr(conn, "connection_pool", None), "connection_kwargs", {})
+    username, password = kw.get("username"), kw.get("password")
+    return (
+        username if isinstance(username, str) else None,
+        password if isinstance(password, str) else None,
+    )
+
+
 def is_cluster(conn: Client) -> bool:
     """True for a Redis Cluster client (keys are routed to the primary owning their slot)."""
     return isinstance(conn, RedisCluster)

@@ -20,6 +20,11 @@ class DecodeError(EventsError):
         self.index: int | None = None
 
 
+class ForgedCommand(DecodeError):
+    """An inbox entry whose signature does not prove it speaks for the worker it names
+    (events/identity.py): unsigned, badly signed, revoked, or another worker's command."""
+
+
 class SettingsError(EventsError):
     """A connection setting (URL, environment variable) is unusable."""
 

@@ -83,6 +83,17 @@ class Keys:
         return f"{self.prefix}:dead"
 
     @property
+    def identity(self) -> str:
+        """The job's identity key (32 random bytes): every worker's secret derives from it
+        (events/identity.py). Only coordinators read it; no worker or viewer pattern covers it."""
+        return f"{self.prefix}:identity"
+
+    @property
+    def revoked(self) -> str:
+        """The set of workers whose credential `cohort acl --revoke` took back."""
+        return f"{self.prefix}:revoked"
+
+    @property
     def status(self) -> str:
         """The leader's volatile view (liveness, lag, counters), refreshed every second."""
         return f"{self.prefix}:status"

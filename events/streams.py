@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 from .codec import FIELD, decode_fact, decode_facts, encode, gc_paused
 from .connection import Client, text
+from .identity import Signer
 from .models import Command, Fact
 
 ZERO = "0-0"
@@ -125,10 +126,22 @@ class Stream:
 
 
 class Inbox(Stream):
-    """Where workers say what happens to them. Untrusted: the leader validates each entry."""
+    """Where workers say what happens to them. Untrusted: the leader validates each entry.
+
+    With a `signer` every entry carries its signer and MAC beside the command
+    (events/identity.py), as a job in identity mode requires.
+    """
+
+    def __init__(self, conn: Client, key: str, signer: Signer | None = None) -> None:
+        super().__init__(conn, key)
+        self.signer = signer
 
     def send(self, command: Command, maxlen: int | None = None) -> str:
-        return self.append_raw(encode(command), maxlen=maxlen)
+        raw = encode(command)
+        if self.signer is None:
+            return self.append_raw(raw, maxlen=maxlen)
+        fields: Any = self.signer.fields(raw)
+        return text(self.conn.xadd(self.key, fields, maxlen=maxlen, approximate=True))
 
 
 class Journal(Stream):

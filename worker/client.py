@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
+from cohort.events import identity
 from cohort.events.clock import Clock, SystemClock
-from cohort.events.connection import UNAVAILABLE, Client, reach, start_wait
+from cohort.events.connection import UNAVAILABLE, Client, credentials, reach, start_wait
 from cohort.events.errors import DecodeError, RedisUnavailable
 from cohort.events.keys import Keys
 from cohort.events.models import (
@@ -59,6 +60,7 @@ from .errors import (
     ActivationTimeout,
     CommitTimeout,
     Finished,
+    IdentityMismatch,
     JoinRefusedError,
     JoinTimeout,
     NotAssigned,
@@ -95,6 +97,19 @@ def default_worker_id() -> str:
     return f"{host}-{os.getpid()}-{random.randbytes(2).hex()}"
 
 
+def signer_of(conn: Client, job: str, worker_id: str | None) -> identity.Signer | None:
+    """How this worker signs its commands: with its own credential's password if `conn`
+    logs in as a worker's own user (`cohort acl --worker`), else not at all. Raises
+    IdentityMismatch if that user is another worker's (`worker_id` None: take its worker)."""
+    username, password = credentials(conn)
+    owner = identity.worker_of_user(job, username)
+    if owner is None or not password:
+        return None
+    if worker_id is not None and worker_id != owner:
+        raise IdentityMismatch(worker_id, owner, username or "")
+    return identity.Signer(owner, password)
+
+
 class Worker:
     """One training process's membership of job `job`."""
 
@@ -126,11 +141,12 @@ class Worker:
         self.keys = Keys(job)
         self.job = job
         self.wait_for_redis = start_wait(wait_for_redis)
-        self.id = worker_id or default_worker_id()
+        self.signer = signer_of(conn, job, worker_id)
+        self.id = worker_id or (self.signer.worker if self.signer else default_worker_id())
         self.clock: Clock = clock or SystemClock()
         self.log = log or logging.getLogger("cohort.worker")
         self.link = Link(self.log, describe(conn))
-        self.inbox = Inbox(conn, self.keys.inbox)
+        self.inbox = Inbox(conn, self.keys.inbox, self.signer)
         self.journal = Journal(conn, self.keys.journal)
         self._heartbeat_interval = heartbeat_interval
 

@@ -19,6 +19,20 @@ class RedisUnreachable(WorkerError, RedisUnavailable):
     server that is not up. The message names the URL; the cause is redis-py's error."""
 
 
+class IdentityMismatch(WorkerError):
+    """The worker connects with another worker's own credential (`cohort-J-w-W`): every
+    command it sent would be signed as W and dead-lettered, so it refuses to start."""
+
+    def __init__(self, worker: str, owner: str, username: str) -> None:
+        super().__init__(
+            f"worker id {worker!r} does not match its Redis user {username!r}, which is worker "
+            f"{owner!r}'s credential: start it with id {owner!r} (--id {owner}), or connect "
+            f"with its own credential (cohort acl --job J --worker {worker} --apply)"
+        )
+        self.worker = worker
+        self.owner = owner
+
+
 class OutageTooLong(RedisUnreachable):
     """Redis stayed unreachable longer than the worker rides out (`ride_out`); the message
     names the URL, what waited, for how long, and the setting."""

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import json
 import time
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from cohort.errors import Exit
 
 from .shared import fail, job_option, or_fail, redis_client, redis_url_option
+
+if TYPE_CHECKING:
+    from cohort.events.connection import Client
+    from cohort.events.identity import Signer
 
 RESUME_WAIT = 30.0
 
@@ -122,7 +127,7 @@ def resume(ctx: click.Context, job: str, from_scratch: bool, uri: str | None, re
     keys = Keys(job)
     journal = Journal(conn, keys.journal)
     after = journal.last_id()
-    Inbox(conn, keys.inbox).send(
+    Inbox(conn, keys.inbox, _operator_signer(conn, job)).send(
         Resume(at=time.time(), job=job, reason=reason, **body)  # type: ignore[arg-type]
     )
     deadline = time.monotonic() + RESUME_WAIT
@@ -142,3 +147,22 @@ def resume(ctx: click.Context, job: str, from_scratch: bool, uri: str | None, re
         f"{RESUME_WAIT:g} s; is one running? (`cohort status --job {job}`)",
         Exit.REDIS,
     )
+
+
+def _operator_signer(conn: Client, job: str) -> Signer | None:
+    """The operator's signer if JOB is in identity mode (its commands must be signed), else
+    None. Reading the job key needs coordinator (or admin) credentials."""
+    import redis
+
+    from cohort.events import identity
+    from cohort.events.keys import Keys
+
+    try:
+        job_key: Any = conn.get(Keys(job).identity)
+    except redis.exceptions.NoPermissionError:
+        fail(
+            f"job {job!r} may require signed commands and these credentials cannot read its "
+            "identity key: run cohort resume with the coordinator's --redis-url",
+            Exit.REDIS,
+        )
+    return identity.operator(bytes(job_key)) if job_key else None

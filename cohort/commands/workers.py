@@ -116,13 +116,16 @@ def run_worker(
 
 def summarised(train: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Run a worker's `train`, print its summary as one JSON line (without its parameters)
-    and return it; a stop before the join exits 0, a WorkerError exits 4 naming it."""
-    from cohort.worker.errors import RedisUnreachable, Stopped, WorkerError
+    and return it; a stop before the join exits 0, a WorkerError exits 4 naming it (a
+    worker id that is not its credential's: 2)."""
+    from cohort.worker.errors import IdentityMismatch, RedisUnreachable, Stopped, WorkerError
 
     try:
         summary = train()
     except RedisUnreachable as exc:
         fail(str(exc), Exit.REDIS)
+    except IdentityMismatch as exc:
+        fail(str(exc))
     except Stopped as exc:
         click.echo(f"cohort: {exc}", err=True)
         sys.exit(Exit.OK)

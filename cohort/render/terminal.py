@@ -141,6 +141,15 @@ def _gpu(devices: list[dict[str, Any]]) -> str:
     return " ".join(parts) or "-"
 
 
+def _identity(live: dict[str, Any]) -> str:
+    """Whether commands must be signed, and how many were refused for their signature."""
+    forged = (live.get("counters") or {}).get("forged", 0)
+    if not live.get("identity") and not forged:
+        return ""
+    mode = "signed commands only" if live.get("identity") else "unsigned commands allowed"
+    return f"; identity: {mode}, {forged} forged command(s) dead-lettered"
+
+
 def status_view(body: dict[str, Any], recent: list[tuple[str, str]] | None = None) -> Group:
     """Leader, world, one row per worker and (with --watch) the latest facts."""
     rows: list[Any] = [Text.from_markup(line) for line in _summary_lines(body)]
@@ -150,7 +159,7 @@ def status_view(body: dict[str, Any], recent: list[tuple[str, str]] | None = Non
         rows.append(
             Text(
                 f"leader view: {live.get('coordinator')} at journal {live.get('journal_id')}, "
-                f"inbox lag {live.get('inbox_lag_ms', 0)} ms"
+                f"inbox lag {live.get('inbox_lag_ms', 0)} ms" + _identity(live)
             )
         )
     else:

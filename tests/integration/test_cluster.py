@@ -22,7 +22,7 @@ from cohort.coordinator.election import FencedJournal, RedisLease, load_library
 from cohort.coordinator.errors import Conflict, Fenced
 from cohort.events.connection import RedisSettings, connect, primaries
 from cohort.events.keys import Keys
-from cohort.events.models import StepCommitted, WorkerFailed
+from cohort.events.models import Join, StepCommitted, WorkerFailed
 from cohort.localredis import LocalCluster
 from cohort.worker import placement
 from cohort.worker.collective import Collective
@@ -251,3 +251,40 @@ def test_a_bad_cluster_url_is_named_by_the_cli_without_a_traceback() -> None:
     )  # fmt: skip
     assert unreachable.returncode == 3, unreachable.stderr
     assert "Traceback" not in unreachable.stderr
+
+
+def test_a_worker_s_own_credential_lives_on_every_node_signs_and_is_revoked_on_every_node(
+    redis_cluster: LocalCluster, conn: RedisCluster
+) -> None:
+    import redis
+
+    from cohort import acl
+    from cohort.events import identity
+    from cohort.worker.client import Worker
+
+    job, nodes = "cluster-ident", [n.port for n in redis_cluster.nodes]
+    secret = acl.issue(conn, job, ["w1"])["w1"]
+    name = identity.worker_user(job, "w1")
+
+    def users() -> list[bool]:
+        found = []
+        for port in nodes:
+            node = redis.Redis(host="127.0.0.1", port=port)
+            found.append(node.acl_getuser(name) is not None)
+            node.close()
+        return found
+
+    assert users() == [True] * len(nodes)  # replicas too: one may be promoted
+    own = connect(RedisSettings(url=acl.url_as(redis_cluster.url, name, secret)))
+    try:
+        worker = Worker(own, job)
+        assert worker.id == "w1" and worker.signer == identity.Signer("w1", secret)
+        worker.inbox.send(Join(at=0, job=job, worker="w1"))
+        [(_, fields)] = conn.xrange(Keys(job).inbox)
+        assert fields[identity.SIGNER] == b"w1"
+        assert identity.verify(identity.Trust(conn.get(Keys(job).identity)), fields) is None
+    finally:
+        own.close()
+    acl.revoke(conn, job, "w1")
+    assert users() == [False] * len(nodes)
+    assert conn.smembers(Keys(job).revoked) == {b"w1"}

@@ -16,6 +16,7 @@ from cohort.coordinator.errors import Conflict, Fenced
 from cohort.coordinator.stores import Acked, DeadLetter
 from cohort.events.clock import ManualClock
 from cohort.events.codec import FIELD, decode_fact, encode
+from cohort.events.identity import Trust
 from cohort.events.models import Command, Fact
 from cohort.events.streams import ZERO, Entry, id_key
 
@@ -75,6 +76,8 @@ class MemoryLog:
     writes everything, then raises ConnectionError (the caller cannot know it landed)."""
     after_read: Callable[[], None] | None = None
     """Runs once, as the next inbox read returns: what happens while the leader holds it."""
+    trusted: Trust | None = None
+    """The job key and revoked workers (None: no identity mode)."""
     _last_ms: int = 0
     _seq: int = 0
 
@@ -92,7 +95,10 @@ class MemoryLog:
         return self.send_raw(encode(command))
 
     def send_raw(self, raw: bytes) -> str:
-        entry = Entry(self.new_id(), {FIELD: raw})
+        return self.send_fields({FIELD: raw})
+
+    def send_fields(self, fields: dict[bytes, bytes]) -> str:
+        entry = Entry(self.new_id(), fields)
         self.inbox.append(entry)
         return entry.id
 
@@ -183,6 +189,9 @@ class MemoryLog:
 
     def publish_memory(self, ttl_ms: int) -> None:
         pass
+
+    def trust(self) -> Trust | None:
+        return self.trusted
 
 
 def _after(entries: list[Entry], after: str) -> list[Entry]:
