@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import threading
 import time
 from pathlib import Path
@@ -43,6 +44,7 @@ from .results import Section, verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("float32", "int8", "powersgd-4", "powersgd-16")
+BLAS_THREADS = "OPENBLAS_NUM_THREADS"
 SIGNAL_RANK = 8
 DRIFT = 0.2
 """How much of the signal's left factor changes from one step to the next."""
@@ -153,7 +155,16 @@ def time_method(url: str, n: int, layers: int, dim: int, runs: int, method: str)
     and the bytes written to / moved through Redis per averaging."""
     conn = connect(RedisSettings(url=url))
     before = through(conn)
-    per_rank = run_ranks(_rank, [(url, n, r, layers, dim, runs, method) for r in range(n)])
+    # one BLAS thread per rank, as one torch thread: ranks share the cores
+    saved = os.environ.get(BLAS_THREADS)
+    os.environ[BLAS_THREADS] = "1"  # read by each spawned rank's numpy as it loads
+    try:
+        per_rank = run_ranks(_rank, [(url, n, r, layers, dim, runs, method) for r in range(n)])
+    finally:
+        if saved is None:
+            del os.environ[BLAS_THREADS]
+        else:
+            os.environ[BLAS_THREADS] = saved
     after = through(conn)
     conn.close()
     written, read = (a - b for a, b in zip(after, before, strict=True))

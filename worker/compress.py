@@ -39,24 +39,33 @@ def int8_bytes(size: int, block: int = BLOCK) -> int:
     return size + 4 * blocks_of(size, block)
 
 
+def _grid(x: np.ndarray, block: int) -> np.ndarray:
+    """`x` as rows of `block` values (zero-padded at the end: a copy only if it must be)."""
+    n = x.size
+    count = blocks_of(n, block)
+    if n == count * block:
+        return x.reshape(count, block)
+    padded = np.zeros(count * block, dtype=x.dtype)
+    padded[:n] = x
+    return padded.reshape(count, block)
+
+
 def quantise(values: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """`values` (1-D, float) as int8 levels and one float32 scale per block of `block`.
 
     Raises ValueError for a value that is not finite (no scale could carry it)."""
     x = np.asarray(values, dtype=np.float32).reshape(-1)
-    n = x.size
-    count = blocks_of(n, block)
-    padded = np.zeros(count * block, dtype=np.float32)
-    padded[:n] = x
-    grid = padded.reshape(count, block)
-    scales = np.max(np.abs(grid), axis=1) / np.float32(LEVELS)
-    if not np.isfinite(scales).all():
-        bad = int(np.flatnonzero(~np.isfinite(scales))[0])
+    grid = _grid(x, block)
+    biggest = np.maximum(grid.max(axis=1, initial=0.0), -grid.min(axis=1, initial=0.0))
+    if not np.isfinite(biggest).all():
+        bad = int(np.flatnonzero(~np.isfinite(biggest))[0])
         raise ValueError(f"cannot quantise block {bad}: it holds a value that is inf or nan")
-    safe = np.where(scales > 0, scales, np.float32(1))
-    levels = np.rint(grid / safe[:, None])
-    np.clip(levels, -LEVELS, LEVELS, out=levels)
-    return levels.astype(np.int8).reshape(-1)[:n], scales.astype(np.float32)
+    scales = biggest / np.float32(LEVELS)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(biggest > 0, np.float32(LEVELS) / biggest, np.float32(0))
+    levels = grid * inverse[:, None]  # within [-127, 127] up to a rounding: no clip needed
+    np.rint(levels, out=levels)
+    return levels.astype(np.int8).reshape(-1)[: x.size], scales.astype(np.float32)
 
 
 def dequantise(levels: np.ndarray, scales: np.ndarray, block: int = BLOCK) -> np.ndarray:
@@ -67,11 +76,9 @@ def dequantise(levels: np.ndarray, scales: np.ndarray, block: int = BLOCK) -> np
         raise ValueError(
             f"{n} int8 values in blocks of {block} need {count} scales, not {scales.size}"
         )
-    padded = np.zeros(count * block, dtype=np.float32)
-    padded[:n] = levels
-    grid = padded.reshape(count, block)
-    grid *= np.asarray(scales, dtype=np.float32)[:, None]
-    return grid.reshape(-1)[:n]
+    grid = _grid(np.asarray(levels).reshape(-1), block)
+    column = np.asarray(scales, dtype=np.float32)[:, None]
+    return np.multiply(grid, column, dtype=np.float32).reshape(-1)[:n]
 
 
 def int8_round_trip(values: np.ndarray, block: int = BLOCK) -> np.ndarray:

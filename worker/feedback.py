@@ -100,7 +100,7 @@ class Int8Feedback:
             grid = compress.int8_round_trip(flats["<f4"])
             rest = flats["<f4"] - grid
             flats = {**flats, "<f4": grid}
-            error = {n: e.copy() for n, e in unflatten(layout, {"<f4": rest}).items() if e.size}
+            error = {n: e for n, e in unflatten(layout, {"<f4": rest}).items() if e.size}
         mean = collective.allreduce(
             unflatten(layout, flats), calls[0], world=world, transport="int8"
         )
@@ -161,7 +161,7 @@ class PowerSGD:
         for n in names:
             q = np.array(q_means[f"{n}/Q"])
             approx = compress.low_rank_decode(ps[n], q)
-            error[n] = matrices[n] - approx
+            error[n] = np.subtract(matrices[n], approx, out=matrices[n])  # M is ours: reuse it
             warm[n] = q
             shape = np.shape(tensors[n])
             out[n] = approx.reshape(shape).astype(np.asarray(tensors[n]).dtype, copy=False)
@@ -172,11 +172,11 @@ class PowerSGD:
     def _matrix(self, name: str, array: np.ndarray) -> np.ndarray:
         a = np.asarray(array)
         rows, cols = compress.matrix_shape(a.shape) or (a.size, 1)
-        m = a.reshape(rows, cols).astype(np.float32)  # a copy: the error is added in place
+        m = a.reshape(rows, cols)
         error = self.error.get(name)
         if error is not None and error.shape == m.shape:
-            m += error
-        return m
+            return np.add(m, error, dtype=np.float32)  # a new array: it becomes the error
+        return m.astype(np.float32)  # a copy, for the same reason
 
     def _q(self, name: str, cols: int) -> np.ndarray:
         q = self.q.get(name)
