@@ -38,6 +38,8 @@ from .torch_loader import Stale, StepLoader
 
 BACKEND_ENV = "COHORT_TORCH_BACKEND"
 """Where a script that names no backend finds one (gloo, nccl); unset: through Redis."""
+COMPRESSION_ENV = "COHORT_COMPRESSION"
+"""Where a script that names no compression finds one: int8, powersgd or powersgd:RANK."""
 
 
 class TorchState:
@@ -157,7 +159,18 @@ class ElasticJob(Elastic):
         (`overlap=False`: all after backward, as gradient accumulation over several
         backward passes per step needs). `compression="powersgd"` (rank-`rank` factors) or
         "int8" sends fewer bytes, with error feedback, after backward; every rank applies
-        the same update (docs/compression.md). Through Redis only: a `backend` refuses it."""
+        the same update (docs/compression.md). Through Redis only: a `backend` refuses it.
+        Unset, $COHORT_COMPRESSION says (int8, powersgd or powersgd:RANK)."""
+        if compression is None and os.environ.get(COMPRESSION_ENV):
+            named, _, rank_text = os.environ[COMPRESSION_ENV].partition(":")
+            compression = named  # type: ignore[assignment]  # compressor() checks the name
+            try:
+                rank = int(rank_text) if rank_text else rank
+            except ValueError:
+                raise ValueError(
+                    f"${COMPRESSION_ENV}={os.environ[COMPRESSION_ENV]!r}: the rank after ':' "
+                    "must be an integer"
+                ) from None
         self.compressor = feedback.compressor(compression, rank)
         if self.compressor is not None and self.backend is not None:
             raise ValueError(

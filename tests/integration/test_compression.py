@@ -1,10 +1,12 @@
 """Compressed gradients train as well as exact ones: examples/torch_train.py's model, 3 ranks
-(threads with their own connections) against a real redis-server, the same batches; and
-DiLoCo's pseudo-gradients go compressed with every rank ending on the same weights."""
+(threads with their own connections) against a real redis-server, the same batches;
+DiLoCo's pseudo-gradients go compressed with every rank ending on the same weights; and
+`ElasticJob.wrap(compression=...)` survives a killed rank with the survivors equal."""
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +26,8 @@ from cohort.localredis import LocalRedis  # noqa: E402
 from cohort.worker.collective import Collective  # noqa: E402
 from cohort.worker.torch_sync import LocalSGD  # noqa: E402
 from tests.helpers import require_redis_server  # noqa: E402
+
+from .cluster import ROOT, Cluster  # noqa: E402
 
 pytestmark = pytest.mark.redis_server
 STEPS = 300
@@ -109,3 +113,42 @@ def test_diloco_pseudo_gradients_go_compressed_and_every_rank_takes_the_same_wei
         for name in first:
             assert np.array_equal(first[name], other[name])
     assert not np.array_equal(first["0.weight"], ex.params_of(ex.build(0))["0.weight"])
+
+
+@pytest.mark.slow
+def test_elastic_job_with_powersgd_survives_a_killed_rank_with_the_survivors_equal(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three twins (examples/elastic_train.py, with $COHORT_COMPRESSION=powersgd:4); one is
+    SIGKILLed mid-epoch. The next world resets every survivor's compressor at its first step (no
+    error kept, Q seeded from that step), so the survivors finish with the same bits."""
+    monkeypatch.setenv("COHORT_JOB", cluster.job)
+    monkeypatch.setenv("COHORT_REDIS_URL", cluster.url)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("COHORT_COMPRESSION", "powersgd:4")
+    cluster.coordinator(
+        "c1", "--min-workers", "2", "--dataset-size", "4096", "--batch-size", "32",
+        "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2", "--epochs", "2",
+    )  # fmt: skip
+    procs = {
+        name: cluster.python(
+            name,
+            str(ROOT / "examples" / "elastic_train.py"),
+            "--save",
+            str(cluster.saved(name)),
+            "--epochs",
+            "2",
+        )  # fmt: skip
+        for name in ("a", "b", "c")
+    }
+    cluster.until(
+        lambda s: len(s.ranks) == 3 and s.last_committed >= 10, timeout=90, message="3 training"
+    )
+    procs["b"].kill(signal.SIGKILL)
+    for name in ("a", "c"):
+        assert cluster.finished(procs[name], 180) == 0, procs[name].output()[-3000:]
+    a, c = np.load(cluster.saved("a")), np.load(cluster.saved("c"))
+    for name in a.files:
+        assert np.array_equal(a[name], c[name])
+    cluster.pull()
+    assert cluster.state.counters.failed == 1 and cluster.state.finished == "epochs=2 finished"
