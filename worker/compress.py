@@ -61,10 +61,11 @@ def quantise(values: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.nda
         bad = int(np.flatnonzero(~np.isfinite(biggest))[0])
         raise ValueError(f"cannot quantise block {bad}: it holds a value that is inf or nan")
     scales = biggest / np.float32(LEVELS)
-    with np.errstate(divide="ignore"):
-        inverse = np.where(biggest > 0, np.float32(LEVELS) / biggest, np.float32(0))
-    levels = grid * inverse[:, None]  # within [-127, 127] up to a rounding: no clip needed
+    # divide, not multiply by 127 / biggest: that overflows for blocks of tiny values
+    safe = np.where(scales > 0, scales, np.float32(1))
+    levels = grid / safe[:, None]
     np.rint(levels, out=levels)
+    np.clip(levels, -LEVELS, LEVELS, out=levels)  # a subnormal scale may round below 1/127
     return levels.astype(np.int8).reshape(-1)[: x.size], scales.astype(np.float32)
 
 

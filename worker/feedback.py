@@ -101,11 +101,10 @@ class Int8Feedback:
             rest = flats["<f4"] - grid
             flats = {**flats, "<f4": grid}
             error = {n: e for n, e in unflatten(layout, {"<f4": rest}).items() if e.size}
-        mean = collective.allreduce(
-            unflatten(layout, flats), calls[0], world=world, transport="int8"
-        )
+        # one vector per dtype, named by it: the collective flattens nothing again
+        means = collective.allreduce(flats, calls[0], world=world, transport="int8")
         self.error.update(error)  # only once the step went through
-        return mean
+        return unflatten(layout, means)
 
     def _with_error(self, name: str, array: np.ndarray) -> np.ndarray:
         a = np.asarray(array)
