@@ -78,11 +78,14 @@ from .layout import (
     Chunk,
     Layout,
     Transport,
+    alignment,
     bounds,
     flatten,
     piece,
+    received,
     transported,
     unflatten,
+    wire_bytes,
 )
 from .retry import Link, describe, ride_out_of, seconds_of, with_retry
 from .view import Assignment, Plan
@@ -163,11 +166,17 @@ class _Plan:
         return range(rank * self.per_rank, (rank + 1) * self.per_rank)
 
     def sent(self, i: int, vectors: Mapping[str, np.ndarray], what: str) -> Chunk:
-        """Chunk i of `vectors` as it travels (float32 rounded to float16 under that transport)."""
+        """Chunk i of `vectors` as it travels (float32 rounded to float16, or int8 blocks,
+        under those transports)."""
         return transported(piece(self.cuts, i, vectors), self.transport, what)
 
+    def decoded(self, chunk: Chunk, what: str) -> Chunk:
+        """A chunk as it travelled, as float values again (int8 levels times their scales)."""
+        return received(chunk, self.transport, what)
+
     def check(self, got: Chunk, i: int, rank: int, what: str) -> Chunk:
-        """`got`, if it has the sizes of chunk i; else CollectiveError naming `rank`."""
+        """`got` decoded, if it has the sizes of chunk i; else CollectiveError naming `rank`."""
+        got = self.decoded(got, f"{what}: chunk {i} from rank {rank}")
         want = {g: cut[i].stop - cut[i].start for g, cut in self.cuts.items()}
         have = {g: a.size for g, a in got.items()}
         if have != want or any(a.ndim != 1 for a in got.values()):
@@ -367,7 +376,11 @@ class Collective:
         `transport="float16"` sends float32 values as float16 (half the bytes through
         Redis); sums are still taken in float64, and every rank gets the same result,
         rounded to float16 once per contribution and once after the mean. Every rank
-        of a step must pass the same transport.
+        of a step must pass the same transport. `transport="int8"` sends float32 values as
+        int8 blocks with a scale each (about a quarter of the bytes): each chunk's owner
+        decodes every contribution, sums them in float64 and sends the mean as int8 blocks
+        again, which every rank (the owner too) decodes to the same bits. Error feedback,
+        which makes the rounding harmless over steps, is `worker/feedback.py`'s.
         """
         if transport not in TRANSPORTS:
             raise CollectiveError(
@@ -562,10 +575,7 @@ class Collective:
     ) -> dict[str, np.ndarray]:
         """Reduce-scatter then all-gather, in the three phases of the module docstring."""
         plan = self._plan(call, layout, flats, transport)
-        payload = sum(
-            f.size * (2 if plan.transport == "float16" and f.dtype == np.float32 else f.itemsize)
-            for f in flats.values()
-        )
+        payload = wire_bytes(flats, transport)
         self._check_budget(call, payload * call.world.size)  # each rank writes about its all
         self._scatter(call, plan, flats)
         result = self._reduce(call, plan, flats)
@@ -579,7 +589,7 @@ class Collective:
         total = sum(f.nbytes for f in flats.values())
         per_rank = blobs.pieces(-(-total // call.world.size), self.max_value_bytes)
         k = call.world.size * per_rank
-        cuts = bounds(layout.sizes(), k)
+        cuts = bounds(layout.sizes(), k, alignment(transport))
         return _Plan(layout, transport, k, per_rank, cuts, -(-total // k), self.placement.tags())
 
     def _scatter(self, call: _Call, plan: _Plan, flats: dict[str, np.ndarray]) -> None:
@@ -600,21 +610,25 @@ class Collective:
         keep their mean in the result, SET it for the others and notify "reduced"."""
         mine, what = plan.owned(call.world.rank), call.what()
         sums = {
-            i: {g: a.astype(np.float64) for g, a in plan.sent(i, flats, what).items()} for i in mine
+            i: {
+                g: a.astype(np.float64)
+                for g, a in plan.decoded(plan.sent(i, flats, what), what).items()
+            }
+            for i in mine
         }
         for i, chunk in self._receive(call, plan, "scatter", self._contributions):
             for g, a in chunk.items():
                 sums[i][g] += a
         result = {g: np.empty(size, dtype=g) for g, size in plan.layout.sizes().items()}
+        items = []
         for i in mine:
             for a in sums[i].values():
                 np.divide(a, call.world.size, out=a)
-            for g, a in transported(sums[i], plan.transport, what).items():
-                result[g][plan.cuts[g][i]] = a  # the owner keeps what the others get
+            travelling = transported(sums[i], plan.transport, what)
+            for g, a in plan.decoded(travelling, what).items():
+                result[g][plan.cuts[g][i]] = a  # the owner keeps what the others decode
+            items.append((call.reduced_key(i, plan.tags), blobs.pack(travelling)))
         del sums
-        items = [
-            (call.reduced_key(i, plan.tags), blobs.pack(plan.sent(i, result, what))) for i in mine
-        ]
         self._store(call, items)
         call.notify("reduced", t=placement.encode(plan.tags))
         return result

@@ -4,9 +4,14 @@
 so every rank builds the same `Layout` whatever order its dict has; `unflatten` views the
 vectors as the tensors again. `bounds` says where chunk i of each vector lies when the
 vectors are cut into K near-equal chunks (the first ones get one element more). A chunk
-travels as it is (`float32` transport) or with its float32 values rounded to float16
-(`float16`: half the bytes), and a value beyond float16's range is refused rather than
-turned into inf. Pure numpy: nothing here touches Redis.
+travels as it is (`float32` transport), with its float32 values rounded to float16
+(`float16`: half the bytes; a value beyond float16's range is refused rather than turned
+into inf), or as int8 blocks with a float32 scale each (`int8`: about a quarter of the bytes,
+`worker/compress.py`); `received` turns a chunk as it travelled back into float values.
+Under int8 the chunks are cut at multiples of the block size, so the blocks of a vector are
+the same whatever the number of ranks or chunks: a rank can round its own values to the
+grid the collective will send them on (error feedback, `worker/feedback.py`). Pure numpy:
+nothing here touches Redis.
 """
 
 from __future__ import annotations
@@ -18,13 +23,16 @@ from typing import Literal
 
 import numpy as np
 
+from . import compress
 from .errors import CollectiveError
 
 FLOATS = ("<f2", "<f4", "<f8")
 """The dtypes allreduce averages."""
 
-Transport = Literal["float32", "float16"]
-TRANSPORTS: tuple[Transport, ...] = ("float32", "float16")
+Transport = Literal["float32", "float16", "int8"]
+TRANSPORTS: tuple[Transport, ...] = ("float32", "float16", "int8")
+SCALES = "/scales"
+"""Under int8, the name suffix of a dtype's block scales beside its levels in a chunk."""
 HALF_MAX = float(np.finfo(np.float16).max)
 
 Chunk = dict[str, np.ndarray]
@@ -83,16 +91,18 @@ def unflatten(layout: Layout, flats: Mapping[str, np.ndarray]) -> dict[str, np.n
     return out
 
 
-def cuts(size: int, n: int) -> list[slice]:
+def cuts(size: int, n: int, align: int = 1) -> list[slice]:
     """A vector of `size` elements cut into `n` near-equal consecutive slices (the first
-    size % n get one more)."""
+    size % n get one more), each starting at a multiple of `align` (the last may be short,
+    and some empty if the vector has fewer than `n` units of `align`)."""
     if n < 1:
         raise ValueError(f"cannot cut a vector into {n} chunks")
-    base, extra = divmod(size, n)
+    units = -(-size // align)
+    base, extra = divmod(units, n)
     at, out = 0, []
     for i in range(n):
         count = base + (1 if i < extra else 0)
-        out.append(slice(at, at + count))
+        out.append(slice(min(at * align, size), min((at + count) * align, size)))
         at += count
     return out
 
@@ -103,9 +113,28 @@ def chunks(flat: np.ndarray, n: int) -> list[np.ndarray]:
     return [flat[where] for where in cuts(flat.size, n)]
 
 
-def bounds(sizes: Mapping[str, int], k: int) -> dict[str, list[slice]]:
-    """Where chunk i of each dtype vector lies, for vectors cut into `k` chunks."""
-    return {g: cuts(size, k) for g, size in sizes.items()}
+def bounds(sizes: Mapping[str, int], k: int, align: int = 1) -> dict[str, list[slice]]:
+    """Where chunk i of each dtype vector lies, for vectors cut into `k` chunks starting at
+    multiples of `align`."""
+    return {g: cuts(size, k, align) for g, size in sizes.items()}
+
+
+def alignment(transport: Transport) -> int:
+    """Where chunks may start under `transport`: at block boundaries for int8."""
+    return compress.BLOCK if transport == "int8" else 1
+
+
+def wire_bytes(flats: Mapping[str, np.ndarray], transport: Transport) -> int:
+    """Bytes the vectors take as they travel with `transport`."""
+    total = 0
+    for g, f in flats.items():
+        if g == "<f4" and transport == "float16":
+            total += 2 * f.size
+        elif g == "<f4" and transport == "int8":
+            total += compress.int8_bytes(f.size)
+        else:
+            total += f.nbytes
+    return total
 
 
 def piece(where: Mapping[str, list[slice]], i: int, vectors: Mapping[str, np.ndarray]) -> Chunk:
@@ -118,7 +147,13 @@ def transported(chunk: Chunk, transport: Transport, what: str) -> Chunk:
     sums of float32 values) become float16, other dtypes go as they are.
 
     A finite value beyond float16's range would arrive as inf, so it is refused instead;
-    `what` names the call in the message."""
+    `what` names the call in the message.
+
+    Under int8, float32 values (and float64 sums of them) travel as int8 levels (as the
+    bytes of a |u1 array) plus `<f4/scales`; other dtypes go as they are. A value that is
+    inf or nan is refused."""
+    if transport == "int8":
+        return _as_int8(chunk, what)
     if transport != "float16":
         return chunk
     out = {}
@@ -135,4 +170,43 @@ def transported(chunk: Chunk, transport: Transport, what: str) -> Chunk:
                 f"range ({HALF_MAX:g}); scale the values down or use transport='float32'"
             )
         out[g] = half
+    return out
+
+
+def _as_int8(chunk: Chunk, what: str) -> Chunk:
+    out: Chunk = {}
+    for g, a in chunk.items():
+        if g != "<f4":
+            out[g] = a
+            continue
+        try:
+            levels, out[g + SCALES] = compress.quantise(a)
+        except ValueError as exc:
+            raise CollectiveError(
+                f"{what}: {exc}; int8 transport carries finite values only"
+            ) from None
+        out[g] = levels.view(np.uint8)  # blobs carry bytes (|u1), not int8: same bits
+    return out
+
+
+def received(chunk: Chunk, transport: Transport, what: str) -> Chunk:
+    """A chunk as it travelled with `transport`, as float values again: int8 levels and
+    their scales become float32 (CollectiveError if they do not fit together); float16
+    stays float16 (the sums widen it). Every rank decodes the same bytes to the same bits."""
+    if transport != "int8":
+        return chunk
+    out: Chunk = {}
+    for g, a in chunk.items():
+        if g.endswith(SCALES):
+            continue
+        if g != "<f4":
+            out[g] = a
+            continue
+        scales = chunk.get(g + SCALES)
+        if scales is None or a.dtype != np.uint8 or scales.dtype != np.float32:
+            raise CollectiveError(f"{what}: an int8 chunk without int8 levels and float32 scales")
+        try:
+            out[g] = compress.dequantise(a.view(np.int8), scales)
+        except ValueError as exc:
+            raise CollectiveError(f"{what}: {exc}") from None
     return out

@@ -2,11 +2,13 @@
 
 `ElasticJob` is the loop most scripts want (cohort/worker/torch_elastic.py). The pieces
 it is made of stay public for loops that need their own shape (cohort/worker/torch_sync.py):
-gradient averaging, state broadcast and blobs, local SGD / DiLoCo.
+gradient averaging (exact or compressed: `compressor`), state broadcast and blobs, local
+SGD / DiLoCo.
 """
 
 from __future__ import annotations
 
+from .feedback import compressor
 from .torch_elastic import ElasticJob, TorchState, params_of
 from .torch_sync import (
     LocalSGD,
@@ -25,6 +27,7 @@ __all__ = [
     "StateError",
     "TorchState",
     "broadcast_state",
+    "compressor",
     "load_state_blob",
     "load_state_tensors",
     "params_of",

@@ -28,15 +28,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import torch_sync
+from . import feedback, torch_sync
 from .collective import Collective
 from .elastic import Elastic, Step
 from .errors import WorkerError, WorldChangedError
+from .feedback import DEFAULT_RANK, Compression
 from .overlap import OverlappedGradients
 from .torch_loader import Stale, StepLoader
 
 BACKEND_ENV = "COHORT_TORCH_BACKEND"
 """Where a script that names no backend finds one (gloo, nccl); unset: through Redis."""
+COMPRESSION_ENV = "COHORT_COMPRESSION"
+"""Where a script that names no compression finds one: int8, powersgd or powersgd:RANK."""
 
 
 class TorchState:
@@ -131,6 +134,8 @@ class ElasticJob(Elastic):
         self._sizes: tuple[int, ...] = ()
         """The current step's micro-batch sizes."""
         self._loaders: dict[int, tuple[Any, StepLoader]] = {}
+        self.compressor: feedback.Compressor | None = None
+        """Set by `wrap(compression=...)`; its state restarts at every world start."""
         if backend is not None:
             from .torchdist import Rendezvous
 
@@ -144,18 +149,40 @@ class ElasticJob(Elastic):
         extra: Mapping[str, Any] | None = None,
         bucket_bytes: int = torch_sync.DEFAULT_BUCKET_BYTES,
         overlap: bool = True,
+        compression: Compression | None = None,
+        rank: int = DEFAULT_RANK,
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Train `model` with `optimizer` (and `scheduler`, and `extra` state that travels
         with them, e.g. an EMA or counters: a dict changed in place) on every rank alike.
 
         Through Redis, gradients are averaged bucket by bucket while backward runs
         (`overlap=False`: all after backward, as gradient accumulation over several
-        backward passes per step needs)."""
+        backward passes per step needs). `compression="powersgd"` (rank-`rank` factors) or
+        "int8" sends fewer bytes, with error feedback, after backward; every rank applies
+        the same update (docs/compression.md). Through Redis only: a `backend` refuses it.
+        Unset, $COHORT_COMPRESSION says (int8, powersgd or powersgd:RANK)."""
+        if compression is None and os.environ.get(COMPRESSION_ENV):
+            named, _, rank_text = os.environ[COMPRESSION_ENV].partition(":")
+            compression = named  # type: ignore[assignment]  # compressor() checks the name
+            try:
+                rank = int(rank_text) if rank_text else rank
+            except ValueError:
+                raise ValueError(
+                    f"${COMPRESSION_ENV}={os.environ[COMPRESSION_ENV]!r}: the rank after ':' "
+                    "must be an integer"
+                ) from None
+        self.compressor = feedback.compressor(compression, rank)
+        if self.compressor is not None and self.backend is not None:
+            raise ValueError(
+                f"compression {compression!r} works through Redis; backend {self.backend!r} "
+                "averages with torch.distributed (leave backend unset)"
+            )
         self.attach(TorchState(model, optimizer, scheduler, extra))
         original, original_zero = optimizer.step, optimizer.zero_grad
         config = self.worker.view.config
         accumulating = config is not None and config.global_batch is not None
-        if self.backend is None and overlap and not accumulating:
+        overlapping = overlap and not accumulating and self.compressor is None
+        if self.backend is None and overlapping:
             self.overlapped = OverlappedGradients(model, self.collective, bucket_bytes)
 
         def zero_grad(this: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -193,7 +220,10 @@ class ElasticJob(Elastic):
         return model, optimizer
 
     def _joined_world(self, assignment: Any) -> None:
-        """With a backend: the world's process group, and the model under DDP in it."""
+        """With a backend: the world's process group, and the model under DDP in it. With
+        compression: its state restarts from the world's first step, alike on every rank."""
+        if self.compressor is not None:
+            self.compressor.reset(assignment.start_step)
         if self.backend is None:
             return
         from torch.nn.parallel import DistributedDataParallel
@@ -245,7 +275,12 @@ class ElasticJob(Elastic):
             self.overlapped.finish()
         else:
             torch_sync.sync_gradients(
-                model, self.collective, current.step, bucket_bytes, world=current.world
+                model,
+                self.collective,
+                current.step,
+                bucket_bytes,
+                world=current.world,
+                compressor=self.compressor,
             )
 
     def _start_step(self) -> None:

@@ -33,6 +33,7 @@ from . import tensors as blobs
 from .calls import GRADIENTS, STATE, WEIGHTS, call_id
 from .collective import Collective
 from .errors import WorkerError, WorldChangedError
+from .feedback import CALLS, DEFAULT_RANK, Compression, Compressor, compressor
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 """As DDP's default bucket_cap_mb: bounds the extra memory one allreduce call needs."""
@@ -126,16 +127,19 @@ def _average(
     channel: int,
     bucket_bytes: int,
     world: int | None = None,
+    compressor: Compressor | None = None,
 ) -> list[tuple[torch.Tensor, np.ndarray]]:
-    """Each tensor with its mean over the world, bucket by bucket; nothing is written yet."""
+    """Each tensor with its mean over the world, bucket by bucket; nothing is written yet.
+    With a `compressor`, the means are its (lossy, error-fed-back, the same on every rank)."""
     out: list[tuple[torch.Tensor, np.ndarray]] = []
     try:
         for i, bucket in enumerate(buckets(named, bucket_bytes)):
-            mean = collective.allreduce(
-                {name: averaged_array(t) for name, t in bucket},
-                call_id(step, channel, i),
-                world=world,
-            )
+            arrays = {name: averaged_array(t) for name, t in bucket}
+            if compressor is None:
+                mean = collective.allreduce(arrays, call_id(step, channel, i), world=world)
+            else:
+                ids = [call_id(step, channel, CALLS * i + k) for k in range(CALLS)]
+                mean = compressor.allreduce(collective, arrays, ids, world=world)
             out.extend((t, mean[name]) for name, t in bucket)
     except WorldChangedError as exc:  # say which training step was aborted, not the call id
         raise WorldChangedError(step, exc.assignment) from exc
@@ -148,11 +152,14 @@ def sync_gradients(
     step: int,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     world: int | None = None,
+    compressor: Compressor | None = None,
 ) -> None:
     """Replace each parameter's `.grad` by its mean over the ranks of the world, as DDP does.
 
     `world`: the world version the loop synced its state for (WorldChangedError if the
-    worker has moved on since).
+    worker has moved on since). `compressor` (`cohort.torch.compressor("powersgd")` or
+    "int8", one per model, `reset(step)` at each world start): send fewer bytes; every rank
+    still gets the same gradients (docs/compression.md).
 
     Call it after `backward()` and before `optimizer.step()`. A parameter without a gradient
     on this rank counts as a zero gradient (every rank must send the same tensors). Buckets
@@ -167,7 +174,8 @@ def sync_gradients(
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         named.append((name, param.grad))
-    for grad, mean in _average(named, collective, step, GRADIENTS, bucket_bytes, world):
+    averaged = _average(named, collective, step, GRADIENTS, bucket_bytes, world, compressor)
+    for grad, mean in averaged:
         write_back(grad, mean)
 
 
@@ -337,6 +345,11 @@ class LocalSGD:
 
     Call `step(step)` after each inner `optimizer.step()`; call `reset()` after each world
     start's `broadcast_state`, so every rank holds the same global weights and momentum.
+
+    `compression` ("powersgd" with `rank`, or "int8"; pseudo_gradient mode only) sends the
+    pseudo-gradients compressed with error feedback (docs/compression.md); every rank
+    still applies the same outer update. `reset(step)` with the world's first step also
+    restarts the compressor's state there.
     """
 
     def __init__(
@@ -349,6 +362,8 @@ class LocalSGD:
         outer_momentum: float = 0.0,
         nesterov: bool = False,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        compression: Compression | None = None,
+        rank: int = DEFAULT_RANK,
     ) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, not {sync_every!r}")
@@ -358,6 +373,12 @@ class LocalSGD:
             raise ValueError(f"outer_lr must be a positive number, not {outer_lr!r}")
         if not 0.0 <= outer_momentum < 1.0:
             raise ValueError(f"outer_momentum must be in [0, 1), not {outer_momentum!r}")
+        self.compressor = compressor(compression, rank)
+        if self.compressor is not None and mode != "pseudo_gradient":
+            raise ValueError(
+                f"compression {compression!r} needs mode='pseudo_gradient' (weights are not "
+                "compressed), not mode={mode!r}"
+            )
         self.model = model
         self.collective = collective
         self.sync_every = sync_every
@@ -374,11 +395,15 @@ class LocalSGD:
     def _params(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
-    def reset(self) -> None:
-        """Take the model's current weights as the global weights; zero the outer momentum."""
+    def reset(self, step: int = 0) -> None:
+        """Take the model's current weights as the global weights; zero the outer momentum;
+        restart the compressor (error, Q) from `step` (the world's first step, the same on
+        every rank)."""
         with torch.no_grad():
             self.global_params = {n: p.detach().float().clone() for n, p in self._params()}
         self.momentum = {}
+        if self.compressor is not None:
+            self.compressor.reset(step)
 
     def due(self, step: int) -> bool:
         return (step + 1) % self.sync_every == 0
@@ -400,7 +425,9 @@ class LocalSGD:
             deltas = [
                 (name, self.global_params[name] - param.detach().float()) for name, param in params
             ]
-            means = _average(deltas, self.collective, step, WEIGHTS, self.bucket_bytes)
+            means = _average(
+                deltas, self.collective, step, WEIGHTS, self.bucket_bytes, None, self.compressor
+            )
             with torch.no_grad():
                 for (name, param), (_, mean) in zip(params, means, strict=True):
                     update = torch.from_numpy(np.array(mean)).reshape(param.shape)

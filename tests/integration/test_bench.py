@@ -146,3 +146,27 @@ def test_a_quick_hierarchy_run_times_three_collectives_and_counts_fewer_bytes_th
     assert hier["s"] > 0 and flat["s"] > 0 and hier["error"] < 1e-5
     assert 0.45 < hier["written"] / flat["written"] < 0.55
     assert 0.35 < hier["through"] / flat["through"] < 0.45
+
+
+def test_a_quick_compress_run_counts_fewer_bytes_and_trains_like_exact(tmp_path: Path) -> None:
+    """int8 and PowerSGD against exact float32 through Redis (and gloo, with torch): fewer
+    bytes through the server, small errors, and the example model's convergence figures."""
+    out = tmp_path / "B.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--only", "compress", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "## Compressed allreduce through one Redis server" in out.read_text()
+    (section,) = json.loads(out.with_suffix(".json").read_text())
+    cells = {c["method"]: c for c in section["raw"]["cells"]}
+    assert set(cells) == {"float32", "int8", "powersgd-4", "powersgd-16"}
+    assert cells["float32"]["first"] < 1e-6
+    assert cells["int8"]["through"] < cells["float32"]["through"] / 3
+    assert cells["powersgd-4"]["through"] < cells["int8"]["through"]
+    assert cells["int8"]["first"] < 0.02
+    for figures in section["raw"]["convergence"].values():
+        assert figures["identical"]
