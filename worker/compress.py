@@ -145,6 +145,10 @@ def low_rank_second(m: np.ndarray, p: np.ndarray) -> np.ndarray:
     return np.asarray(m.T @ p, dtype=np.float32)
 
 
-def low_rank_decode(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """The approximation P Q^T (float32)."""
+def low_rank_decode(p: np.ndarray, q: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """The approximation P Q^T (float32), into `out` if given (float32, rows x cols)."""
+    if out is not None:
+        return np.matmul(
+            p.astype(np.float32, copy=False), q.astype(np.float32, copy=False).T, out=out
+        )
     return np.asarray(p @ q.T, dtype=np.float32)

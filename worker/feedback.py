@@ -26,7 +26,7 @@ that raises (a world change mid-step) leaves the state as it was.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -50,9 +50,11 @@ class Compressor(Protocol):
         tensors: Mapping[str, np.ndarray],
         calls: Sequence[int],
         world: int | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
         """The (approximate) mean of `tensors` over the world, identical on every rank;
-        `calls`: CALLS distinct collective call ids for this reduction."""
+        `calls`: CALLS distinct collective call ids for this reduction. `out`: arrays the
+        results may be written into (and returned as), e.g. `tensors` themselves."""
         ...
 
     def reset(self, step: int) -> None:
@@ -90,7 +92,9 @@ class Int8Feedback:
         tensors: Mapping[str, np.ndarray],
         calls: Sequence[int],
         world: int | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
+        """As `Compressor.allreduce` (results in new arrays: `out` is not used)."""
         corrected = {name: self._with_error(name, a) for name, a in tensors.items()}
         layout, flats = flatten(corrected)
         error: dict[str, np.ndarray] = {}
@@ -124,6 +128,10 @@ class PowerSGD:
         self.error: dict[str, np.ndarray] = {}
         self.q: dict[str, np.ndarray] = {}
         self.seed = seed
+        self._spare: dict[str, np.ndarray] = {}
+        """Per matrix, the buffer M is built in, which becomes the error once a step went
+        through (and the old error the next spare): memory the process already touched.
+        Fresh arrays of this size cost more in page faults than the additions themselves."""
 
     def reset(self, step: int) -> None:
         self.error = {}
@@ -142,7 +150,11 @@ class PowerSGD:
         tensors: Mapping[str, np.ndarray],
         calls: Sequence[int],
         world: int | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
+        """As `Compressor.allreduce`; `out` (e.g. the gradients themselves): float32 arrays
+        of the tensors' shapes the compressed tensors' results are written into and
+        returned as, instead of new arrays."""
         names = self.compressed(tensors)
         matrices = {n: self._matrix(n, tensors[n]) for n in names}
         qs = {n: self._q(n, m.shape[1]) for n, m in matrices.items()}
@@ -150,35 +162,58 @@ class PowerSGD:
         exact = {n: a for n, a in tensors.items() if n not in matrices}
         sent = {**{f"{n}/P": p for n, p in first.items()}, **exact}
         means = collective.allreduce(sent, calls[0], world=world) if sent else {}
-        out = {n: means[n] for n in exact}
+        result = {n: means[n] for n in exact}
         if not names:
-            return out
+            return result
         ps = {n: compress.orthonormalise(means[f"{n}/P"]) for n in names}
         second = {f"{n}/Q": compress.low_rank_second(matrices[n], ps[n]) for n in names}
         q_means = collective.allreduce(second, calls[1], world=world)
         error, warm = {}, {}
         for n in names:
             q = np.array(q_means[f"{n}/Q"])
-            approx = compress.low_rank_decode(ps[n], q)
+            shape = np.shape(tensors[n])
+            target = _target(out, n, shape)
+            approx = compress.low_rank_decode(ps[n], q, None if target is None else
+                                              target.reshape(matrices[n].shape))  # fmt: skip
             error[n] = np.subtract(matrices[n], approx, out=matrices[n])  # M is ours: reuse it
             warm[n] = q
-            shape = np.shape(tensors[n])
-            out[n] = approx.reshape(shape).astype(np.asarray(tensors[n]).dtype, copy=False)
-        self.error.update(error)  # only once both calls went through
+            result[n] = approx.reshape(shape).astype(np.asarray(tensors[n]).dtype, copy=False)
+        for n, e in error.items():  # only once both calls went through
+            old = self.error.get(n)
+            if old is not None and old.shape == e.shape:
+                self._spare[n] = old
+            self.error[n] = e
         self.q.update(warm)
-        return out
+        return result
 
     def _matrix(self, name: str, array: np.ndarray) -> np.ndarray:
         a = np.asarray(array)
         rows, cols = compress.matrix_shape(a.shape) or (a.size, 1)
         m = a.reshape(rows, cols)
         error = self.error.get(name)
+        spare = self._spare.pop(name, None)
+        if spare is None or spare.shape != m.shape:
+            spare = np.empty(m.shape, np.float32)
         if error is not None and error.shape == m.shape:
-            return np.add(m, error, dtype=np.float32)  # a new array: it becomes the error
-        return m.astype(np.float32)  # a copy, for the same reason
+            return np.add(m, error, out=spare, dtype=np.float32)  # it becomes the error
+        np.copyto(spare, m, casting="same_kind")  # a copy, for the same reason
+        return spare
 
     def _q(self, name: str, cols: int) -> np.ndarray:
         q = self.q.get(name)
         if q is None or q.shape != (cols, self.rank):
             q = compress.initial_q(name, cols, self.rank, self.seed)
         return q
+
+
+def _target(out: Mapping[str, np.ndarray] | None, name: str, shape: tuple[int, ...]) -> Any:
+    """`out[name]` if the caller gave a float32 array of `shape` to write into, else None."""
+    if out is None or name not in out:
+        return None
+    target = out[name]
+    if target.dtype != np.float32 or target.shape != shape or not target.flags.c_contiguous:
+        raise ValueError(
+            f"out[{name!r}] must be a C-contiguous float32 array of shape {shape}, not "
+            f"{target.dtype} {target.shape}"
+        )
+    return target

@@ -71,10 +71,24 @@ def averaged_array(tensor: torch.Tensor) -> np.ndarray:
 
 def write_back(tensor: torch.Tensor, array: np.ndarray) -> None:
     """Copy the averaged `array` into `tensor` (rounding once to its dtype, moving devices)."""
+    if _is_memory_of(array, tensor):
+        return  # the mean was written into the tensor's own memory already
     if not array.flags.writeable:
         array = array.copy()  # torch.from_numpy warns on read-only memory
     with torch.no_grad():
         tensor.copy_(torch.from_numpy(array).reshape(tensor.shape))
+
+
+def _is_memory_of(array: np.ndarray, tensor: torch.Tensor) -> bool:
+    """Whether `array` is exactly `tensor`'s CPU memory (a view, as averaged_array gives)."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and tensor.is_floating_point()
+        and array.dtype.itemsize == tensor.element_size()
+        and array.size == tensor.numel()
+        and array.__array_interface__["data"][0] == tensor.data_ptr()
+    )
 
 
 def _wire(tensor: torch.Tensor) -> tuple[np.ndarray, list[Any]]:
@@ -139,7 +153,8 @@ def _average(
                 mean = collective.allreduce(arrays, call_id(step, channel, i), world=world)
             else:
                 ids = [call_id(step, channel, CALLS * i + k) for k in range(CALLS)]
-                mean = compressor.allreduce(collective, arrays, ids, world=world)
+                # the results may land in the arrays (the gradients' own memory, or copies)
+                mean = compressor.allreduce(collective, arrays, ids, world=world, out=arrays)
             out.extend((t, mean[name]) for name, t in bucket)
     except WorldChangedError as exc:  # say which training step was aborted, not the call id
         raise WorldChangedError(step, exc.assignment) from exc

@@ -103,6 +103,22 @@ def test_powersgd_recovers_an_exactly_low_rank_matrix() -> None:
     np.testing.assert_allclose(got, m, atol=1e-4 * np.abs(m).max())
 
 
+def test_powersgd_writes_into_out_the_same_bits_it_would_return_step_after_step() -> None:
+    rng = np.random.default_rng(7)
+    fresh, into = PowerSGD(2), PowerSGD(2)
+    for step in range(4):  # the error's buffers change hands each step
+        g = {"w": rng.standard_normal((40, 30)).astype(np.float32), "b": np.ones(30, "<f4")}
+        expected = fresh.allreduce(alone(), g, (2 * step, 2 * step + 1))
+        target = {"w": g["w"].copy()}
+        got = into.allreduce(alone(), g, (2 * step, 2 * step + 1), out=target)
+        assert got["w"] is not None and np.shares_memory(got["w"], target["w"])
+        for name in g:
+            assert np.array_equal(got[name], expected[name])
+        assert np.array_equal(into.error["w"], fresh.error["w"])
+    with pytest.raises(ValueError, match="out\\['w'\\] must be a C-contiguous float32"):
+        into.allreduce(alone(), g, (8, 9), out={"w": np.zeros((40, 30))})
+
+
 def test_powersgd_feedback_tracks_the_sum_and_warm_start_converges() -> None:
     rng = np.random.default_rng(2)
     signal = (rng.standard_normal((80, 6)) * 0.5 ** np.arange(6)) @ rng.standard_normal((6, 60))
