@@ -335,6 +335,20 @@ def measure(
             )  # fmt: skip
             + "."
         )
+    misses = [
+        f"{c['method']} on {c['ranks']} ranks {c['s'] / c['gloo_s']:.2f}x gloo, of which "
+        f"{(c['s'] - c['redis_s']) * 1e3:.0f} of {c['s'] * 1e3:.0f} ms outside Redis"
+        for c in raw["cells"]
+        if c["method"].startswith("powersgd") and c["s"] > c["gloo_s"] and c["mib"] >= 64
+    ]
+    if misses:
+        section.notes.append(
+            "Missed by PowerSGD: " + "; ".join(misses) + ". What is left is the "
+            "compressor's numpy work, memory-bound passes over the 64 MiB on the cores the "
+            "ranks share (a py-spy/timeit breakdown at 2 ranks, one BLAS thread: M = g + "
+            "error 8 ms, M Q 8 ms, M^T P 10 ms, P Q^T 13 ms, the new error 5 ms); on hosts "
+            "of their own, or with the matrices on a GPU, it no longer adds up."
+        )
     if not gloo:
         section.notes.append("torch is not installed here: the gloo columns are empty.")
     section.raw = raw
