@@ -140,6 +140,13 @@ def measure(workers: int = 1000, seconds: float = 60.0, signed: bool = False) ->
         "commits about once a second once all ranks have reported it. The fleet, the "
         "coordinator and redis-server share this machine's cores.",
     ]
+    if signed:
+        section.notes.append(
+            "Per-worker identity (docs/identity.md): every command carries its worker's "
+            "HMAC-SHA256 and the leader checks each against the secret it derives from the "
+            "job key; none was dead-lettered. The unsigned section above is its peer, run "
+            "back to back with it by `python -m bench --only soak,soak-signed`."
+        )
     section.raw = {"lag_p50_s": p50, "lag_p99_s": p99, "cpu_share": load, "rss_peak_mb": peak,
                    "steps": steps, "seconds": wall, "batches": len(lags)}  # fmt: skip
     return section
