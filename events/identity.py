@@ -14,6 +14,7 @@ Pure functions only; the coordinator's service calls them on each entry it loads
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import re
@@ -70,8 +71,10 @@ def worker_of_user(job: str, username: str | None) -> str | None:
     return username[len(prefix) :]
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def secret_of(job_key: bytes, worker: str) -> str:
-    """`worker`'s secret (hex): its Redis password and its signing key."""
+    """`worker`'s secret (hex): its Redis password and its signing key. Remembered: the
+    leader checks every command of every worker against it."""
     return hmac.new(job_key, _DERIVE + worker.encode(), hashlib.sha256).hexdigest()
 
 
