@@ -624,7 +624,7 @@ class Collective:
         for i in mine:
             for a in sums[i].values():
                 np.divide(a, call.world.size, out=a)
-            travelling = transported(sums[i], plan.transport, what)
+            travelling = transported(_typed(sums[i], plan.transport), plan.transport, what)
             for g, a in plan.decoded(travelling, what).items():
                 result[g][plan.cuts[g][i]] = a  # the owner keeps what the others decode
             items.append((call.reduced_key(i, plan.tags), blobs.pack(travelling)))
@@ -742,3 +742,13 @@ class Collective:
             groups[-1][name] = array
             used += size
         return groups
+
+
+def _typed(sums: Chunk, transport: Transport) -> Chunk:
+    """A chunk's float64 sums back in their own dtypes, but for float32 values under a
+    transport that rounds them itself (float16, int8): each is rounded once, at the end,
+    and a reduced chunk travels no wider than the contributions did."""
+    return {
+        g: a if g == "<f4" and transport != "float32" else a.astype(g, copy=False)
+        for g, a in sums.items()
+    }

@@ -148,3 +148,24 @@ def test_int8_transport_refuses_values_that_are_not_finite(
 
     error = run_ranks(connect_more, _members(2), body)[0]
     assert isinstance(error, CollectiveError) and "inf or nan" in str(error)
+
+
+@pytest.mark.parametrize(("transport", "travels"), [("float32", "<f4"), ("float16", "<f2")])
+def test_a_reduced_chunk_travels_no_wider_than_the_contributions(
+    conn: redis.Redis, connect_more: Callable[[], redis.Redis], transport: str, travels: str
+) -> None:
+    """The owners sum in float64, but what they store for the others is in the values' own
+    width (a float64 mean would double the bytes of the gather phase)."""
+
+    def body(c: Collective, m: StandIn) -> dict[str, np.ndarray]:
+        tensors = {"w": np.full(3000, m.rank, "<f4"), "d": np.full(10, m.rank, "<f8")}
+        return c.allreduce(tensors, 7, transport=transport)
+
+    results = _ok(run_ranks(connect_more, _members(N), body))
+    assert all(np.array_equal(r["w"], np.full(3000, 1.0, "<f4")) for r in results)
+    reduced = list(conn.scan_iter(match="cohort:{" + KEYS.job + "}:grad*reduced*"))
+    assert reduced, "no reduced chunk was found to look at"
+    for key in reduced:
+        chunk = unpack_blob(conn.get(key))
+        assert chunk["<f4"].dtype == np.dtype(travels), (key, chunk["<f4"].dtype)
+        assert chunk["<f8"].dtype == np.float64
