@@ -277,7 +277,12 @@ def _periods(
     """The failure-free window, then `kills` periods each starting with a kill; `times`
     fills as `poll` runs. `counted(times, start, end)` are the steps that count."""
     start = now()
-    _until(lambda: now() >= start + failure_free, failure_free + 5, "", poll)
+    _until(
+        lambda: now() >= start + failure_free,
+        failure_free + 5,
+        "the failure-free window's end",
+        poll,
+    )
     t0 = now()
     free = counted(times, start, t0) / (t0 - start)
     killed_at = []
@@ -285,7 +290,7 @@ def _periods(
         killed_at.append(now())
         kill(i)
         end = t0 + (i + 1) * every
-        _until(lambda: now() >= end, every + 5, "", poll)  # noqa: B023
+        _until(lambda: now() >= end, every + 5, f"period {i + 1}'s end", poll)  # noqa: B023
     t_end = now()
     settle = time.monotonic() + 10  # steps stamped before t_end that are still on their way
     while not (times and times[-1] >= t_end) and time.monotonic() < settle:
