@@ -45,7 +45,7 @@ FULL: dict[str, Callable[[], Section]] = {
     "overhead": lambda: overhead.measure((8, 64, 256), 100),
     "failover": lambda: failover.measure(5),
     "peer_death": lambda: peer_death.measure(3),
-    "goodput": lambda: goodput.measure(60, 60, 5, 100),
+    "goodput": lambda: goodput.measure(60, 60, 5, 100, runs=3),
     "allreduce": lambda: allreduce.measure((1, 16, 64), (2, 4), 5),
     "hierarchy": lambda: hierarchy.measure((1, 16, 64), 5),
     "compress": lambda: compress.measure((2, 4), 16, 1024, 5),

@@ -23,6 +23,7 @@ time); for torchrun it is how far the model's step count advanced (after a resta
 falls back to the checkpoint, so redone steps count once).
 
     python -m bench.goodput [--failure-free 60] [--every 60] [--kills 5] [--checkpoint-every 100]
+                            [--runs 1]
     python -m bench.goodput cohort-rank ...   # one cohort rank (internal)
     python -m bench.goodput torchrun-rank     # one torchrun worker (internal; env BENCH_*)
 """
@@ -36,6 +37,7 @@ import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -430,33 +432,52 @@ def _stray_workers() -> list[int]:
 
 # ---------------------------------------------------------------- the section
 def measure(
-    failure_free: float = 60, every: float = 60, kills: int = 5, checkpoint_every: int = 100
+    failure_free: float = 60,
+    every: float = 60,
+    kills: int = 5,
+    checkpoint_every: int = 100,
+    runs: int = 1,
 ) -> Section:
-    if failure_free <= 0 or every <= 0 or kills < 1 or checkpoint_every < 1:
+    """`runs` runs of each side, the sides in turns (which goes first alternates), so that
+    other load on the machine falls on both; figures are medians, ratios per run."""
+    if failure_free <= 0 or every <= 0 or kills < 1 or checkpoint_every < 1 or runs < 1:
         raise ValueError(
             f"--failure-free {failure_free}, --every {every}, --kills {kills}, "
-            f"--checkpoint-every {checkpoint_every}: each must be positive"
+            f"--checkpoint-every {checkpoint_every}, --runs {runs}: each must be positive"
         )
-    mine = _cohort(failure_free, every, kills)
-    peer = _torchrun(failure_free, every, kills, checkpoint_every)
-    ratio = mine.goodput / peer.goodput if peer.goodput > 0 else float("inf")
+    mine: list[Run] = []
+    peer: list[Run] = []
+    for run in range(runs):
+        sides = [
+            lambda: mine.append(_cohort(failure_free, every, kills)),
+            lambda: peer.append(_torchrun(failure_free, every, kills, checkpoint_every)),
+        ]
+        for side in sides if run % 2 == 0 else sides[::-1]:
+            side()
+    ratios = [
+        m.goodput / p.goodput if p.goodput > 0 else float("inf")
+        for m, p in zip(mine, peer, strict=True)
+    ]
+    ratio = statistics.median(ratios)
     section = Section(
         key="goodput",
         title="Goodput under failures: a worker SIGKILLed every "
         f"{every:g} s and replaced, cohort vs torchrun",
         command=f"python -m bench.goodput --failure-free {failure_free:g} --every {every:g} "
-        f"--kills {kills} --checkpoint-every {checkpoint_every}",
+        f"--kills {kills} --checkpoint-every {checkpoint_every} --runs {runs}",
         header=["what", "failure-free steps/s", "steps/s under failures", "goodput",
-                "kill to next step that counts, s (median)", "target", ""],
-        raw={"cohort": _raw(mine), "torchrun": _raw(peer)},
+                "goodput per run", "kill to next step that counts, s (median)", "target", ""],
+        raw={"cohort": [_raw(m) for m in mine], "torchrun": [_raw(p) for p in peer]},
     )  # fmt: skip
+    goodput = statistics.median(m.goodput for m in mine)
     section.rows = [
         _row("cohort (ElasticJob, gloo route, survivors go on)", mine,
-             f">= {TARGET_GOODPUT}", verdict(mine.goodput, TARGET_GOODPUT)),
+             f">= {TARGET_GOODPUT}", verdict(goodput, TARGET_GOODPUT)),
         _row(f"torchrun c10d (restart all, checkpoint every {checkpoint_every} steps)", peer,
              "", ""),
-        ["cohort / torchrun", f"{mine.failure_free / peer.failure_free:.2f}",
-         f"{mine.rate / peer.rate:.2f}", f"{ratio:.2f}", "", f">= {TARGET_VS_TORCHRUN}x",
+        ["cohort / torchrun", _ratio(mine, peer, lambda r: r.failure_free),
+         _ratio(mine, peer, lambda r: r.rate), f"{ratio:.2f}",
+         ", ".join(f"{r:.2f}" for r in ratios), "", f">= {TARGET_VS_TORCHRUN}x",
          verdict(ratio, TARGET_VS_TORCHRUN)],
     ]  # fmt: skip
     section.notes = [
@@ -466,20 +487,23 @@ def measure(
         f"of {failure_free:g} s gives each side's own failure-free rate; then a rank is "
         f"SIGKILLed at the start of each of {kills} periods of {every:g} s and replaced at "
         "once. Goodput is the steps that count toward the final model per second over the "
-        "periods, over the failure-free rate.",
+        f"periods, over the failure-free rate. {runs} run(s) of each side, in turns; each "
+        "figure is the median, each ratio the median of the runs' own.",
         "cohort: the survivor is told by the journal (a worker failed after "
         f"{TIMEOUT_S:g} s of silence) and trains on alone with both micro-batches (a "
         f"constant global batch of {GLOBAL}); the replacement joins the running job and "
         "takes rank 0's weights. Every committed step counts. torchrun: agent 2 replaces "
         "its worker, which restarts every worker of the job (new processes, imports, "
         "rendezvous, process group); they resume from the last checkpoint, so the steps "
-        "since it are redone and count once.",
+        "since it are redone and count once. A kill the side never recovered from within "
+        "its run shows as 'never' in the outages (raw).",
     ]
-    if peer.failed_starts:
+    failed = [p.failed_starts for p in peer]
+    if any(failed):
         section.notes.append(
-            f"In this run {peer.failed_starts} restarted torchrun workers failed on their own "
-            "(gloo could not connect to a peer that was itself being restarted), each "
-            "costing another restart of every worker."
+            f"Restarted torchrun workers that failed on their own, per run: "
+            f"{', '.join(map(str, failed))} (gloo could not connect to a peer that was itself "
+            "being restarted), each costing another restart of every worker."
         )
     return section
 
@@ -488,11 +512,19 @@ def _raw(run: Run) -> dict[str, Any]:
     return {**asdict(run), "rate": run.rate, "goodput": run.goodput}
 
 
-def _row(what: str, run: Run, target: str, met: str) -> list[Any]:
-    finite = sorted(o for o in run.outages if o != float("inf"))
-    median = f"{finite[len(finite) // 2]:.1f}" if finite else "never"
-    return [what, f"{run.failure_free:.1f}", f"{run.rate:.1f}", f"{run.goodput:.2f}",
-            median, target, met]  # fmt: skip
+def _ratio(mine: list[Run], peer: list[Run], figure: Callable[[Run], float]) -> str:
+    return (
+        f"{statistics.median(figure(m) / figure(p) for m, p in zip(mine, peer, strict=True)):.2f}"
+    )
+
+
+def _row(what: str, runs: list[Run], target: str, met: str) -> list[Any]:
+    finite = sorted(o for run in runs for o in run.outages if o != float("inf"))
+    outage = f"{statistics.median(finite):.1f}" if finite else "never"
+    return [what, f"{statistics.median(r.failure_free for r in runs):.1f}",
+            f"{statistics.median(r.rate for r in runs):.1f}",
+            f"{statistics.median(r.goodput for r in runs):.2f}",
+            ", ".join(f"{r.goodput:.2f}" for r in runs), outage, target, met]  # fmt: skip
 
 
 def main() -> None:
@@ -510,9 +542,12 @@ def main() -> None:
     parser.add_argument("--every", type=float, default=60)
     parser.add_argument("--kills", type=int, default=5)
     parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--runs", type=int, default=1)
     args = parser.parse_args()
     try:
-        section = measure(args.failure_free, args.every, args.kills, args.checkpoint_every)
+        section = measure(
+            args.failure_free, args.every, args.kills, args.checkpoint_every, args.runs
+        )
     except ValueError as exc:
         parser.error(str(exc))
     print(section.markdown())
