@@ -153,8 +153,10 @@ def _average(
                 mean = collective.allreduce(arrays, call_id(step, channel, i), world=world)
             else:
                 ids = [call_id(step, channel, CALLS * i + k) for k in range(CALLS)]
-                # the results may land in the arrays (the gradients' own memory, or copies)
-                mean = compressor.allreduce(collective, arrays, ids, world=world, out=arrays)
+                # float32 results may land in the arrays (the gradients' own memory, or
+                # copies); other widths get new arrays, cast back by write_back
+                into = {n: a for n, a in arrays.items() if a.dtype == np.float32}
+                mean = compressor.allreduce(collective, arrays, ids, world=world, out=into)
             out.extend((t, mean[name]) for name, t in bucket)
     except WorldChangedError as exc:  # say which training step was aborted, not the call id
         raise WorldChangedError(step, exc.assignment) from exc

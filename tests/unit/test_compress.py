@@ -223,3 +223,19 @@ def test_local_sgd_compresses_pseudo_gradients_only() -> None:
         LocalSGD(model, fake, 2, mode="weights", compression="int8")
     with pytest.raises(ValueError, match="'zip'"):
         LocalSGD(model, fake, 2, mode="pseudo_gradient", compression="zip")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_sync_gradients_compresses_a_model_of_any_float_width(dtype: str) -> None:
+    """float32 gradients take PowerSGD's result in place; other widths get it cast back."""
+    torch = pytest.importorskip("torch")
+    from cohort.worker.torch_sync import sync_gradients
+
+    model = torch.nn.Linear(64, 48).to(getattr(torch, dtype))
+    model(torch.randn(4, 64, dtype=getattr(torch, dtype))).sum().backward()
+    grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+    expected = PowerSGD(2).allreduce(alone(), grads, (0, 1))
+    sync_gradients(model, alone(), 0, compressor=PowerSGD(2))
+    for name, param in model.named_parameters():
+        assert param.grad is not None and param.grad.dtype == getattr(torch, dtype)
+        assert np.array_equal(param.grad.numpy(), expected[name].astype(dtype))
