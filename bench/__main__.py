@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from . import (
+from bench import (
     allreduce,
     chaos,
     checkpoint,
@@ -35,7 +35,7 @@ from . import (
     soak,
     throughput,
 )
-from .results import Section, document, environment, merge
+from bench.results import Section, document, environment, merge
 
 FULL: dict[str, Callable[[], Section]] = {
     "ingest": lambda: control_plane.measure(100_000, 1000, 3),

@@ -32,15 +32,14 @@ from typing import Any
 import numpy as np
 import redis
 
+from bench.results import Section, verdict
 from cohort.events.connection import RedisSettings, connect
 from cohort.localredis import LocalRedis
-from cohort.worker.collective import Collective
-from cohort.worker.hierarchy import HierarchicalCollective
-from cohort.worker.layout import Transport
-from cohort.worker.tensors import pack
-from cohort.worker.wire import TTL_MS, set_command
-
-from .results import Section, verdict
+from cohort.worker.collective.hierarchy import HierarchicalCollective
+from cohort.worker.collective.layout import Transport
+from cohort.worker.collective.redis_collective import Collective
+from cohort.worker.collective.tensors import pack
+from cohort.worker.collective.wire import TTL_MS, set_command
 
 MIB = 1024 * 1024
 

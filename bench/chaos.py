@@ -40,6 +40,8 @@ from typing import Any, TypeVar
 
 import msgpack
 
+from bench.fleet import spawn
+from bench.results import Section
 from cohort.coordinator.audit import audit
 from cohort.coordinator.fold import fold
 from cohort.coordinator.replay import JournalWatch
@@ -53,9 +55,6 @@ from cohort.events.streams import Journal
 from cohort.localredis import LocalRedis
 from cohort.processes import Proc
 from tests.integration.proxy import Proxy
-
-from .fleet import spawn
-from .results import Section
 
 T = TypeVar("T")
 JOB = "chaos"

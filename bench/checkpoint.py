@@ -31,16 +31,15 @@ from typing import Any
 
 import numpy as np
 
+from bench.fleet import Fleet, coordinator, spawn
+from bench.results import Section
 from cohort import mlp
 from cohort.events.models import DataPosition, Rewound, StepCommitted
 from cohort.events.shards import Shard
 from cohort.events.streams import id_ms
 from cohort.localredis import LocalRedis
 from cohort.processes import Proc, stop_all
-from cohort.worker import checkpoints
-
-from .fleet import Fleet, coordinator, spawn
-from .results import Section
+from cohort.worker.loop import checkpoints
 
 POSITION = DataPosition(epoch=0, rest=Shard(ranges=((0, 100),)))
 WIDTH, LAYERS, BATCH = 2240, 5, 64  # 5 x (2240 x 2240 + 2240) = 25.1M parameters
@@ -105,7 +104,7 @@ def _torch_cost(tmp: Path, runs: int) -> dict[str, float]:
     with CPU steps, once with steps that leave the CPU idle as long (as a GPU's would)."""
     import torch
 
-    from cohort.worker import torch_sync
+    from cohort.worker.pytorch import sync as torch_sync
 
     model, optimizer, train = _torch_model()
 

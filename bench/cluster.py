@@ -22,10 +22,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from bench.allreduce import MIB, cell_options, raw_throughput, time_allreduce
+from bench.results import Section
 from cohort.localredis import LocalCluster, LocalRedis
-
-from .allreduce import MIB, cell_options, raw_throughput, time_allreduce
-from .results import Section
 
 GIB = 1024 * MIB
 

@@ -33,14 +33,13 @@ from typing import Any
 
 import numpy as np
 
+from bench.allreduce import MIB, Fixed, run_ranks, slowest_median, time_gloo, torch_available
+from bench.hierarchy import through
+from bench.results import Section, verdict
 from cohort.events.connection import RedisSettings, connect
 from cohort.localredis import LocalRedis
-from cohort.worker.collective import Collective
-from cohort.worker.feedback import Compressor, Int8Feedback, PowerSGD
-
-from .allreduce import MIB, Fixed, run_ranks, slowest_median, time_gloo, torch_available
-from .hierarchy import through
-from .results import Section, verdict
+from cohort.worker.collective.compressors import Compressor, Int8Feedback, PowerSGD
+from cohort.worker.collective.redis_collective import Collective
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("float32", "int8", "powersgd-4", "powersgd-16")
@@ -205,8 +204,8 @@ def convergence(
     rank ended with the same parameters, bit for bit."""
     import torch
 
-    from cohort.worker.feedback import compressor
-    from cohort.worker.torch_sync import sync_gradients
+    from cohort.worker.collective.compressors import compressor
+    from cohort.worker.pytorch.sync import sync_gradients
 
     torch.set_num_threads(1)
     ex = load_example("torch_train")

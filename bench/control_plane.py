@@ -14,14 +14,13 @@ import statistics
 import threading
 import time
 
+from bench.results import Section, verdict
 from cohort.coordinator.service import Coordinator, ServiceSettings
 from cohort.events.codec import encode
 from cohort.events.keys import Keys
 from cohort.events.models import Heartbeat, JobConfig, Join, StepDone, WeightsLoaded
 from cohort.events.streams import ZERO, Inbox, Stream
 from cohort.localredis import LocalRedis
-
-from .results import Section, verdict
 
 
 def fill_inbox(conn, job: str, commands: int, workers: int) -> None:  # type: ignore[no-untyped-def]

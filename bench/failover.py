@@ -19,11 +19,10 @@ import statistics
 import threading
 import time
 
+from bench.fleet import Fleet, coordinator
+from bench.results import Section, verdict
 from cohort.events.models import LeaderElected
 from cohort.localredis import LocalRedis
-
-from .fleet import Fleet, coordinator
-from .results import Section, verdict
 
 LEASE_S = 1.0
 

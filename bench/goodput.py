@@ -47,15 +47,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench.fleet import coordinator
+from bench.results import Section, verdict
 from cohort.coordinator.replay import JournalWatch
 from cohort.events.keys import Keys
 from cohort.events.models import StepCommitted
 from cohort.events.streams import Journal
 from cohort.localredis import LocalRedis
 from cohort.processes import Proc
-
-from .fleet import coordinator
-from .results import Section, verdict
 
 MODEL = "1m"
 BATCH = 64  # per rank and micro-batch
@@ -75,7 +74,7 @@ def _data() -> Any:
     import torch
     from torch.utils.data import Dataset
 
-    from .throughput import dataset
+    from bench.throughput import dataset
 
     base = dataset(MODEL, BASE)
 
@@ -97,8 +96,7 @@ def cohort_rank(args: argparse.Namespace) -> None:
     import torch
 
     import cohort
-
-    from .throughput import build
+    from bench.throughput import build
 
     data = _data()
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH)
@@ -122,7 +120,7 @@ def torchrun_rank() -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from .throughput import build
+    from bench.throughput import build
 
     data = _data()
     every = int(os.environ["BENCH_CHECKPOINT_EVERY"])

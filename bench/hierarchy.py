@@ -22,11 +22,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from bench.allreduce import MIB, time_allreduce, time_gloo, torch_available
+from bench.results import Section
 from cohort.events.connection import Client
 from cohort.localredis import LocalRedis
-
-from .allreduce import MIB, time_allreduce, time_gloo, torch_available
-from .results import Section
 
 HOSTS = ("A", "A", "B", "B")
 

@@ -8,7 +8,7 @@ microseconds to build, as decoding an image does), same run, same options
   cohort does; no elasticity);
 - per step: a DataLoader re-iterated at every step over that step's indices, what
   `job.batches` did before (prefetching stops at every step);
-- cohort: `worker/torch_loader.py`'s StepLoader, whose batch sampler follows the job's
+- cohort: `worker/pytorch/loader.py`'s StepLoader, whose batch sampler follows the job's
   plan, so the loader's workers prefetch across steps.
 
 Each figure is the training loop's wait for data per step (the model's work is a sleep
@@ -24,12 +24,11 @@ import statistics
 import time
 from typing import Any
 
+from bench.results import Section
 from cohort.events import models as m
 from cohort.events.shards import Shard
-from cohort.worker.torch_loader import StepLoader
-from cohort.worker.view import View, fold
-
-from .results import Section
+from cohort.worker.membership.view import View, fold
+from cohort.worker.pytorch.loader import StepLoader
 
 BATCH, WORKERS = 32, 2
 

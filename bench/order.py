@@ -19,9 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.results import Section
 from cohort.events.order import Order
-
-from .results import Section
 
 BATCH = 256  # a step's positions on one rank
 SCALAR = 2000  # positions mapped one at a time per run

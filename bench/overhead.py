@@ -18,11 +18,10 @@ import statistics
 import time
 from typing import Any
 
+from bench.fleet import Fleet, coordinator
+from bench.results import Section
 from cohort.events.keys import Keys
 from cohort.localredis import LocalRedis
-
-from .fleet import Fleet, coordinator
-from .results import Section
 
 
 def _one(url: str, conn, workers: int, steps: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]

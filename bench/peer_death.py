@@ -31,14 +31,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.fleet import coordinator, spawn
+from bench.results import Section, verdict
 from cohort.coordinator.replay import JournalWatch
 from cohort.events.keys import Keys
 from cohort.events.models import StepCommitted
 from cohort.events.streams import Journal
 from cohort.localredis import LocalRedis
-
-from .fleet import coordinator, spawn
-from .results import Section, verdict
 
 TIMEOUT_S = 2.0
 LIMIT_S = 120.0  # give up on a resume after this long

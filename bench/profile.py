@@ -21,11 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.fleet import coordinator
+from bench.throughput import BATCH
 from cohort.localredis import LocalRedis
 from cohort.processes import stop_all
-
-from .fleet import coordinator
-from .throughput import BATCH
 
 WORLD = 2
 

@@ -23,6 +23,8 @@ from typing import Any
 import msgpack
 import redis
 
+from bench.journal import JOB, long_run
+from bench.results import Section, verdict
 from cohort.coordinator import snapshot
 from cohort.coordinator.fold import fold
 from cohort.coordinator.replay import from_redis, read_once, rebuild
@@ -31,9 +33,6 @@ from cohort.events.codec import FACT_LIST, fact_bodies, gc_paused
 from cohort.events.keys import Keys
 from cohort.events.streams import Journal
 from cohort.localredis import LocalRedis
-
-from .journal import JOB, long_run
-from .results import Section, verdict
 
 PAGE = 10_000
 TAIL = 1_000  # facts after the snapshot: the coordinator writes one every 1000 facts

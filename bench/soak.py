@@ -23,13 +23,12 @@ import threading
 import time
 from pathlib import Path
 
+from bench.fleet import Fleet, coordinator, enable_identity
+from bench.results import Section, verdict
 from cohort.events.connection import text
 from cohort.events.keys import Keys
 from cohort.events.streams import id_key
 from cohort.localredis import LocalRedis
-
-from .fleet import Fleet, coordinator, enable_identity
-from .results import Section, verdict
 
 TICKS = 10  # per second: each tick sends one tenth of the fleet's commands
 

@@ -30,11 +30,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from bench.fleet import coordinator
+from bench.results import Section, verdict
 from cohort.localredis import LocalRedis, free_port
 from cohort.processes import stop_all
-
-from .fleet import coordinator
-from .results import Section, verdict
 
 BATCH = 64
 ROUTES = ("ddp", "gloo", "redis", "powersgd", "int8")

@@ -26,11 +26,8 @@ if TYPE_CHECKING:
     from cohort.events.connection import RedisSettings, connect
     from cohort.events.models import Dataset, Node
     from cohort.events.shards import Range, Shard
-    from cohort.worker import checkpoints as checkpoints
-    from cohort.worker import torch_api as torch
-    from cohort.worker.client import Worker
-    from cohort.worker.collective import Collective
-    from cohort.worker.elastic import ElasticJob
+    from cohort.worker.collective.hierarchy import HierarchicalCollective
+    from cohort.worker.collective.redis_collective import Collective
     from cohort.worker.errors import (
         ActivationTimeout,
         CollectiveError,
@@ -46,10 +43,13 @@ if TYPE_CHECKING:
         WorkerError,
         WorldChangedError,
     )
-    from cohort.worker.evaluator import Evaluator
-    from cohort.worker.hierarchy import HierarchicalCollective
-    from cohort.worker.torchdist import Rendezvous
-    from cohort.worker.view import Assignment, GpuAdvice
+    from cohort.worker.loop import checkpoints
+    from cohort.worker.loop.elastic import ElasticJob
+    from cohort.worker.loop.evaluator import Evaluator
+    from cohort.worker.membership.client import Worker
+    from cohort.worker.membership.view import Assignment, GpuAdvice
+    from cohort.worker.pytorch import api as torch
+    from cohort.worker.pytorch.dist import Rendezvous
 
 __all__ = [
     "ActivationTimeout",
@@ -91,11 +91,11 @@ _HOMES = {
     "Node": "cohort.events.models",
     "Range": "cohort.events.shards",
     "Shard": "cohort.events.shards",
-    "Worker": "cohort.worker.client",
-    "Collective": "cohort.worker.collective",
-    "ElasticJob": "cohort.worker.elastic",
-    "Evaluator": "cohort.worker.evaluator",
-    "HierarchicalCollective": "cohort.worker.hierarchy",
+    "Worker": "cohort.worker.membership.client",
+    "Collective": "cohort.worker.collective.redis_collective",
+    "ElasticJob": "cohort.worker.loop.elastic",
+    "Evaluator": "cohort.worker.loop.evaluator",
+    "HierarchicalCollective": "cohort.worker.collective.hierarchy",
     "CollectiveError": "cohort.worker.errors",
     "CollectiveTimeout": "cohort.worker.errors",
     "ActivationTimeout": "cohort.worker.errors",
@@ -110,11 +110,11 @@ _HOMES = {
     "WaitTimeout": "cohort.worker.errors",
     "WorkerError": "cohort.worker.errors",
     "WorldChangedError": "cohort.worker.errors",
-    "Assignment": "cohort.worker.view",
-    "GpuAdvice": "cohort.worker.view",
-    "Rendezvous": "cohort.worker.torchdist",
+    "Assignment": "cohort.worker.membership.view",
+    "GpuAdvice": "cohort.worker.membership.view",
+    "Rendezvous": "cohort.worker.pytorch.dist",
 }
-_MODULES = {"torch": "cohort.worker.torch_api", "checkpoints": "cohort.worker.checkpoints"}
+_MODULES = {"torch": "cohort.worker.pytorch.api", "checkpoints": "cohort.worker.loop.checkpoints"}
 
 
 def __getattr__(name: str) -> Any:

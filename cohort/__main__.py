@@ -1,3 +1,3 @@
-from .cli import main
+from cohort.cli import main
 
 main()

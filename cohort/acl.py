@@ -46,11 +46,10 @@ from urllib.parse import quote, urlsplit
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
+from cohort.errors import CohortError
 from cohort.events import identity
 from cohort.events.connection import Client
 from cohort.events.keys import Keys
-
-from .errors import CohortError
 
 Role = Literal["coordinator", "worker", "viewer"]
 ROLES: tuple[Role, ...] = get_args(Role)

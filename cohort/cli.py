@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import click
 
-from . import logs
-from .commands.acl import acl_cmd
-from .commands.coordinator import coordinator
-from .commands.demo import demo
-from .commands.lineage import checkpoints, resume
-from .commands.reset import reset
-from .commands.runs import export_cmd, replay, report_cmd
-from .commands.shared import redis_url_option
-from .commands.status import status
-from .commands.workers import example_worker, worker
+from cohort import logs
+from cohort.commands.acl import acl_cmd
+from cohort.commands.coordinator import coordinator
+from cohort.commands.demo import demo
+from cohort.commands.lineage import checkpoints, resume
+from cohort.commands.reset import reset
+from cohort.commands.runs import export_cmd, replay, report_cmd
+from cohort.commands.shared import redis_url_option
+from cohort.commands.status import status
+from cohort.commands.workers import example_worker, worker
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

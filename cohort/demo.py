@@ -28,6 +28,7 @@ from rich.table import Table
 
 from cohort.coordinator.audit import Audit, audit
 from cohort.coordinator.replay import JournalWatch, describe, export, from_redis
+from cohort.errors import CohortError, Exit
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.deal import leftover
 from cohort.events.keys import Keys
@@ -35,10 +36,8 @@ from cohort.events.models import LeaderElected, StepCommitted, WorkerFailed
 from cohort.events.reset import delete_job
 from cohort.events.shards import range_count
 from cohort.events.streams import Journal
-
-from .errors import CohortError, Exit
-from .localredis import LocalRedis
-from .processes import Proc, stop_all
+from cohort.localredis import LocalRedis
+from cohort.processes import Proc, stop_all
 
 console = Console(stderr=True)
 DEADLINE = 240.0

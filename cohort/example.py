@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from cohort import mlp
 from cohort.events.models import CheckpointSaved, Rewound
-from cohort.worker import checkpoints, tensors
-from cohort.worker.elastic import ElasticJob
+from cohort.worker.collective import tensors
 from cohort.worker.errors import Removed
-
-from . import mlp
+from cohort.worker.loop import checkpoints
+from cohort.worker.loop.elastic import ElasticJob
 
 log = logging.getLogger("cohort.example")
 

@@ -24,10 +24,9 @@ from typing import IO, Any
 
 import redis
 
+from cohort import processes
+from cohort.errors import CohortError
 from cohort.events.connection import Client, RedisSettings, connect, text
-
-from . import processes
-from .errors import CohortError
 
 BINARY_ENV = "COHORT_REDIS_SERVER"
 HOST = "127.0.0.1"

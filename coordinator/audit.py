@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from cohort.coordinator.fold import evolve
+from cohort.coordinator.state import JobState
 from cohort.events.deal import batch, merge
 from cohort.events.models import (
     CheckpointSaved,
@@ -29,9 +31,6 @@ from cohort.events.models import (
 )
 from cohort.events.order import Order
 from cohort.events.shards import Range
-
-from .fold import evolve
-from .state import JobState
 
 if TYPE_CHECKING:  # numpy loads when an audit runs
     import numpy as np

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from cohort.coordinator import decide
+from cohort.coordinator.fold import fold
+from cohort.coordinator.liveness import Liveness
+from cohort.coordinator.state import JobState
 from cohort.events.models import Command, Fact, JobConfig, WorkerFailed, WorkerLeft
-
-from . import decide
-from .fold import fold
-from .liveness import Liveness
-from .state import JobState
 
 
 class Core:

@@ -46,6 +46,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple
 
+from cohort.coordinator import gpu_rules, lineage, stragglers
+from cohort.coordinator.fold import evolve
+from cohort.coordinator.liveness import Liveness
+from cohort.coordinator.state import JobState
 from cohort.events import deal
 from cohort.events.models import (
     CheckpointExpired,
@@ -96,11 +100,6 @@ from cohort.events.models import (
     finished_refusal,
 )
 from cohort.events.shards import Shard
-
-from . import gpu_rules, lineage, stragglers
-from .fold import evolve
-from .liveness import Liveness
-from .state import JobState
 
 
 def _some(items: list[str], sep: str = ", ", most: int = 8) -> str:

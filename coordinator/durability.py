@@ -37,9 +37,8 @@ from dataclasses import dataclass
 
 import redis
 
+from cohort.coordinator.errors import CoordinatorError
 from cohort.events.connection import Client, primaries
-
-from .errors import CoordinatorError
 
 SAFE_POLICY = "noeviction"
 

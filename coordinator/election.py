@@ -17,12 +17,11 @@ from typing import Any
 
 import redis
 
+from cohort.coordinator.errors import Conflict, CoordinatorError, Fenced
+from cohort.coordinator.stores import Acked, DeadLetter
 from cohort.events.connection import Client, primaries, server_for, text
 from cohort.events.keys import Keys
 from cohort.events.streams import ZERO
-
-from .errors import Conflict, CoordinatorError, Fenced
-from .stores import Acked, DeadLetter
 
 LIBRARY = "cohort"
 MIN_REDIS = "7.0"

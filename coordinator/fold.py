@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
+from cohort.coordinator.state import KEEP_EVALS, RATE_WINDOW, Counters, JobState, Member, Status
 from cohort.events.models import (
     MAX_WORKLOADS,
     CheckpointExpired,
@@ -41,8 +42,6 @@ from cohort.events.models import (
     WorldChanged,
 )
 from cohort.events.shards import Shard
-
-from .state import KEEP_EVALS, RATE_WINDOW, Counters, JobState, Member, Status
 
 KEEP_REQUESTS = 8
 """Checkpoint requests kept unanswered: a writer answers within a few; older ones are dropped

@@ -42,6 +42,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from cohort.coordinator.errors import CoordinatorError
 from cohort.events.models import (
     GpuAction,
     GpuAdviceCleared,
@@ -51,8 +52,6 @@ from cohort.events.models import (
     GpuReading,
     RuleName,
 )
-
-from .errors import CoordinatorError
 
 PERCENT_METRICS = frozenset({"memory_pct", "utilization_gpu", "utilization_memory"})
 MARGINS: Mapping[str, float] = {

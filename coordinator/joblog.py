@@ -15,16 +15,15 @@ from typing import Any
 
 import redis
 
+from cohort.coordinator import durability
+from cohort.coordinator.election import FencedJournal, load_library
+from cohort.coordinator.errors import CoordinatorError
+from cohort.coordinator.stores import Acked, DeadLetter
 from cohort.events import budget
 from cohort.events.connection import Client, primaries, text
 from cohort.events.identity import Trust
 from cohort.events.keys import Keys
 from cohort.events.streams import ZERO, Entry, Inbox, Journal
-
-from . import durability
-from .election import FencedJournal, load_library
-from .errors import CoordinatorError
-from .stores import Acked, DeadLetter
 
 log = logging.getLogger("cohort.coordinator")
 

@@ -10,11 +10,10 @@ checkpoint, or the job pauses.
 
 from __future__ import annotations
 
+from cohort.coordinator.state import JobState
 from cohort.events import deal
 from cohort.events.models import DataPosition, Weights
 from cohort.events.shards import Shard
-
-from .state import JobState
 
 CHECKPOINT_NAME = "step-{step:012d}.ckpt"
 

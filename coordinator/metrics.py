@@ -11,10 +11,9 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from cohort.coordinator.progress import progress
+from cohort.coordinator.state import JobState
 from cohort.events.models import TransfersWaiting
-
-from .progress import progress
-from .state import JobState
 
 UNKNOWN = float("nan")
 """What a progress gauge reads while it cannot be known (Prometheus's convention)."""

@@ -11,9 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from cohort.coordinator.state import JobState
 from cohort.events import deal
-
-from .state import JobState
 
 
 @dataclass(frozen=True, slots=True)

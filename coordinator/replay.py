@@ -17,16 +17,15 @@ from typing import IO, Any
 
 import msgpack
 
+from cohort.coordinator.errors import CoordinatorError
+from cohort.coordinator.fold import fold
+from cohort.coordinator.state import JobState, dump, state_hash
 from cohort.events.codec import gc_paused
 from cohort.events.connection import Client
 from cohort.events.errors import DecodeError
 from cohort.events.keys import Keys
 from cohort.events.models import Fact, WorldChanged
 from cohort.events.streams import ZERO, Entry, Journal, Stream, id_after
-
-from .errors import CoordinatorError
-from .fold import fold
-from .state import JobState, dump, state_hash
 
 EXPORT_FORMAT = "cohort-export"
 EXPORT_VERSION = 1

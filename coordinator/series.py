@@ -11,6 +11,8 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cohort.coordinator.replay import Run
+from cohort.coordinator.timeline import Folder, Line, recent
 from cohort.events.codec import decode_command
 from cohort.events.errors import DecodeError
 from cohort.events.models import (
@@ -36,9 +38,6 @@ from cohort.events.models import (
     WorldChanged,
 )
 from cohort.events.streams import Entry
-
-from .replay import Run
-from .timeline import Folder, Line, recent
 
 TIMELINE_ROWS = 500
 MAX_POINTS = 2000  # per series; more only makes the page heavier, not the plot clearer

@@ -33,6 +33,15 @@ from typing import Any
 import msgpack
 import redis
 
+from cohort.coordinator import snapshot
+from cohort.coordinator.core import Core
+from cohort.coordinator.election import RedisLease
+from cohort.coordinator.errors import ConfigConflict, Conflict, CoordinatorError, Fenced
+from cohort.coordinator.joblog import Durability, RedisJobLog
+from cohort.coordinator.metrics import Metrics
+from cohort.coordinator.replay import describe
+from cohort.coordinator.state import JobState, state_hash
+from cohort.coordinator.stores import DeadLetter, JobLog, Lease, epoch_of
 from cohort.events import identity
 from cohort.events.clock import Clock, ServerClock
 from cohort.events.codec import decode_command, encode
@@ -48,16 +57,6 @@ from cohort.events.models import (
     TransfersWaiting,
 )
 from cohort.events.streams import ZERO, Entry, Journal, id_ms
-
-from . import snapshot
-from .core import Core
-from .election import RedisLease
-from .errors import ConfigConflict, Conflict, CoordinatorError, Fenced
-from .joblog import Durability, RedisJobLog
-from .metrics import Metrics
-from .replay import describe
-from .state import JobState, state_hash
-from .stores import DeadLetter, JobLog, Lease, epoch_of
 
 log = logging.getLogger("cohort.coordinator")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgpack
 
-from .state import JobState, dump, load
+from cohort.coordinator.state import JobState, dump, load
 
 VERSION = 5
 """2: the state knows its weight lineage (holders, checkpoints); 3: its config says whether

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import msgpack
 from pydantic import TypeAdapter
 
+from cohort.coordinator.gpu_rules import DEFAULT_RULES, Rules, parse_rules
 from cohort.events.models import (
     CheckpointRequested,
     CheckpointSaved,
@@ -29,8 +30,6 @@ from cohort.events.models import (
 )
 from cohort.events.order import Order
 from cohort.events.shards import Shard
-
-from .gpu_rules import DEFAULT_RULES, Rules, parse_rules
 
 Status = Literal["syncing", "ready", "active", "draining", "evaluating"]
 """An evaluator is "evaluating" from its join to its end: it never syncs, holds no rank."""

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .progress import progress
-from .replay import view
-from .state import JobState
-from .stores import coordinator_of
+from cohort.coordinator.progress import progress
+from cohort.coordinator.replay import view
+from cohort.coordinator.state import JobState
+from cohort.coordinator.stores import coordinator_of
 
 STATUS_VERSION = 1
 

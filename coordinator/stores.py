@@ -14,10 +14,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from cohort.coordinator.errors import CoordinatorError
 from cohort.events.identity import Trust
 from cohort.events.streams import Entry
-
-from .errors import CoordinatorError
 
 
 @dataclass(frozen=True, slots=True)

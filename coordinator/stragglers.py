@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from cohort.coordinator.liveness import Liveness
+from cohort.coordinator.state import JobState
 from cohort.events.models import JobConfig
-
-from .liveness import Liveness
-from .state import JobState
 
 
 def _streak(seen: Liveness, worker: str, last_step: int, steps: int, factor: float) -> bool | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from cohort.coordinator.replay import describe
 from cohort.events.models import (
     Fact,
     JoinRefused,
@@ -22,8 +23,6 @@ from cohort.events.models import (
     WorkerLeft,
     WorldChanged,
 )
-
-from .replay import describe
 
 MEMBERSHIP = (
     WorkerJoined,

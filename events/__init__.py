@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from .clock import Clock, ManualClock, ServerClock, SystemClock
-from .codec import decode_command, decode_fact, encode
-from .connection import RedisSettings, connect
-from .errors import DecodeError, EventsError, RedisUnavailable, SettingsError
-from .keys import Keys, check_job
-from .models import *  # noqa: F403 - the event vocabulary is the package's API
-from .shards import Shard
-from .streams import Entry, Inbox, Journal, Stream
+from cohort.events.clock import Clock, ManualClock, ServerClock, SystemClock
+from cohort.events.codec import decode_command, decode_fact, encode
+from cohort.events.connection import RedisSettings, connect
+from cohort.events.errors import DecodeError, EventsError, RedisUnavailable, SettingsError
+from cohort.events.keys import Keys, check_job
+from cohort.events.models import *  # noqa: F403 - the event vocabulary is the package's API
+from cohort.events.shards import Shard
+from cohort.events.streams import Entry, Inbox, Journal, Stream
 
 __all__ = [
     "Clock",

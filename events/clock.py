@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from .connection import Client
+    from cohort.events.connection import Client
 
 
 class Clock(Protocol):

@@ -15,9 +15,9 @@ from typing import Any
 import msgpack
 from pydantic import TypeAdapter, ValidationError
 
-from .errors import DecodeError
-from .models import COMMANDS, FACTS, Command, Event, Fact
-from .upcasters import UPCASTED, upcast
+from cohort.events.errors import DecodeError
+from cohort.events.models import COMMANDS, FACTS, Command, Event, Fact
+from cohort.events.upcasters import UPCASTED, upcast
 
 MAX_ENTRY_BYTES = 64 * 1024
 MAX_FACT_BYTES = 16 * 1024 * 1024  # a WorldChanged of a very large world

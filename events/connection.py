@@ -34,7 +34,7 @@ from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainEr
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
-from .errors import RedisUnavailable, SettingsError
+from cohort.events.errors import RedisUnavailable, SettingsError
 
 log = logging.getLogger("cohort.events")
 

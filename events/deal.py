@@ -35,9 +35,9 @@ import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .models import JobConfig, Node
-from .order import Order
-from .shards import Range, Shard, range_count
+from cohort.events.models import JobConfig, Node
+from cohort.events.order import Order
+from cohort.events.shards import Range, Shard, range_count
 
 if TYPE_CHECKING:
     import numpy as np

@@ -20,8 +20,8 @@ import hmac
 import re
 from dataclasses import dataclass, field
 
-from .codec import FIELD
-from .errors import EventsError
+from cohort.events.codec import FIELD
+from cohort.events.errors import EventsError
 
 SIGNER = b"w"
 """The inbox field naming the worker whose credential signed the entry."""

@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
 
-from .order import Order
-from .shards import Shard
+from cohort.events.order import Order
+from cohort.events.shards import Shard
 
 MAX_INT = 2**53  # what a JSON or JavaScript reader still represents exactly
 Placement = Literal["contiguous", "strided", "hash", "locality"]

@@ -3,8 +3,8 @@ name again) does, so that the name starts a new run; and which jobs a Redis hold
 
 from __future__ import annotations
 
-from .connection import Client, text
-from .keys import JOURNAL_PATTERN, Keys, job_of_journal
+from cohort.events.connection import Client, text
+from cohort.events.keys import JOURNAL_PATTERN, Keys, job_of_journal
 
 BATCH = 500
 

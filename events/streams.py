@@ -6,10 +6,10 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-from .codec import FIELD, decode_fact, decode_facts, encode, gc_paused
-from .connection import Client, text
-from .identity import Signer
-from .models import Command, Fact
+from cohort.events.codec import FIELD, decode_fact, decode_facts, encode, gc_paused
+from cohort.events.connection import Client, text
+from cohort.events.identity import Signer
+from cohort.events.models import Command, Fact
 
 ZERO = "0-0"
 PAGE = 4096

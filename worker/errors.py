@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from cohort.events.errors import RedisUnavailable
 
 if TYPE_CHECKING:
-    from .view import Assignment
+    from cohort.worker.membership.view import Assignment
 
 
 class WorkerError(Exception):

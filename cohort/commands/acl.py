@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import click
 
+from cohort.commands.shared import fail, job_option, redis_client, redis_settings, redis_url_option
 from cohort.errors import Exit
-
-from .shared import fail, job_option, redis_client, redis_settings, redis_url_option
 
 
 @click.command("acl")

@@ -11,10 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from pydantic import ValidationError
 
-from cohort.errors import Exit
-from cohort.events.models import JobConfig
-
-from .shared import (
+from cohort.commands.shared import (
     FILE,
     fail,
     job_option,
@@ -25,6 +22,8 @@ from .shared import (
     stop_on_signals,
     wait_for_redis_option,
 )
+from cohort.errors import Exit
+from cohort.events.models import JobConfig
 
 if TYPE_CHECKING:
     from cohort.coordinator.metrics import Metrics

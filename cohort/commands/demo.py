@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .shared import job_option, redis_url_option
+from cohort.commands.shared import job_option, redis_url_option
 
 
 @click.command()

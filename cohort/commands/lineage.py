@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from cohort.commands.shared import fail, job_option, or_fail, redis_client, redis_url_option
 from cohort.errors import Exit
-
-from .shared import fail, job_option, or_fail, redis_client, redis_url_option
 
 if TYPE_CHECKING:
     from cohort.events.connection import Client
@@ -96,7 +95,7 @@ def resume(ctx: click.Context, job: str, from_scratch: bool, uri: str | None, re
     from cohort.events.keys import Keys
     from cohort.events.models import Resume, Rewound
     from cohort.events.streams import Inbox, Journal
-    from cohort.worker.checkpoints import CheckpointError, read
+    from cohort.worker.loop.checkpoints import CheckpointError, read
 
     if from_scratch == (uri is not None):
         fail("give exactly one of --from-scratch or --from-checkpoint URI")

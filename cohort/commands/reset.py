@@ -9,11 +9,10 @@ from typing import Any, TypeVar
 
 import click
 
+from cohort.commands.runs import reads_whole_run, write_whole
+from cohort.commands.shared import FILE, fail, job_option, or_fail, redis_client, redis_url_option
 from cohort.events.keys import Keys
 from cohort.events.reset import delete_job, job_keys
-
-from .runs import reads_whole_run, write_whole
-from .shared import FILE, fail, job_option, or_fail, redis_client, redis_url_option
 
 T = TypeVar("T")
 

@@ -12,11 +12,18 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from cohort.commands.shared import (
+    FILE,
+    F,
+    fail,
+    job_option,
+    or_fail,
+    redis_client,
+    redis_url_option,
+)
 from cohort.errors import Exit
 from cohort.events.connection import Client, where
 from cohort.events.keys import Keys
-
-from .shared import FILE, F, fail, job_option, or_fail, redis_client, redis_url_option
 
 if TYPE_CHECKING:
     from cohort.coordinator.replay import Run

@@ -10,10 +10,16 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from cohort.commands.shared import (
+    fail,
+    job_option,
+    or_fail,
+    redis_client,
+    redis_url_option,
+    stop_on_signals,
+)
 from cohort.events.connection import UNAVAILABLE, Client, text
 from cohort.events.keys import Keys
-
-from .shared import fail, job_option, or_fail, redis_client, redis_url_option, stop_on_signals
 
 if TYPE_CHECKING:
     from cohort.coordinator.state import JobState

@@ -10,11 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from cohort.errors import Exit
-from cohort.events.connection import Client
-from cohort.events.models import Dataset
-
-from .shared import (
+from cohort.commands.shared import (
     FILE,
     F,
     fail,
@@ -23,9 +19,12 @@ from .shared import (
     redis_url_option,
     wait_for_redis_option,
 )
+from cohort.errors import Exit
+from cohort.events.connection import Client
+from cohort.events.models import Dataset
 
 if TYPE_CHECKING:
-    from cohort.worker.client import Worker
+    from cohort.worker.membership.client import Worker
 
 SYNTHETIC = Dataset(size=60_000, adapts=True)
 """What these workers declare: they make their data to whatever size the job has, so a job
@@ -96,7 +95,7 @@ def run_worker(
     The first SIGINT/SIGTERM finishes the step and leaves (before the join is answered: takes
     the join back and exits 0); a WorkerError exits 4.
     """
-    from cohort.worker.client import Worker
+    from cohort.worker.membership.client import Worker
 
     conn = redis_client(ctx, name, wait_for_redis)
 
@@ -158,7 +157,7 @@ def worker(
     It uses exactly the API a real training script uses (cohort.Worker). The first
     SIGINT/SIGTERM finishes the current step and leaves; a second exits at once.
     """
-    from cohort.worker.simulated import run
+    from cohort.worker.loop.simulated import run
 
     run_worker(
         ctx,
@@ -250,7 +249,7 @@ def example_worker(
     import numpy as np
 
     from cohort.example import run
-    from cohort.worker.elastic import ElasticJob
+    from cohort.worker.loop.elastic import ElasticJob
 
     conn = redis_client(ctx, "cohort-example-worker", wait_for_redis)
     summary = summarised(

@@ -18,14 +18,13 @@ from cohort.events.codec import FIELD, encode
 from cohort.events.keys import Keys
 from cohort.events.models import WorldChanged
 from cohort.events.shards import Shard
-from cohort.worker import calls
-from cohort.worker import wire as wire_module
-from cohort.worker.collective import Collective, Participant
+from cohort.worker.collective import wire as wire_module
+from cohort.worker.collective.redis_collective import Collective, Participant, calls
+from cohort.worker.collective.tensors import pieces
+from cohort.worker.collective.tensors import unpack as unpack_blob
+from cohort.worker.collective.wire import Wire
 from cohort.worker.errors import CollectiveError, CollectiveTimeout, WorldChangedError
-from cohort.worker.tensors import pieces
-from cohort.worker.tensors import unpack as unpack_blob
-from cohort.worker.view import Assignment
-from cohort.worker.wire import Wire
+from cohort.worker.membership.view import Assignment
 from tests.helpers import wait_until
 
 JOB = "coll"
@@ -94,7 +93,7 @@ def _tensors(rank: int, dtype: str) -> dict[str, np.ndarray]:
 
 
 def test_the_real_worker_satisfies_the_participant_protocol() -> None:
-    from cohort.worker.client import Worker
+    from cohort.worker.membership.client import Worker
 
     worker: Participant = Worker(fakeredis.FakeRedis(), JOB, worker_id="w0")
     assert worker.id == "w0"

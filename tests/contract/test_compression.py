@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import redis
 
-from cohort.worker.collective import Collective
+from cohort.worker.collective.compressors import Int8Feedback, PowerSGD, compressor
+from cohort.worker.collective.redis_collective import Collective
+from cohort.worker.collective.tensors import unpack as unpack_blob
 from cohort.worker.errors import CollectiveError
-from cohort.worker.feedback import Int8Feedback, PowerSGD, compressor
-from cohort.worker.tensors import unpack as unpack_blob
 from tests.contract.test_collective import KEYS, StandIn, _members, _ok, run_ranks
 
 N = 3

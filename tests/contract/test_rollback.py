@@ -16,8 +16,7 @@ from cohort.coordinator.service import Coordinator
 from cohort.events.keys import Keys
 from cohort.events.models import Heartbeat, LeaderElected, WorkerJoined
 from cohort.events.streams import Inbox, Journal
-
-from .test_service import JOB, drive, join, settings
+from tests.contract.test_service import JOB, drive, join, settings
 
 KEYS = Keys(JOB)
 

@@ -28,9 +28,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
 
 from cohort.events.connection import RedisSettings, connect  # noqa: E402
 from cohort.events.keys import Keys  # noqa: E402
-from cohort.worker.c10d_store import RedisStore  # noqa: E402
-from cohort.worker.rendezvous_backend import RedisRendezvousBackend  # noqa: E402
-from cohort.worker.torchrun import JournalStateHolder, agent_id  # noqa: E402
+from cohort.worker.pytorch.torchrun.c10d_store import RedisStore  # noqa: E402
+from cohort.worker.pytorch.torchrun.handler import JournalStateHolder, agent_id  # noqa: E402
+from cohort.worker.pytorch.torchrun.rendezvous_backend import RedisRendezvousBackend  # noqa: E402
 
 JOB = "rdzv"
 

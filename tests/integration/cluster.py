@@ -20,8 +20,7 @@ from cohort.events.codec import decode_command, decode_fact
 from cohort.events.keys import Keys
 from cohort.events.models import Command, Fact
 from cohort.events.streams import ZERO, Inbox, Journal, id_ms
-
-from ..helpers import wait_until
+from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,8 +7,7 @@ import pytest
 
 from cohort.localredis import LocalCluster, LocalRedis
 from tests.helpers import require_redis_server
-
-from .cluster import Cluster
+from tests.integration.cluster import Cluster
 
 
 @pytest.fixture

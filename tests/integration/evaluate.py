@@ -11,7 +11,7 @@ import numpy as np
 
 import cohort
 from cohort import mlp
-from cohort.worker import tensors
+from cohort.worker.collective import tensors
 
 
 def main(url: str, job: str, name: str, every: int) -> None:

@@ -10,7 +10,7 @@ from datetime import timedelta
 from types import ModuleType
 from typing import NoReturn
 
-from .cluster import ROOT
+from tests.integration.cluster import ROOT
 
 
 def load_example(name: str) -> ModuleType:

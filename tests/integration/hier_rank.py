@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 
 import cohort
-from cohort.worker.collective import Collective
+from cohort.worker.collective.hierarchy import HierarchicalCollective
+from cohort.worker.collective.redis_collective import Collective
 from cohort.worker.errors import WorldChangedError
-from cohort.worker.hierarchy import HierarchicalCollective
-from cohort.worker.view import Assignment
+from cohort.worker.membership.view import Assignment
 
 ABORTED = 3
 

@@ -30,7 +30,7 @@ from cohort.events.models import JobConfig, Join, WorkerJoined
 from cohort.events.streams import Inbox, Journal
 from cohort.example import run as train
 from cohort.localredis import LocalRedis
-from cohort.worker.elastic import ElasticJob
+from cohort.worker.loop.elastic import ElasticJob
 from tests.helpers import require_redis_server
 
 pytestmark = pytest.mark.redis_server

@@ -23,9 +23,8 @@ from cohort.events.errors import DecodeError
 from cohort.events.keys import Keys
 from cohort.events.models import Join, LeaderElected, WorkerJoined, WorldChanged
 from cohort.localredis import LocalRedis
-
-from ..helpers import wait_until
-from .cluster import Cluster, Process
+from tests.helpers import wait_until
+from tests.integration.cluster import Cluster, Process
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

@@ -31,10 +31,9 @@ from cohort.events.models import (
 )
 from cohort.events.shards import Shard
 from cohort.localredis import LocalRedis
-from cohort.worker import checkpoints
-
-from ..helpers import wait_until
-from .cluster import Cluster, ms
+from cohort.worker.loop import checkpoints
+from tests.helpers import wait_until
+from tests.integration.cluster import Cluster, ms
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

@@ -18,9 +18,8 @@ from cohort.events.keys import Keys
 from cohort.events.models import Join, StepDone, WeightsLoaded
 from cohort.events.streams import Inbox
 from cohort.localredis import LocalRedis
-
-from ..helpers import require_redis_server, wait_until
-from .cluster import Cluster
+from tests.helpers import require_redis_server, wait_until
+from tests.integration.cluster import Cluster
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

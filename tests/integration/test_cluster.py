@@ -24,10 +24,8 @@ from cohort.events.connection import RedisSettings, connect, primaries
 from cohort.events.keys import Keys
 from cohort.events.models import Join, StepCommitted, WorkerFailed
 from cohort.localredis import LocalCluster
-from cohort.worker import placement
-from cohort.worker.collective import Collective
-
-from .cluster import Cluster
+from cohort.worker.collective.redis_collective import Collective, placement
+from tests.integration.cluster import Cluster
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 
@@ -260,7 +258,7 @@ def test_a_worker_s_own_credential_lives_on_every_node_signs_and_is_revoked_on_e
 
     from cohort import acl
     from cohort.events import identity
-    from cohort.worker.client import Worker
+    from cohort.worker.membership.client import Worker
 
     job, nodes = "cluster-ident", [n.port for n in redis_cluster.nodes]
     secret = acl.issue(conn, job, ["w1"])["w1"]

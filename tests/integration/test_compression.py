@@ -23,11 +23,10 @@ from bench.allreduce import Fixed  # noqa: E402
 from bench.compress import convergence, load_example  # noqa: E402
 from cohort.events.connection import RedisSettings, connect  # noqa: E402
 from cohort.localredis import LocalRedis  # noqa: E402
-from cohort.worker.collective import Collective  # noqa: E402
-from cohort.worker.torch_sync import LocalSGD  # noqa: E402
+from cohort.worker.collective.redis_collective import Collective  # noqa: E402
+from cohort.worker.pytorch.sync import LocalSGD  # noqa: E402
 from tests.helpers import require_redis_server  # noqa: E402
-
-from .cluster import ROOT, Cluster  # noqa: E402
+from tests.integration.cluster import ROOT, Cluster  # noqa: E402
 
 pytestmark = pytest.mark.redis_server
 STEPS = 300

@@ -16,9 +16,8 @@ import pytest
 from cohort.events.keys import Keys
 from cohort.events.models import Heartbeat, Join, JoinRefused, LeaderElected, WorkerJoined
 from cohort.events.streams import Inbox
-
-from ..helpers import wait_until
-from .cluster import Cluster, ms
+from tests.helpers import wait_until
+from tests.integration.cluster import Cluster, ms
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

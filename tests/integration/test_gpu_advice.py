@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 
 from cohort.events.models import GpuAdviceCleared, GpuAdviceIssued, GpuDevice
-from cohort.worker.client import Worker
-from cohort.worker.view import GpuAdvice
-
-from ..helpers import wait_until
-from .cluster import Cluster
+from cohort.worker.membership.client import Worker
+from cohort.worker.membership.view import GpuAdvice
+from tests.helpers import wait_until
+from tests.integration.cluster import Cluster
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

@@ -20,11 +20,10 @@ from cohort.events.codec import FIELD, encode
 from cohort.events.keys import Keys
 from cohort.events.models import WorldChanged
 from cohort.events.shards import Shard
-from cohort.worker.hierarchy import job_segments_prefix
-
-from ..helpers import wait_until
-from .cluster import Cluster
-from .hier_rank import ABORTED, tensors
+from cohort.worker.collective.hierarchy import job_segments_prefix
+from tests.helpers import wait_until
+from tests.integration.cluster import Cluster
+from tests.integration.hier_rank import ABORTED, tensors
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

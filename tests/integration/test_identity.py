@@ -47,10 +47,9 @@ from cohort.events.models import (
 from cohort.events.streams import Inbox, Journal
 from cohort.example import run as train
 from cohort.localredis import LocalRedis
-from cohort.worker.elastic import ElasticJob
-
-from ..helpers import wait_until
-from .cluster import Cluster
+from cohort.worker.loop.elastic import ElasticJob
+from tests.helpers import wait_until
+from tests.integration.cluster import Cluster
 
 pytestmark = pytest.mark.redis_server
 
@@ -354,7 +353,7 @@ def test_cohort_acl_worker_prints_a_url_whose_worker_signs_as_itself(job: Job) -
     shown = next(line for line in issued.stdout.splitlines() if line.startswith("# worker d: "))
     conn = job.connect(shown.split()[3])
     try:
-        from cohort.worker.client import Worker
+        from cohort.worker.membership.client import Worker
 
         worker = Worker(conn, JOB)  # no id given: its credential's
         assert worker.id == "d" and worker.signer is not None

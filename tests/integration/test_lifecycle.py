@@ -13,8 +13,7 @@ import pytest
 from cohort.errors import Exit
 from cohort.events.keys import Keys
 from cohort.events.models import CheckpointSaved, JobFinished, WorkerFailed
-
-from .cluster import Cluster
+from tests.integration.cluster import Cluster
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

@@ -23,13 +23,12 @@ from cohort.events.keys import Keys
 from cohort.events.models import Heartbeat, WorkerJoined, WorldChanged
 from cohort.events.streams import Inbox
 from cohort.localredis import LocalRedis
-from cohort.worker.client import Worker
-from cohort.worker.collective import Collective
+from cohort.worker.collective.redis_collective import Collective
 from cohort.worker.errors import MemoryBudgetError
-from cohort.worker.retry import Link, with_retry
+from cohort.worker.membership.client import Worker
+from cohort.worker.membership.retry import Link, with_retry
 from tests.helpers import require_redis_server, wait_until
-
-from .cluster import Cluster
+from tests.integration.cluster import Cluster
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

@@ -26,10 +26,9 @@ import pytest
 
 from cohort.errors import Exit
 from cohort.localredis import LocalRedis
-
-from ..helpers import require_redis_server
-from .cluster import ROOT, Cluster, Process
-from .test_cli import cohort
+from tests.helpers import require_redis_server
+from tests.integration.cluster import ROOT, Cluster, Process
+from tests.integration.test_cli import cohort
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

@@ -13,8 +13,7 @@ import pytest
 from cohort.coordinator.audit import audit
 from cohort.events.models import StepCommitted, WorkerFailed, WorldChanged
 from cohort.localredis import LocalRedis
-
-from .cluster import Cluster
+from tests.integration.cluster import Cluster
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

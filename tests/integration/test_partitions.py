@@ -18,9 +18,8 @@ from cohort.coordinator.audit import audit
 from cohort.coordinator.fold import fold
 from cohort.events.models import LeaderElected, StepCommitted, WorkerFailed, WorkerJoined
 from cohort.localredis import LocalRedis
-
-from .cluster import Cluster, Process
-from .proxy import Proxy
+from tests.integration.cluster import Cluster, Process
+from tests.integration.proxy import Proxy
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .cluster import ROOT, Cluster
+from tests.integration.cluster import ROOT, Cluster
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from cohort.events.models import EvalReported, WorkerFailed, WorldChanged
-
-from .cluster import Cluster
+from tests.integration.cluster import Cluster
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 
@@ -94,7 +93,7 @@ def test_a_workers_gpu_workload_and_transfer_queue_show_in_status_and_metrics(
     import re
     import urllib.request
 
-    from ..helpers import wait_until
+    from tests.helpers import wait_until
 
     leader = cluster.coordinator("c1", "--metrics-port", "0", "--heartbeat-timeout", "600")
     w = cluster.python("w", "-m", "tests.integration.gpu_workload", cluster.url, cluster.job, "w")

@@ -17,8 +17,7 @@ from cohort.events.connection import RedisSettings, connect
 from cohort.events.models import LeaderElected, StepCommitted
 from cohort.localredis import HOST, LocalRedis, LocalSentinel
 from tests.helpers import require_redis_server, wait_until
-
-from .cluster import Cluster
+from tests.integration.cluster import Cluster
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ..helpers import wait_until
-from .cluster import Cluster
+from tests.helpers import wait_until
+from tests.integration.cluster import Cluster
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

@@ -13,12 +13,11 @@ import pytest
 from cohort.errors import Exit
 from cohort.events.connection import RedisSettings, connect
 from cohort.localredis import LocalRedis, free_port
-from cohort.worker.client import Worker
 from cohort.worker.errors import RedisUnreachable
-
-from ..helpers import wait_until
-from .cluster import Cluster
-from .test_cli import cohort
+from cohort.worker.membership.client import Worker
+from tests.helpers import wait_until
+from tests.integration.cluster import Cluster
+from tests.integration.test_cli import cohort
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

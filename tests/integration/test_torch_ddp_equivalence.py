@@ -26,9 +26,8 @@ else:
 
 from cohort.coordinator.audit import committed_batches  # noqa: E402
 from cohort.localredis import free_port  # noqa: E402
-
-from .cluster import Cluster  # noqa: E402
-from .gloo import join_gloo, leave_gloo, load_example  # noqa: E402
+from tests.integration.cluster import Cluster  # noqa: E402
+from tests.integration.gloo import join_gloo, leave_gloo, load_example  # noqa: E402
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

@@ -33,8 +33,7 @@ else:
 
 from cohort.localredis import free_port  # noqa: E402
 from tests.helpers import wait_until  # noqa: E402
-
-from .cluster import Cluster, Process  # noqa: E402
+from tests.integration.cluster import Cluster, Process  # noqa: E402
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 
@@ -87,9 +86,9 @@ def plain_rank(rank: int, port: int, victim: int) -> None:
 def cohort_rank(url: str, job: str, name: str, victim: bool, steps_alone: int) -> None:
     """A cohort worker: a gloo group per world from Rendezvous, all_reduce through its guard."""
     from cohort.events.connection import RedisSettings, connect
-    from cohort.worker.client import Worker
     from cohort.worker.errors import WorldChangedError
-    from cohort.worker.torchdist import Rendezvous
+    from cohort.worker.membership.client import Worker
+    from cohort.worker.pytorch.dist import Rendezvous
 
     conn = connect(RedisSettings(url=url))
     worker = Worker(conn, job, worker_id=name)
@@ -137,8 +136,8 @@ def finishing_rank(url: str, job: str, name: str, steps: int, first: bool) -> No
     """A cohort worker that trains `steps` steps in a world of two and ends normally: the
     `first` leaves at once; the other waits (its watchdog running) until the first has left."""
     from cohort.events.connection import RedisSettings, connect
-    from cohort.worker.client import Worker
-    from cohort.worker.torchdist import Rendezvous
+    from cohort.worker.membership.client import Worker
+    from cohort.worker.pytorch.dist import Rendezvous
 
     conn = connect(RedisSettings(url=url))
     worker = Worker(conn, job, worker_id=name)

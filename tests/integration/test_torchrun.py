@@ -26,9 +26,8 @@ import pytest
 
 from cohort.events.models import WorkerFailed, WorkerJoined, WorkerLeft
 from cohort.localredis import LocalRedis
-
-from ..helpers import wait_until
-from .cluster import ROOT, Cluster
+from tests.helpers import wait_until
+from tests.integration.cluster import ROOT, Cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis_server]
 torch = pytest.importorskip("torch")
@@ -66,7 +65,7 @@ class Node:
 
     @property
     def agent(self) -> str:
-        """How its worker id in the cohort job ends (cohort/worker/torchrun.py agent_id)."""
+        """How its worker id in the cohort job ends (handler.py's agent_id)."""
         return f"-{self.popen.pid}-0"
 
     def lines(self) -> list[dict[str, Any]]:

@@ -10,9 +10,8 @@ import pytest
 from cohort import example, mlp
 from cohort.coordinator.audit import audit
 from cohort.events.models import Heartbeat, Join, StepCommitted, WorkerFailed, WorldChanged
-
-from ..helpers import wait_until
-from .cluster import Cluster, ms
+from tests.helpers import wait_until
+from tests.integration.cluster import Cluster, ms
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

@@ -12,8 +12,7 @@ from cohort.coordinator.fold import fold
 from cohort.events.deal import leftover, merge
 from cohort.events.models import StepCommitted, WorkerFailed, WorldChanged
 from cohort.localredis import LocalRedis
-
-from .cluster import Cluster, ms
+from tests.integration.cluster import Cluster, ms
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

@@ -1,5 +1,5 @@
 """A constant global batch in PyTorch: micro-batches accumulated in place give the gradient
-of the rank's whole share, weighted for the world's mean (worker/torch_elastic.py)."""
+of the rank's whole share, weighted for the world's mean (worker/pytorch/elastic.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from cohort.events.order import Order  # noqa: E402
-from cohort.worker.elastic import Step  # noqa: E402
-from cohort.worker.torch_elastic import ElasticJob  # noqa: E402
+from cohort.worker.loop.elastic import Step  # noqa: E402
+from cohort.worker.pytorch.elastic import ElasticJob  # noqa: E402
 
 
 def test_micro_batches_accumulate_to_the_share_s_gradient_times_its_weight() -> None:
@@ -52,7 +52,7 @@ def test_a_loader_over_an_iterable_dataset_is_refused_by_name() -> None:
     from torch.utils.data import DataLoader, IterableDataset
 
     from cohort.worker.errors import WorkerError
-    from cohort.worker.torch_loader import StepLoader
+    from cohort.worker.pytorch.loader import StepLoader
 
     class Stream(IterableDataset):  # type: ignore[type-arg]
         def __iter__(self):  # type: ignore[no-untyped-def]

@@ -10,8 +10,9 @@ import pytest
 
 from cohort.events.models import DataPosition
 from cohort.events.shards import Shard
-from cohort.worker import checkpoints, tensors
-from cohort.worker.checkpoints import CheckpointError
+from cohort.worker.collective import tensors
+from cohort.worker.loop import checkpoints
+from cohort.worker.loop.checkpoints import CheckpointError
 
 POSITION = DataPosition(epoch=2, rest=Shard(ranges=((10, 40), (70, 90))))
 

@@ -1,5 +1,5 @@
-"""Gradient compression without Redis: the int8 and low-rank codes (worker/compress.py) and
-their error feedback (worker/feedback.py) over a stand-in collective of one rank that
+"""Gradient compression without Redis: the int8 and low-rank codes (worker/collective/codes.py) and
+their error feedback (worker/collective/compressors.py) over a stand-in collective of one rank that
 sends values the way the int8 transport would."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from cohort.worker import compress
-from cohort.worker.collective import Collective
+from cohort.worker.collective import codes as compress
+from cohort.worker.collective.compressors import Int8Feedback, PowerSGD, compressor
+from cohort.worker.collective.layout import flatten, received, transported, unflatten
+from cohort.worker.collective.redis_collective import Collective
 from cohort.worker.errors import WorldChangedError
-from cohort.worker.feedback import Int8Feedback, PowerSGD, compressor
-from cohort.worker.layout import flatten, received, transported, unflatten
 
 
 class Alone:
@@ -215,7 +215,7 @@ def test_an_unknown_compression_is_refused_by_name() -> None:
 
 def test_local_sgd_compresses_pseudo_gradients_only() -> None:
     torch = pytest.importorskip("torch")
-    from cohort.worker.torch_sync import LocalSGD
+    from cohort.worker.pytorch.sync import LocalSGD
 
     model = torch.nn.Linear(3, 2)
     fake: Collective = alone()
@@ -229,7 +229,7 @@ def test_local_sgd_compresses_pseudo_gradients_only() -> None:
 def test_sync_gradients_compresses_a_model_of_any_float_width(dtype: str) -> None:
     """float32 gradients take PowerSGD's result in place; other widths get it cast back."""
     torch = pytest.importorskip("torch")
-    from cohort.worker.torch_sync import sync_gradients
+    from cohort.worker.pytorch.sync import sync_gradients
 
     model = torch.nn.Linear(64, 48).to(getattr(torch, dtype))
     model(torch.randn(4, 64, dtype=getattr(torch, dtype))).sum().backward()

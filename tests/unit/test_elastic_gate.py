@@ -16,10 +16,9 @@ import pytest
 
 from cohort.events import models as m
 from cohort.events.shards import Shard
-from cohort.worker.elastic import Elastic, Step
-from cohort.worker.view import order_for
-
-from .test_worker_client import JOB, Leader, fact
+from cohort.worker.loop.elastic import Elastic, Step
+from cohort.worker.membership.view import order_for
+from tests.unit.test_worker_client import JOB, Leader, fact
 
 ME = "w-me"
 

@@ -13,7 +13,7 @@ import pytest
 
 from cohort.events.clock import ManualClock
 from cohort.events.models import GpuDevice
-from cohort.worker.gpu import GpuProbe, GpuSampler, NoGpuProbe, NvmlProbe, probe
+from cohort.worker.telemetry.gpu import GpuProbe, GpuSampler, NoGpuProbe, NvmlProbe, probe
 
 GiB = 2**30
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from cohort.events.models import Node, WorkerJoined, WorldChanged
 from cohort.events.shards import Shard
-from cohort.worker import view as views
-from cohort.worker.hierarchy import Hosts, job_segments_prefix, segment_name
+from cohort.worker.collective.hierarchy import Hosts, job_segments_prefix, segment_name
+from cohort.worker.membership import view as views
 
 
 def test_each_hosts_lowest_rank_leads_and_hosts_are_ordered_by_it() -> None:

@@ -25,8 +25,7 @@ from cohort.events.models import (
     WorkerFailed,
     WorkerJoined,
 )
-
-from .test_service import JOB, Setup, drain, leader_of
+from tests.unit.test_service import JOB, Setup, drain, leader_of
 
 JOB_KEY = b"k" * 32
 

@@ -21,8 +21,7 @@ from cohort.events.models import (
     WorkerFailed,
     WorldChanged,
 )
-
-from .job import Job
+from tests.unit.job import Job
 
 NAMES = [f"w{i}" for i in range(6)]
 

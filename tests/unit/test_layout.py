@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from cohort.worker.errors import CollectiveError
-from cohort.worker.layout import (
+from cohort.worker.collective.layout import (
     FLOATS,
     HALF_MAX,
     bounds,
@@ -22,6 +21,7 @@ from cohort.worker.layout import (
     transported,
     unflatten,
 )
+from cohort.worker.errors import CollectiveError
 
 float_arrays = st.sampled_from([*FLOATS, ">f4", ">f8"]).flatmap(
     lambda dtype: hnp.arrays(

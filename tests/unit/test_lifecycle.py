@@ -15,8 +15,7 @@ from cohort.events.models import (
     JoinRefused,
     WorkerLeft,
 )
-
-from .job import Job, types
+from tests.unit.job import Job, types
 
 
 def test_the_commit_of_the_last_step_finishes_the_job_with_the_final_digest() -> None:

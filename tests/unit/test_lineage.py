@@ -25,8 +25,7 @@ from cohort.events.models import (
     WorldChanged,
 )
 from cohort.events.shards import Shard
-
-from .job import Job, types
+from tests.unit.job import Job, types
 
 URI = "file:///ckpt/job"
 

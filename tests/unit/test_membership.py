@@ -16,8 +16,7 @@ from cohort.events.models import (
     WorkerFailed,
     WorldChanged,
 )
-
-from .job import Job, types
+from tests.unit.job import Job, types
 
 
 def test_training_starts_once_min_workers_have_loaded_weights() -> None:

@@ -11,9 +11,8 @@ from hypothesis import strategies as st
 from cohort.coordinator.audit import audit, committed_batches
 from cohort.events.models import Fact, JobConfig, StepCommitted
 from cohort.events.order import SCALAR_BELOW, Order, positions
-from cohort.worker import view as views
-
-from .job import Job
+from cohort.worker.membership import view as views
+from tests.unit.job import Job
 
 sizes = st.integers(1, 5000)
 seeds = st.integers(0, 2**53)

@@ -10,7 +10,7 @@ import pytest
 
 from cohort.events import models as m
 from cohort.worker.errors import Stopped, WorkerError
-from cohort.worker.outbox import Outbox
+from cohort.worker.membership.outbox import Outbox
 
 
 def done(step: int) -> m.StepDone:

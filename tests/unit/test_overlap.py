@@ -1,4 +1,4 @@
-"""Gradients averaged while backward runs (worker/overlap.py), ranks as threads sharing the
+"""Gradients averaged while backward runs (worker/pytorch/overlap.py), ranks as threads sharing the
 fake collective of test_torch_state: each bucket as soon as backward made it whole, in
 the same order on every rank, with the same means as averaging after backward."""
 
@@ -17,11 +17,10 @@ else:
     torch = pytest.importorskip("torch")
 
 from cohort.worker.errors import WorldChangedError  # noqa: E402
-from cohort.worker.overlap import AccumulationError, OverlappedGradients  # noqa: E402
-from cohort.worker.torch_sync import GRADIENTS, call_id  # noqa: E402
+from cohort.worker.pytorch.overlap import AccumulationError, OverlappedGradients  # noqa: E402
+from cohort.worker.pytorch.sync import GRADIENTS, call_id  # noqa: E402
 from tests.helpers import wait_until  # noqa: E402
-
-from .test_torch_state import FakeCollective, FakeGroup  # noqa: E402
+from tests.unit.test_torch_state import FakeCollective, FakeGroup  # noqa: E402
 
 
 class Net(torch.nn.Module):

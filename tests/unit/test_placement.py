@@ -20,8 +20,7 @@ from cohort.events.models import (
 )
 from cohort.events.order import Order
 from cohort.events.shards import Shard, range_count
-
-from .job import Job, types
+from tests.unit.job import Job, types
 
 FILES = tuple([40, 25, 60, 10, 33, 47, 21, 52, 38, 14, 29, 31])
 DATA = Dataset(size=sum(FILES), fingerprint="twelve-files", files=FILES)

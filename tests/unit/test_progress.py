@@ -10,8 +10,7 @@ from cohort.coordinator.fold import fold
 from cohort.coordinator.metrics import Metrics
 from cohort.coordinator.progress import progress
 from cohort.coordinator.state import RATE_WINDOW
-
-from .job import Job
+from tests.unit.job import Job
 
 SECONDS_PER_STEP = 0.5
 

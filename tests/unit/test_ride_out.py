@@ -12,7 +12,7 @@ import redis
 from cohort.events.clock import ManualClock
 from cohort.events.errors import SettingsError
 from cohort.worker.errors import OutageTooLong, RedisUnreachable
-from cohort.worker.retry import DEFAULT_RIDE_OUT, Link, ride_out_of, with_retry
+from cohort.worker.membership.retry import DEFAULT_RIDE_OUT, Link, ride_out_of, with_retry
 
 
 def test_the_link_counts_outage_time_across_outages() -> None:

@@ -8,8 +8,7 @@ from cohort.coordinator.replay import view
 from cohort.coordinator.series import series
 from cohort.events.codec import decode_fact
 from cohort.events.models import EvalDone, EvalReported, Join, WorkerJoined
-
-from .job import JOB, Job, types
+from tests.unit.job import JOB, Job, types
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "events"
 
@@ -104,7 +103,7 @@ def test_an_evaluators_bad_report_is_refused_naming_the_value() -> None:
     import fakeredis
     import pytest
 
-    from cohort.worker.evaluator import Evaluator
+    from cohort.worker.loop.evaluator import Evaluator
 
     evaluator = Evaluator(fakeredis.FakeRedis(), JOB, worker_id="e")
     with pytest.raises(ValueError, match="evaluation metrics.bad name='bad name': String"):

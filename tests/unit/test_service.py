@@ -36,8 +36,7 @@ from cohort.events.models import (
     WorkerFailed,
     WorkerJoined,
 )
-
-from .memory import MemoryLease, MemoryLog
+from tests.unit.memory import MemoryLease, MemoryLog
 
 JOB = "mem"
 

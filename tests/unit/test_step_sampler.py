@@ -1,5 +1,5 @@
 """The loader's batch sampler follows the journal's plan: a step's micro-batches in order,
-and after a rewind exactly the rest of the epoch's order (worker/torch_loader.py)."""
+and after a rewind exactly the rest of the epoch's order (worker/pytorch/loader.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 from cohort.events import models as m
 from cohort.events.shards import Shard
-from cohort.worker.torch_loader import StepSampler
-from cohort.worker.view import View, fold
+from cohort.worker.membership.view import View, fold
+from cohort.worker.pytorch.loader import StepSampler
 
 JOB = "unit"
 

@@ -12,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from cohort.worker.errors import BlobError
-from cohort.worker.tensors import (
+from cohort.worker.collective.tensors import (
     DTYPES,
     MAX_HEADER_BYTES,
     MAX_TENSORS,
@@ -23,6 +22,7 @@ from cohort.worker.tensors import (
     pieces,
     unpack,
 )
+from cohort.worker.errors import BlobError
 
 SHAPES = [(), (0,), (3,), (2, 0, 5), (4, 5), (2, 3, 4)]
 

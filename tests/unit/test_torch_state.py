@@ -1,4 +1,5 @@
-"""cohort.worker.torch_sync without Redis: state blobs, bucketed gradient averaging, local SGD math.
+"""cohort.worker.pytorch.sync without Redis: state blobs, bucketed gradient averaging, local
+SGD math.
 
 Ranks are threads sharing a `FakeGroup` whose allreduce averages in float64 and casts back,
 as `Collective` does.
@@ -21,9 +22,11 @@ if os.environ.get("CI") == "true":
 else:
     torch = pytest.importorskip("torch")
 
-from cohort.worker import calls  # noqa: E402
-from cohort.worker import torch_sync as ct  # noqa: E402
-from cohort.worker.collective import World  # noqa: E402
+from cohort.worker.collective.redis_collective import (
+    World,  # noqa: E402
+    calls,  # noqa: E402
+)
+from cohort.worker.pytorch import sync as ct  # noqa: E402
 
 
 class FakeGroup:

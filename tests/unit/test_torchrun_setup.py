@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from cohort.events import models as m
-from cohort.worker import view as views
+from cohort.worker.membership import view as views
 
 torch = pytest.importorskip("torch")
 
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters  # noqa: E402
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc  # noqa: E402
 
-from cohort.worker import torchrun  # noqa: E402
+from cohort.worker.pytorch.torchrun import handler as torchrun  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
@@ -30,7 +30,7 @@ def params(endpoint: str = "redis://127.0.0.1:1/0", run_id: str = "job", **conf:
 def test_pyproject_declares_the_torchrun_entry_point_and_it_gives_the_creator() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     target = project["entry-points"]["torchrun.handlers"]["cohort"]
-    assert target == "cohort.worker.torchrun:entry_point"
+    assert target == "cohort.worker.pytorch.torchrun.handler:entry_point"
     assert torchrun.entry_point() is torchrun.create_handler
 
 

@@ -7,9 +7,9 @@ import pytest
 from cohort.coordinator import gpu_rules
 from cohort.events.clock import ManualClock
 from cohort.events.models import GpuDevice, GpuReading
-from cohort.worker import view as views
-from cohort.worker.transfers import MB, TransferScheduler
-from cohort.worker.view import GpuAdvice, View
+from cohort.worker.membership import view as views
+from cohort.worker.membership.transfers import MB, TransferScheduler
+from cohort.worker.membership.view import GpuAdvice, View
 
 CALM = GpuAdvice()
 PRESSURE = GpuAdvice(prefetch_factor=0.5, prioritise_model_files=True, rules=("mem",))

@@ -22,8 +22,6 @@ from cohort.events import models as m
 from cohort.events.keys import BadJobName, Keys
 from cohort.events.shards import Shard
 from cohort.events.streams import ZERO, Inbox, Journal
-from cohort.worker import client, simulated
-from cohort.worker.client import Worker
 from cohort.worker.errors import (
     Finished,
     JoinRefusedError,
@@ -32,6 +30,9 @@ from cohort.worker.errors import (
     Stopped,
     WorldChangedError,
 )
+from cohort.worker.loop import simulated
+from cohort.worker.membership import client
+from cohort.worker.membership.client import Worker
 from tests.helpers import wait_until
 
 JOB = "unit"
@@ -199,7 +200,7 @@ def test_a_worker_started_before_any_coordinator_heartbeats_until_its_join_is_an
 def test_a_stop_ends_the_wait_for_a_coordinator_and_withdraws_the_join(
     server, make_worker, pool, monkeypatch, how
 ) -> None:
-    monkeypatch.setattr("worker.client.os._exit", lambda code: None)
+    monkeypatch.setattr("cohort.worker.membership.client.os._exit", lambda code: None)
     leader = Leader(server)
     worker = make_worker(heartbeat_interval=0.02)
     stop = threading.Event()
@@ -524,7 +525,7 @@ def test_first_signal_asks_to_stop_and_the_second_exits_now(
     leader, make_worker, monkeypatch
 ) -> None:
     exits: list[int] = []
-    monkeypatch.setattr("worker.client.os._exit", exits.append)
+    monkeypatch.setattr("cohort.worker.membership.client.os._exit", exits.append)
     worker = make_worker()
     worker.on_signal(signal.SIGTERM, None)
     assert worker.stopping.is_set() and exits == []

@@ -12,7 +12,7 @@ from cohort.events import models as m
 from cohort.events.deal import batch as deal_batch
 from cohort.events.shards import Range, Shard
 from cohort.worker.errors import NotAssigned
-from cohort.worker.view import KEEP_PLANS, View, batch, evolve, fold
+from cohort.worker.membership.view import KEEP_PLANS, View, batch, evolve, fold
 
 JOB = "unit"
 ME = "me"
@@ -237,7 +237,7 @@ def test_a_fact_the_worker_has_no_use_for_leaves_the_view_unchanged() -> None:
 
 def test_gpu_advice_combines_to_the_smallest_factor_and_longest_delay() -> None:
     from cohort.events.models import GpuAdviceCleared, GpuAdviceIssued
-    from cohort.worker.view import View, evolve, gpu_advice
+    from cohort.worker.membership.view import View, evolve, gpu_advice
 
     def issued(device: int, rule: str, action: str, **kw: float) -> GpuAdviceIssued:
         return GpuAdviceIssued(

@@ -8,9 +8,8 @@ import pytest
 from cohort.coordinator.metrics import Metrics
 from cohort.coordinator.replay import view
 from cohort.events.models import RegisterWorkload, TransfersWaiting, Workload
-from cohort.worker.client import Worker
-
-from .job import JOB, Job, types
+from cohort.worker.membership.client import Worker
+from tests.unit.job import JOB, Job, types
 
 LABELS = {"job": "unit", "coordinator": "c1"}
 

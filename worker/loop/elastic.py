@@ -1,0 +1,587 @@
+"""The elastic training loop, written once: what a script would otherwise write itself.
+
+`Elastic` owns a job's membership and walks its steps: it joins (and waits for a
+coordinator, however late it starts), brings every new world the weights it starts from
+(rank 0's own, the initial ones, or a checkpoint rank 0 loads) and broadcasts them,
+hands out this rank's samples of each step, reports the step and waits for it to commit,
+writes the checkpoints the leader asks for in the background, and leaves at the end.
+
+A framework plugs in through `TrainingState` (its weights: digest, broadcast, snapshot,
+load, reset); `cohort.torch.ElasticJob` and `cohort.ElasticJob` (numpy) are the two
+front doors built on it.
+
+A step whose collective was cut short by a world change applied nothing: it is retried
+in the new world. A step applied here but never committed (its world changed before any
+rank's report reached the leader, which is rare: the collective completing means every
+rank contributed) leaves this rank's weights ahead of the lineage; the rank then leaves
+and joins again, so that it takes the committed weights from a holder instead of ever
+passing its own on.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from cohort.events import deal
+from cohort.events.connection import Client, RedisSettings, connect
+from cohort.events.keys import check_job
+from cohort.events.models import Dataset, Node
+from cohort.events.order import Order
+from cohort.events.shards import Range
+from cohort.worker.collective.redis_collective import Collective
+from cohort.worker.errors import (
+    Finished,
+    NotAssigned,
+    Stopped,
+    WaitTimeout,
+    WorkerError,
+    WorldChangedError,
+)
+from cohort.worker.loop import checkpoints
+from cohort.worker.membership import view as views
+from cohort.worker.membership.client import Worker
+from cohort.worker.membership.view import Assignment, View
+from cohort.worker.telemetry.node import describe as describe_node
+from cohort.worker.telemetry.node import ranges_of
+
+if TYPE_CHECKING:
+    from cohort.events.order import Indices
+
+log = logging.getLogger("cohort.elastic")
+POLL = 0.5
+JOB_ENV = "COHORT_JOB"
+LOST_LOG_EVERY = 10.0
+
+
+class TrainingState(Protocol):
+    """What the elastic loop needs of a framework's weights and optimizer state."""
+
+    def digest(self) -> str:
+        """A digest of the weights (equal on every rank after every committed step)."""
+        ...
+
+    def broadcast(self, collective: Collective, step: int, world: int) -> None:
+        """Every rank takes rank 0's state (raises WorldChangedError if the world moves)."""
+        ...
+
+    def snapshot(self) -> bytes:
+        """A copy of the whole state, for a checkpoint (taken now; written later)."""
+        ...
+
+    def load(self, blob: bytes) -> None:
+        """Take the state of a `snapshot`."""
+        ...
+
+    def reset(self) -> None:
+        """Back to the initial state (a job resumed from scratch)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One step of the job on this rank: which samples, in which world and data epoch.
+
+    `ranges` are positions in the epoch's `order` (what the journal assigns); `samples`
+    and `indices` are the sample ids at those positions, the ones to train on."""
+
+    step: int
+    world: int
+    epoch: int
+    rank: int
+    world_size: int
+    ranges: tuple[Range, ...]
+    order: Order
+    micro: tuple[tuple[Range, ...], ...] = ((),)
+    """`ranges` in micro-batches of at most the job's `batch_size` (several only when a
+    constant global batch gives this rank more)."""
+    weight: float = 1.0
+    """This rank's gradient weight in the world's mean (events/deal.py `weight`): 1 unless
+    the job keeps a constant global batch."""
+
+    @property
+    def samples(self) -> Indices:
+        """The ids of this step's samples, an int64 array (for numpy indexing)."""
+        return self.order.samples(self.ranges)
+
+    @property
+    def indices(self) -> list[int]:
+        """The ids of this step's samples, as ints (for `dataset[i]`)."""
+        return self.samples.tolist()  # type: ignore[no-any-return]
+
+
+def as_dataset(data: Any) -> Dataset | None:
+    """What a worker declares of `data`: a cohort.Dataset as it is; any sized dataset (a
+    torch Dataset) by its length and its `fingerprint` attribute if it has one (a version
+    tag or content hash: it lets the leader refuse a worker holding other data of the same
+    size), else its class's name."""
+    if data is None or isinstance(data, Dataset):
+        return data
+    try:
+        size = len(data)
+    except TypeError:
+        raise WorkerError(
+            f"dataset= takes a cohort.Dataset or a dataset with a length, not {type(data).__name__}"
+        ) from None
+    kind = type(data)
+    fingerprint = getattr(data, "fingerprint", None) or f"{kind.__module__}.{kind.__qualname__}"
+    return Dataset(size=size, fingerprint=str(fingerprint)[:128])
+
+
+class Elastic:
+    """A training process's membership of job `job`, and the walk over its steps.
+
+    `collective_timeout`: how long a collective waits for its peers while Redis answers
+    (else $COHORT_COLLECTIVE_TIMEOUT, else 60 s); `ride_out`: how long one Redis outage may
+    last before a collective gives up (else $COHORT_RIDE_OUT, else 300 s).
+
+    `dataset`: the data this process trains on (a cohort.Dataset, or any dataset with a
+    length), declared when it joins: the job takes the first declaration, and refuses a
+    worker with other data. `node` and `local_files` say what its machine is and which of
+    the dataset's files it holds (worker/telemetry/node.py describes the rest)."""
+
+    def __init__(
+        self,
+        job: str | None = None,
+        *,
+        redis_url: str | None = None,
+        conn: Client | None = None,
+        worker_id: str | None = None,
+        join_timeout: float | None = None,
+        digest_every: int = 50,
+        signals: bool = True,
+        gpu_interval: float | None = None,
+        dataset: Any = None,
+        node: Node | None = None,
+        local_files: Iterable[int] | Iterable[tuple[int, int]] | None = None,
+        wait_for_redis: float | None = None,
+        collective_timeout: float | None = None,
+        ride_out: float | None = None,
+    ) -> None:
+        job = job or os.environ.get(JOB_ENV)
+        if not job:
+            raise WorkerError(
+                f"no job name: pass one (ElasticJob('mnist')) or set ${JOB_ENV}, the name "
+                "the job's coordinators were started with"
+            )
+        check_job(job)
+        self.conn = conn or connect(RedisSettings.resolve(redis_url, client_name=f"cohort-{job}"))
+        if local_files is not None:
+            node = (node or describe_node()).model_copy(update={"files": ranges_of(local_files)})
+        self.worker = Worker(
+            self.conn,
+            job,
+            worker_id=worker_id,
+            gpu_interval=gpu_interval,
+            dataset=as_dataset(dataset),
+            node=node,
+            wait_for_redis=wait_for_redis,
+        )
+        self.collective = Collective(
+            self.conn, job, self.worker, timeout=collective_timeout, ride_out=ride_out
+        )
+        self.digest_every = digest_every
+        if signals:
+            self.worker.install_signal_handlers()
+        self.joined = False
+        try:
+            self.worker.join(timeout=join_timeout)
+            self.joined = True
+        except Stopped:  # Ctrl-C while waiting for a coordinator: the loops just end
+            log.info("%s was stopped before it joined job %r", self.worker.id, job)
+        self.state: TrainingState | None = None
+        self.world = 0
+        self.world_size = 0
+        self.step = 0
+        self.current: Step | None = None
+        self.aborted = False
+        self.steps_done = 0
+        self._unsettled: Step | None = None
+        """Applied and reported here; its commit not seen yet."""
+        self._digest: str | None = None
+        self._loss: float | None = None
+        self._snapshot: bytes | None = None
+        self._writer: checkpoints.CheckpointWriter | None = None
+        self._world_callbacks: list[Callable[[int, int], None]] = []
+        self._left = False
+
+    # ------------------------------------------------------------ set up
+    def attach(self, state: TrainingState) -> None:
+        """Train `state`; this worker is then ready to be given a rank."""
+        self.state = state
+        if self.joined:
+            self.worker.ready(step=max(self.worker.view.last_committed, 0))
+
+    def record(self, loss: float | None = None) -> None:
+        """A figure of the current step to report with it (the loss, for `cohort report`)."""
+        self._loss = loss
+
+    def on_world_change(self, callback: Callable[[int, int], None]) -> None:
+        """`callback(old_size, new_size)` at every new world (to scale a learning rate)."""
+        self._world_callbacks.append(callback)
+
+    @property
+    def stopping(self) -> bool:
+        return self.worker.stopping.is_set()
+
+    @property
+    def finished(self) -> bool:
+        """The job reached its length: the loop ended with the final weights."""
+        return self.worker.finished
+
+    # ------------------------------------------------------------ the walk
+    def steps(self) -> Iterator[Step]:
+        """Every step this rank trains, in order, until the job finishes or it is stopped.
+
+        Between two `next()` the caller computes the step and applies its update through
+        the job's collective; `abort()` says a world change cut that short. A finished step
+        is reported at once and its commit is awaited only after the next step's work (it
+        has nearly always arrived by then): the wait stays off the critical path.
+        """
+        assert self.state is not None, "attach() the training state first"
+        lost_logged = 0.0
+        try:
+            while not self.stopping:
+                try:
+                    assignment = self.worker.wait_active(POLL)
+                except Finished as end:
+                    log.info("%s: %s; it ends with the final weights", self.worker.id, end)
+                    return
+                except WaitTimeout:
+                    lost_logged = self._say_if_lost(lost_logged)
+                    continue
+                if assignment.world_version != self.world:
+                    self._settle()
+                    if not self._start_world(assignment):
+                        continue
+                self.step = max(self.step, self.worker.next_step)
+                step = self._current(assignment)
+                self.aborted = False
+                started = time.monotonic()
+                yield step
+                if self.aborted:  # nothing was applied: the step is retried in the new world
+                    self._settle()
+                    continue
+                self._report(step, time.monotonic() - started)
+                self._settle()
+                self._unsettled, self.step = step, step.step + 1
+        finally:
+            self._settle()
+
+    def before_apply(self) -> bool:
+        """Called by the framework's glue before it averages and applies the current step.
+
+        The previous step, reported but perhaps not yet seen committed, is settled first
+        (its commit has nearly always arrived during this step's forward and backward).
+        Its commit may have moved the job on (a new epoch, a new world, the end): False when
+        the current step was built on a plan that is no longer the job's, and it is aborted.
+        """
+        self._settle()
+        current = self.current
+        assert current is not None, "before_apply() inside a step"
+        if not self.stands(current):
+            self.abort()
+            return False
+        return True
+
+    def stands(self, step: Step) -> bool:
+        """Whether `step` is still the job's: not past its end, in the current world, with
+        the samples and data epoch the current plan gives it."""
+        view = self.worker.view
+        if view.finished is not None or view.world_version != step.world:
+            return False
+        plan = view.plan
+        if plan is not None and plan.epoch != step.epoch:
+            return False
+        try:
+            return self.worker.batch(step.step) == step.ranges
+        except NotAssigned:
+            return False
+
+    def launchable(self, step: Step, after: int | None, cancelled: threading.Event) -> bool:
+        """Whether `step`'s collective may start while backward still runs: once step `after`
+        (the one before it, reported but not yet seen to settle; None: none) settled,
+        whether `step` is still the job's. Every rank answers alike, since each waits for
+        the same journal; a rank that built `step` on a plan the commit of `after` replaced
+        (a new epoch, a new world) must not pour that step's gradients into the others'.
+        Blocks (off the main thread where it can) until it can tell; False once `cancelled`
+        or stopping."""
+        if after is not None:
+
+            def settled(view: View) -> bool:
+                return (
+                    view.last_committed >= after
+                    or view.world_version != step.world
+                    or view.finished is not None
+                )
+
+            while True:
+                try:
+                    self.worker.wait_for(settled, POLL)
+                    break
+                except WaitTimeout:
+                    if cancelled.is_set() or self.stopping:
+                        return False
+                except WorkerError:  # removed meanwhile
+                    return False
+        return self.stands(step)
+
+    def abort(self) -> None:
+        """The step's collective was cut short by a world change: nothing was applied."""
+        self.aborted = True
+
+    def _current(self, assignment: Assignment) -> Step:
+        ranges = self.worker.batch(self.step)
+        view = self.worker.view
+        plan = view.plan
+        assert view.config is not None
+        self.current = Step(
+            step=self.step,
+            world=assignment.world_version,
+            epoch=plan.epoch if plan is not None else 0,
+            rank=assignment.rank,
+            world_size=assignment.world_size,
+            ranges=ranges,
+            order=views.order_for(view, self.step),
+            micro=deal.micro_batches(view.config, ranges),
+            weight=views.weight(view, self.step),
+        )
+        return self.current
+
+    def _start_world(self, assignment: Assignment) -> bool:
+        """Rank 0 brings the world's weights, then every rank takes them. False: the world
+        moved on meanwhile (the caller waits for the next one)."""
+        assert self.state is not None
+        weights = assignment.weights
+        if assignment.rank == 0 and weights is not None and weights.source != "rank":
+            if weights.source == "initial":
+                self.state.reset()
+            else:
+                assert weights.uri is not None
+                self.state.load(checkpoints.read(weights.uri, weights.sha256).payload)
+                if weights.digest is not None and self.state.digest() != weights.digest:
+                    raise checkpoints.CheckpointError(
+                        f"checkpoint {weights.uri!r} holds weights {self.state.digest()}, not "
+                        f"the journaled {weights.digest}"
+                    )
+                log.info("rank 0 loaded the state of step %d from %s", weights.step, weights.uri)
+        try:
+            self.state.broadcast(self.collective, assignment.start_step, assignment.world_version)
+            self._joined_world(assignment)
+        except WorldChangedError:
+            return False
+        old, self.world_size = self.world_size, assignment.world_size
+        self.world, self.step = assignment.world_version, assignment.start_step
+        for callback in self._world_callbacks:
+            callback(old, assignment.world_size)
+        return True
+
+    def _joined_world(self, assignment: Assignment) -> None:
+        """Every rank holds the world's state: what else a world needs (a process group)."""
+
+    def _report(self, step: Step, took: float) -> None:
+        """StepDone for `step`, with a digest of the weights now and then, sent without
+        waiting for Redis (the commit it leads to is awaited before the next step applies).
+        If the leader will ask for a checkpoint of this step (it asks when the step
+        commits), the state is copied now, before the next step changes it."""
+        assert self.state is not None
+        due = self._checkpoint_due(step)
+        sample = due or (self.digest_every and step.step % self.digest_every == 0)
+        self._digest = self.state.digest() if sample else None
+        samples = sum(stop - start for start, stop in step.ranges)
+        self.worker.step_done(
+            step.step,
+            step_time=took,
+            samples=samples,
+            digest=self._digest,
+            loss=self._loss,
+            wait=False,
+        )
+        self._loss = None
+        self._snapshot = self.state.snapshot() if due else None
+
+    def _checkpoint_due(self, step: Step) -> bool:
+        """Whether the leader will ask for a checkpoint of `step` once it commits: after
+        every `checkpoint_every` steps, and after the job's last."""
+        view = self.worker.view
+        config, plan = view.config, view.plan
+        if config is None or config.checkpoint_uri is None:
+            return False
+        if (step.step + 1) % config.checkpoint_every == 0:
+            return True
+        if plan is None:
+            return False
+        epoch_done = deal.exhausted(config, plan.shards, plan.base_step, step.step + 1)
+        return config.end_reason(step.step, step.epoch, epoch_done) is not None
+
+    def _settle(self) -> None:
+        """Wait for the reported step to commit (if one waits); write its checkpoint if the
+        leader asked this worker; rejoin if it never commits."""
+        step, self._unsettled = self._unsettled, None
+        if step is None:
+            return
+        if not self.worker.committed(step.step):
+            if self.worker.finished:
+                log.warning(
+                    "%s applied step %d, after the job's last; its weights are not the final "
+                    "ones (step %d's)",
+                    self.worker.id,
+                    step.step,
+                    self.worker.view.last_committed,
+                )
+            elif not self.stopping:
+                self._rejoin(step)
+            return
+        self.steps_done += 1
+        request = checkpoints.pending(self.worker.view.requested, step.step)
+        if request is not None and self._snapshot is not None:
+            self._writer = self._writer or checkpoints.CheckpointWriter(self.worker)
+            self._writer.submit(request, functools.partial(bytes, self._snapshot), self._digest)
+        self._snapshot = None
+
+    def _rejoin(self, step: Step) -> None:
+        """This rank applied a step the job never committed: its weights are ahead of the
+        lineage. Leave and join again, to take the committed weights from a holder."""
+        log.warning(
+            "%s applied step %d, which the job did not commit; joining again to take the "
+            "committed weights",
+            self.worker.id,
+            step.step,
+        )
+        self.worker.leave(reason=f"weights ahead of the lineage at step {step.step}")
+        self.worker.join()
+        self.world = 0
+        self.worker.ready(step=max(self.worker.view.last_committed, 0))
+
+    def _say_if_lost(self, logged: float) -> float:
+        lost = self.worker.view.weights_lost
+        now = time.monotonic()
+        if lost is None or now - logged < LOST_LOG_EVERY:
+            return logged
+        log.warning(
+            "%s waits: the weights of step %d are lost; continue with `cohort resume --job %s`",
+            self.worker.id,
+            lost,
+            self.worker.job,
+        )
+        return now
+
+    # ------------------------------------------------------------ the end
+    def close(self) -> None:
+        """Finish background checkpoint writes, then leave the job (once)."""
+        if self._left:
+            return
+        self._left = True
+        if self._writer is not None:
+            self._writer.close()
+        reason = "finished" if self.worker.finished else "stopped" if self.stopping else "done"
+        self.worker.leave(reason=reason)
+
+    def __enter__(self) -> Elastic:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class NumpyState:
+    """A dict of numpy arrays as the elastic loop's state, changed in place by the caller."""
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        import numpy as np
+
+        self.params = params
+        self.initial = {k: np.array(v, copy=True) for k, v in params.items()}
+
+    def digest(self) -> str:
+        import hashlib
+
+        import numpy as np
+
+        h = hashlib.sha256()
+        for name in sorted(self.params):
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(self.params[name]).tobytes())
+        return h.hexdigest()[:32]
+
+    def broadcast(self, collective: Collective, step: int, world: int) -> None:
+        import numpy as np
+
+        mine = self.params if collective.world().rank == 0 else None
+        got = collective.broadcast(mine, root=0, step=step, world=world)  # type: ignore[arg-type]
+        for name, value in got.items():
+            self.params[name] = np.array(value, copy=True)
+
+    def snapshot(self) -> bytes:
+        return checkpoints.tensors_payload(self.params)()  # type: ignore[arg-type]
+
+    def load(self, blob: bytes) -> None:
+        import numpy as np
+
+        from cohort.worker.collective import tensors
+
+        for name, value in tensors.unpack(blob).items():
+            self.params[name] = np.array(value, copy=True)
+
+    def reset(self) -> None:
+        import numpy as np
+
+        for name, value in self.initial.items():
+            self.params[name] = np.array(value, copy=True)
+
+
+class ElasticJob(Elastic):
+    """Elastic data-parallel training of numpy parameters, changed in place:
+
+    job = cohort.ElasticJob("toy")
+    params = job.wrap(params)                     # kept equal on every rank
+    for step in job.steps():
+        with job.step_of(step):                   # a world change retries the step
+            grads = gradients(params, *take(step.samples))
+            for name, mean in job.allreduce(grads).items():
+                params[name] -= lr * mean
+    """
+
+    def wrap(self, params: dict[str, Any]) -> dict[str, Any]:
+        self.attach(NumpyState(params))
+        return params
+
+    def allreduce(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """The mean of `tensors` (this rank's mean gradients over its batch) over the ranks,
+        for the current step; with a constant global batch, weighted by each rank's share
+        of the step's samples, so every sample counts alike."""
+        current = self.current
+        assert current is not None, "allreduce() inside a step"
+        if not self.before_apply():
+            raise WorldChangedError(current.step, self.worker.assignment)
+        if current.weight != 1.0:
+            tensors = {name: value * current.weight for name, value in tensors.items()}
+        return self.collective.allreduce(  # type: ignore[return-value]
+            tensors,  # type: ignore[arg-type]
+            current.step,
+            world=current.world,
+        )
+
+    def step_of(self, step: Step) -> _Guard:
+        """A context for one step's work: a world change inside it aborts the step."""
+        return _Guard(self)
+
+
+class _Guard:
+    def __init__(self, job: Elastic) -> None:
+        self.job = job
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> bool:
+        if kind is not None and issubclass(kind, WorldChangedError):
+            self.job.abort()
+            return True  # suppressed: the step is retried in the new world
+        return False

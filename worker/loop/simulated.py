@@ -1,0 +1,116 @@
+"""A simulated training loop for demos and tests: the client API exactly as a real loop uses it.
+
+The "compute" is `stop.wait(step_time)`, so stopping interrupts it promptly.
+The summary records which sample ranges each committed step used (`ranges`),
+and every step reported done with its world (`reported`): a worker killed
+after StepDone but before it saw the commit has trained on a committed step it
+never saw commit, so exactly-once checks join `reported` with the journal.
+
+Unlike a real loop, finishing a step here does not depend on the peers (there
+is no allreduce), so a step the coordinator commits because "a rank finished
+it" may include the batch of a rank that died before computing it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from typing import Any
+
+from cohort.events.shards import Range, range_count
+from cohort.worker.errors import Finished, Removed, Stopped, WaitTimeout
+from cohort.worker.membership.client import Worker
+
+POLL = 0.5  # how often a long wait looks at the stop event
+
+
+def digest(step: int) -> str:
+    """The simulated weights after `step`: the same on every worker, as invariant 7 asks."""
+    return hashlib.sha256(f"weights-{step}".encode()).hexdigest()[:16]
+
+
+def run(
+    worker: Worker,
+    steps: int,
+    step_time: float,
+    stop: threading.Event,
+    join_timeout: float | None = None,
+) -> dict[str, Any]:
+    """Train until `steps` steps committed, or until stopped; then leave. Returns a summary.
+
+    The join waits `join_timeout` s for a coordinator (None: until one answers or `stop`)."""
+    used: dict[int, tuple[Range, ...]] = {}  # committed step -> its ranges, as this worker saw
+    reported: list[tuple[int, int, tuple[Range, ...]]] = []  # (world, step, ranges) done
+    summary: dict[str, Any] = {
+        "worker": worker.id,
+        "steps_committed": 0,
+        "world_changes": 0,
+        "samples": 0,
+        "ranges": used,
+        "reported": reported,
+        "removed": None,
+        "finished": None,
+    }
+
+    def halted() -> bool:
+        return stop.is_set() or worker.stopping.is_set()
+
+    worker.join(join_timeout, stop)
+    worker.ready(step=max(worker.view.last_committed, 0))
+    world = 0
+    step = worker.next_step
+    try:
+        while summary["steps_committed"] < steps and not halted():
+            try:
+                assignment = worker.wait_active(POLL)
+            except WaitTimeout:
+                continue
+            if assignment.world_version != world:
+                if world:
+                    summary["world_changes"] += 1
+                world = assignment.world_version
+            step = max(step, worker.next_step)
+            ranges = worker.batch(step)
+            started = time.monotonic()
+            if stop.wait(step_time):
+                break  # stopped mid-step: the step is not done
+            count = range_count(ranges)
+            worker.step_done(
+                step,
+                step_time=time.monotonic() - started,
+                samples=count,
+                digest=digest(step),
+            )
+            reported.append((assignment.world_version, step, ranges))
+            restart = _commit(worker, step, stop)
+            if restart is not None:
+                if stop.is_set():
+                    break
+                step = restart  # aborted: go on from where the new world starts
+                continue
+            used[step] = ranges
+            summary["steps_committed"] += 1
+            summary["samples"] += count
+            step += 1
+    except Finished as end:  # the job reached its length: leave with the final weights
+        summary["finished"] = end.reason
+    except Removed as exc:
+        summary["removed"] = exc.reason
+        worker.stop()
+        return summary
+    except Stopped:
+        return summary  # stopped from outside (a simulated crash): no Leave
+    done = summary["steps_committed"] >= steps or worker.finished
+    worker.leave(reason="done" if done else "stopped")
+    return summary
+
+
+def _commit(worker: Worker, step: int, stop: threading.Event) -> int | None:
+    """Wait for `step` to commit: None if it did, else the step to continue from."""
+    if worker.committed(step, stop, POLL):
+        return None
+    if stop.is_set():
+        return step
+    assignment = worker.assignment
+    return assignment.start_step if assignment else worker.next_step

@@ -1,0 +1,450 @@
+"""cohort as the membership service of torch.distributed, and a watchdog that breaks hangs.
+
+For every world the coordinator journals, `Rendezvous.init_process_group` gives this worker
+its rank and the world size from the journal and a fresh `TCPStore` hosted by the world's
+rank 0 (its host:port published in Redis under a key per world version), then calls
+`torch.distributed.init_process_group(backend, store=..., rank=..., world_size=...)`.
+
+The hang. When a peer's host dies or the network drops it (no FIN/RST ever arrives), or a
+peer hangs alive, the survivors block inside the collective until the backend's timeout
+(10-30 minutes by default). On one host a SIGKILLed peer is seen at once (the kernel resets
+its sockets); the hang needs a peer whose connections stay open.
+
+What breaks it, measured on torch 2.13 (CPU, gloo): from another thread,
+`ProcessGroup.abort()`, the gloo backend's `abort()`, `_abort_process_group()`,
+`destroy_process_group()` and `shutdown()` all return at once, and the blocked `all_reduce`
+still waits for gloo's own timeout. So the collective must not block the training thread:
+`Rendezvous.all_reduce/broadcast/barrier` issue it with `async_op=True` and `wait` on the
+work's future and on the `Watchdog` at once. The watchdog follows the worker's view of the
+journal; when a WorkerFailed/WorkerLeft removes a rank of this world, or a newer world
+starts, it wakes the waiter, which raises `WorldChangedError` within the journal's latency
+(the coordinator decides at heartbeat_timeout). The abandoned group is left to gloo's timeout:
+its destructor would wait for the hung op (also at interpreter exit), so it is pinned
+(`graveyard`) until its works finish, and the default group is replaced by the next world's.
+The watchdog also calls `abort()` on the group, which is what unblocks NCCL (a no-op for
+gloo in 2.13).
+
+Tensors handed to an abandoned collective may still be written by it later; drop them
+(the aborted step is rolled back anyway).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cohort.events.connection import Client
+from cohort.events.keys import Keys
+from cohort.worker.errors import Removed, Stopped, WaitTimeout, WorkerError, WorldChangedError
+from cohort.worker.membership.client import Worker
+from cohort.worker.membership.view import View
+
+log = logging.getLogger("cohort.torchdist")
+
+STORE_TTL_MS = 10 * 60 * 1000
+"""The published host:port of a world's store expires after this."""
+WAKE_S = 0.25
+"""How often blocked waits recheck the world (the journal and the work wake them at once)."""
+ARRIVE_POLL_S = 0.02
+"""How often ranks entering a world poll the store for the others (between watchdog waits)."""
+
+
+def _pin(obj: Any) -> Any:
+    """Keep `obj` alive even through interpreter exit (one reference nobody owns).
+
+    A gloo group with a hung op blocks in its destructor until the op times out (joins its
+    threads), also when Python frees it at exit; a pinned group is never freed while hung.
+    """
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    return obj
+
+
+def _unpin(obj: Any) -> None:
+    ctypes.pythonapi.Py_DecRef(ctypes.py_object(obj))
+
+
+class RendezvousError(WorkerError):
+    """The ranks of a world could not meet (store unreachable, rank 0 published nothing)."""
+
+
+def store_key(job: str, world: int) -> str:
+    """Where rank 0 of `world` publishes its TCPStore's host:port (a stream of one entry)."""
+    return f"{Keys(job).prefix}:tcpstore:{world}"
+
+
+def default_host() -> str:
+    """The address peers dial for this host's store: $COHORT_DIST_HOST, else the FQDN."""
+    return os.environ.get("COHORT_DIST_HOST") or socket.getfqdn()
+
+
+@dataclass(frozen=True)
+class DistWorld:
+    """One world as torch.distributed sees it: this rank, the size, the store to meet in."""
+
+    version: int
+    rank: int
+    size: int
+    start_step: int
+    ranks: tuple[str, ...]
+    store: dist.Store = field(repr=False, compare=False)
+
+
+def lost(view: View, world: DistWorld) -> str | None:
+    """Why `world` is over according to `view`, or None while it stands."""
+    if view.removed:
+        return f"this worker was removed ({view.removed_reason})"
+    if view.world_version > world.version:
+        return f"world {view.world_version} replaced world {world.version}"
+    gone = [w for w in world.ranks if w not in view.members]
+    if gone:
+        return f"rank(s) {gone} of world {world.version} left or failed"
+    return None
+
+
+class Watchdog:
+    """Follows the worker's view; trips once the journal says this world's peers changed.
+
+    Tripping sets `tripped`, wakes every `wait`er and aborts `group` (effective for NCCL).
+    """
+
+    def __init__(
+        self, worker: Worker, world: DistWorld, group: dist.ProcessGroup | None = None
+    ) -> None:
+        self.worker = worker
+        self.world = world
+        self.group = group
+        self.tripped = threading.Event()
+        self.reason = ""
+        self.tripped_at: float | None = None
+        """time.monotonic() when it tripped (for measuring how fast a hang was broken)."""
+        self._lock = threading.Lock()
+        self._waiters: set[threading.Event] = set()
+        self._on_trip: list[Callable[[], None]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"cohort-watchdog-{world.version}", daemon=True
+        )
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                view = self.worker.wait_for(
+                    lambda v: lost(v, self.world) is not None or self._stop.is_set(), WAKE_S
+                )
+            except WaitTimeout:
+                continue
+            except Removed as exc:
+                self.trip(str(exc))
+                return
+            except Stopped:
+                self.trip("the worker was stopped")
+                return
+            if self._stop.is_set():  # closed: the world ends with no collective left to break
+                return
+            reason = lost(view, self.world)
+            if reason is not None:
+                self.trip(reason)
+                return
+
+    def trip(self, reason: str) -> None:
+        with self._lock:
+            if self.tripped.is_set():
+                return
+            self.reason = reason
+            self.tripped_at = time.monotonic()
+            self.tripped.set()
+            waiters = list(self._waiters)
+            callbacks, self._on_trip = self._on_trip, []
+        if waiters:  # a collective is waiting in this world: it is cut short, say so
+            log.warning(
+                "world %d is over: %s; breaking its collectives", self.world.version, reason
+            )
+        else:  # e.g. peers leaving at the end of a job: nothing was broken
+            log.info("world %d is over: %s", self.world.version, reason)
+        for event in waiters:
+            event.set()
+        for callback in callbacks:
+            callback()
+        if self.group is not None:
+            try:
+                self.group.abort()  # unblocks NCCL; gloo ignores it (see the module doc)
+            except Exception:
+                log.debug("abort of world %d's group failed", self.world.version, exc_info=True)
+
+    def on_trip(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` when the watchdog trips (at once if it has)."""
+        with self._lock:
+            if not self.tripped.is_set():
+                self._on_trip.append(callback)
+                return
+        callback()
+
+    def wait(self, done: threading.Event, timeout: float | None = None) -> bool:
+        """Block until `done` is set (True) or the watchdog trips (False); None: no limit."""
+        with self._lock:
+            if self.tripped.is_set():
+                return done.is_set()
+            self._waiters.add(done)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not done.is_set() and not self.tripped.is_set():
+                left = WAKE_S if deadline is None else min(WAKE_S, deadline - time.monotonic())
+                if left <= 0:
+                    break
+                done.wait(left)
+            return done.is_set()
+        finally:
+            with self._lock:
+                self._waiters.discard(done)
+
+
+class Rendezvous:
+    """Rank, world size and a fresh store for each of the worker's worlds; guarded collectives.
+
+    The training loop calls `init_process_group()` at the start of every world (after a
+    WorldChangedError) and runs its collectives through `all_reduce`/`broadcast`/`barrier`
+    (or passes its own async works to `wait`), which raise WorldChangedError when the world
+    is over, within a second of the coordinator's decision, instead of hanging.
+    """
+
+    def __init__(
+        self,
+        worker: Worker,
+        conn: Client,
+        job: str,
+        host: str | None = None,
+        timeout: float = 60.0,
+        collective_timeout: timedelta = timedelta(minutes=5),
+    ) -> None:
+        self.worker = worker
+        self.conn = conn
+        self.job = job
+        self.host = host or default_host()
+        self.timeout = timeout
+        self.collective_timeout = collective_timeout
+        self.world: DistWorld | None = None
+        self.watchdog: Watchdog | None = None
+        self.group: dist.ProcessGroup | None = None
+        self.graveyard: list[tuple[Any, list[dist.Work]]] = []
+        """Abandoned (group, store) pairs with their unfinished works: see the module doc."""
+        self._works: list[dist.Work] = []
+
+    # ------------------------------------------------------------ worlds
+    def init_process_group(self, backend: str = "gloo", **options: Any) -> DistWorld:
+        """Join torch.distributed in the worker's current world (waiting for a rank in one).
+
+        Leaves the previous world's group first. `options` go to
+        `torch.distributed.init_process_group` (e.g. `device_id` for NCCL).
+        """
+        deadline = time.monotonic() + self.timeout
+        self.close()
+        assignment = self.worker.wait_active(self.timeout)
+        view = self.worker.view
+        if view.world_version != assignment.world_version:  # moved on meanwhile: start over
+            return self.init_process_group(backend, **options)
+        world = self._store(view, deadline)
+        self.world = world
+        self.watchdog = Watchdog(self.worker, world).start()
+        self._arrive(world, deadline)
+        try:
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore("pg", world.store),
+                rank=world.rank,
+                world_size=world.size,
+                timeout=self.collective_timeout,
+                **options,
+            )
+        except Exception as exc:  # a peer died between arriving and connecting
+            self._world_changed(exc, step=world.start_step)
+            raise
+        self.group = dist.distributed_c10d._get_default_group()
+        self.watchdog.group = self.group
+        if self.watchdog.tripped.is_set():
+            self.watchdog.trip(self.watchdog.reason)  # tripped before the group existed: abort it
+        log.info("rank %d of %d in world %d (%s)", world.rank, world.size, world.version, backend)
+        return world
+
+    def _store(self, view: View, deadline: float) -> DistWorld:
+        """A fresh TCPStore for the view's world: rank 0 hosts and publishes, the others dial."""
+        assignment = view.assignment
+        assert assignment is not None
+        version, rank = assignment.world_version, assignment.rank
+        key = store_key(self.job, version)
+        wait = timedelta(seconds=self.timeout)
+        if rank == 0:
+            try:
+                store = dist.TCPStore(
+                    self.host, 0, None, True, timeout=wait, wait_for_workers=False
+                )
+            except Exception as exc:
+                raise RendezvousError(
+                    f"rank 0 of world {version} could not host a TCPStore on {self.host!r}: {exc}"
+                ) from exc
+            pipe = self.conn.pipeline(transaction=False)
+            pipe.xadd(key, {"host": self.host, "port": store.port, "worker": self.worker.id})
+            pipe.pexpire(key, STORE_TTL_MS)
+            pipe.execute()
+        else:
+            host, port = self._published(key, version, deadline)
+            try:
+                store = dist.TCPStore(host, port, None, False, timeout=wait)
+            except Exception as exc:
+                self._world_changed(exc, step=assignment.start_step, world=version)
+                raise RendezvousError(
+                    f"rank {rank} of world {version} could not reach the store at "
+                    f"{host}:{port}: {exc}"
+                ) from exc
+        return DistWorld(
+            version=version,
+            rank=rank,
+            size=assignment.world_size,
+            start_step=assignment.start_step,
+            ranks=view.ranks,
+            store=store,
+        )
+
+    def _published(self, key: str, version: int, deadline: float) -> tuple[str, int]:
+        """rank 0's host:port for `version`, waiting on the stream (XREAD BLOCK)."""
+        while True:
+            rows: Any = self.conn.xrange(key, "-", "+", count=1)
+            if not rows:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RendezvousError(
+                        f"rank 0 of world {version} published no store at {key} within "
+                        f"{self.timeout:g} s"
+                    )
+                if self.worker.world_version > version:
+                    raise WorldChangedError(version, self.worker.assignment)
+                self.conn.xread({key: "0"}, block=max(1, int(min(left, WAKE_S) * 1000)))
+                continue
+            fields = {k.decode(): v.decode() for k, v in rows[0][1].items()}
+            return fields["host"], int(fields["port"])
+
+    def _arrive(self, world: DistWorld, deadline: float) -> None:
+        """Wait in the store until every rank arrived, so the backend's connect cannot hang."""
+        dog = self.watchdog
+        assert dog is not None
+        try:
+            world.store.add(f"arrived:{world.rank}", 1)
+            count = world.store.add("arrived", 1)
+            while count < world.size:
+                if dog.tripped.wait(ARRIVE_POLL_S):
+                    raise WorldChangedError(world.start_step, self.worker.assignment)
+                if time.monotonic() > deadline:
+                    raise RendezvousError(
+                        f"world {world.version}: {count} of {world.size} ranks arrived within "
+                        f"{self.timeout:g} s"
+                    )
+                count = world.store.add("arrived", 0)
+        except WorkerError:
+            raise
+        except Exception as exc:  # the store's host (rank 0) is gone
+            self._world_changed(exc, step=world.start_step)
+            raise RendezvousError(f"world {world.version}: the store failed: {exc}") from exc
+
+    def _world_changed(self, exc: Exception, step: int, world: int | None = None) -> None:
+        """Raise WorldChangedError from `exc` if the journal says the world is (soon) over."""
+        dog = self.watchdog
+        if dog is not None and world is None:
+            grace = self._grace()
+            if dog.tripped.wait(grace):
+                raise WorldChangedError(step, self.worker.assignment) from exc
+            return
+        version = world if world is not None else self.worker.world_version
+        if self.worker.wait_for_change(version, self._grace()):
+            raise WorldChangedError(step, self.worker.assignment) from exc
+
+    def _grace(self) -> float:
+        """How long a failed operation waits for the journal to explain it."""
+        config = self.worker.view.config
+        return (config.heartbeat_timeout if config is not None else 5.0) + 2.0
+
+    def close(self) -> None:
+        """Leave the current world's group; a group with unfinished works is pinned."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.group is not None:
+            pending = [w for w in self._works if not w.is_completed()]
+            if pending:
+                assert self.world is not None
+                self.graveyard.append((_pin((self.group, self.world.store)), pending))
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        kept = []
+        for pinned, works in self.graveyard:
+            if all(w.is_completed() for w in works):
+                _unpin(pinned)  # its ops ended (gloo's timeout): the destructor will not block
+            else:
+                kept.append((pinned, works))
+        self.graveyard = kept
+        self.group = None
+        self.world = None
+        self.watchdog = None
+        self._works = []
+
+    # ------------------------------------------------------------ guarded collectives
+    def track(self, work: dist.Work) -> None:
+        """Keep `work` with its group: pinned with it if the world is abandoned first."""
+        self._works = [w for w in self._works if not w.is_completed()]
+        self._works.append(work)
+
+    def wait(self, work: dist.Work, step: int) -> None:
+        """Wait for `work` (an async_op=True collective); WorldChangedError if the world ends."""
+        dog = self.watchdog
+        if dog is None:
+            raise RendezvousError("no process group: call init_process_group() first")
+        self.track(work)
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _: done.set())
+        if not dog.wait(done) or dog.tripped.is_set():  # a result of a world that is over
+            raise WorldChangedError(step, self.worker.assignment)
+        try:
+            work.wait()
+        except Exception as exc:  # e.g. "Connection reset by peer": ask the journal why
+            self._world_changed(exc, step)
+            raise
+
+    def all_reduce(
+        self, tensor: torch.Tensor, step: int, op: Any = dist.ReduceOp.SUM
+    ) -> torch.Tensor:
+        work = dist.all_reduce(tensor, op=op, async_op=True)
+        assert work is not None
+        self.wait(work, step)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int, step: int) -> torch.Tensor:
+        work = dist.broadcast(tensor, src=src, async_op=True)
+        assert work is not None
+        self.wait(work, step)
+        return tensor
+
+    def barrier(self, step: int) -> None:
+        work = dist.barrier(async_op=True)
+        assert work is not None
+        self.wait(work, step)
+
+    def guarded(self, step: int) -> Callable[[dist.Work], None]:
+        """`wait` bound to `step`, for loops that issue their own async collectives."""
+        return lambda work: self.wait(work, step)

@@ -1,0 +1,474 @@
+"""PyTorch on cohort: gradient averaging, state broadcast and blobs, local SGD / DiLoCo.
+
+Use it as `cohort.torch` (needs the `torch` extra: `pip install cohort-elastic[torch]`);
+no other worker module imports it, so cohort itself never needs torch.
+
+Tensors travel through `Collective` (Redis) as numpy arrays:
+
+- float16/float32/float64 CPU tensors are zero-copy numpy views (`Tensor.numpy()`); CUDA
+  tensors are copied to the CPU first and the result copied back.
+- bfloat16 has no numpy dtype. Averaging needs arithmetic, so bfloat16 gradients and
+  weights are converted to float32 by torch, averaged (the collective sums in float64) and
+  rounded back to bfloat16 once at the end. Where no arithmetic is needed (state blobs,
+  broadcasts) bfloat16 and every other dtype numpy lacks travel as their raw bytes, exactly.
+- the non-tensor part of an optimizer's state (step counts, param_groups with lr, betas,
+  ...) travels as msgpack inside the same blob: no pickle, no `torch.save`, so a blob from
+  another process cannot run code. A value msgpack cannot carry raises `StateError`.
+
+Every collective call here has its own call id (`worker/collective/calls.py`), negative so it never
+collides with the non-negative steps a training loop passes to `Collective` itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import msgpack
+import numpy as np
+import torch
+
+from cohort.worker.collective import tensors as blobs
+from cohort.worker.collective.calls import GRADIENTS, STATE, WEIGHTS, call_id
+from cohort.worker.collective.compressors import (
+    CALLS,
+    DEFAULT_RANK,
+    Compression,
+    Compressor,
+    compressor,
+)
+from cohort.worker.collective.redis_collective import Collective
+from cohort.worker.errors import WorkerError, WorldChangedError
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+"""As DDP's default bucket_cap_mb: bounds the extra memory one allreduce call needs."""
+META = "__meta__"
+BLOB_VERSION = 1
+
+_NUMPY = {
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.uint8: np.uint8,
+}
+"""torch dtypes a blob carries natively; any other travels as its bytes (|u1)."""
+_AVERAGED = (torch.float16, torch.float32, torch.float64)
+"""dtypes the collective averages as they are; bfloat16 goes through float32."""
+_DTYPES = {str(d): d for d in (*_NUMPY, torch.bfloat16, torch.int8, torch.int16, torch.bool)}
+
+
+class StateError(WorkerError):
+    """Model or optimizer state that cannot be sent, or a blob that does not fit the model."""
+
+
+# ------------------------------------------------------------------ tensors <-> numpy
+def averaged_array(tensor: torch.Tensor) -> np.ndarray:
+    """`tensor` as a numpy array the collective can average (a view for CPU f16/f32/f64)."""
+    t = tensor.detach()
+    if t.dtype not in _AVERAGED:
+        if not t.dtype.is_floating_point:
+            raise StateError(f"cannot average a tensor of dtype {t.dtype}; only floating point")
+        t = t.float()  # bfloat16 (and other floats numpy lacks): average in float32
+    return t.cpu().contiguous().numpy()
+
+
+def write_back(tensor: torch.Tensor, array: np.ndarray) -> None:
+    """Copy the averaged `array` into `tensor` (rounding once to its dtype, moving devices)."""
+    if _is_memory_of(array, tensor):
+        return  # the mean was written into the tensor's own memory already
+    if not array.flags.writeable:
+        array = array.copy()  # torch.from_numpy warns on read-only memory
+    with torch.no_grad():
+        tensor.copy_(torch.from_numpy(array).reshape(tensor.shape))
+
+
+def _is_memory_of(array: np.ndarray, tensor: torch.Tensor) -> bool:
+    """Whether `array` is exactly `tensor`'s CPU memory (a view, as averaged_array gives)."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and tensor.is_floating_point()
+        and array.dtype.itemsize == tensor.element_size()
+        and array.size == tensor.numel()
+        and array.__array_interface__["data"][0] == tensor.data_ptr()
+    )
+
+
+def _wire(tensor: torch.Tensor) -> tuple[np.ndarray, list[Any]]:
+    """The array that carries `tensor` exactly, and its [dtype, shape] for the meta."""
+    t = tensor.detach().cpu().contiguous()
+    meta = [str(t.dtype), list(t.shape)]
+    if t.dtype in _NUMPY:
+        return t.numpy(), meta
+    if str(t.dtype) not in _DTYPES:
+        raise StateError(f"tensor of dtype {t.dtype} cannot be sent; supported: {sorted(_DTYPES)}")
+    return t.reshape(-1).view(torch.uint8).numpy(), meta
+
+
+def _unwire(array: np.ndarray, meta: Any, name: str) -> torch.Tensor:
+    if not (isinstance(meta, list) and len(meta) == 2 and meta[0] in _DTYPES):
+        raise StateError(f"tensor {name!r} has meta {meta!r}; want [dtype, shape]")
+    dtype, shape = _DTYPES[meta[0]], meta[1]
+    out = torch.from_numpy(np.array(array))  # a writable copy owned by torch
+    if dtype not in _NUMPY:
+        out = out.view(dtype)
+    try:
+        return out.reshape(shape)
+    except RuntimeError as exc:
+        raise StateError(f"tensor {name!r}: {exc}") from exc
+
+
+# ------------------------------------------------------------------ gradients
+def buckets(
+    named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of `named` of at most `bucket_bytes` each as averaged (a bigger
+    tensor gets a bucket of its own). bfloat16 counts 4 bytes: it travels as float32."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    used = 0
+    for name, tensor in named:
+        size = tensor.numel() * (4 if tensor.dtype not in _AVERAGED else tensor.element_size())
+        if bucket and used + size > bucket_bytes:
+            yield bucket
+            bucket, used = [], 0
+        bucket.append((name, tensor))
+        used += size
+    if bucket:
+        yield bucket
+
+
+def _average(
+    named: Sequence[tuple[str, torch.Tensor]],
+    collective: Collective,
+    step: int,
+    channel: int,
+    bucket_bytes: int,
+    world: int | None = None,
+    compressor: Compressor | None = None,
+) -> list[tuple[torch.Tensor, np.ndarray]]:
+    """Each tensor with its mean over the world, bucket by bucket; nothing is written yet.
+    With a `compressor`, the means are its (lossy, error-fed-back, the same on every rank)."""
+    out: list[tuple[torch.Tensor, np.ndarray]] = []
+    try:
+        for i, bucket in enumerate(buckets(named, bucket_bytes)):
+            arrays = {name: averaged_array(t) for name, t in bucket}
+            if compressor is None:
+                mean = collective.allreduce(arrays, call_id(step, channel, i), world=world)
+            else:
+                ids = [call_id(step, channel, CALLS * i + k) for k in range(CALLS)]
+                # float32 results may land in the arrays (the gradients' own memory, or
+                # copies); other widths get new arrays, cast back by write_back
+                into = {n: a for n, a in arrays.items() if a.dtype == np.float32}
+                mean = compressor.allreduce(collective, arrays, ids, world=world, out=into)
+            out.extend((t, mean[name]) for name, t in bucket)
+    except WorldChangedError as exc:  # say which training step was aborted, not the call id
+        raise WorldChangedError(step, exc.assignment) from exc
+    return out
+
+
+def sync_gradients(
+    model: torch.nn.Module,
+    collective: Collective,
+    step: int,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    world: int | None = None,
+    compressor: Compressor | None = None,
+) -> None:
+    """Replace each parameter's `.grad` by its mean over the ranks of the world, as DDP does.
+
+    `world`: the world version the loop synced its state for (WorldChangedError if the
+    worker has moved on since). `compressor` (`cohort.torch.compressor("powersgd")` or
+    "int8", one per model, `reset(step)` at each world start): send fewer bytes; every rank
+    still gets the same gradients (docs/compression.md).
+
+    Call it after `backward()` and before `optimizer.step()`. A parameter without a gradient
+    on this rank counts as a zero gradient (every rank must send the same tensors). Buckets
+    bound the memory: each allreduce flattens one bucket, not the whole model. Raises
+    WorldChangedError if the world changes; the gradients are then partly averaged and the
+    step must be dropped (zero_grad and redo it in the new world).
+    """
+    named = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        named.append((name, param.grad))
+    averaged = _average(named, collective, step, GRADIENTS, bucket_bytes, world, compressor)
+    for grad, mean in averaged:
+        write_back(grad, mean)
+
+
+# ------------------------------------------------------------------ state
+def _encode(value: Any, path: str, tensors: dict[str, np.ndarray], metas: dict[str, Any]) -> Any:
+    """`value` as msgpack-able data; each tensor is moved to `tensors` and left as a reference."""
+    if isinstance(value, torch.Tensor):
+        array, meta = _wire(value)
+        tensors[path] = array
+        metas[path] = meta
+        return {"__tensor__": path}
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str | int):
+                raise StateError(f"state key {key!r} at {path!r} is not a str or int")
+            out[key] = _encode(item, f"{path}/{key}", tensors, metas)
+        return out
+    if isinstance(value, tuple):
+        return {
+            "__tuple__": [_encode(v, f"{path}/{i}", tensors, metas) for i, v in enumerate(value)]
+        }
+    if isinstance(value, list):
+        return [_encode(v, f"{path}/{i}", tensors, metas) for i, v in enumerate(value)]
+    if value is None or isinstance(value, bool | int | float | str | bytes):
+        return value
+    raise StateError(
+        f"state value at {path!r} is a {type(value).__name__}, which msgpack cannot carry"
+    )
+
+
+def _decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"__tensor__"}:
+            try:
+                return tensors[value["__tensor__"]]
+            except KeyError as exc:
+                raise StateError(
+                    f"state refers to a missing tensor {value['__tensor__']!r}"
+                ) from exc
+        if set(value) == {"__tuple__"}:
+            return tuple(_decode(v, tensors) for v in value["__tuple__"])
+        return {k: _decode(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    return value
+
+
+def state_tensors(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, np.ndarray]:
+    """Model and optimizer state as named arrays plus a `__meta__` uint8 array (msgpack).
+
+    `extra` is any other state that travels with them (an LR scheduler's `state_dict()`,
+    `torch.get_rng_state()`, epoch counters): tensors, numbers, strings and containers.
+    """
+    tensors: dict[str, np.ndarray] = {}
+    metas: dict[str, Any] = {}
+    model_state = _encode(dict(model.state_dict()), "model", tensors, metas)
+    optim_state = (
+        _encode(optimizer.state_dict(), "optim", tensors, metas) if optimizer is not None else None
+    )
+    extra_state = _encode(dict(extra), "extra", tensors, metas) if extra is not None else None
+    meta = msgpack.packb(
+        {
+            "v": BLOB_VERSION,
+            "model": model_state,
+            "optim": optim_state,
+            "extra": extra_state,
+            "tensors": metas,
+        },
+        use_bin_type=True,
+    )
+    tensors[META] = np.frombuffer(meta, dtype=np.uint8)
+    return tensors
+
+
+def load_state_tensors(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    arrays: Mapping[str, np.ndarray],
+) -> dict[str, Any]:
+    """Load what `state_tensors` made (on another rank) into `model` and `optimizer`;
+    returns its `extra` state ({} if it had none)."""
+    if META not in arrays:
+        raise StateError(f"state has no {META!r} entry; it was not made by state_tensors")
+    try:
+        meta = msgpack.unpackb(bytes(arrays[META]), raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for bad bytes
+        raise StateError(f"state meta is not msgpack: {type(exc).__name__}: {exc}") from exc
+    version = meta.get("v") if isinstance(meta, dict) else meta
+    if version != BLOB_VERSION:
+        raise StateError(f"state meta version {version!r}; this reader knows {BLOB_VERSION}")
+    kinds = meta.get("tensors", {})
+    tensors = {}
+    for name, array in arrays.items():
+        if name == META:
+            continue
+        if name not in kinds:
+            raise StateError(f"tensor {name!r} has no entry in the state meta")
+        tensors[name] = _unwire(array, kinds[name], name)
+    model.load_state_dict(_decode(meta["model"], tensors))
+    if optimizer is not None:
+        if meta.get("optim") is None:
+            raise StateError("the state carries no optimizer state but an optimizer was given")
+        optimizer.load_state_dict(_decode(meta["optim"], tensors))
+    extra = meta.get("extra")
+    return dict(_decode(extra, tensors)) if extra is not None else {}
+
+
+def state_blob(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> bytes:
+    """Model, optimizer and `extra` state as one tensor blob (collective/tensors.py's format), for
+    a joiner or a checkpoint: no pickle, so loading one never runs code."""
+    return blobs.join(blobs.pack(state_tensors(model, optimizer, extra)))
+
+
+def load_state_blob(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, blob: bytes
+) -> dict[str, Any]:
+    """Load a `state_blob` into `model` (and `optimizer`); returns its extra state. Raises
+    BlobError/StateError if the blob is bad."""
+    return load_state_tensors(model, optimizer, blobs.unpack(blob))
+
+
+def broadcast_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    collective: Collective,
+    step: int,
+    root: int = 0,
+    world: int | None = None,
+) -> None:
+    """Give every rank `root`'s model and optimizer state (call it at the start of a world).
+
+    All tensors and the msgpack meta go in one `Collective.broadcast`; receivers load them,
+    the root keeps its own. Raises WorldChangedError if the world changes meanwhile.
+    """
+    mine = collective.world().rank == root
+    try:
+        got = collective.broadcast(
+            state_tensors(model, optimizer) if mine else None,
+            root=root,
+            step=call_id(step, STATE),
+            world=world,
+        )
+    except WorldChangedError as exc:
+        raise WorldChangedError(step, exc.assignment) from exc
+    if not mine:
+        load_state_tensors(model, optimizer, got)
+
+
+# ------------------------------------------------------------------ local SGD / DiLoCo
+class LocalSGD:
+    """Train locally, average every `sync_every` steps: cohort's Redis carries H times less.
+
+    mode="weights": every rank takes the mean of the ranks' weights (local SGD / model
+    averaging). mode="pseudo_gradient" (DiLoCo): every rank keeps the global weights of the
+    last sync; the pseudo-gradient is global - local, averaged over ranks, and an outer SGD
+    step (optionally with momentum / Nesterov) moves the global weights, which every rank
+    then takes. With outer_lr=1 and no momentum both modes give the same weights.
+
+    Call `step(step)` after each inner `optimizer.step()`; call `reset()` after each world
+    start's `broadcast_state`, so every rank holds the same global weights and momentum.
+
+    `compression` ("powersgd" with `rank`, or "int8"; pseudo_gradient mode only) sends the
+    pseudo-gradients compressed with error feedback (docs/compression.md); every rank
+    still applies the same outer update. `reset(step)` with the world's first step also
+    restarts the compressor's state there.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        collective: Collective,
+        sync_every: int,
+        mode: Literal["weights", "pseudo_gradient"] = "weights",
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        nesterov: bool = False,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        compression: Compression | None = None,
+        rank: int = DEFAULT_RANK,
+    ) -> None:
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, not {sync_every!r}")
+        if mode not in ("weights", "pseudo_gradient"):
+            raise ValueError(f"mode must be 'weights' or 'pseudo_gradient', not {mode!r}")
+        if not (outer_lr > 0 and math.isfinite(outer_lr)):
+            raise ValueError(f"outer_lr must be a positive number, not {outer_lr!r}")
+        if not 0.0 <= outer_momentum < 1.0:
+            raise ValueError(f"outer_momentum must be in [0, 1), not {outer_momentum!r}")
+        self.compressor = compressor(compression, rank)
+        if self.compressor is not None and mode != "pseudo_gradient":
+            raise ValueError(
+                f"compression {compression!r} needs mode='pseudo_gradient' (weights are not "
+                "compressed), not mode={mode!r}"
+            )
+        self.model = model
+        self.collective = collective
+        self.sync_every = sync_every
+        self.mode = mode
+        self.outer_lr = outer_lr
+        self.outer_momentum = outer_momentum
+        self.nesterov = nesterov
+        self.bucket_bytes = bucket_bytes
+        self.syncs = 0
+        self.global_params: dict[str, torch.Tensor] = {}
+        self.momentum: dict[str, torch.Tensor] = {}
+        self.reset()
+
+    def _params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def reset(self, step: int = 0) -> None:
+        """Take the model's current weights as the global weights; zero the outer momentum;
+        restart the compressor (error, Q) from `step` (the world's first step, the same on
+        every rank)."""
+        with torch.no_grad():
+            self.global_params = {n: p.detach().float().clone() for n, p in self._params()}
+        self.momentum = {}
+        if self.compressor is not None:
+            self.compressor.reset(step)
+
+    def due(self, step: int) -> bool:
+        return (step + 1) % self.sync_every == 0
+
+    def step(self, step: int) -> bool:
+        """Average if `step` ends a period of `sync_every` steps; True if it did.
+
+        Raises WorldChangedError if the world changes during the averaging; the model's
+        weights are then untouched (all buckets are averaged before any is written).
+        """
+        if not self.due(step):
+            return False
+        params = self._params()
+        if self.mode == "weights":
+            for param, mean in _average(params, self.collective, step, WEIGHTS, self.bucket_bytes):
+                write_back(param, mean)
+            self.reset_global_from_model()
+        else:
+            deltas = [
+                (name, self.global_params[name] - param.detach().float()) for name, param in params
+            ]
+            means = _average(
+                deltas, self.collective, step, WEIGHTS, self.bucket_bytes, None, self.compressor
+            )
+            with torch.no_grad():
+                for (name, param), (_, mean) in zip(params, means, strict=True):
+                    update = torch.from_numpy(np.array(mean)).reshape(param.shape)
+                    if self.outer_momentum:
+                        buf = self.momentum.get(name)
+                        buf = (
+                            update.clone()
+                            if buf is None
+                            else buf.mul_(self.outer_momentum).add_(update)
+                        )
+                        self.momentum[name] = buf
+                        update = update + self.outer_momentum * buf if self.nesterov else buf
+                    self.global_params[name].sub_(update, alpha=self.outer_lr)
+                    param.copy_(self.global_params[name])
+        self.syncs += 1
+        return True
+
+    def reset_global_from_model(self) -> None:
+        with torch.no_grad():
+            for name, param in self._params():
+                self.global_params[name].copy_(param.detach().float())
