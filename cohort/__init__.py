@@ -4,76 +4,111 @@ Everything a training script needs is here::
 
     import cohort
 
+    job = cohort.torch.ElasticJob()            # PyTorch: the job, its data and its steps
+    job = cohort.NumpyElasticJob("mnist")      # the same for a dict of numpy arrays
+
     conn = cohort.connect(cohort.RedisSettings.resolve())   # --redis-url / $COHORT_REDIS_URL
-    worker = cohort.Worker(conn, "mnist")
-    collective = cohort.Collective(conn, "mnist", worker)
+    worker = cohort.Worker(conn, "mnist")                    # membership alone
+    collective = cohort.Collective(conn, "mnist", worker)    # allreduce through Redis
     ...
-    except cohort.WorldChangedError: ...
+    except cohort.WorldChangedError: ...       # every cohort exception is a cohort.CohortError
 
 `cohort.checkpoints` writes and reads checkpoint files (through fsspec). `cohort.torch`
 holds the PyTorch helpers (gradient averaging, state broadcast, local SGD) and
-`cohort.Rendezvous` keeps torch.distributed with cohort as its membership service; both
-need the `torch` extra and import torch only when first used. Names load on first use,
+`cohort.ElasticProcessGroup` keeps torch.distributed with cohort as its membership service;
+both need the `torch` extra and import torch only when first used. Names load on first use,
 so `import cohort` (and the `cohort` command) stays quick.
+
+The public names are listed three times, for three readers: the imports under
+TYPE_CHECKING (type checkers and editors), `__all__` (`from cohort import *` and the
+docs), and `_HOMES` (where each name loads from at run time).
+tests/unit/test_public_api.py holds the three to the same names and modules.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cohort.events.connection import RedisSettings, connect
+    from cohort.events.errors import CohortError, RedisUnavailable, SettingsError
+    from cohort.events.keys import JobNameError
     from cohort.events.models import Dataset, Node
     from cohort.events.shards import Range, Shard
     from cohort.worker.collective.hierarchy import HierarchicalCollective
     from cohort.worker.collective.redis_collective import Collective
     from cohort.worker.errors import (
+        AccumulationError,
         ActivationTimeout,
+        BlobError,
         CollectiveError,
         CollectiveTimeout,
         CommitTimeout,
+        Finished,
+        IdentityMismatch,
         JoinRefusedError,
         JoinTimeout,
+        MemoryBudgetError,
         NotAssigned,
+        OutageTooLong,
         RedisUnreachable,
         Removed,
+        RendezvousError,
+        StateError,
         Stopped,
         WaitTimeout,
         WorkerError,
         WorldChangedError,
     )
-    from cohort.worker.loop import checkpoints
-    from cohort.worker.loop.elastic import ElasticJob
+    from cohort.worker.loop import checkpoints as checkpoints
+    from cohort.worker.loop.checkpoints import CheckpointError
+    from cohort.worker.loop.elastic import NumpyElasticJob
     from cohort.worker.loop.evaluator import Evaluator
     from cohort.worker.membership.client import Worker
     from cohort.worker.membership.view import Assignment, GpuAdvice
     from cohort.worker.pytorch import api as torch
-    from cohort.worker.pytorch.dist import Rendezvous
+    from cohort.worker.pytorch.dist import ElasticProcessGroup
+
+    ElasticJob = NumpyElasticJob  # deprecated: cohort.NumpyElasticJob
+    Rendezvous = ElasticProcessGroup  # deprecated: cohort.ElasticProcessGroup
 
 __all__ = [
+    "AccumulationError",
     "ActivationTimeout",
     "Assignment",
+    "BlobError",
+    "CheckpointError",
+    "CohortError",
     "Collective",
     "CollectiveError",
     "CollectiveTimeout",
     "CommitTimeout",
     "Dataset",
-    "ElasticJob",
+    "ElasticProcessGroup",
     "Evaluator",
     "Finished",
     "GpuAdvice",
     "HierarchicalCollective",
+    "IdentityMismatch",
+    "JobNameError",
     "JoinRefusedError",
     "JoinTimeout",
+    "MemoryBudgetError",
     "Node",
     "NotAssigned",
+    "NumpyElasticJob",
+    "OutageTooLong",
     "Range",
     "RedisSettings",
+    "RedisUnavailable",
     "RedisUnreachable",
+    "RendezvousError",
     "Removed",
-    "Rendezvous",
+    "SettingsError",
     "Shard",
+    "StateError",
     "Stopped",
     "WaitTimeout",
     "Worker",
@@ -84,44 +119,75 @@ __all__ = [
     "torch",
 ]
 
-_HOMES = {
-    "RedisSettings": "cohort.events.connection",
-    "connect": "cohort.events.connection",
-    "Dataset": "cohort.events.models",
-    "Node": "cohort.events.models",
-    "Range": "cohort.events.shards",
-    "Shard": "cohort.events.shards",
-    "Worker": "cohort.worker.membership.client",
-    "Collective": "cohort.worker.collective.redis_collective",
-    "ElasticJob": "cohort.worker.loop.elastic",
-    "Evaluator": "cohort.worker.loop.evaluator",
-    "HierarchicalCollective": "cohort.worker.collective.hierarchy",
-    "CollectiveError": "cohort.worker.errors",
-    "CollectiveTimeout": "cohort.worker.errors",
-    "ActivationTimeout": "cohort.worker.errors",
-    "CommitTimeout": "cohort.worker.errors",
-    "Finished": "cohort.worker.errors",
-    "JoinRefusedError": "cohort.worker.errors",
-    "JoinTimeout": "cohort.worker.errors",
-    "NotAssigned": "cohort.worker.errors",
-    "RedisUnreachable": "cohort.worker.errors",
-    "Removed": "cohort.worker.errors",
-    "Stopped": "cohort.worker.errors",
-    "WaitTimeout": "cohort.worker.errors",
-    "WorkerError": "cohort.worker.errors",
-    "WorldChangedError": "cohort.worker.errors",
-    "Assignment": "cohort.worker.membership.view",
-    "GpuAdvice": "cohort.worker.membership.view",
-    "Rendezvous": "cohort.worker.pytorch.dist",
+_HOMES: dict[str, tuple[str, ...]] = {
+    "cohort.events.connection": ("RedisSettings", "connect"),
+    "cohort.events.errors": ("CohortError", "RedisUnavailable", "SettingsError"),
+    "cohort.events.keys": ("JobNameError",),
+    "cohort.events.models": ("Dataset", "Node"),
+    "cohort.events.shards": ("Range", "Shard"),
+    "cohort.worker.collective.hierarchy": ("HierarchicalCollective",),
+    "cohort.worker.collective.redis_collective": ("Collective",),
+    "cohort.worker.errors": (
+        "AccumulationError",
+        "ActivationTimeout",
+        "BlobError",
+        "CollectiveError",
+        "CollectiveTimeout",
+        "CommitTimeout",
+        "Finished",
+        "IdentityMismatch",
+        "JoinRefusedError",
+        "JoinTimeout",
+        "MemoryBudgetError",
+        "NotAssigned",
+        "OutageTooLong",
+        "RedisUnreachable",
+        "RendezvousError",
+        "Removed",
+        "StateError",
+        "Stopped",
+        "WaitTimeout",
+        "WorkerError",
+        "WorldChangedError",
+    ),
+    "cohort.worker.loop.checkpoints": ("CheckpointError",),
+    "cohort.worker.loop.elastic": ("NumpyElasticJob",),
+    "cohort.worker.loop.evaluator": ("Evaluator",),
+    "cohort.worker.membership.client": ("Worker",),
+    "cohort.worker.membership.view": ("Assignment", "GpuAdvice"),
+    "cohort.worker.pytorch.dist": ("ElasticProcessGroup",),
 }
-_MODULES = {"torch": "cohort.worker.pytorch.api", "checkpoints": "cohort.worker.loop.checkpoints"}
+"""Where each public class and function loads from: module -> names."""
+
+_MODULES = {"checkpoints": "cohort.worker.loop.checkpoints", "torch": "cohort.worker.pytorch.api"}
+"""Public names that are modules: name -> module."""
+
+_DEPRECATED = {
+    "ElasticJob": (
+        "NumpyElasticJob",
+        "cohort.ElasticJob is the numpy job, now named cohort.NumpyElasticJob (a PyTorch "
+        "script wants cohort.torch.ElasticJob)",
+    ),
+    "Rendezvous": (
+        "ElasticProcessGroup",
+        "cohort.Rendezvous is now named cohort.ElasticProcessGroup (it is not torchrun's "
+        "rendezvous: it makes a torch.distributed process group for every world)",
+    ),
+}
+"""Old names that still work, with a DeprecationWarning naming the new one."""
+
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        new, why = _DEPRECATED[name]
+        warnings.warn(why, DeprecationWarning, stacklevel=2)
+        return __getattr__(new)
     if name in _MODULES:
         value: Any = importlib.import_module(_MODULES[name])
-    elif name in _HOMES:
-        value = getattr(importlib.import_module(_HOMES[name]), name)
+    elif name in _HOME_OF:
+        value = getattr(importlib.import_module(_HOME_OF[name]), name)
     else:
         raise AttributeError(f"module 'cohort' has no attribute {name!r}")
     globals()[name] = value  # the next lookup is a plain attribute

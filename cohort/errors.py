@@ -1,12 +1,17 @@
-"""The cohort command's exceptions and exit codes: one root, each message quotes the bad value."""
+"""The cohort command's exit codes, and the root of every cohort exception.
+
+`CohortError` is defined in the shared kernel (`cohort.events.errors`), below every other part
+of the package, so that the events, coordinator, worker and command-line errors all derive
+from it; it is re-exported here and as `cohort.CohortError`.
+"""
 
 from __future__ import annotations
 
 from enum import IntEnum
 
+from cohort.events.errors import CohortError
 
-class CohortError(Exception):
-    """Root of every error raised by the cohort package (CLI, demo, local servers)."""
+__all__ = ["CohortError", "Exit"]
 
 
 class Exit(IntEnum):

@@ -1,6 +1,6 @@
 """`cohort example-worker`: one worker of a real elastic training job (numpy MLP).
 
-The loop is the one a user writes with `cohort.ElasticJob`: wrap the parameters, walk
+The loop is the one a user writes with `cohort.NumpyElasticJob`: wrap the parameters, walk
 `job.steps()`, compute this rank's gradients on the step's samples, average them with
 `job.allreduce`, apply. What makes it elastic lives in the job, not here:
 
@@ -29,13 +29,13 @@ from cohort.events.models import CheckpointSaved, Rewound
 from cohort.worker.collective import tensors
 from cohort.worker.errors import Removed
 from cohort.worker.loop import checkpoints
-from cohort.worker.loop.elastic import ElasticJob
+from cohort.worker.loop.elastic import NumpyElasticJob
 
 log = logging.getLogger("cohort.example")
 
 
 def run(
-    job: ElasticJob,
+    job: NumpyElasticJob,
     steps: int | None = None,
     lr: float = 0.2,
     seed: int = 0,
@@ -88,7 +88,7 @@ def run(
 
 
 def _train(
-    job: ElasticJob, params: mlp.Params, data: mlp.Dataset, samples: np.ndarray, lr: float
+    job: NumpyElasticJob, params: mlp.Params, data: mlp.Dataset, samples: np.ndarray, lr: float
 ) -> float:
     """One synchronous data-parallel step on this rank's `samples`, applied to `params` in
     place: the global mean loss. Raises WorldChangedError (nothing applied) if the world

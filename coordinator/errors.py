@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from cohort.events.errors import CohortError
 
-class CoordinatorError(Exception):
+
+class CoordinatorError(CohortError):
     """Root of every error raised by the coordinator package."""
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgpack
 
+from cohort.coordinator.errors import CoordinatorError
 from cohort.coordinator.state import JobState, dump, load
 
 VERSION = 5
@@ -14,8 +15,9 @@ it is refolded, and the journal's upcaster gives it its old meaning); 5: the sta
 its last commits' times (the job's rate). Older ones are refolded."""
 
 
-class SnapshotUnusable(Exception):
-    """The snapshot cannot be used; the caller folds from zero instead."""
+class SnapshotUnusable(CoordinatorError):
+    """The snapshot cannot be used; the caller folds from zero instead. Control flow inside
+    the coordinator, never raised to a caller."""
 
 
 def encode(state: JobState, journal_id: str) -> bytes:

@@ -1,10 +1,21 @@
-"""The shared kernel's exceptions: one root, each message quotes the bad value."""
+"""The root of every exception cohort raises, and the shared kernel's own.
+
+Every exception of the package derives from `CohortError` (exported as `cohort.CohortError`),
+so a script catches cohort's errors in one clause; each message quotes the bad value and says
+what to do. Names end in `Error` where they are errors; the few that are not are control flow
+(`Stopped`, `Finished`, the leader's `Fenced`), and their docstrings say so.
+"""
 
 from __future__ import annotations
 
 
-class EventsError(Exception):
-    """Root of every error raised by the events package."""
+class CohortError(Exception):
+    """Root of every exception raised by cohort: the shared kernel, the coordinator, the
+    worker and the command line."""
+
+
+class EventsError(CohortError):
+    """Root of the shared kernel's errors: events, their encoding, keys and connections."""
 
 
 class DecodeError(EventsError):

@@ -10,19 +10,19 @@ from cohort.events.errors import EventsError
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
-class BadJobName(EventsError):
-    pass
+class JobNameError(EventsError, ValueError):
+    """A job name that is missing or breaks the naming rule (the message says which)."""
 
 
 def check_job(job: str) -> str:
     """Return `job` if it is a usable job name, else raise naming it and the rule."""
     if not isinstance(job, str) or not job:
-        raise BadJobName(
+        raise JobNameError(
             f"no job name given ({job!r}): pass the name the job's coordinators were started "
             "with (--job / $COHORT_JOB)"
         )
     if not JOB_NAME.fullmatch(job):
-        raise BadJobName(
+        raise JobNameError(
             f"job name {job!r} is not valid: use 1-64 characters from the ASCII letters "
             "A-Z and a-z, the digits 0-9, '.', '_' and '-', starting with a letter or digit"
         )

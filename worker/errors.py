@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cohort.events.errors import RedisUnavailable
+from cohort.events.errors import CohortError, RedisUnavailable
 
 if TYPE_CHECKING:
     from cohort.worker.membership.view import Assignment
 
 
-class WorkerError(Exception):
-    """Root of every error raised by the worker package."""
+class WorkerError(CohortError):
+    """Root of the worker's errors: what a training script meets from cohort."""
 
 
 class RedisUnreachable(WorkerError, RedisUnavailable):
@@ -124,3 +124,17 @@ class CollectiveTimeout(CollectiveError, WaitTimeout):
 
 class BlobError(WorkerError):
     """A tensor blob is malformed or hostile (bad header, dtype, shape or byte range)."""
+
+
+class StateError(WorkerError):
+    """Model or optimizer state that cannot be sent, or a blob that does not fit the model
+    (`cohort.torch`)."""
+
+
+class AccumulationError(WorkerError):
+    """A gradient was accumulated again after its bucket was averaged (`cohort.torch`)."""
+
+
+class RendezvousError(WorkerError):
+    """The ranks of a world could not meet for torch.distributed (store unreachable, rank 0
+    published nothing): `cohort.ElasticProcessGroup`."""

@@ -240,7 +240,7 @@ def example_worker(
     wait_for_redis: float,
 ) -> None:
     """Train a real model (a numpy MLP on a deterministic 4-class data set) as one worker,
-    with `cohort.ElasticJob`: the loop a training script writes (see cohort/example.py).
+    with `cohort.NumpyElasticJob`: the loop a training script writes (see cohort/example.py).
 
     Gradients are averaged with allreduce through Redis; the job survives joins, leaves and
     failures without restarting. Prints one JSON line at the end: worker, steps, loss,
@@ -249,12 +249,12 @@ def example_worker(
     import numpy as np
 
     from cohort.example import run
-    from cohort.worker.loop.elastic import ElasticJob
+    from cohort.worker.loop.elastic import NumpyElasticJob
 
     conn = redis_client(ctx, "cohort-example-worker", wait_for_redis)
     summary = summarised(
         lambda: run(
-            ElasticJob(
+            NumpyElasticJob(
                 job,
                 conn=conn,
                 worker_id=worker_id,

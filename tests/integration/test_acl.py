@@ -30,7 +30,7 @@ from cohort.events.models import JobConfig, Join, WorkerJoined
 from cohort.events.streams import Inbox, Journal
 from cohort.example import run as train
 from cohort.localredis import LocalRedis
-from cohort.worker.loop.elastic import ElasticJob
+from cohort.worker.loop.elastic import NumpyElasticJob
 from tests.helpers import require_redis_server
 
 pytestmark = pytest.mark.redis_server
@@ -359,7 +359,7 @@ def test_a_job_trains_with_coordinator_and_worker_credentials_and_the_viewer_run
     def one_worker(name: str) -> Callable[[], None]:
         def body() -> None:
             conn = as_role(server, "worker")
-            job = ElasticJob(JOB, conn=conn, worker_id=name, signals=False)
+            job = NumpyElasticJob(JOB, conn=conn, worker_id=name, signals=False)
             try:
                 results[name] = train(job)
             except BaseException as exc:

@@ -47,7 +47,7 @@ from cohort.events.models import (
 from cohort.events.streams import Inbox, Journal
 from cohort.example import run as train
 from cohort.localredis import LocalRedis
-from cohort.worker.loop.elastic import ElasticJob
+from cohort.worker.loop.elastic import NumpyElasticJob
 from tests.helpers import wait_until
 from tests.integration.cluster import Cluster
 
@@ -178,7 +178,7 @@ def test_a_s_credential_cannot_make_b_leave_fail_commit_diverge_or_stay_alive(
     def trainer(name: str) -> Callable[[], None]:
         def body() -> None:
             conn = job.connect(job.own(name))
-            elastic = ElasticJob(JOB, conn=conn, worker_id=name, signals=False, digest_every=1)
+            elastic = NumpyElasticJob(JOB, conn=conn, worker_id=name, signals=False, digest_every=1)
             try:
                 results[name] = train(elastic, pace=0.05)
             except BaseException as exc:

@@ -22,7 +22,7 @@ import cohort
 
 logging.basicConfig(level=logging.INFO)
 url, go, saved = sys.argv[1:4]
-job = cohort.ElasticJob("itest", redis_url=url)
+job = cohort.NumpyElasticJob("itest", redis_url=url)
 params = job.wrap({"w": np.zeros(4)})
 for step in job.steps():
     with job.step_of(step):

@@ -84,17 +84,18 @@ def plain_rank(rank: int, port: int, victim: int) -> None:
 
 
 def cohort_rank(url: str, job: str, name: str, victim: bool, steps_alone: int) -> None:
-    """A cohort worker: a gloo group per world from Rendezvous, all_reduce through its guard."""
+    """A cohort worker: a gloo group per world from ElasticProcessGroup, all_reduce through its
+    guard."""
     from cohort.events.connection import RedisSettings, connect
     from cohort.worker.errors import WorldChangedError
     from cohort.worker.membership.client import Worker
-    from cohort.worker.pytorch.dist import Rendezvous
+    from cohort.worker.pytorch.dist import ElasticProcessGroup
 
     conn = connect(RedisSettings(url=url))
     worker = Worker(conn, job, worker_id=name)
     worker.join()
     worker.ready(step=0)
-    rendezvous = Rendezvous(worker, conn, job, host="127.0.0.1", timeout=60)
+    rendezvous = ElasticProcessGroup(worker, conn, job, host="127.0.0.1", timeout=60)
     pause = threading.Event()
     kept = together = False
     step, alone = 0, 0  # alone: steps in a world of one after a world of two
@@ -137,13 +138,13 @@ def finishing_rank(url: str, job: str, name: str, steps: int, first: bool) -> No
     `first` leaves at once; the other waits (its watchdog running) until the first has left."""
     from cohort.events.connection import RedisSettings, connect
     from cohort.worker.membership.client import Worker
-    from cohort.worker.pytorch.dist import Rendezvous
+    from cohort.worker.pytorch.dist import ElasticProcessGroup
 
     conn = connect(RedisSettings(url=url))
     worker = Worker(conn, job, worker_id=name)
     worker.join()
     worker.ready(step=0)
-    rendezvous = Rendezvous(worker, conn, job, host="127.0.0.1", timeout=60)
+    rendezvous = ElasticProcessGroup(worker, conn, job, host="127.0.0.1", timeout=60)
     world = rendezvous.init_process_group("gloo")  # a world of two: --min-workers 2
     start = max(world.start_step, worker.next_step)
     for step in range(start, start + steps):

@@ -15,7 +15,11 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = {"events": "cohort.events", "coordinator": "cohort.coordinator", "worker": "cohort.worker"}
+FOLDERS = {
+    "events": "cohort.events",
+    "coordinator": "cohort.coordinator",
+    "worker": "cohort.worker",
+}
 ROOMS = ("errors", "telemetry", "membership", "collective", "loop", "pytorch")
 
 
@@ -77,9 +81,12 @@ def violations(sources: dict[str, str]) -> list[str]:
     for module, source in sources.items():
         for name, line, typing_only in imports(source):
             where = f"{module}:{line} imports {name}"
-            if within(module, "cohort.events") and not within(name, "cohort.events"):
-                if within(name, "cohort"):
-                    found.append(f"{where}: events imports no other part of cohort")
+            if (
+                within(module, "cohort.events")
+                and within(name, "cohort")
+                and not within(name, "cohort.events")
+            ):
+                found.append(f"{where}: events imports no other part of cohort")
             if within(module, "cohort.coordinator") and within(name, "cohort.worker"):
                 found.append(f"{where}: the coordinator never imports the worker")
             if within(module, "cohort.worker") and within(name, "cohort.coordinator"):

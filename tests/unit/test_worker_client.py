@@ -19,7 +19,7 @@ import pytest
 
 from cohort.events import decode_command, encode
 from cohort.events import models as m
-from cohort.events.keys import BadJobName, Keys
+from cohort.events.keys import JobNameError, Keys
 from cohort.events.shards import Shard
 from cohort.events.streams import ZERO, Inbox, Journal
 from cohort.worker.errors import (
@@ -639,6 +639,6 @@ def _world(version: int, start: int, worker: str, first: int) -> Any:
 @pytest.mark.parametrize("job", [None, ""])
 def test_a_worker_without_a_job_name_says_so(server, job) -> None:
     with pytest.raises(
-        BadJobName, match=r"no job name given \(" + repr(job) + r"\): pass the name"
+        JobNameError, match=r"no job name given \(" + repr(job) + r"\): pass the name"
     ):
         Worker(fakeredis.FakeRedis(server=server), job)

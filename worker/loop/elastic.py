@@ -7,8 +7,8 @@ hands out this rank's samples of each step, reports the step and waits for it to
 writes the checkpoints the leader asks for in the background, and leaves at the end.
 
 A framework plugs in through `TrainingState` (its weights: digest, broadcast, snapshot,
-load, reset); `cohort.torch.ElasticJob` and `cohort.ElasticJob` (numpy) are the two
-front doors built on it.
+load, reset); `cohort.torch.ElasticJob` (PyTorch) and `cohort.NumpyElasticJob` (a dict of
+numpy arrays) are the two front doors built on it.
 
 A step whose collective was cut short by a world change applied nothing: it is retried
 in the new world. A step applied here but never committed (its world changed before any
@@ -536,10 +536,10 @@ class NumpyState:
             self.params[name] = np.array(value, copy=True)
 
 
-class ElasticJob(Elastic):
+class NumpyElasticJob(Elastic):
     """Elastic data-parallel training of numpy parameters, changed in place:
 
-    job = cohort.ElasticJob("toy")
+    job = cohort.NumpyElasticJob("toy")
     params = job.wrap(params)                     # kept equal on every rank
     for step in job.steps():
         with job.step_of(step):                   # a world change retries the step

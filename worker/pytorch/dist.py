@@ -1,7 +1,7 @@
 """cohort as the membership service of torch.distributed, and a watchdog that breaks hangs.
 
-For every world the coordinator journals, `Rendezvous.init_process_group` gives this worker
-its rank and the world size from the journal and a fresh `TCPStore` hosted by the world's
+For every world the coordinator journals, `ElasticProcessGroup.init_process_group` gives this
+worker its rank and the world size from the journal and a fresh `TCPStore` hosted by the world's
 rank 0 (its host:port published in Redis under a key per world version), then calls
 `torch.distributed.init_process_group(backend, store=..., rank=..., world_size=...)`.
 
@@ -14,7 +14,7 @@ What breaks it, measured on torch 2.13 (CPU, gloo): from another thread,
 `ProcessGroup.abort()`, the gloo backend's `abort()`, `_abort_process_group()`,
 `destroy_process_group()` and `shutdown()` all return at once, and the blocked `all_reduce`
 still waits for gloo's own timeout. So the collective must not block the training thread:
-`Rendezvous.all_reduce/broadcast/barrier` issue it with `async_op=True` and `wait` on the
+`ElasticProcessGroup.all_reduce/broadcast/barrier` issue it with `async_op=True` and `wait` on the
 work's future and on the `Watchdog` at once. The watchdog follows the worker's view of the
 journal; when a WorkerFailed/WorkerLeft removes a rank of this world, or a newer world
 starts, it wakes the waiter, which raises `WorldChangedError` within the journal's latency
@@ -46,7 +46,14 @@ import torch.distributed as dist
 
 from cohort.events.connection import Client
 from cohort.events.keys import Keys
-from cohort.worker.errors import Removed, Stopped, WaitTimeout, WorkerError, WorldChangedError
+from cohort.worker.errors import (
+    Removed,
+    RendezvousError,
+    Stopped,
+    WaitTimeout,
+    WorkerError,
+    WorldChangedError,
+)
 from cohort.worker.membership.client import Worker
 from cohort.worker.membership.view import View
 
@@ -72,10 +79,6 @@ def _pin(obj: Any) -> Any:
 
 def _unpin(obj: Any) -> None:
     ctypes.pythonapi.Py_DecRef(ctypes.py_object(obj))
-
-
-class RendezvousError(WorkerError):
-    """The ranks of a world could not meet (store unreachable, rank 0 published nothing)."""
 
 
 def store_key(job: str, world: int) -> str:
@@ -218,7 +221,7 @@ class Watchdog:
                 self._waiters.discard(done)
 
 
-class Rendezvous:
+class ElasticProcessGroup:
     """Rank, world size and a fresh store for each of the worker's worlds; guarded collectives.
 
     The training loop calls `init_process_group()` at the start of every world (after a

@@ -110,7 +110,7 @@ class ElasticJob(Elastic):
 
     `backend=None` (and no $COHORT_TORCH_BACKEND): gradients are averaged through Redis in
     `optimizer.step()`. `backend="gloo"` (or "nccl"): every world gets a torch.distributed
-    process group (`Rendezvous`: a fresh store per world, no store host to lose) and the
+    process group (`ElasticProcessGroup`: a fresh store per world, no store host to lose) and the
     model runs under `DistributedDataParallel`, whose allreduce overlaps backward; a
     watchdog following the journal completes a collective a dead peer would hang, and the
     step is skipped.
@@ -138,9 +138,9 @@ class ElasticJob(Elastic):
         self.compressor: feedback.Compressor | None = None
         """Set by `wrap(compression=...)`; its state restarts at every world start."""
         if backend is not None:
-            from cohort.worker.pytorch.dist import Rendezvous
+            from cohort.worker.pytorch.dist import ElasticProcessGroup
 
-            self.rdzv = Rendezvous(self.worker, self.conn, self.worker.job)
+            self.rdzv = ElasticProcessGroup(self.worker, self.conn, self.worker.job)
 
     def wrap(
         self,

@@ -49,8 +49,9 @@ LOADER_OPTIONS = (
 """What the twin takes from the script's loader (those its torch has)."""
 
 
-class Stale(Exception):
-    """The step asked for belongs to a world the journal has already replaced."""
+class Stale(WorkerError):
+    """The step asked for belongs to a world the journal has already replaced. Control flow
+    inside the sampler: it moves on to the new world, the caller never sees it."""
 
 
 class StepSampler:

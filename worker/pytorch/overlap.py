@@ -23,12 +23,8 @@ import numpy as np
 import torch
 
 from cohort.worker.collective.redis_collective import Collective
-from cohort.worker.errors import WorkerError, WorldChangedError
+from cohort.worker.errors import AccumulationError, WorldChangedError
 from cohort.worker.pytorch.sync import GRADIENTS, averaged_array, buckets, call_id, write_back
-
-
-class AccumulationError(WorkerError):
-    """A gradient was accumulated again after its bucket was averaged."""
 
 
 class OverlappedGradients:

@@ -39,7 +39,7 @@ from cohort.worker.collective.compressors import (
     compressor,
 )
 from cohort.worker.collective.redis_collective import Collective
-from cohort.worker.errors import WorkerError, WorldChangedError
+from cohort.worker.errors import StateError, WorldChangedError
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 """As DDP's default bucket_cap_mb: bounds the extra memory one allreduce call needs."""
@@ -58,10 +58,6 @@ _NUMPY = {
 _AVERAGED = (torch.float16, torch.float32, torch.float64)
 """dtypes the collective averages as they are; bfloat16 goes through float32."""
 _DTYPES = {str(d): d for d in (*_NUMPY, torch.bfloat16, torch.int8, torch.int16, torch.bool)}
-
-
-class StateError(WorkerError):
-    """Model or optimizer state that cannot be sent, or a blob that does not fit the model."""
 
 
 # ------------------------------------------------------------------ tensors <-> numpy

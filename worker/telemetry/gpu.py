@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from cohort.events.clock import Clock, SystemClock
 from cohort.events.models import MAX_GPU_PROCESSES, GpuDevice, GpuProcess
+from cohort.worker.errors import WorkerError
 
 LOG = logging.getLogger("cohort.worker.telemetry.gpu")
 
@@ -92,7 +93,10 @@ def describe(nvml: Any, exc: BaseException) -> str:
     return _REASONS[name] if name else f"NVML error: {exc} ({type(exc).__name__})"
 
 
-class _DriverGone(Exception):
+class _DriverGone(WorkerError):
+    """NVML stopped answering mid-run: the sampler says why once and stops. Control flow
+    inside the sampler, never raised to a caller."""
+
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason

@@ -1,0 +1,161 @@
+"""`import cohort` is the whole public API: its names are listed once in each of three places
+that must agree, every one of them loads, and every exception cohort has is a CohortError."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pkgutil
+import warnings
+from pathlib import Path
+
+import pytest
+
+import cohort
+
+SOURCE = Path(cohort.__file__).read_text()
+
+
+def _literal(tree: ast.Module, name: str) -> ast.expr:
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            assert node.value is not None
+            return node.value
+    raise AssertionError(f"cohort/__init__.py has no {name}")
+
+
+def listings(source: str) -> dict[str, dict[str, str]]:
+    """Each place's public names, with the module each one comes from (`__all__` says none)."""
+    tree = ast.parse(source)
+    typed: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for stmt in node.body:
+                if isinstance(stmt, ast.ImportFrom) and stmt.module:
+                    for alias in stmt.names:
+                        name = alias.asname or alias.name
+                        module = stmt.module
+                        if alias.asname:  # `from pkg import module as name`
+                            module = f"{stmt.module}.{alias.name}"
+                        typed[name] = module
+    homes = ast.literal_eval(_literal(tree, "_HOMES"))
+    modules = ast.literal_eval(_literal(tree, "_MODULES"))
+    lazy = {name: module for module, names in homes.items() for name in names}
+    lazy.update(modules)
+    for name, module in typed.items():  # a class's module is its import's
+        if name not in modules and not module.endswith(f".{name}"):
+            continue
+        typed[name] = modules.get(name, module)
+    everything = ast.literal_eval(_literal(tree, "__all__"))
+    return {"TYPE_CHECKING": typed, "__all__": dict.fromkeys(everything, ""), "lazy": lazy}
+
+
+def disagreements(source: str) -> list[str]:
+    """What the three listings of `source` do not agree on."""
+    places = listings(source)
+    found = []
+    names = set().union(*places.values())
+    for name in sorted(names):
+        missing = [place for place, listed in places.items() if name not in listed]
+        if missing:
+            found.append(f"{name} is missing from {', '.join(missing)}")
+    typed, lazy = places["TYPE_CHECKING"], places["lazy"]
+    for name in sorted(typed.keys() & lazy.keys()):
+        if typed[name] != lazy[name]:
+            found.append(
+                f"{name}: TYPE_CHECKING imports it from {typed[name]}, lazy from {lazy[name]}"
+            )
+    if len(places["__all__"]) != len(ast.literal_eval(_literal(ast.parse(source), "__all__"))):
+        found.append("__all__ names a name twice")
+    return found
+
+
+def test_the_three_listings_name_the_same_public_names_from_the_same_modules() -> None:
+    assert disagreements(SOURCE) == []
+
+
+@pytest.mark.parametrize(
+    ("dropped", "place"),
+    [
+        ("\n        Finished,", "TYPE_CHECKING"),
+        ('\n    "Finished",', "__all__"),
+        ('\n        "Finished",', "lazy"),
+    ],
+)
+def test_a_name_dropped_from_any_one_place_is_caught(dropped: str, place: str) -> None:
+    assert SOURCE.count(dropped) == 1
+    assert disagreements(SOURCE.replace(dropped, "")) == [f"Finished is missing from {place}"]
+
+
+def test_a_name_loaded_from_another_module_than_the_one_type_checkers_see_is_caught() -> None:
+    moved = SOURCE.replace(
+        '"cohort.worker.membership.client": ("Worker",)',
+        '"cohort.worker.loop.elastic": ("Worker",)',
+    )
+    assert any(line.startswith("Worker:") for line in disagreements(moved))
+
+
+def test_every_public_name_loads() -> None:
+    for name in cohort.__all__:
+        assert getattr(cohort, name) is not None, name
+    assert cohort.torch.ElasticJob.__module__ == "cohort.worker.pytorch.elastic"
+
+
+def test_every_public_exception_is_a_cohort_error() -> None:
+    errors = [
+        getattr(cohort, name)
+        for name in cohort.__all__
+        if isinstance(getattr(cohort, name), type)
+        and issubclass(getattr(cohort, name), BaseException)
+    ]
+    assert len(errors) > 20
+    assert [e.__name__ for e in errors if not issubclass(e, cohort.CohortError)] == []
+
+
+def test_every_exception_cohort_defines_derives_from_the_one_root() -> None:
+    """Not only the exported ones: a script may meet any of them through a public call."""
+    defined = []
+    for info in pkgutil.walk_packages(cohort.__path__, "cohort."):
+        if info.name.endswith("__main__"):
+            continue  # runs the command line
+        module = importlib.import_module(info.name)
+        for value in vars(module).values():
+            if (
+                isinstance(value, type)
+                and issubclass(value, BaseException)
+                and value.__module__ == module.__name__
+            ):
+                defined.append(value)
+    assert len(defined) > 30
+    assert (
+        sorted(
+            f"{e.__module__}.{e.__name__}" for e in defined if not issubclass(e, cohort.CohortError)
+        )
+        == []
+    )
+
+
+def test_a_bad_job_name_is_a_cohort_error_a_script_can_catch() -> None:
+    with pytest.raises(cohort.CohortError, match="job name 'bad name' is not valid"):
+        cohort.NumpyElasticJob("bad name")
+    assert issubclass(cohort.JobNameError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"), [("ElasticJob", "NumpyElasticJob"), ("Rendezvous", "ElasticProcessGroup")]
+)
+def test_an_old_name_still_works_and_says_its_new_name(old: str, new: str) -> None:
+    with pytest.warns(DeprecationWarning, match=f"now named cohort.{new}"):
+        value = getattr(cohort, old)
+    assert value is getattr(cohort, new)
+    assert old not in cohort.__all__
+
+
+def test_the_new_names_say_nothing_deprecated() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cohort.NumpyElasticJob.__name__ == "NumpyElasticJob"
+        assert cohort.ElasticProcessGroup.__name__ == "ElasticProcessGroup"
