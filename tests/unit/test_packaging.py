@@ -33,6 +33,20 @@ def test_ci_runs_the_readme_test_command_unchanged() -> None:
     assert "apt-get install -y -q redis-server" in ci
 
 
+def test_ci_checks_lint_format_and_types_in_a_fresh_venv_before_the_tests() -> None:
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    order = [
+        "rm -rf .venv",
+        "python3 -m venv .venv",
+        ". .venv/bin/activate",
+        "ruff check .",
+        "ruff format --check .",
+        "mypy",
+        quick_start()[1],
+    ]
+    assert [line for line in lines if line in order] == order
+
+
 def test_readme_installs_the_cpu_build_of_torch_before_the_torch_extra() -> None:
     """The extra alone pulls a CUDA build (GBs) on a machine without a GPU."""
     readme = (ROOT / "README.md").read_text()
