@@ -1,6 +1,6 @@
 """Redis ACL users for one job: coordinator, worker and viewer roles, and workers' own.
 
-DESIGN.md's "Two streams" promise (a worker cannot forge a fact) is kept by Redis
+docs/design.md's "Two streams" promise (a worker cannot forge a fact) is kept by Redis
 itself: the worker user may XADD to the inbox and touch its gradient/weights keys,
 read the journal, and nothing else. Only the coordinator user may FCALL the fenced
 functions that write the journal, cursor, snapshot and dead letters. The viewer reads.

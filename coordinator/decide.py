@@ -7,7 +7,7 @@ built by a `_Plan` that folds each fact as it is emitted, so every later rule
 sees the state the journal will hold at that point, and the caller adopts the
 plan's state instead of folding the facts again.
 
-The rules (DESIGN.md "Membership", "Data shards"):
+The rules (docs/design.md "Membership", "Data shards and the epoch order"):
 - Join: a member already → nothing; `max_workers` reached → JoinRefused; else WorkerJoined.
 - WeightsLoaded by a syncing member → WorkerSynced; it is activated at the next
   step boundary, or at once while training is paused.

@@ -3,7 +3,7 @@
 cohort's fenced writes. Every write that only the leader may make goes through
 one of these functions, which first check that the caller's token is still the
 one in the leader key. Redis runs a function atomically, so a paused or
-partitioned old leader is refused by Redis itself (DESIGN.md invariant 4).
+partitioned old leader is refused by Redis itself (invariant 4 of docs/design.md).
 
 Keys always come in KEYS (never built here), so a job's hash tag keeps every
 call in one Cluster slot. Bump VERSION whenever this file changes: Python

@@ -1,5 +1,6 @@
 """Snapshots: a state and the journal ID it covers. A cache only: folding the facts after
-it must give what folding from zero gives (invariant 1), so a bad one is simply ignored."""
+it must give what folding from zero gives (invariant 1 of docs/design.md), so a bad one is
+simply ignored."""
 
 from __future__ import annotations
 

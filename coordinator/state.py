@@ -1,8 +1,8 @@
 """The job as the journal says it is: a frozen value, folded from facts.
 
 `JobState` holds only what facts established, so replaying the journal gives
-the same value bit for bit (invariant 1). What the leader merely observes and
-never journals (heartbeat times, step reports) lives in `liveness.Liveness`.
+the same value bit for bit (invariant 1 of docs/design.md). What the leader merely
+observes and never journals (heartbeat times, step reports) lives in `liveness.Liveness`.
 """
 
 from __future__ import annotations

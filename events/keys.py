@@ -43,7 +43,7 @@ def job_of_journal(key: str) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Keys:
-    """Every key of one job, as DESIGN.md's table names them."""
+    """Every key of one job, as docs/design.md's table names them."""
 
     job: str
 

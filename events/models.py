@@ -557,7 +557,8 @@ class StepCommitted(Event):
 class WeightsDiverged(Event):
     """After committing `step`, active workers reported different weight digests.
 
-    `groups` maps each digest to the workers that reported it (invariant 7 broken).
+    `groups` maps each digest to the workers that reported it (invariant 7 of docs/design.md
+    broken).
     """
 
     type: Literal["WeightsDiverged"] = "WeightsDiverged"

@@ -1,6 +1,6 @@
 """The fenced writes (fencing.lua via coordinator.election) on fakeredis and a real redis-server.
 
-Invariant 4 of DESIGN.md: no fact is appended by a coordinator without the current token.
+Invariant 4 of docs/design.md: no fact is appended by a coordinator without the current token.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Fuzzing the door: random and mutated inbox entries never stop the leader, and every one
-is either decided or dead-lettered with a reason (DESIGN.md invariant 6)."""
+is either decided or dead-lettered with a reason (invariant 6 of docs/design.md)."""
 
 from __future__ import annotations
 

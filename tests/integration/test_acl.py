@@ -1,6 +1,6 @@
 """The job's ACL users on a real redis-server: every forbidden action is refused by Redis itself.
 
-DESIGN.md "Two streams": a worker can write only the inbox and its collective's keys, so a
+docs/design.md "Two streams": a worker can write only the inbox and its collective's keys, so a
 fact forged with worker credentials never reaches the journal. The same users run the real
 code paths: a coordinator leads, two workers train with allreduce, the viewer runs the CLI.
 """

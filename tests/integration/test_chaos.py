@@ -1,5 +1,5 @@
 """Chaos: coordinators and workers SIGKILLed and SIGSTOPped and redis-server restarted while a
-real model trains; afterwards the invariants of DESIGN.md must hold. Bounded in time."""
+real model trains; afterwards the invariants of docs/design.md must hold. Bounded in time."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A worker cut off for longer than the heartbeat timeout is failed, the survivors go on, its
 late commands (held by the cut, delivered when it heals) change nothing, and it can join
 again. A leader cut off loses its lease to the follower, and the appends it makes when the
-link returns are refused by the fencing function (invariant 4).
+link returns are refused by the fencing function (invariant 4 of docs/design.md).
 """
 
 from __future__ import annotations

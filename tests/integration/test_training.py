@@ -95,7 +95,7 @@ def test_a_killed_worker_and_a_newcomer_leave_survivors_equal_and_every_sample_u
 def test_workers_started_long_before_any_coordinator_train_to_the_end_and_none_fails(
     cluster: Cluster,
 ) -> None:
-    """DESIGN.md invariant 10, with real processes: compose and schedulers start everything
+    """Invariant 10 of docs/design.md, with real processes: compose and schedulers start everything
     at once, so workers may wait for a coordinator for many heartbeat timeouts."""
     workers = [cluster.example_worker(name, None) for name in ("a", "b")]  # the job's length
     early = 12.0  # six heartbeat timeouts

@@ -1,5 +1,5 @@
-"""Random joins, leaves, failures, steps, heartbeats, checkpoints and resumes keep DESIGN.md's
-invariants 1-3, 9 and 10."""
+"""Random joins, leaves, failures, steps, heartbeats, checkpoints and resumes keep the
+invariants 1-3, 9 and 10 of docs/design.md."""
 
 from __future__ import annotations
 

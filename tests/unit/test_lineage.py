@@ -1,4 +1,4 @@
-"""Weight lineage and checkpoints, rule by rule (DESIGN.md "Weight lineage", invariant 9).
+"""Weight lineage and checkpoints, rule by rule (invariant 9 of docs/design.md).
 
 Every world says which weights it starts from; when no rank holds the last committed
 ones, the leader rewinds to the latest checkpoint (data position included) or pauses

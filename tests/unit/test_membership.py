@@ -1,4 +1,4 @@
-"""The membership protocol, rule by rule (DESIGN.md "Membership")."""
+"""The membership protocol, rule by rule (docs/design.md "Membership")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Each epoch's order (events/order.py): a keyed bijection of the samples, and exactly once
-in sample space whatever the world did (DESIGN.md invariant 3, shuffled)."""
+in sample space whatever the world did (invariant 3 of docs/design.md, shuffled)."""
 
 from __future__ import annotations
 

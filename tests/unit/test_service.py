@@ -294,7 +294,7 @@ def test_bad_entries_are_dead_lettered_beside_the_facts_of_good_ones() -> None:
 
 
 # ---------------------------------------------------------------- start-up order and gaps
-# DESIGN.md invariant 10: a worker that is sending heartbeats is never declared failed,
+# Invariant 10 of docs/design.md: a worker that is sending heartbeats is never declared failed,
 # whatever the order in which workers and coordinators started.
 
 

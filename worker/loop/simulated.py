@@ -26,7 +26,8 @@ POLL = 0.5  # how often a long wait looks at the stop event
 
 
 def digest(step: int) -> str:
-    """The simulated weights after `step`: the same on every worker, as invariant 7 asks."""
+    """The simulated weights after `step`: the same on every worker, as invariant 7 of
+    docs/design.md asks."""
     return hashlib.sha256(f"weights-{step}".encode()).hexdigest()[:16]
 
 
