@@ -38,6 +38,9 @@ if TYPE_CHECKING:  # numpy loads when an audit runs
 CHUNK = 1 << 20
 """Positions mapped at a time: bounds the audit's memory beside its bitmap."""
 
+Batches = tuple[tuple[Range, ...], ...]
+"""Every rank's batch of one committed step, by rank."""
+
 
 @dataclass
 class EpochAudit:
@@ -128,7 +131,7 @@ def _runs(ids: np.ndarray) -> list[Range]:
 
 def committed_batches(
     facts: Iterable[Fact], state: JobState | None = None
-) -> Iterator[tuple[Fact, JobState, tuple[tuple[Range, ...], ...] | None]]:
+) -> Iterator[tuple[Fact, JobState, Batches | None]]:
     """Each fact with the state before it and, for a StepCommitted, every rank's batch.
 
     The global batch of a committed step is the union of its ranks' batches: what a
@@ -147,6 +150,41 @@ def committed_batches(
         state = evolve(state, fact)
 
 
+@dataclass
+class _Lineage:
+    """What the lineage the final model descends from holds so far, as the journal is read.
+
+    A rewind takes the steps after its target off it: their samples count as unused again.
+    """
+
+    used: dict[int, tuple[int, list[Range]]] = field(default_factory=dict)
+    """step -> (epoch, ranges its ranks trained on)"""
+    finished: dict[int, int] = field(default_factory=dict)
+    """epoch -> the step that finished it"""
+    digests: dict[int, str | None] = field(default_factory=dict)
+    """step -> the agreed weights digest"""
+
+    def commit(self, step: int, epoch: int, batches: Batches, digest: str | None) -> None:
+        self.used[step] = (epoch, [r for rank in batches for r in rank])
+        self.digests[step] = digest
+
+    def rewind(self, to_step: int) -> None:
+        for step in [s for s in self.used if s > to_step]:
+            del self.used[step]
+            self.digests.pop(step, None)
+        for epoch in [e for e, step in self.finished.items() if step > to_step]:
+            del self.finished[epoch]
+
+    def by_epoch(self) -> tuple[dict[int, list[Range]], Counter[int]]:
+        """Each epoch's used ranges and how many committed steps used them."""
+        ranges: dict[int, list[Range]] = defaultdict(list)
+        steps: Counter[int] = Counter()
+        for epoch, used in self.used.values():
+            ranges[epoch].extend(used)
+            steps[epoch] += 1
+        return ranges, steps
+
+
 def audit(
     facts: Iterable[Fact],
     start: JobState | None = None,
@@ -162,49 +200,66 @@ def audit(
     surviving holder's), or a rewind's checkpoint, or the initial weights before any
     commit.
     """
-    used: dict[int, tuple[int, list[Range]]] = {}  # step -> (epoch, ranges) on the lineage
-    finished: dict[int, int] = {}  # epoch -> the step that finished it, on the lineage
-    digests: dict[int, str | None] = {}  # step -> the agreed weights digest, on the lineage
     report = Audit()
+    lineage = _Lineage()
     state = JobState() if start is None else start
     for fact, before, batches in committed_batches(facts, start):
-        match fact:
-            case StepCommitted() if batches is not None:
-                used[fact.step] = (before.epoch, [r for rank in batches for r in rank])
-                digests[fact.step] = fact.digest
-            case EpochFinished():
-                finished[fact.epoch] = fact.step
-            case WorldChanged():
-                if fact.version <= before.world_version:
-                    report.problems.append(
-                        f"world version went from {before.world_version} to {fact.version}"
-                    )
-                if fact.epoch < before.epoch:
-                    report.problems.append(f"epoch went back from {before.epoch} to {fact.epoch}")
-                report.problems.extend(_lineage_problems(fact, before))
-            case CheckpointSaved():
-                committed = digests.get(fact.step)
-                if fact.digest and committed and fact.digest != committed:
-                    report.problems.append(
-                        f"checkpoint of step {fact.step} has weights {fact.digest}, but the "
-                        f"step committed {committed}"
-                    )
-            case Rewound():
-                report.rewinds.append((fact.from_step, fact.to_step, fact.source))
-                for step in [s for s in used if s > fact.to_step]:
-                    del used[step]
-                    digests.pop(step, None)
-                for epoch in [e for e, step in finished.items() if step > fact.to_step]:
-                    del finished[epoch]
+        report.problems.extend(_follow(lineage, report, fact, before, batches))
         state = evolve(before, fact)
-    by_epoch: dict[int, list[Range]] = defaultdict(list)
-    steps: Counter[int] = Counter()
-    for epoch, ranges in used.values():
-        by_epoch[epoch].extend(ranges)
-        steps[epoch] += 1
-    for epoch in sorted(set(by_epoch) | set(finished)):
+    _audit_epochs(report, lineage, state, order_of)
+    return report
+
+
+def _follow(
+    lineage: _Lineage, report: Audit, fact: Fact, before: JobState, batches: Batches | None
+) -> list[str]:
+    """Take `fact` into `lineage` (a rewind also into `report`); what it shows wrong."""
+    match fact:
+        case StepCommitted() if batches is not None:
+            lineage.commit(fact.step, before.epoch, batches, fact.digest)
+        case EpochFinished():
+            lineage.finished[fact.epoch] = fact.step
+        case WorldChanged():
+            return _world_problems(fact, before)
+        case CheckpointSaved():
+            return _checkpoint_problems(fact, lineage.digests.get(fact.step))
+        case Rewound():
+            report.rewinds.append((fact.from_step, fact.to_step, fact.source))
+            lineage.rewind(fact.to_step)
+    return []
+
+
+def _world_problems(world: WorldChanged, before: JobState) -> list[str]:
+    """Why `world` breaks the order of worlds and epochs, or its weights' lineage."""
+    problems = []
+    if world.version <= before.world_version:
+        problems.append(f"world version went from {before.world_version} to {world.version}")
+    if world.epoch < before.epoch:
+        problems.append(f"epoch went back from {before.epoch} to {world.epoch}")
+    return problems + _lineage_problems(world, before)
+
+
+def _checkpoint_problems(saved: CheckpointSaved, committed: str | None) -> list[str]:
+    """Why `saved` does not hold the weights its step committed (empty if it does)."""
+    if saved.digest and committed and saved.digest != committed:
+        return [
+            f"checkpoint of step {saved.step} has weights {saved.digest}, but the "
+            f"step committed {committed}"
+        ]
+    return []
+
+
+def _audit_epochs(
+    report: Audit,
+    lineage: _Lineage,
+    state: JobState,
+    order_of: Callable[[JobState, int], Order],
+) -> None:
+    """Fill `report.epochs` from the lineage: what each epoch used, and exactly-once."""
+    by_epoch, steps = lineage.by_epoch()
+    for epoch in sorted(set(by_epoch) | set(lineage.finished)):
         entry = report.epochs.setdefault(epoch, EpochAudit(epoch))
-        entry.finished = epoch in finished
+        entry.finished = epoch in lineage.finished
         entry.steps = steps[epoch]
         joined = merge(sorted(by_epoch[epoch]))  # overlaps stay: merge joins touching ones
         entry.used = sum(stop - start for start, stop in joined)
@@ -217,7 +272,6 @@ def audit(
                 f"epoch {epoch}: {outside} positions fall outside it or map outside the "
                 f"data set [0, {order.size})"
             )
-    return report
 
 
 def _lineage_problems(world: WorldChanged, before: JobState) -> list[str]:
