@@ -354,56 +354,87 @@ def evaluate(
 
     Journal the clears before the issues: a superseded rule ends before its successor starts.
     """
-    worker = reading.worker
-    mine = {(device, rule) for w, device, rule in active if w == worker}
-    devices = {d.index: d for d in reading.devices}
-    clears: list[Clear] = []
-    # (device, action kind) -> [(order, rule, value, is_active)] of rules that hold there
-    holding: dict[tuple[int | None, str], list[tuple[int, Rule, float | None, bool]]] = {}
-    configured = set()
-    for order, rule in enumerate(rules.rules):
-        if not rule.enabled:
-            continue
-        configured.add(rule.name)
+    run = _Evaluation(reading, active)
+    enabled = [(order, rule) for order, rule in enumerate(rules.rules) if rule.enabled]
+    for order, rule in enabled:
+        run.judge(order, rule)
+    run.pick_winners()
+    run.clear_unconfigured({rule.name for _, rule in enabled})
+    return run.result()
+
+
+_Candidate = tuple[int, Rule, float | None, bool]
+"""(order in the file, rule, value, is it active) of a rule that holds for a target."""
+
+
+class _Evaluation:
+    """One reading's evaluation: the rules that hold per target and kind, and the clears."""
+
+    def __init__(self, reading: GpuReading, active: frozenset[ActiveKey]) -> None:
+        self.worker = reading.worker
+        self.mine = {(device, rule) for w, device, rule in active if w == self.worker}
+        self.devices = {d.index: d for d in reading.devices}
+        self.holding: dict[tuple[int | None, str], list[_Candidate]] = {}
+        """(device, action kind) -> the rules that hold there"""
+        self.clears: list[Clear] = []
+        self.issues: list[Advice] = []
+
+    def judge(self, order: int, rule: Rule) -> None:
+        """Does `rule` hold for each of its targets? Active advice that does not is cleared."""
         cond = rule.condition
-        mine_here = (d for d, r in mine if r == rule.name)
-        for device, present, value in _targets(rule, devices, mine_here):
-            is_active = (device, rule.name) in mine
+        mine_here = (d for d, r in self.mine if r == rule.name)
+        for device, present, value in _targets(rule, self.devices, mine_here):
+            is_active = (device, rule.name) in self.mine
             if not present:
                 if is_active:
-                    clears.append(Clear(worker, device, rule.name, cond.metric, None))
+                    self.clears.append(Clear(self.worker, device, rule.name, cond.metric, None))
                 continue
-            if value is None:
-                holds = is_active
-            else:
-                holds = value >= cond.release if is_active else value > cond.above
-            if holds:
-                holding.setdefault((device, rule.action.kind), []).append(
+            if _holds(cond, value, is_active):
+                self.holding.setdefault((device, rule.action.kind), []).append(
                     (order, rule, value, is_active)
                 )
             elif is_active:
-                clears.append(Clear(worker, device, rule.name, cond.metric, value))
-    issues: list[Advice] = []
-    for (device, _kind), candidates in holding.items():
-        candidates.sort(key=lambda c: (-c[1].priority, c[0]))
-        _, winner, value, was_active = candidates[0]
-        for _, loser, loser_value, loser_active in candidates[1:]:
-            if loser_active:
-                clears.append(
-                    Clear(worker, device, loser.name, loser.condition.metric, loser_value)
+                self.clears.append(Clear(self.worker, device, rule.name, cond.metric, value))
+
+    def pick_winners(self) -> None:
+        """Per target and kind, the highest priority issues unless active; the rest clear."""
+        worker = self.worker
+        for (device, _kind), candidates in self.holding.items():
+            candidates.sort(key=lambda c: (-c[1].priority, c[0]))
+            _, winner, value, was_active = candidates[0]
+            for _, loser, loser_value, loser_active in candidates[1:]:
+                if loser_active:
+                    self.clears.append(
+                        Clear(worker, device, loser.name, loser.condition.metric, loser_value)
+                    )
+            if not was_active:
+                # an inactive rule holds only on a value above its threshold
+                assert value is not None
+                cond = winner.condition
+                self.issues.append(
+                    Advice(
+                        worker, device, winner.name, winner.action, cond.metric, value, cond.above
+                    )
                 )
-        if not was_active:
-            assert value is not None  # an inactive rule holds only on a value above its threshold
-            cond = winner.condition
-            issues.append(
-                Advice(worker, device, winner.name, winner.action, cond.metric, value, cond.above)
-            )
-    for device, name in sorted(mine, key=_device_then_name):
-        if name not in configured:
-            clears.append(Clear(worker, device, name, None, None))
-    clears.sort(key=lambda c: _device_then_name((c.device, c.rule)))
-    issues.sort(key=lambda a: _device_then_name((a.device, a.rule)))
-    return issues, clears
+
+    def clear_unconfigured(self, configured: set[str]) -> None:
+        """Active advice of a rule no longer configured (or disabled) ends, unmeasured."""
+        for device, name in sorted(self.mine, key=_device_then_name):
+            if name not in configured:
+                self.clears.append(Clear(self.worker, device, name, None, None))
+
+    def result(self) -> tuple[list[Advice], list[Clear]]:
+        self.clears.sort(key=lambda c: _device_then_name((c.device, c.rule)))
+        self.issues.sort(key=lambda a: _device_then_name((a.device, a.rule)))
+        return self.issues, self.clears
+
+
+def _holds(cond: Condition, value: float | None, is_active: bool) -> bool:
+    """Hysteresis: inactive advice starts above `above`, active advice holds down to
+    `clear_below`; an unreported value changes nothing."""
+    if value is None:
+        return is_active
+    return value >= cond.release if is_active else value > cond.above
 
 
 def _device_then_name(key: tuple[int | None, str]) -> tuple[int, str]:
