@@ -26,7 +26,7 @@ import logging
 import os
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +56,7 @@ from cohort.events.models import (
     StepDone,
     TransfersWaiting,
 )
-from cohort.events.streams import ZERO, Entry, Journal, id_ms
+from cohort.events.streams import ZERO, Entry, Journal, elects, id_ms
 
 log = logging.getLogger("cohort.coordinator")
 
@@ -288,27 +288,24 @@ class Coordinator:
         """Fold journal facts after `journal_id`; returns how many."""
         count = 0
         for entries in self.joblog.pages(self.journal_id, block_ms=block_ms):
-            if (
-                self.journal_id != ZERO
-                and _elects(entries)
-                and not self.joblog.holds(self.journal_id)
-            ):
+            read = Journal.read_page(entries)
+            if self.journal_id != ZERO and elects(read) and not self.joblog.holds(self.journal_id):
                 # A new leader after a failover that lost what this coordinator folded.
                 self._rolled_back()
                 return count
-            self._fold_page(entries)
+            self._fold_page(entries, read)
             count += len(entries)
         return count
 
-    def _fold_page(self, entries: list[Entry]) -> None:
-        try:
-            facts = Journal.decode_page(entries)
-        except DecodeError as exc:
+    def _fold_page(self, entries: list[Entry], read: Sequence[Fact | DecodeError]) -> None:
+        facts = [item for item in read if not isinstance(item, DecodeError)]
+        if len(facts) < len(read):
+            exc = next(item for item in read if isinstance(item, DecodeError))
             bad = entries[exc.index or 0].id
             raise CoordinatorError(
                 f"journal entry {bad} of job {self.settings.job!r} cannot be read "
                 f"({exc.reason}); it was written by a newer cohort: upgrade this coordinator"
-            ) from None
+            )
         self.core.fold(facts)
         self.journal_id = entries[-1].id
 
@@ -424,12 +421,14 @@ class Coordinator:
         command = decode_command(entry.raw if entry.raw is not None else _no_field(entry))
         if command.job != self.settings.job:
             raise DecodeError(
-                f"command is for job {command.job!r} but sits in the inbox of {self.settings.job!r}"
+                f"command is for job {command.job!r} "
+                f"but sits in the inbox of {self.settings.job!r}",
+                event_type=command.type,
             )
         if trust is not None:
             reason = identity.claims(command.worker, entry.fields[identity.SIGNER].decode())
             if reason is not None:
-                raise ForgedCommand(reason, _raw_of(entry))
+                raise ForgedCommand(reason, _raw_of(entry), event_type=command.type)
         return command
 
     def _decide(self, turn: Turn) -> None:
@@ -698,11 +697,6 @@ def _transfers(waiting: TransfersWaiting | None) -> dict[str, float] | None:
     if waiting is None:
         return None
     return {"pending": waiting.pending, "staged": waiting.staged, "delayed": waiting.delayed}
-
-
-def _elects(entries: list[Entry]) -> bool:
-    """True if a LeaderElected is among `entries` (a cheap look at the raw bytes)."""
-    return any(b"LeaderElected" in (entry.raw or b"") for entry in entries)
 
 
 def _raw_of(entry: Entry) -> bytes:

@@ -2,7 +2,8 @@
 
 Decoding is the door hostile bytes come through, so it is bounded at every
 level (entry size, string, array and map lengths, nesting) before pydantic sees
-anything, and every failure is a DecodeError that keeps the raw bytes.
+anything, and every failure is a DecodeError that keeps the raw bytes and, once the
+envelope named one, the entry's event type (`event_type`).
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ def decode_command(raw: bytes) -> Command:
         return COMMANDS.validate_python(body)
     except ValidationError as exc:
         raise DecodeError(
-            f"invalid {body['type']!r} command: {_validation_reason(exc)}", bytes(raw)
+            f"invalid {body['type']!r} command: {_validation_reason(exc)}",
+            bytes(raw),
+            event_type=body["type"],
         ) from None
 
 
@@ -135,5 +138,7 @@ def decode_fact(raw: bytes) -> Fact:
         return FACTS.validate_python(body)
     except ValidationError as exc:
         raise DecodeError(
-            f"invalid {body['type']!r} fact: {_validation_reason(exc)}", bytes(raw)
+            f"invalid {body['type']!r} fact: {_validation_reason(exc)}",
+            bytes(raw),
+            event_type=body["type"],
         ) from None

@@ -21,13 +21,18 @@ class EventsError(CohortError):
 class DecodeError(EventsError):
     """An entry could not be turned into an event; `raw` keeps the bytes as received.
 
-    `index` is the entry's position when it came in a batch (`decode_facts`).
+    `event_type` is the type its envelope named (None: it named none, or was not read that
+    far): code matches on it, never on `reason`, which is for people. `index` is the entry's
+    position when it came in a batch (`decode_facts`).
     """
 
-    def __init__(self, reason: str, raw: bytes | None = None) -> None:
+    def __init__(
+        self, reason: str, raw: bytes | None = None, event_type: str | None = None
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.raw = raw
+        self.event_type = event_type
         self.index: int | None = None
 
 

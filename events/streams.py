@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from cohort.events.codec import FIELD, decode_fact, decode_facts, encode, gc_paused
 from cohort.events.connection import Client, text
+from cohort.events.errors import DecodeError
 from cohort.events.identity import Signer
-from cohort.events.models import Command, Fact
+from cohort.events.models import Command, Fact, LeaderElected
 
 ZERO = "0-0"
 PAGE = 4096
@@ -162,3 +163,32 @@ class Journal(Stream):
         """The facts of `entries`, decoded in one batch; a DecodeError's `index` names the
         bad entry."""
         return decode_facts([entry.raw or b"" for entry in entries])
+
+    @staticmethod
+    def read_page(entries: Sequence[Entry]) -> Sequence[Fact | DecodeError]:
+        """Each entry's fact, or the DecodeError saying why it has none (its `index` the
+        entry's place in `entries`): one batch while all decode, one at a time once one
+        does not, so a reader can skip what it cannot read and keep the rest."""
+        try:
+            return Journal.decode_page(entries)
+        except DecodeError:
+            pass
+        read: list[Fact | DecodeError] = []
+        for index, entry in enumerate(entries):
+            try:
+                read.append(Journal.decode(entry))
+            except DecodeError as exc:
+                exc.index = index
+                read.append(exc)
+        return read
+
+
+def elects(read: Iterable[Fact | DecodeError]) -> bool:
+    """True if a LeaderElected is among entries as `Journal.read_page` read them: one that
+    decodes to it, or one that does not decode but whose envelope names it."""
+    return any(
+        item.event_type == "LeaderElected"
+        if isinstance(item, DecodeError)
+        else isinstance(item, LeaderElected)
+        for item in read
+    )

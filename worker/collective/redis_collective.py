@@ -92,7 +92,7 @@ from cohort.worker.errors import (
     MemoryBudgetError,
     WorldChangedError,
 )
-from cohort.worker.membership.retry import Link, describe, ride_out_of, seconds_of, with_retry
+from cohort.worker.membership.retry import Link, ride_out_of, seconds_of, url_of, with_retry
 from cohort.worker.membership.view import Assignment, Plan
 
 T = TypeVar("T")
@@ -360,7 +360,7 @@ class Collective:
         self.placement = placement.Placement(conn, self.keys)
         self.wire = Wire(conn)
         link = getattr(worker, "link", None)
-        self.link: Link = link if isinstance(link, Link) else Link(LOG, describe(conn))
+        self.link: Link = link if isinstance(link, Link) else Link(LOG, url_of(conn))
 
     # ------------------------------------------------------------ public
     def allreduce(

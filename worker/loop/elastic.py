@@ -48,8 +48,7 @@ from cohort.worker.loop import checkpoints
 from cohort.worker.membership import view as views
 from cohort.worker.membership.client import Worker
 from cohort.worker.membership.view import Assignment, View
-from cohort.worker.telemetry.node import describe as describe_node
-from cohort.worker.telemetry.node import ranges_of
+from cohort.worker.telemetry.node import ranges_of, this_node
 
 if TYPE_CHECKING:
     from cohort.events.order import Indices
@@ -173,7 +172,7 @@ class Elastic:
         check_job(job)
         self.conn = conn or connect(RedisSettings.resolve(redis_url, client_name=f"cohort-{job}"))
         if local_files is not None:
-            node = (node or describe_node()).model_copy(update={"files": ranges_of(local_files)})
+            node = (node or this_node()).model_copy(update={"files": ranges_of(local_files)})
         self.worker = Worker(
             self.conn,
             job,

@@ -70,12 +70,12 @@ from cohort.worker.errors import (
 )
 from cohort.worker.membership import view as views
 from cohort.worker.membership.outbox import Outbox
-from cohort.worker.membership.retry import AnyOf, Halt, Link, describe, with_retry
+from cohort.worker.membership.retry import AnyOf, Halt, Link, url_of, with_retry
 from cohort.worker.membership.transfers import Slot, TransferScheduler
 from cohort.worker.membership.view import Assignment, GpuAdvice, View
 from cohort.worker.telemetry import gpu
 from cohort.worker.telemetry.gpu import GpuProbe
-from cohort.worker.telemetry.node import describe as describe_node
+from cohort.worker.telemetry.node import this_node
 
 if TYPE_CHECKING:
     from cohort.events.order import Indices
@@ -144,7 +144,7 @@ class Worker:
         self.id = worker_id or (self.signer.worker if self.signer else default_worker_id())
         self.clock: Clock = clock or SystemClock()
         self.log = log or logging.getLogger("cohort.worker")
-        self.link = Link(self.log, describe(conn))
+        self.link = Link(self.log, url_of(conn))
         self.inbox = Inbox(conn, self.keys.inbox, self.signer)
         self.journal = Journal(conn, self.keys.journal)
         self._heartbeat_interval = heartbeat_interval
@@ -177,7 +177,7 @@ class Worker:
         if self.node is None:
             probe = self._gpu_probe or gpu.probe(self.log)
             try:
-                self.node = describe_node(probe)
+                self.node = this_node(probe)
             finally:
                 if probe is not self._gpu_probe:
                     probe.close()

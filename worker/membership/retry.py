@@ -30,8 +30,8 @@ reboot; with the collective's own deadline, within the TTL of its keys (`wire.TT
 10 minutes), so what the ranks wrote before the outage is still there after it."""
 
 
-def describe(conn: Client) -> str:
-    """Where `conn` points, for log lines (never includes a password)."""
+def url_of(conn: Client) -> str:
+    """Where `conn` points, as a URL without credentials, for log lines (a `Link`'s `where`)."""
     return where(conn)
 
 

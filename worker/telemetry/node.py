@@ -3,7 +3,7 @@
 The host is the machine's name; the zone and region come from $COHORT_ZONE and
 $COHORT_REGION (as a scheduler or a cloud's metadata would set them), the data read rate
 from $COHORT_BANDWIDTH (bytes per second), the GPUs from NVML when it is there. What the
-caller passes wins over all of it: `describe(files=..., locality=...)` is how a worker says
+caller passes wins over all of it: `this_node(files=..., locality=...)` is how a worker says
 which of the dataset's files its node holds.
 """
 
@@ -20,7 +20,7 @@ from cohort.worker.telemetry.gpu import GpuProbe
 ZONE_ENV, REGION_ENV, BANDWIDTH_ENV = "COHORT_ZONE", "COHORT_REGION", "COHORT_BANDWIDTH"
 
 
-def describe(
+def this_node(
     probe: GpuProbe | None = None,
     env: Mapping[str, str] | None = None,
     files: Iterable[int] | Iterable[tuple[int, int]] = (),
