@@ -272,39 +272,54 @@ def _summary(facts: _FactSeries, inbox: _InboxSeries, run: Run) -> Summary:
 
 
 def _marker(entry_id: str, fact: Fact) -> Marker | None:
-    kind: str | None = None
-    label = ""
-    if isinstance(fact, WorkerFailed):
-        kind, label = "failure", f"{fact.worker} failed (silent {fact.timeout:g}s)"
-    elif isinstance(fact, LeaderElected):
-        kind, label = "leader", f"leader {fact.coordinator} (epoch {fact.epoch})"
-    elif isinstance(fact, WorldChanged):
-        kind, label = "world", f"world {fact.version}: {len(fact.ranks)} ranks - {fact.reason}"
-    elif isinstance(fact, TrainingPaused):
-        kind, label = "pause", f"paused: {fact.reason}"
-    elif isinstance(fact, TrainingResumed):
-        kind, label = "resume", f"resumed with {fact.active} active"
-    elif isinstance(fact, StragglerDetected):
-        kind = "straggler"
-        label = f"{fact.worker} straggles ({fact.step_time:.3g}s vs median {fact.median:.3g}s)"
-    elif isinstance(fact, WeightsDiverged):
-        kind, label = "diverged", f"weights diverged at step {fact.step}"
-    elif isinstance(fact, GpuAdviceIssued):
-        kind, label = "advice", f"advice {_advice(fact)}"
-    elif isinstance(fact, GpuAdviceCleared):
-        kind, label = "advice-cleared", f"advice cleared {_advice(fact)}"
-    elif isinstance(fact, CheckpointSaved):
-        kind, label = "checkpoint", f"checkpoint of step {fact.step} ({fact.bytes} bytes)"
-    elif isinstance(fact, Rewound):
-        kind = "rewind"
-        label = f"rewound from step {fact.from_step} to {fact.to_step} ({fact.source})"
-    elif isinstance(fact, WeightsLost):
-        kind, label = "lost", f"weights of step {fact.step} lost"
-    elif isinstance(fact, JobFinished):
-        kind, label = "finished", f"finished at step {fact.step}: {fact.reason}"
-    if kind is None:
+    """The marker a fact draws on the report's time axis; None for facts it does not mark."""
+    drawn = _membership_marker(fact) or _weights_marker(fact)
+    if drawn is None:
         return None
+    kind, label = drawn
     return Marker(fact.at, kind, label, entry_id)
+
+
+def _membership_marker(fact: Fact) -> tuple[str, str] | None:
+    """(kind, label) of a fact about who trains: failures, leaders, worlds, pauses, stragglers."""
+    match fact:
+        case WorkerFailed():
+            return "failure", f"{fact.worker} failed (silent {fact.timeout:g}s)"
+        case LeaderElected():
+            return "leader", f"leader {fact.coordinator} (epoch {fact.epoch})"
+        case WorldChanged():
+            return "world", f"world {fact.version}: {len(fact.ranks)} ranks - {fact.reason}"
+        case TrainingPaused():
+            return "pause", f"paused: {fact.reason}"
+        case TrainingResumed():
+            return "resume", f"resumed with {fact.active} active"
+        case StragglerDetected():
+            return (
+                "straggler",
+                f"{fact.worker} straggles ({fact.step_time:.3g}s vs median {fact.median:.3g}s)",
+            )
+    return None
+
+
+def _weights_marker(fact: Fact) -> tuple[str, str] | None:
+    """(kind, label) of a fact about the weights and the GPUs: divergence, advice,
+    checkpoints, rewinds, losses and the end."""
+    match fact:
+        case WeightsDiverged():
+            return "diverged", f"weights diverged at step {fact.step}"
+        case GpuAdviceIssued():
+            return "advice", f"advice {_advice(fact)}"
+        case GpuAdviceCleared():
+            return "advice-cleared", f"advice cleared {_advice(fact)}"
+        case CheckpointSaved():
+            return "checkpoint", f"checkpoint of step {fact.step} ({fact.bytes} bytes)"
+        case Rewound():
+            return "rewind", f"rewound from step {fact.from_step} to {fact.to_step} ({fact.source})"
+        case WeightsLost():
+            return "lost", f"weights of step {fact.step} lost"
+        case JobFinished():
+            return "finished", f"finished at step {fact.step}: {fact.reason}"
+    return None
 
 
 def _advice(fact: GpuAdviceIssued | GpuAdviceCleared) -> str:
