@@ -1,7 +1,7 @@
 """Audit of a journal: every sample of each epoch used by exactly one committed step of the
 lineage the final model descends from, and every world started from the right weights.
 
-Works from facts alone (DESIGN.md invariant 3): the state before each
+Works from facts alone (invariant 3 of docs/design.md): the state before each
 `StepCommitted` says which shard every rank held, so the committed batches can
 be recomputed. Shards hold positions in each epoch's order; the check maps every used
 position through its epoch's order (the one workers train with) and looks, in sample
@@ -190,7 +190,7 @@ def audit(
     start: JobState | None = None,
     order_of: Callable[[JobState, int], Order] = JobState.order,
 ) -> Audit:
-    """Check invariants 2, 3 and 9 over `facts` (from the start of the journal).
+    """Check invariants 2, 3 and 9 of docs/design.md over `facts` (from the journal's start).
 
     Exactly-once is checked in sample space, each epoch's positions mapped through
     `order_of(state, epoch)` (the job's own orders; a test passes a broken one), on the
