@@ -27,7 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cohort.coordinator.audit import Audit, audit
-from cohort.coordinator.replay import JournalWatch, describe, export, from_redis
+from cohort.coordinator.replay import JournalWatch, export, fact_details, from_redis
 from cohort.errors import CohortError, Exit
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.deal import leftover
@@ -297,7 +297,7 @@ class Demo:
             if isinstance(fact, LeaderElected) and self.leader_killed_at is not None:
                 self.failover = self.failover or time.monotonic() - self.leader_killed_at
             if not isinstance(fact, StepCommitted):
-                self.events.append(f"{entry_id}  {type(fact).__name__} {describe(fact)}"[:150])
+                self.events.append(f"{entry_id}  {type(fact).__name__} {fact_details(fact)}"[:150])
         self.progress.update(self.step_bar, completed=min(self.step, self.steps))
         done, total = _epoch_done(self.watch)
         self.progress.update(

@@ -3,7 +3,7 @@
 Pure: the state, the leader's volatile view (`Liveness`, read only) and the
 time come in; the facts come out, with the state after them. A decision that
 takes several facts (a commit that activates a joiner and changes the world) is
-built by a `_Plan` that folds each fact as it is emitted, so every later rule
+built by a `_DecisionPlan` that folds each fact as it is emitted, so every later rule
 sees the state the journal will hold at that point, and the caller adopts the
 plan's state instead of folding the facts again.
 
@@ -102,7 +102,7 @@ from cohort.events.models import (
 from cohort.events.shards import Shard
 
 
-def _some(items: list[str], sep: str = ", ", most: int = 8) -> str:
+def _bounded_list(items: list[str], sep: str = ", ", most: int = 8) -> str:
     """A list for a reason text: bounded, however many workers a decision concerns."""
     shown = sep.join(items[:most])
     return shown if len(items) <= most else f"{shown}{sep}and {len(items) - most} more"
@@ -115,7 +115,7 @@ class Decision(NamedTuple):
     state: JobState
 
 
-class _Plan:
+class _DecisionPlan:
     """Facts of one decision, each folded as it is emitted."""
 
     def __init__(self, state: JobState, now: float) -> None:
@@ -147,7 +147,7 @@ def take_over(
 ) -> Decision:
     """A new leader's first facts: the job's config if the journal has none yet (the
     journal's first fact; a configured job keeps its journaled config), then itself."""
-    plan = _Plan(state, now)
+    plan = _DecisionPlan(state, now)
     if not state.configured:
         plan.record(JobConfigured(at=now, job=job, config=config))
     plan.emit(LeaderElected, coordinator=coordinator, epoch=epoch)
@@ -159,12 +159,18 @@ def take_over(
 
 def decide(state: JobState, seen: Liveness, command: Command, now: float) -> Decision:
     """Facts that follow from `command` (already observed into `seen`)."""
-    plan = _Plan(state, now)
+    plan = _DecisionPlan(state, now)
     if not state.configured:
         return plan.decision()
     if state.finished:
         _after_end(plan, command)
-        return plan.decision()
+    else:
+        _during_training(plan, seen, command)
+    return plan.decision()
+
+
+def _during_training(plan: _DecisionPlan, seen: Liveness, command: Command) -> None:
+    """The rule for `command` while the job runs: one branch per command type."""
     match command:
         case Join():
             _join(plan, command)
@@ -186,10 +192,9 @@ def decide(state: JobState, seen: Liveness, command: Command, now: float) -> Dec
             _workload(plan, command)
         case EpochDone() | TransfersWaiting():
             pass  # observed only
-    return plan.decision()
 
 
-def _join(plan: _Plan, command: Join) -> None:
+def _join(plan: _DecisionPlan, command: Join) -> None:
     state = plan.state
     if command.worker in state.members:
         return  # a repeated Join (a retried send) changes nothing
@@ -217,7 +222,7 @@ def _join(plan: _Plan, command: Join) -> None:
     )
 
 
-def _workload(plan: _Plan, command: RegisterWorkload) -> None:
+def _workload(plan: _DecisionPlan, command: RegisterWorkload) -> None:
     """A member's GPU workload is journaled when it is new or changed (a resend is not)."""
     member = plan.state.members.get(command.worker)
     if member is None or command.workload in member.workloads:
@@ -225,7 +230,7 @@ def _workload(plan: _Plan, command: RegisterWorkload) -> None:
     plan.emit(WorkloadRegistered, worker=command.worker, workload=command.workload)
 
 
-def _evaluated(plan: _Plan, command: EvalDone) -> None:
+def _evaluated(plan: _DecisionPlan, command: EvalDone) -> None:
     """An evaluator's metrics of committed weights are journaled; a trainer's, or metrics of
     a step that never committed, are not evaluations of this job's lineage."""
     member = plan.state.members.get(command.worker)
@@ -285,7 +290,7 @@ def _described(dataset: Dataset) -> str:
     return words
 
 
-def _synced(plan: _Plan, command: WeightsLoaded) -> None:
+def _synced(plan: _DecisionPlan, command: WeightsLoaded) -> None:
     member = plan.state.members.get(command.worker)
     if member is None or member.status != "syncing":
         return
@@ -294,7 +299,7 @@ def _synced(plan: _Plan, command: WeightsLoaded) -> None:
         _pace(plan)
 
 
-def _leave(plan: _Plan, command: Leave) -> None:
+def _leave(plan: _DecisionPlan, command: Leave) -> None:
     state = plan.state
     member = state.members.get(command.worker)
     if member is None or member.status == "draining":
@@ -312,7 +317,7 @@ def _leave(plan: _Plan, command: Leave) -> None:
     _new_world(plan, f"{command.worker} left")
 
 
-def _gpu(plan: _Plan, reading: GpuReading) -> None:
+def _gpu(plan: _DecisionPlan, reading: GpuReading) -> None:
     """GPU rules with hysteresis: advice starts and ends as facts, clears first."""
     if reading.worker not in plan.state.members:
         return
@@ -328,7 +333,7 @@ def _gpu(plan: _Plan, reading: GpuReading) -> None:
 
 def tick(state: JobState, seen: Liveness, now: float) -> Decision:
     """Facts that follow from time passing: members silent too long have failed."""
-    plan = _Plan(state, now)
+    plan = _DecisionPlan(state, now)
     if not state.configured:
         return plan.decision()
     timeout = plan.config.heartbeat_timeout
@@ -349,7 +354,7 @@ def tick(state: JobState, seen: Liveness, now: float) -> Decision:
     for worker, last_seen in lost:
         plan.emit(WorkerFailed, worker=worker, last_seen=last_seen, timeout=timeout)
     if held_rank and not plan.state.finished:
-        names = _some([w for w, _ in lost])
+        names = _bounded_list([w for w, _ in lost])
         _new_world(plan, f"{names} failed")
     return plan.decision()
 
@@ -357,7 +362,7 @@ def tick(state: JobState, seen: Liveness, now: float) -> Decision:
 # ---------------------------------------------------------------- steps and worlds
 
 
-def _maybe_commit(plan: _Plan, seen: Liveness) -> None:
+def _maybe_commit(plan: _DecisionPlan, seen: Liveness) -> None:
     state = plan.state
     if state.paused or not state.ranks:
         return
@@ -373,7 +378,7 @@ def _maybe_commit(plan: _Plan, seen: Liveness) -> None:
         _request_checkpoint(plan, step)
 
 
-def _commit(plan: _Plan, seen: Liveness, step: int) -> None:
+def _commit(plan: _DecisionPlan, seen: Liveness, step: int) -> None:
     """`step` stands, with the weights digest its ranks agree on (WeightsDiverged if not)."""
     state = plan.state
     groups = seen.digest_groups(state.ranks, step)
@@ -383,7 +388,7 @@ def _commit(plan: _Plan, seen: Liveness, step: int) -> None:
         plan.emit(WeightsDiverged, step=step, world=state.world_version, groups=groups)
 
 
-def _boundary(plan: _Plan, seen: Liveness, step: int, epoch_done: bool) -> None:
+def _boundary(plan: _DecisionPlan, seen: Liveness, step: int, epoch_done: bool) -> None:
     """What happens between two steps: stragglers, leavers, joiners, epochs, a new world.
     `epoch_done`: `step` used the epoch's last samples."""
     config = plan.config
@@ -418,10 +423,10 @@ def _boundary(plan: _Plan, seen: Liveness, step: int, epoch_done: bool) -> None:
             )
             return
     if changed:
-        _new_world(plan, _some(changed, sep="; "))
+        _new_world(plan, _bounded_list(changed, sep="; "))
 
 
-def _new_world(plan: _Plan, reason: str) -> None:
+def _new_world(plan: _DecisionPlan, reason: str) -> None:
     """A new world from the next step: survivors keep their order, newcomers follow.
 
     What is left of the epoch is split again over the new ranks; when nothing
@@ -457,7 +462,9 @@ def _new_world(plan: _Plan, reason: str) -> None:
     _start_world(plan, ranks, weights, reason)
 
 
-def _start_world(plan: _Plan, ranks: tuple[str, ...], weights: Weights | None, reason: str) -> None:
+def _start_world(
+    plan: _DecisionPlan, ranks: tuple[str, ...], weights: Weights | None, reason: str
+) -> None:
     state, config = plan.state, plan.config
     start, epoch = state.next_step, state.epoch
     rest = deal.leftover(config, state.shards, state.base_step, start, state.unassigned)
@@ -484,14 +491,14 @@ def _whole(state: JobState) -> tuple[tuple[int, int], ...]:
 
 
 def _deal(
-    plan: _Plan, epoch: int, rest: tuple[tuple[int, int], ...], ranks: tuple[str, ...]
+    plan: _DecisionPlan, epoch: int, rest: tuple[tuple[int, int], ...], ranks: tuple[str, ...]
 ) -> tuple[Shard, ...]:
     """`rest` of data epoch `epoch` dealt to `ranks` by the job's placement."""
     state = plan.state
     return deal.split(plan.config, rest, ranks, state.order(epoch), state.nodes)
 
 
-def _pace(plan: _Plan) -> None:
+def _pace(plan: _DecisionPlan) -> None:
     """Pause below `min_workers` (or while the weights are lost); while paused, once enough
     are ready, activate them and resume."""
     state, config = plan.state, plan.config
@@ -515,7 +522,7 @@ def _pace(plan: _Plan) -> None:
     if ready or unranked:
         for member in ready:
             plan.emit(WorkerActivated, worker=member.worker)
-        _new_world(plan, _some([m.worker for m in ready] + unranked) + " joined")
+        _new_world(plan, _bounded_list([m.worker for m in ready] + unranked) + " joined")
         return
     plan.emit(TrainingResumed, active=active)
 
@@ -531,7 +538,7 @@ def _epoch_done(state: JobState, step: int) -> bool:
     )
 
 
-def _ended(plan: _Plan, step: int, epoch_done: bool) -> bool:
+def _ended(plan: _DecisionPlan, step: int, epoch_done: bool) -> bool:
     """If committing `step` reached the job's length, finish it (and say so)."""
     reason = plan.config.end_reason(step, plan.state.epoch, epoch_done)
     if reason is not None:
@@ -539,7 +546,7 @@ def _ended(plan: _Plan, step: int, epoch_done: bool) -> bool:
     return reason is not None
 
 
-def _finish(plan: _Plan, step: int, epoch_done: bool, reason: str) -> None:
+def _finish(plan: _DecisionPlan, step: int, epoch_done: bool, reason: str) -> None:
     """`step` is the job's last: its epoch may end, a holder is asked for the last
     checkpoint (when the job checkpoints at all), members draining away leave now (no
     boundary comes for them), and the job is finished."""
@@ -553,7 +560,7 @@ def _finish(plan: _Plan, step: int, epoch_done: bool, reason: str) -> None:
     plan.emit(JobFinished, step=step, epoch=state.epoch, digest=state.last_digest, reason=reason)
 
 
-def _after_end(plan: _Plan, command: Command) -> None:
+def _after_end(plan: _DecisionPlan, command: Command) -> None:
     """A finished job trains no more: a joiner is refused, a leaver leaves at once, and the
     last checkpoint still enters the index; every other command changes nothing."""
     state = plan.state
@@ -575,7 +582,7 @@ def _after_end(plan: _Plan, command: Command) -> None:
 # ---------------------------------------------------------------- checkpoints and lineage
 
 
-def _request_checkpoint(plan: _Plan, step: int) -> None:
+def _request_checkpoint(plan: _DecisionPlan, step: int) -> None:
     """Ask a holder of the weights of `step` (rank 0 of the world, a survivor) to write them;
     the request carries the data position after `step`, for a rewind to it."""
     state = plan.state
@@ -591,7 +598,7 @@ def _request_checkpoint(plan: _Plan, step: int) -> None:
     )
 
 
-def _checkpoint_written(plan: _Plan, command: CheckpointWritten) -> None:
+def _checkpoint_written(plan: _DecisionPlan, command: CheckpointWritten) -> None:
     """A requested checkpoint is whole: it joins the index; the oldest beyond
     `checkpoint_keep` leave it. Anything not requested (late, forged, repeated) is ignored."""
     state = plan.state
@@ -621,7 +628,7 @@ def _checkpoint_written(plan: _Plan, command: CheckpointWritten) -> None:
 
 
 def _rewind(
-    plan: _Plan,
+    plan: _DecisionPlan,
     to_step: int,
     source: Literal["checkpoint", "scratch"],
     position: DataPosition,
@@ -649,7 +656,7 @@ def _rewind(
     )
 
 
-def _resume(plan: _Plan, command: Resume) -> None:
+def _resume(plan: _DecisionPlan, command: Resume) -> None:
     """An operator continues a job whose weights are lost, from scratch or a checkpoint."""
     state = plan.state
     if state.weights_lost is None:

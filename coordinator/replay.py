@@ -121,14 +121,15 @@ def from_file(path: Path) -> Run:
         run = Run(str(header.get("job")))
         try:
             for record in unpacker:
-                fields = {_b(k): _b(v) for k, v in record["fields"].items()}
+                fields = {_as_bytes(k): _as_bytes(v) for k, v in record["fields"].items()}
                 getattr(run, record["stream"]).append(Entry(record["id"], fields))
         except Exception as exc:
             raise ReplayError(f"{str(path)!r} is truncated or corrupt: {exc}") from None
         return run
 
 
-def _b(value: Any) -> bytes:
+def _as_bytes(value: Any) -> bytes:
+    """A field name or value of an export file as bytes, as `Entry` holds them (text: UTF-8)."""
     return value if isinstance(value, bytes) else str(value).encode()
 
 
@@ -185,7 +186,7 @@ def rebuild(run: Run, until: str | None = None) -> tuple[JobState, list[tuple[st
     return fold(facts), timeline
 
 
-def describe(fact: Fact) -> str:
+def fact_details(fact: Fact) -> str:
     """One line a person reads in a timeline (fields that are unset are left out)."""
     if isinstance(fact, WorldChanged):
         sizes = [s.size for s in fact.shards]

@@ -39,7 +39,7 @@ from cohort.coordinator.election import RedisLease
 from cohort.coordinator.errors import ConfigConflict, Conflict, CoordinatorError, Fenced
 from cohort.coordinator.joblog import Durability, RedisJobLog
 from cohort.coordinator.metrics import Metrics
-from cohort.coordinator.replay import describe
+from cohort.coordinator.replay import fact_details
 from cohort.coordinator.state import JobState, state_hash
 from cohort.coordinator.stores import DeadLetter, JobLog, Lease, epoch_of
 from cohort.events import identity
@@ -505,7 +505,7 @@ class Coordinator:
             logging.DEBUG if isinstance(fact, StepCommitted) else logging.INFO,
             "%s %s (journal %s)",
             name,
-            describe(fact),
+            fact_details(fact),
             entry_id,
             extra={"job": self.settings.job, "fact": name, "journal_id": entry_id},
         )

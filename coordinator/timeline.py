@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from cohort.coordinator.replay import describe
+from cohort.coordinator.replay import fact_details
 from cohort.events.models import (
     Fact,
     JoinRefused,
@@ -60,7 +60,7 @@ class Folder:
             return
         self._close_run()
         name, member = type(fact).__name__, isinstance(fact, MEMBERSHIP)
-        self.lines.append(Line(entry_id, fact.at, name, describe(fact), member))
+        self.lines.append(Line(entry_id, fact.at, name, fact_details(fact), member))
 
     def done(self) -> list[Line]:
         """Every line, the last run of commits included."""
@@ -84,7 +84,7 @@ def lines(facts: Iterable[tuple[str, Fact]]) -> list[Line]:
 def _commits(run: Sequence[tuple[str, StepCommitted]]) -> Line:
     entry_id, first = run[0]
     if len(run) == 1:
-        return Line(entry_id, first.at, "StepCommitted", describe(first))
+        return Line(entry_id, first.at, "StepCommitted", fact_details(first))
     last = run[-1][1]
     worlds = sorted({c.world for _, c in run})
     where = f"world {worlds[0]}" if len(worlds) == 1 else f"worlds {worlds[0]}–{worlds[-1]}"

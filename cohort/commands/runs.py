@@ -121,7 +121,7 @@ def replay(
 ) -> None:
     """Rebuild a job's state at any journal entry, with its timeline and a stable hash."""
     from cohort.coordinator.audit import audit as run_audit
-    from cohort.coordinator.replay import describe, rebuild, view
+    from cohort.coordinator.replay import fact_details, rebuild, view
     from cohort.render.terminal import audit_table, state_summary
 
     if (job is None) == (path is None):
@@ -148,7 +148,7 @@ def replay(
     else:
         if not quiet:
             for entry_id, fact in timeline:
-                click.echo(f"{entry_id:>22}  {type(fact).__name__:<18} {describe(fact)}")
+                click.echo(f"{entry_id:>22}  {type(fact).__name__:<18} {fact_details(fact)}")
         state_summary(view(state))
         if report is not None:
             audit_table(report)
