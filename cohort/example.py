@@ -7,7 +7,7 @@ The loop is the one a user writes with `cohort.NumpyElasticJob`: wrap the parame
 - every new world starts from the weights the journal names (rank 0's, the initial ones,
   or a checkpoint rank 0 loads and checks against the journaled digest), broadcast;
 - a step is applied only once its allreduce completed in its world, and a world change
-  inside it (`job.step_of`) retries it in the new world: an aborted step leaves no trace;
+  inside it (`job.attempt`) retries it in the new world: an aborted step leaves no trace;
 - after every `--checkpoint-every` steps (and after the last) the worker the leader asks
   writes the weights in the background while training goes on;
 - the job ends when the leader says it finished (`--max-steps`/`--epochs` of its
@@ -70,7 +70,7 @@ def run(
             if steps is not None and step.step >= steps:
                 break
             started = time.monotonic()
-            with job.step_of(step):
+            with job.attempt(step):
                 loss = _train(job, params, data, step.samples, lr)
                 job.record(loss=loss)
                 if pace:  # simulated compute

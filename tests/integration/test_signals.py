@@ -25,7 +25,7 @@ url, go, saved = sys.argv[1:4]
 job = cohort.NumpyElasticJob("itest", redis_url=url)
 params = job.wrap({"w": np.zeros(4)})
 for step in job.steps():
-    with job.step_of(step):
+    with job.attempt(step):
         mean = job.allreduce({"w": np.ones(4)})
         params["w"] -= 0.1 * mean["w"]
 job.close()

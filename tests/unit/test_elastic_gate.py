@@ -16,6 +16,7 @@ import pytest
 
 from cohort.events import models as m
 from cohort.events.shards import Shard
+from cohort.worker.errors import WorkerError, WorldChangedError
 from cohort.worker.loop.elastic import Elastic, Step
 from cohort.worker.membership.view import order_for
 from tests.unit.test_worker_client import JOB, Leader, fact
@@ -113,3 +114,38 @@ def test_a_cancelled_wait_gives_up(job) -> None:
         answer = pool.submit(elastic.launchable, built(elastic, 1), 0, cancelled)
         cancelled.set()
         assert answer.result(timeout=5) is False
+
+
+# ---------------------------------------------------------------- attempt(step)
+
+
+def test_a_world_change_inside_an_attempt_aborts_the_step_and_goes_no_further(job) -> None:
+    _, elastic = job
+    step = elastic.current = built(elastic, 0)
+    with elastic.attempt(step):
+        raise WorldChangedError(0, None)
+    assert elastic.aborted
+
+
+def test_any_other_error_inside_an_attempt_reaches_the_script(job) -> None:
+    _, elastic = job
+    step = elastic.current = built(elastic, 0)
+    with pytest.raises(ZeroDivisionError), elastic.attempt(step):
+        _ = 1 / 0
+    assert not elastic.aborted
+
+
+def test_an_attempt_at_a_step_that_is_not_the_current_one_is_refused(job) -> None:
+    _, elastic = job
+    elastic.current = built(elastic, 1)
+    refused = "takes the step job.steps\\(\\) gave last \\(step 1\\)"
+    with pytest.raises(WorkerError, match=refused), elastic.attempt(built(elastic, 0)):
+        pass
+
+
+def test_the_old_name_step_of_still_works_and_says_the_new_one(job) -> None:
+    _, elastic = job
+    step = elastic.current = built(elastic, 0)
+    with pytest.warns(DeprecationWarning, match="now named job.attempt"), elastic.step_of(step):
+        raise WorldChangedError(0, None)
+    assert elastic.aborted

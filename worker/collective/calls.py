@@ -2,8 +2,8 @@
 
 A training loop passes its step to `Collective` as it is. The PyTorch helpers make several
 calls per step (a bucket of gradients each, a state broadcast), so each gets its own id,
-negative so it never collides with a step a loop passes itself; `step_of` and `describe`
-turn an id back into the training step it serves, for messages people read.
+negative so it never collides with a step a loop passes itself; `training_step` and
+`call_name` turn an id back into the training step it serves, for messages people read.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ def _parts(call: int) -> tuple[int, int, int]:
     return step, channel, bucket
 
 
-def step_of(call: int) -> int:
+def training_step(call: int) -> int:
     """The training step a call serves: the call itself if it is a step, else decoded."""
     return call if call >= 0 else _parts(call)[0]
 
 
-def describe(call: int) -> str:
+def call_name(call: int) -> str:
     """`step 90`, or `step 90 (gradients, bucket 3)` for a call id."""
     if call >= 0:
         return f"step {call}"

@@ -20,11 +20,13 @@ passing its own on.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -133,6 +135,17 @@ def as_dataset(data: Any) -> Dataset | None:
     return Dataset(size=size, fingerprint=str(fingerprint)[:128])
 
 
+def _job_name(job: str | None) -> str:
+    """`job`, else $COHORT_JOB, checked; WorkerError if neither names one."""
+    job = job or os.environ.get(JOB_ENV)
+    if not job:
+        raise WorkerError(
+            f"no job name: pass one (ElasticJob('mnist')) or set ${JOB_ENV}, the name "
+            "the job's coordinators were started with"
+        )
+    return check_job(job)
+
+
 class Elastic:
     """A training process's membership of job `job`, and the walk over its steps.
 
@@ -163,13 +176,7 @@ class Elastic:
         collective_timeout: float | None = None,
         ride_out: float | None = None,
     ) -> None:
-        job = job or os.environ.get(JOB_ENV)
-        if not job:
-            raise WorkerError(
-                f"no job name: pass one (ElasticJob('mnist')) or set ${JOB_ENV}, the name "
-                "the job's coordinators were started with"
-            )
-        check_job(job)
+        job = _job_name(job)
         self.conn = conn or connect(RedisSettings.resolve(redis_url, client_name=f"cohort-{job}"))
         if local_files is not None:
             node = (node or this_node()).model_copy(update={"files": ranges_of(local_files)})
@@ -186,14 +193,13 @@ class Elastic:
             self.conn, job, self.worker, timeout=collective_timeout, ride_out=ride_out
         )
         self.digest_every = digest_every
+        self._reset_walk()
         if signals:
             self.worker.install_signal_handlers()
-        self.joined = False
-        try:
-            self.worker.join(timeout=join_timeout)
-            self.joined = True
-        except Stopped:  # Ctrl-C while waiting for a coordinator: the loops just end
-            log.info("%s was stopped before it joined job %r", self.worker.id, job)
+        self.joined = self._join(join_timeout)
+
+    def _reset_walk(self) -> None:
+        """Where the walk over the steps starts: no state, world, step or report yet."""
         self.state: TrainingState | None = None
         self.world = 0
         self.world_size = 0
@@ -209,6 +215,17 @@ class Elastic:
         self._writer: checkpoints.CheckpointWriter | None = None
         self._world_callbacks: list[Callable[[int, int], None]] = []
         self._left = False
+
+    def _join(self, timeout: float | None) -> bool:
+        """Become a member of the job, waiting for a coordinator however late one starts
+        (`timeout` None: until one answers). False if a signal stopped the wait first: the
+        loops then just end."""
+        try:
+            self.worker.join(timeout=timeout)
+        except Stopped:
+            log.info("%s was stopped before it joined job %r", self.worker.id, self.worker.job)
+            return False
+        return True
 
     # ------------------------------------------------------------ set up
     def attach(self, state: TrainingState) -> None:
@@ -272,6 +289,29 @@ class Elastic:
                 self._unsettled, self.step = step, step.step + 1
         finally:
             self._settle()
+
+    @contextlib.contextmanager
+    def attempt(self, step: Step) -> Iterator[Step]:
+        """One try at `step`'s work: a world change inside it (WorldChangedError) aborts
+        the step, which `steps()` then gives again in the new world. `step` must be the one
+        `steps()` gave last."""
+        if step is not self.current:
+            current = self.current.step if self.current is not None else None
+            raise WorkerError(
+                f"job.attempt() takes the step job.steps() gave last (step {current}), "
+                f"not step {step.step}"
+            )
+        try:
+            yield step
+        except WorldChangedError:
+            self.abort()  # suppressed: the step is retried in the new world
+
+    def step_of(self, step: Step) -> contextlib.AbstractContextManager[Step]:
+        """Deprecated: `attempt(step)`, which this was, under a name that says what it does."""
+        warnings.warn(
+            "job.step_of(step) is now named job.attempt(step)", DeprecationWarning, stacklevel=2
+        )
+        return self.attempt(step)
 
     def before_apply(self) -> bool:
         """Called by the framework's glue before it averages and applies the current step.
@@ -541,7 +581,7 @@ class NumpyElasticJob(Elastic):
     job = cohort.NumpyElasticJob("toy")
     params = job.wrap(params)                     # kept equal on every rank
     for step in job.steps():
-        with job.step_of(step):                   # a world change retries the step
+        with job.attempt(step):                   # a world change retries the step
             grads = gradients(params, *take(step.samples))
             for name, mean in job.allreduce(grads).items():
                 params[name] -= lr * mean
@@ -566,21 +606,3 @@ class NumpyElasticJob(Elastic):
             current.step,
             world=current.world,
         )
-
-    def step_of(self, step: Step) -> _Guard:
-        """A context for one step's work: a world change inside it aborts the step."""
-        return _Guard(self)
-
-
-class _Guard:
-    def __init__(self, job: Elastic) -> None:
-        self.job = job
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> bool:
-        if kind is not None and issubclass(kind, WorldChangedError):
-            self.job.abort()
-            return True  # suppressed: the step is retried in the new world
-        return False

@@ -41,59 +41,12 @@ def run(
     """Train until `steps` steps committed, or until stopped; then leave. Returns a summary.
 
     The join waits `join_timeout` s for a coordinator (None: until one answers or `stop`)."""
-    used: dict[int, tuple[Range, ...]] = {}  # committed step -> its ranges, as this worker saw
-    reported: list[tuple[int, int, tuple[Range, ...]]] = []  # (world, step, ranges) done
-    summary: dict[str, Any] = {
-        "worker": worker.id,
-        "steps_committed": 0,
-        "world_changes": 0,
-        "samples": 0,
-        "ranges": used,
-        "reported": reported,
-        "removed": None,
-        "finished": None,
-    }
-
-    def halted() -> bool:
-        return stop.is_set() or worker.stopping.is_set()
-
+    simulation = Simulation(worker, steps, step_time, stop)
+    summary = simulation.summary
     worker.join(join_timeout, stop)
     worker.ready(step=max(worker.view.last_committed, 0))
-    world = 0
-    step = worker.next_step
     try:
-        while summary["steps_committed"] < steps and not halted():
-            try:
-                assignment = worker.wait_active(POLL)
-            except WaitTimeout:
-                continue
-            if assignment.world_version != world:
-                if world:
-                    summary["world_changes"] += 1
-                world = assignment.world_version
-            step = max(step, worker.next_step)
-            ranges = worker.batch(step)
-            started = time.monotonic()
-            if stop.wait(step_time):
-                break  # stopped mid-step: the step is not done
-            count = range_count(ranges)
-            worker.step_done(
-                step,
-                step_time=time.monotonic() - started,
-                samples=count,
-                digest=digest(step),
-            )
-            reported.append((assignment.world_version, step, ranges))
-            restart = _commit(worker, step, stop)
-            if restart is not None:
-                if stop.is_set():
-                    break
-                step = restart  # aborted: go on from where the new world starts
-                continue
-            used[step] = ranges
-            summary["steps_committed"] += 1
-            summary["samples"] += count
-            step += 1
+        simulation.train()
     except Finished as end:  # the job reached its length: leave with the final weights
         summary["finished"] = end.reason
     except Removed as exc:
@@ -105,6 +58,73 @@ def run(
     done = summary["steps_committed"] >= steps or worker.finished
     worker.leave(reason="done" if done else "stopped")
     return summary
+
+
+class Simulation:
+    """One simulated worker's walk over the job's steps, and its summary."""
+
+    def __init__(self, worker: Worker, steps: int, step_time: float, stop: threading.Event):
+        self.worker = worker
+        self.steps = steps
+        self.step_time = step_time
+        self.stop = stop
+        self.used: dict[int, tuple[Range, ...]] = {}
+        """Committed step -> its ranges, as this worker saw them."""
+        self.reported: list[tuple[int, int, tuple[Range, ...]]] = []
+        """(world, step, ranges) of every step reported done."""
+        self.summary: dict[str, Any] = {
+            "worker": worker.id,
+            "steps_committed": 0,
+            "world_changes": 0,
+            "samples": 0,
+            "ranges": self.used,
+            "reported": self.reported,
+            "removed": None,
+            "finished": None,
+        }
+        self.world = 0
+        self.step = 0
+
+    def halted(self) -> bool:
+        return self.stop.is_set() or self.worker.stopping.is_set()
+
+    def train(self) -> None:
+        """Step until `steps` committed or stopped; Finished, Removed and Stopped end it."""
+        self.step = self.worker.next_step
+        while self.summary["steps_committed"] < self.steps and not self.halted():
+            try:
+                assignment = self.worker.wait_active(POLL)
+            except WaitTimeout:
+                continue
+            if assignment.world_version != self.world:
+                if self.world:
+                    self.summary["world_changes"] += 1
+                self.world = assignment.world_version
+            self.step = max(self.step, self.worker.next_step)
+            if not self.train_step(assignment.world_version):
+                return
+
+    def train_step(self, world: int) -> bool:
+        """Compute, report and settle the current step; False once stopped mid-way."""
+        step, worker = self.step, self.worker
+        ranges = worker.batch(step)
+        started = time.monotonic()
+        if self.stop.wait(self.step_time):
+            return False  # stopped mid-step: the step is not done
+        count = range_count(ranges)
+        worker.step_done(
+            step, step_time=time.monotonic() - started, samples=count, digest=digest(step)
+        )
+        self.reported.append((world, step, ranges))
+        restart = _commit(worker, step, self.stop)
+        if restart is not None:
+            self.step = restart  # aborted: go on from where the new world starts
+            return not self.stop.is_set()
+        self.used[step] = ranges
+        self.summary["steps_committed"] += 1
+        self.summary["samples"] += count
+        self.step = step + 1
+        return True
 
 
 def _commit(worker: Worker, step: int, stop: threading.Event) -> int | None:

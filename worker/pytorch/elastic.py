@@ -43,6 +43,24 @@ COMPRESSION_ENV = "COHORT_COMPRESSION"
 """Where a script that names no compression finds one: int8, powersgd or powersgd:RANK."""
 
 
+def compression_setting(
+    compression: Compression | None, rank: int
+) -> tuple[Compression | None, int]:
+    """The compression `wrap` names, else what $COHORT_COMPRESSION says (int8, powersgd or
+    powersgd:RANK), with its rank; ValueError names a rank that is not an integer."""
+    if compression is not None or not os.environ.get(COMPRESSION_ENV):
+        return compression, rank
+    setting = os.environ[COMPRESSION_ENV]
+    named, _, rank_text = setting.partition(":")
+    try:
+        rank = int(rank_text) if rank_text else rank
+    except ValueError:
+        raise ValueError(
+            f"${COMPRESSION_ENV}={setting!r}: the rank after ':' must be an integer"
+        ) from None
+    return named, rank  # type: ignore[return-value]  # compressor() checks the name
+
+
 class TorchState:
     """A model, its optimizer, an LR scheduler and any extra state, as one training state."""
 
@@ -137,6 +155,10 @@ class ElasticJob(Elastic):
         self._loaders: dict[int, tuple[Any, StepLoader]] = {}
         self.compressor: feedback.Compressor | None = None
         """Set by `wrap(compression=...)`; its state restarts at every world start."""
+        self._bucket_bytes = torch_sync.DEFAULT_BUCKET_BYTES
+        self._optimizer_step: Callable[..., Any] = lambda *args, **kwargs: None
+        self._optimizer_zero_grad: Callable[..., Any] = lambda *args, **kwargs: None
+        """The optimizer's own step and zero_grad, which `wrap` puts cohort's in front of."""
         if backend is not None:
             from cohort.worker.pytorch.dist import ElasticProcessGroup
 
@@ -162,63 +184,76 @@ class ElasticJob(Elastic):
         "int8" sends fewer bytes, with error feedback, after backward; every rank applies
         the same update (docs/compression.md). Through Redis only: a `backend` refuses it.
         Unset, $COHORT_COMPRESSION says (int8, powersgd or powersgd:RANK)."""
-        if compression is None and os.environ.get(COMPRESSION_ENV):
-            named, _, rank_text = os.environ[COMPRESSION_ENV].partition(":")
-            compression = named  # type: ignore[assignment]  # compressor() checks the name
-            try:
-                rank = int(rank_text) if rank_text else rank
-            except ValueError:
-                raise ValueError(
-                    f"${COMPRESSION_ENV}={os.environ[COMPRESSION_ENV]!r}: the rank after ':' "
-                    "must be an integer"
-                ) from None
-        self.compressor = feedback.compressor(compression, rank)
-        if self.compressor is not None and self.backend is not None:
+        self.compressor = self._compressor(*compression_setting(compression, rank))
+        self.attach(TorchState(model, optimizer, scheduler, extra))
+        self._bucket_bytes = bucket_bytes
+        config = self.worker.view.config
+        accumulating = config is not None and config.global_batch is not None
+        if self.backend is None and overlap and not accumulating and self.compressor is None:
+            self.overlapped = OverlappedGradients(model, self.collective, bucket_bytes)
+        self._optimizer_step, self._optimizer_zero_grad = optimizer.step, optimizer.zero_grad
+        optimizer.step = _method_of(optimizer, self._step_optimizer)  # type: ignore[method-assign]
+        optimizer.zero_grad = _method_of(optimizer, self._zero_grad)  # type: ignore[method-assign]
+        if self.backend is not None:
+            return _under_ddp(model, self), optimizer
+        return model, optimizer
+
+    def _compressor(self, compression: Compression | None, rank: int) -> feedback.Compressor | None:
+        """The compressor `wrap` was asked for; ValueError if the gradients do not go
+        through Redis."""
+        compressor = feedback.compressor(compression, rank)
+        if compressor is not None and self.backend is not None:
             raise ValueError(
                 f"compression {compression!r} works through Redis; backend {self.backend!r} "
                 "averages with torch.distributed (leave backend unset)"
             )
-        self.attach(TorchState(model, optimizer, scheduler, extra))
-        original, original_zero = optimizer.step, optimizer.zero_grad
-        config = self.worker.view.config
-        accumulating = config is not None and config.global_batch is not None
-        overlapping = overlap and not accumulating and self.compressor is None
-        if self.backend is None and overlapping:
-            self.overlapped = OverlappedGradients(model, self.collective, bucket_bytes)
+        return compressor
 
-        def zero_grad(this: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            if self._micro[0] > 0:
-                return None  # inside a step's micro-batches: the gradients accumulate
-            return original_zero(*args, **kwargs)
+    def _zero_grad(self, *args: Any, **kwargs: Any) -> Any:
+        """The script's `optimizer.zero_grad()`: inside a step's micro-batches the gradients
+        accumulate, so only the first micro-batch clears them."""
+        if self._micro[0] > 0:
+            return None
+        return self._optimizer_zero_grad(*args, **kwargs)
 
-        def step(this: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            current = self.current
-            if current is None:
-                raise WorkerError("optimizer.step() outside a step of job.batches()")
-            index, count = self._micro
-            if index < count - 1:
-                self._carry(model, index)
-                return None  # the update comes after the step's last micro-batch
-            if self.backend is None:
-                self._scale(model, self._last_factor(current))
-            if (self._mean is not None and self._mean.aborted) or not self.before_apply():
-                if self.overlapped is not None:
-                    self.overlapped.cancel()
-                self.abort()  # a dead peer's world, or the job moved on: built again
-                return None
-            if self.backend is None:
-                try:
-                    self._average_gradients(model, current, bucket_bytes)
-                except WorldChangedError:
-                    self.abort()  # no rank applies a step its world did not finish
-                    return None
-            return original(*args, **kwargs)
+    def _step_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        """The script's `optimizer.step()`: after a step's last micro-batch, the gradients'
+        mean over the world first, then the optimizer's own step; nothing if the world
+        changed meanwhile (the step is retried in the next world)."""
+        current = self.current
+        if current is None:
+            raise WorkerError("optimizer.step() outside a step of job.batches()")
+        index, count = self._micro
+        if index < count - 1:
+            self._carry(self._model(), index)
+            return None  # the update comes after the step's last micro-batch
+        if not self._gradients_averaged(current):
+            return None
+        return self._optimizer_step(*args, **kwargs)
 
-        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
-        optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
-        if self.backend is not None:
-            return _under_ddp(model, self), optimizer
-        return model, optimizer
+    def _gradients_averaged(self, current: Step) -> bool:
+        """Make the gradients the world's mean for `current`; False (and the step aborted)
+        when its world is over or the job moved on."""
+        model = self._model()
+        if self.backend is None:
+            self._scale(model, self._last_factor(current))
+        if (self._mean is not None and self._mean.aborted) or not self.before_apply():
+            if self.overlapped is not None:
+                self.overlapped.cancel()
+            self.abort()  # a dead peer's world, or the job moved on: built again
+            return False
+        if self.backend is None:
+            try:
+                self._average_gradients(model, current, self._bucket_bytes)
+            except WorldChangedError:
+                self.abort()  # no rank applies a step its world did not finish
+                return False
+        return True
+
+    def _model(self) -> torch.nn.Module:
+        state = self.state
+        assert isinstance(state, TorchState)
+        return state.model
 
     def _joined_world(self, assignment: Any) -> None:
         """With a backend: the world's process group, and the model under DDP in it. With
@@ -394,6 +429,17 @@ class ElasticJob(Elastic):
     def _next(self) -> Step | None:
         step, self._peeked = self._peek(), None
         return step
+
+
+def _method_of(optimizer: torch.optim.Optimizer, call: Callable[..., Any]) -> Any:
+    """`call` as a method of `optimizer`: an LR scheduler made after `wrap` rebinds the
+    optimizer's step to the optimizer (`step.__func__.__get__(optimizer)`), so what `wrap`
+    installs must be a function of the optimizer, not a method of the job."""
+
+    def method(this: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        return call(*args, **kwargs)
+
+    return types.MethodType(method, optimizer)
 
 
 def _under_ddp(model: torch.nn.Module, job: ElasticJob) -> torch.nn.Module:

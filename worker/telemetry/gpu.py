@@ -87,7 +87,7 @@ def _named(nvml: Any, exc: BaseException, names: tuple[str, ...]) -> str | None:
     return None
 
 
-def describe(nvml: Any, exc: BaseException) -> str:
+def nvml_failure(nvml: Any, exc: BaseException) -> str:
     """A sentence for an NVML error: the known causes spelled out, else NVML's own text."""
     name = _named(nvml, exc, tuple(_REASONS))
     return _REASONS[name] if name else f"NVML error: {exc} ({type(exc).__name__})"
@@ -191,7 +191,7 @@ class NvmlProbe:
         try:
             nvml.nvmlInit()
         except nvml.NVMLError as exc:
-            return self._failed(describe(nvml, exc), quiet and first)
+            return self._failed(nvml_failure(nvml, exc), quiet and first)
         self._initialised = True
         self._backoff = self._retry
         self._devices.clear()
@@ -200,7 +200,7 @@ class NvmlProbe:
             driver = nvml.nvmlSystemGetDriverVersion()
         except nvml.NVMLError as exc:
             self._shutdown()
-            return self._failed(describe(nvml, exc), quiet and first)
+            return self._failed(nvml_failure(nvml, exc), quiet and first)
         if isinstance(driver, bytes):
             driver = driver.decode(errors="replace")
         again = "" if first else " again"
@@ -239,7 +239,7 @@ class NvmlProbe:
         try:
             count = int(nvml.nvmlDeviceGetCount())
         except nvml.NVMLError as exc:
-            raise _DriverGone(describe(nvml, exc)) from exc
+            raise _DriverGone(nvml_failure(nvml, exc)) from exc
         self._count = count
         for gone in [i for i in self._devices if i >= count]:
             del self._devices[gone]
@@ -249,8 +249,8 @@ class NvmlProbe:
                 device = self._read(nvml, index)
             except nvml.NVMLError as exc:
                 if _named(nvml, exc, _DRIVER_ERRORS):
-                    raise _DriverGone(describe(nvml, exc)) from exc
-                self._device_state(index, describe(nvml, exc))
+                    raise _DriverGone(nvml_failure(nvml, exc)) from exc
+                self._device_state(index, nvml_failure(nvml, exc))
                 continue
             except ValidationError as exc:  # a value no real GPU reports: a broken driver
                 self._device_state(index, f"implausible values: {exc.errors()[0]['msg']}")
