@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from cohort.coordinator.state import KEEP_EVALS, RATE_WINDOW, Counters, JobState, Member, Status
 from cohort.events.models import (
+    KEEP_REQUESTS,
     MAX_WORKLOADS,
     CheckpointExpired,
     CheckpointRequested,
@@ -43,10 +44,6 @@ from cohort.events.models import (
 )
 from cohort.events.shards import Shard
 
-KEEP_REQUESTS = 8
-"""Checkpoint requests kept unanswered: a writer answers within a few; older ones are dropped
-(a job whose workers never write checkpoints does not grow its state)."""
-
 
 def _member(state: JobState, worker: str, **changes: object) -> dict[str, object]:
     old = state.members.get(worker)
@@ -74,7 +71,7 @@ def evolve(state: JobState, fact: Fact) -> JobState:
     return replace(state, facts=state.facts + 1, **_changes(state, fact))  # type: ignore[arg-type]
 
 
-def _changes(state: JobState, fact: Fact) -> dict[str, object]:
+def _changes(state: JobState, fact: Fact) -> dict[str, object]:  # noqa: C901 - the fact dispatcher: one branch per fact type
     """What `fact` changes, field by field (one new state per fact is built from it)."""
     match fact:
         case JobConfigured():

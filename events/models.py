@@ -620,6 +620,12 @@ class CheckpointRequested(Event):
     position: DataPosition
 
 
+KEEP_REQUESTS = 8
+"""Checkpoint requests a fold keeps until saved (the coordinator's state and each worker's
+view): a writer answers within a few; older ones are dropped, so a job whose workers never
+write checkpoints does not grow its state."""
+
+
 class CheckpointSaved(_CheckpointFile):
     """The checkpoint of `step` is indexed: the journal is the index of checkpoints;
     `position` is where the data stood after `step`."""

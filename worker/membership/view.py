@@ -22,14 +22,12 @@ Status = Literal["outside", "syncing", "ready", "active", "draining", "evaluatin
 
 KEEP_PLANS = 8
 """Plans kept for `batch` of recent steps; a training loop is at most a step or two behind."""
-KEEP_REQUESTS = 8
-"""Checkpoint requests to this worker kept until saved (as the coordinator keeps them)."""
 KEEP_EXPIRED = 64
 """Expired checkpoints this worker was asked to delete, kept until it has."""
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class WorldPlan:
     """Who trains on what from `base_step` on: a WorldChanged, or an EpochStarted within it."""
 
     world_version: int
@@ -42,7 +40,7 @@ class Plan:
     """The weights the world starts from (None: a journal older than weight lineage)."""
 
     @classmethod
-    def of(cls, world: m.WorldChanged) -> Plan:
+    def of(cls, world: m.WorldChanged) -> WorldPlan:
         """The plan a new world starts with."""
         return cls(
             world_version=world.version,
@@ -106,7 +104,7 @@ class View:
     failed: bool = False
     removed_reason: str = ""
     leaving_after: int | None = None
-    plans: tuple[Plan, ...] = ()
+    plans: tuple[WorldPlan, ...] = ()
     last_committed: int = -1
     paused: bool = False
     advice: tuple[m.GpuAdviceIssued, ...] = ()
@@ -124,7 +122,7 @@ class View:
 
     # ------------------------------------------------------------ the current plan
     @property
-    def plan(self) -> Plan | None:
+    def plan(self) -> WorldPlan | None:
         return self.plans[-1] if self.plans else None
 
     @property
@@ -202,7 +200,7 @@ def gpu_advice(view: View) -> GpuAdvice:
     )
 
 
-def evolve(view: View, fact: m.Fact) -> View:
+def evolve(view: View, fact: m.Fact) -> View:  # noqa: C901 - the fact dispatcher: one branch per fact type
     """The view after `fact`. Facts about other workers only change the member set."""
     me = view.worker
     match fact:
@@ -252,7 +250,7 @@ def evolve(view: View, fact: m.Fact) -> View:
             reason = f"declared failed: no heartbeat for {fact.timeout:g} s"
             return _removed(view, fact.worker, reason, failed=True)
         case m.WorldChanged():
-            return replace(view, plans=(*view.plans, Plan.of(fact))[-KEEP_PLANS:])
+            return replace(view, plans=(*view.plans, WorldPlan.of(fact))[-KEEP_PLANS:])
         case m.EpochStarted():
             current = view.plan
             if current is None:
@@ -282,7 +280,7 @@ def evolve(view: View, fact: m.Fact) -> View:
         case m.CheckpointRequested():
             if fact.worker != me:
                 return view
-            return replace(view, requested=(*view.requested, fact)[-KEEP_REQUESTS:])
+            return replace(view, requested=(*view.requested, fact)[-m.KEEP_REQUESTS :])
         case m.CheckpointSaved():
             return replace(
                 view,
@@ -329,7 +327,7 @@ def fold(facts: Iterable[m.Fact], view: View) -> View:
     return view
 
 
-def plan_for(view: View, step: int) -> Plan:
+def plan_for(view: View, step: int) -> WorldPlan:
     """The latest plan with base_step <= `step` (the one `step` trains under)."""
     for plan in reversed(view.plans):
         if plan.base_step <= step:
