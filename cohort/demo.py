@@ -2,10 +2,11 @@
 
 It starts (or uses) Redis, two coordinators and several simulated workers as real
 processes, watches the journal, SIGKILLs a worker and then the leading
-coordinator partway, adds a worker, and ends with a summary, an audit and an
-exported journal that `cohort replay --file` explains. Every process and temp
-dir it made is gone when it returns, also after Ctrl-C, and also when a process
-it waits on died: it says which, with the end of its log, instead of waiting on.
+coordinator partway, adds a worker, and ends with a summary, an audit and the
+run exported to `cohort-JOB.export` in the working directory (the one file it
+leaves), which `cohort replay --file` explains. Every process and temp dir it
+made is gone when it returns, also after Ctrl-C, and also when a process it
+waits on died: it says which, with the end of its log, instead of waiting on.
 """
 
 from __future__ import annotations
@@ -179,7 +180,8 @@ class Demo:
         self._wait_until(lambda: not self._running("worker") and not self._running("coord"))
 
     def export(self) -> Path:
-        """The whole run, journal and inbox, to ./cohort-JOB.export for `cohort replay`."""
+        """The whole run, journal and inbox, to cohort-JOB.export in the working directory:
+        where the summary's replay command, and the README's, find it by its name alone."""
         out = Path.cwd() / f"cohort-{self.job}.export"
         with out.open("wb") as handle:
             export(from_redis(self.conn, self.job), handle, time.time())
@@ -221,7 +223,10 @@ class Demo:
             "audit (every sample exactly once per epoch): "
             f"{'[green]passed[/]' if report.ok else '[red]FAILED[/]'}"
         )
-        console.print(f"replay this run: [bold]cohort replay --file {out} --audit[/]")
+        console.print(
+            f"this run is exported to {out.name} in {out.parent}; replay it here with "
+            f"[bold]cohort replay --file {out.name} --audit[/]"
+        )
         ok = report.ok and len(digests) == 1 and state.finished is not None
         return Exit.OK if ok else Exit.FAILED
 
