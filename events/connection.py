@@ -167,25 +167,12 @@ def check_url(url: str) -> str:
 def parse_url(url: str) -> Target:
     """Take a Redis URL apart (see the module docstring for the forms); SettingsError if bad."""
     shown = mask_password(url)
-    scheme = urlsplit(url).scheme if "://" in url else ""
-    if scheme not in SCHEMES:
-        raise SettingsError(
-            f"Redis URL {shown!r} has scheme {scheme!r}; use {EXAMPLES} "
-            f"(set --redis-url or ${ENV_URL})"
-        )
+    scheme = _scheme(url, shown)
     base, _, kind_name = scheme.partition("+")
     kind: Kind = kind_name if kind_name else "single"  # type: ignore[assignment]
     tls = base == "rediss"
     if kind == "single":
-        parts = urlsplit(url)
-        if scheme != "unix" and not parts.hostname:
-            raise SettingsError(f"Redis URL {shown!r} names no host; e.g. redis://127.0.0.1:6379/0")
-        try:
-            parts.port  # noqa: B018 - raises ValueError on a bad port
-        except ValueError:
-            raise SettingsError(
-                f"Redis URL {shown!r} has a bad port; use a number 1-65535"
-            ) from None
+        _check_single(url, scheme, shown)
         return Target(kind="single", tls=tls, nodes=())
     rest, _, query = url.split("://", 1)[1].partition("?")
     netloc, _, path = rest.partition("/")
@@ -195,34 +182,14 @@ def parse_url(url: str) -> Target:
             f"{scheme}:// URLs do not take; e.g. {_example(kind)}"
         )
     userinfo, at, hosts = netloc.rpartition("@")
-    username = password = None
-    if at:
-        user, colon, secret = userinfo.partition(":")
-        username = unquote(user) or None
-        password = unquote(secret) if colon else None
+    username, password = _credentials(userinfo) if at else (None, None)
     nodes = tuple(_host_port(h, shown, kind) for h in hosts.split(","))
     segments = [p for p in path.split("/") if p]
-    service, db = None, 0
     if kind == "cluster":
-        if segments and segments != ["0"]:
-            raise SettingsError(
-                f"Redis URL {shown!r} names database {'/'.join(segments)!r}; Redis Cluster has "
-                f"only database 0: use {_example(kind)}"
-            )
+        _check_cluster_db(segments, shown)
+        service, db = None, 0
     else:
-        if not segments or len(segments) > 2:
-            raise SettingsError(
-                f"Redis URL {shown!r} must name the Sentinel service (the master's name in "
-                f"sentinel.conf) and optionally a database: {_example(kind)}"
-            )
-        service = unquote(segments[0])
-        if len(segments) == 2:
-            if not segments[1].isdigit():
-                raise SettingsError(
-                    f"Redis URL {shown!r} has database {segments[1]!r}; use a number, "
-                    f"e.g. {_example(kind)}"
-                )
-            db = int(segments[1])
+        service, db = _sentinel_service(segments, shown)
     return Target(
         kind=kind,
         tls=tls,
@@ -232,6 +199,62 @@ def parse_url(url: str) -> Target:
         username=username,
         password=password,
     )
+
+
+def _scheme(url: str, shown: str) -> str:
+    """The URL's scheme, if cohort knows it; else SettingsError listing the ones it does."""
+    scheme = urlsplit(url).scheme if "://" in url else ""
+    if scheme not in SCHEMES:
+        raise SettingsError(
+            f"Redis URL {shown!r} has scheme {scheme!r}; use {EXAMPLES} "
+            f"(set --redis-url or ${ENV_URL})"
+        )
+    return scheme
+
+
+def _check_single(url: str, scheme: str, shown: str) -> None:
+    """A one-server URL needs a host (unless a socket) and a numeric port; redis-py parses
+    the rest."""
+    parts = urlsplit(url)
+    if scheme != "unix" and not parts.hostname:
+        raise SettingsError(f"Redis URL {shown!r} names no host; e.g. redis://127.0.0.1:6379/0")
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise SettingsError(f"Redis URL {shown!r} has a bad port; use a number 1-65535") from None
+
+
+def _credentials(userinfo: str) -> tuple[str | None, str | None]:
+    """(username, password) of a URL's `user:pass` part, percent-decoded."""
+    user, colon, secret = userinfo.partition(":")
+    return unquote(user) or None, unquote(secret) if colon else None
+
+
+def _check_cluster_db(segments: list[str], shown: str) -> None:
+    """A cluster URL names no database but 0: Redis Cluster has no other."""
+    if segments and segments != ["0"]:
+        raise SettingsError(
+            f"Redis URL {shown!r} names database {'/'.join(segments)!r}; Redis Cluster has "
+            f"only database 0: use {_example('cluster')}"
+        )
+
+
+def _sentinel_service(segments: list[str], shown: str) -> tuple[str, int]:
+    """(service, db) of a Sentinel URL's path `/SERVICE[/DB]`."""
+    if not segments or len(segments) > 2:
+        raise SettingsError(
+            f"Redis URL {shown!r} must name the Sentinel service (the master's name in "
+            f"sentinel.conf) and optionally a database: {_example('sentinel')}"
+        )
+    service = unquote(segments[0])
+    if len(segments) == 1:
+        return service, 0
+    if not segments[1].isdigit():
+        raise SettingsError(
+            f"Redis URL {shown!r} has database {segments[1]!r}; use a number, "
+            f"e.g. {_example('sentinel')}"
+        )
+    return service, int(segments[1])
 
 
 def _example(kind: Kind) -> str:
@@ -301,14 +324,7 @@ def connect(settings: RedisSettings) -> Client:
     primary a set of Sentinels names.
     """
     target = settings.target
-    tls: dict[str, object] = {}
-    if target.tls:
-        tls = {
-            "ssl_cert_reqs": "required",
-            "ssl_ca_certs": settings.tls_ca,
-            "ssl_certfile": settings.tls_cert,
-            "ssl_keyfile": settings.tls_key,
-        }
+    tls = _tls_options(settings) if target.tls else {}
     retry = Retry(ExponentialWithJitterBackoff(cap=0.5, base=0.02), settings.retries)
     common: dict[str, object] = {
         "socket_timeout": settings.socket_timeout,
@@ -317,42 +333,9 @@ def connect(settings: RedisSettings) -> Client:
         "decode_responses": False,
     }
     if target.kind == "cluster":
-        try:
-            return RedisCluster(
-                startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
-                retry=retry,
-                username=target.username,
-                password=target.password,
-                ssl=target.tls,
-                **common,  # type: ignore[arg-type]
-                **tls,  # type: ignore[arg-type]
-            )
-        except RedisClusterException as exc:  # the client asks for the slot map at once
-            raise redis.ConnectionError(
-                f"no startup node of the cluster at {settings.display_url} answered with a "
-                f"usable slot map: {exc}"
-            ) from exc
+        return _cluster_client(settings, retry, common, tls)
     if target.kind == "sentinel":
-        assert target.service is not None
-        sentinel_kw: dict[str, object] = {
-            "socket_timeout": settings.socket_timeout,
-            "socket_connect_timeout": settings.connect_timeout,
-        }
-        if target.tls:
-            sentinel_kw.update(ssl=True, **tls)
-        sentinel = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kw)
-        return sentinel.master_for(  # type: ignore[no-any-return]
-            target.service,
-            db=target.db,
-            username=target.username,
-            password=target.password,
-            retry=retry,
-            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-            health_check_interval=30,
-            ssl=target.tls,
-            **common,
-            **tls,
-        )
+        return _sentinel_client(settings, retry, common, tls)
     return redis.Redis.from_url(
         settings.url,
         retry=retry,
@@ -360,6 +343,66 @@ def connect(settings: RedisSettings) -> Client:
         health_check_interval=30,
         **common,  # type: ignore[arg-type]
         **tls,  # type: ignore[arg-type]
+    )
+
+
+def _tls_options(settings: RedisSettings) -> dict[str, object]:
+    """redis-py's TLS options for a rediss:// URL: verify the server, present our files."""
+    return {
+        "ssl_cert_reqs": "required",
+        "ssl_ca_certs": settings.tls_ca,
+        "ssl_certfile": settings.tls_cert,
+        "ssl_keyfile": settings.tls_key,
+    }
+
+
+def _cluster_client(
+    settings: RedisSettings, retry: Retry, common: dict[str, object], tls: dict[str, object]
+) -> RedisCluster:
+    """A Redis Cluster client from the URL's startup nodes; it reads the slot map at once."""
+    target = settings.target
+    try:
+        return RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
+            retry=retry,
+            username=target.username,
+            password=target.password,
+            ssl=target.tls,
+            **common,  # type: ignore[arg-type]
+            **tls,  # type: ignore[arg-type]
+        )
+    except RedisClusterException as exc:  # the client asks for the slot map at once
+        raise redis.ConnectionError(
+            f"no startup node of the cluster at {settings.display_url} answered with a "
+            f"usable slot map: {exc}"
+        ) from exc
+
+
+def _sentinel_client(
+    settings: RedisSettings, retry: Retry, common: dict[str, object], tls: dict[str, object]
+) -> redis.Redis:
+    """A client of the primary the Sentinels name for the URL's service (found again after
+    a failover); the Sentinels themselves are asked without the servers' credentials."""
+    target = settings.target
+    assert target.service is not None
+    sentinel_kw: dict[str, object] = {
+        "socket_timeout": settings.socket_timeout,
+        "socket_connect_timeout": settings.connect_timeout,
+    }
+    if target.tls:
+        sentinel_kw.update(ssl=True, **tls)
+    sentinel = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kw)
+    return sentinel.master_for(  # type: ignore[no-any-return]
+        target.service,
+        db=target.db,
+        username=target.username,
+        password=target.password,
+        retry=retry,
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        health_check_interval=30,
+        ssl=target.tls,
+        **common,
+        **tls,
     )
 
 

@@ -64,7 +64,8 @@ LEGEND_MAX = 24
 LABEL_CHAR_PX = 6.5  # width of one 11px character, near enough to avoid overlaps
 
 
-def _e(text: object) -> str:
+def _escaped(text: object) -> str:
+    """`text` safe inside HTML text and quoted attributes: it may come from untrusted input."""
     return html.escape(str(text), quote=True)
 
 
@@ -120,11 +121,11 @@ def _fmt_abs(at: float) -> str:
 def _frame(plot_id: str, title: str, unit: str, axis: _Axis, height: int = HEIGHT) -> list[str]:
     bottom = height - BOTTOM
     out = [
-        f'<svg id="{_e(plot_id)}" class="plot" role="img" width="{WIDTH}" height="{height}" '
+        f'<svg id="{_escaped(plot_id)}" class="plot" role="img" width="{WIDTH}" height="{height}" '
         f'viewBox="0 0 {WIDTH} {height}" data-t0="{axis.t0!r}" data-t1="{axis.t1!r}">',
-        f"<title>{_e(title)}</title>",
-        f'<text class="plot-title" x="{LEFT}" y="16">{_e(title)}'
-        + (f' <tspan class="unit">({_e(unit)})</tspan>' if unit else "")
+        f"<title>{_escaped(title)}</title>",
+        f'<text class="plot-title" x="{LEFT}" y="16">{_escaped(title)}'
+        + (f' <tspan class="unit">({_escaped(unit)})</tspan>' if unit else "")
         + "</text>",
         f'<rect class="area" x="{LEFT}" y="{TOP}" width="{WIDTH - LEFT - RIGHT}" '
         f'height="{bottom - TOP}"/>',
@@ -136,7 +137,7 @@ def _frame(plot_id: str, title: str, unit: str, axis: _Axis, height: int = HEIGH
         out.append(
             f'<line class="grid" x1="{x:.1f}" y1="{TOP}" x2="{x:.1f}" y2="{bottom}"/>'
             f'<text class="tick" x="{x:.1f}" y="{bottom + 14}" text-anchor="middle">'
-            f"{_e(_fmt_rel(tick))}</text>"
+            f"{_escaped(_fmt_rel(tick))}</text>"
         )
         tick += step
     return out
@@ -147,10 +148,11 @@ def _markers(axis: _Axis, markers: Iterable[Marker], y0: float, y1: float) -> li
     for m in markers:
         x = axis.x(m.at)
         out.append(
-            f'<line class="marker marker-{_e(m.kind)}" data-kind="{_e(m.kind)}" '
+            f'<line class="marker marker-{_escaped(m.kind)}" data-kind="{_escaped(m.kind)}" '
             f'x1="{x:.1f}" y1="{y0:.1f}" x2="{x:.1f}" y2="{y1:.1f}" '
             f'stroke="{MARKER_COLORS.get(m.kind, "#999")}">'
-            f"<title>{_e(_fmt_rel(m.at - axis.t0))} {_e(m.label)} [{_e(m.entry_id)}]</title>"
+            f"<title>{_escaped(_fmt_rel(m.at - axis.t0))} {_escaped(m.label)} "
+            f"[{_escaped(m.entry_id)}]</title>"
             "</line>"
         )
     return out
@@ -193,16 +195,16 @@ def _line_plot(
         out.append(
             f'<line class="grid" x1="{LEFT}" y1="{y(tick):.1f}" x2="{WIDTH - RIGHT}" '
             f'y2="{y(tick):.1f}"/><text class="tick" x="{LEFT - 6}" y="{y(tick) + 4:.1f}" '
-            f'text-anchor="end">{_e(f"{round(tick, 10):g}")}</text>'
+            f'text-anchor="end">{_escaped(f"{round(tick, 10):g}")}</text>'
         )
         tick += step
     for s in lines:
         color = JOB_COLORS.get(s.label, "#333") if not s.worker else _color(s.worker, order)
         dash = ' stroke-dasharray="6 3"' if s.dashed else ""
         points = " ".join(f"{axis.x(t):.1f},{y(v):.1f}" for t, v in s.points)
-        tip = _e(s.tooltip or s.label)
+        tip = _escaped(s.tooltip or s.label)
         out.append(
-            f'<polyline class="series" data-worker="{_e(s.worker or s.label)}" '
+            f'<polyline class="series" data-worker="{_escaped(s.worker or s.label)}" '
             f'points="{points}" stroke="{color}"{dash}><title>{tip}</title></polyline>'
         )
         if len(s.points) == 1:
@@ -222,7 +224,8 @@ def _events_plot(axis: _Axis, markers: Sequence[Marker]) -> str:
     for lane, (name, kinds) in enumerate(LANES):
         y0 = TOP + lane * lane_height
         out.append(
-            f'<text class="lane" x="{LEFT - 6}" y="{y0 + 15}" text-anchor="end">{_e(name)}</text>'
+            f'<text class="lane" x="{LEFT - 6}" y="{y0 + 15}" text-anchor="end">'
+            f"{_escaped(name)}</text>"
         )
         mine = [m for m in markers if m.kind in kinds]
         out.extend(_markers(axis, mine, y0 + 3, y0 + lane_height - 3))
@@ -246,7 +249,7 @@ def _lane_labels(axis: _Axis, markers: Sequence[Marker], kind: str, y: float) ->
         if m.kind != kind or room < 4:
             continue
         text = m.label if len(m.label) <= room else m.label[: room - 1] + "…"
-        out.append(f'<text class="marker-label" x="{x:.1f}" y="{y:.1f}">{_e(text)}</text>')
+        out.append(f'<text class="marker-label" x="{x:.1f}" y="{y:.1f}">{_escaped(text)}</text>')
     return out
 
 
@@ -258,8 +261,9 @@ def _legend(lines: Sequence[Series], order: dict[str, int]) -> str:
         color = JOB_COLORS.get(s.label, "#333") if not s.worker else _color(s.worker, order)
         style = "dashed" if s.dashed else "solid"
         items.append(
-            f'<li class="legend-item" data-worker="{_e(s.worker or s.label)}">'
-            f'<span class="swatch {style}" style="border-color:{color}"></span>{_e(s.label)}</li>'
+            f'<li class="legend-item" data-worker="{_escaped(s.worker or s.label)}">'
+            f'<span class="swatch {style}" style="border-color:{color}"></span>'
+            f"{_escaped(s.label)}</li>"
         )
     if len(lines) > LEGEND_MAX:
         items.append(f"<li>and {len(lines) - LEGEND_MAX} more</li>")
@@ -345,7 +349,7 @@ def _summary_table(data: ReportData) -> str:
         ("inbox entries retained", s.inbox_entries),
         ("inbox entries not decodable (skipped)", s.inbox_skipped),
     )
-    body = "".join(f'<tr><th>{_e(k)}</th><td class="num">{v}</td></tr>' for k, v in rows)
+    body = "".join(f'<tr><th>{_escaped(k)}</th><td class="num">{v}</td></tr>' for k, v in rows)
     return f'<table id="summary">{body}</table>'
 
 
@@ -357,8 +361,9 @@ def _timeline_table(data: ReportData) -> str:
             "membership fact before them; <code>cohort replay</code> prints every fact.</p>"
         )
     rows = "".join(
-        f"<tr><td><code>{_e(r.entry_id)}</code></td><td>{_e(_fmt_rel(r.at - data.start))}</td>"
-        f"<td>{_e(r.type)}</td><td>{_e(r.text)}</td></tr>"
+        f"<tr><td><code>{_escaped(r.entry_id)}</code></td>"
+        f"<td>{_escaped(_fmt_rel(r.at - data.start))}</td>"
+        f"<td>{_escaped(r.type)}</td><td>{_escaped(r.text)}</td></tr>"
         for r in data.timeline
     )
     return (
@@ -371,22 +376,41 @@ def render(data: ReportData, title: str) -> str:
     """One self-contained HTML document: plots on one time axis, a summary, the timeline."""
     span = data.end - data.start
     axis = _Axis(data.start, data.end if span > 0 else data.start + 1.0)
-    workers = sorted(
-        {
-            s.worker
-            for group in (
-                data.step_time,
-                data.loss,
-                data.evaluation,
-                data.gpu_memory,
-                data.gpu_temperature,
-                data.transfers,
-            )
-            for s in group
-        }
+    order = _worker_order(data)
+    figures = [
+        "<figure>"
+        + _line_plot(pid, name, unit, lines, axis, data.markers, order, zero_based)
+        + _legend(lines, order)
+        + "</figure>"
+        for pid, name, unit, lines, zero_based in _plots(data)
+    ]
+    if not (data.gpu_memory or data.gpu_temperature):
+        figures.append(NO_GPU)
+    figures.append("<figure>" + _events_plot(axis, data.markers) + "</figure>")
+    return _document(data, title, span, "".join(figures))
+
+
+_Plot = tuple[str, str, str, Sequence[Series], bool]
+"""(element id, title, unit, lines, whether the y axis starts at zero) of one line plot."""
+
+
+def _worker_order(data: ReportData) -> dict[str, int]:
+    """Each worker's place in the palette, the same in every plot."""
+    groups = (
+        data.step_time,
+        data.loss,
+        data.evaluation,
+        data.gpu_memory,
+        data.gpu_temperature,
+        data.transfers,
     )
-    order = {w: i for i, w in enumerate(workers)}
-    plots = [
+    workers = sorted({s.worker for group in groups for s in group})
+    return {w: i for i, w in enumerate(workers)}
+
+
+def _plots(data: ReportData) -> list[_Plot]:
+    """The line plots of a run, in page order; those a run has no data for are left out."""
+    plots: list[_Plot] = [
         ("plot-membership", "Membership", "workers", data.membership, True),
         ("plot-step-time", "Step time per worker", "seconds", data.step_time, True),
         ("plot-loss", "Loss per worker", "loss", data.loss, False),
@@ -395,39 +419,36 @@ def render(data: ReportData, title: str) -> str:
         plots.append(("plot-evaluation", "Evaluations", "metric", data.evaluation, False))
     if data.transfers:
         plots.append(("plot-transfers", "Transfers waiting", "transfers", data.transfers, True))
-    gpu = data.gpu_memory or data.gpu_temperature
-    if gpu:
+    if data.gpu_memory or data.gpu_temperature:
         plots += [
             ("plot-gpu-memory", "GPU memory used", "%", data.gpu_memory, True),
             ("plot-gpu-temperature", "GPU temperature", "°C", data.gpu_temperature, False),
         ]
-    figures = [
-        "<figure>"
-        + _line_plot(pid, name, unit, lines, axis, data.markers, order, zero_based)
-        + _legend(lines, order)
-        + "</figure>"
-        for pid, name, unit, lines, zero_based in plots
-    ]
-    if not gpu:
-        figures.append(NO_GPU)
-    figures.append("<figure>" + _events_plot(axis, data.markers) + "</figure>")
-    started = _fmt_abs(data.start) if data.timeline_total or data.end else "-"
+    return plots
+
+
+def _document(data: ReportData, title: str, span: float, figures: str) -> str:
+    """The page around the figures: head, run line, summary and timeline."""
+    heading = _escaped(title)
+    job = _escaped(data.job or "?")
+    started = _escaped(_fmt_abs(data.start) if data.timeline_total or data.end else "-")
+    lasted = _escaped(_fmt_rel(max(span, 0.0)))
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{_e(title)}</title>
+<title>{heading}</title>
 <style>{STYLE}</style>
 </head>
 <body>
-<h1>{_e(title)}</h1>
-<p class="meta">job <b>{_e(data.job or "?")}</b> &middot; first event {_e(started)} (UTC)
-&middot; span {_e(_fmt_rel(max(span, 0.0)))} &middot; time axis: since the first event</p>
+<h1>{heading}</h1>
+<p class="meta">job <b>{job}</b> &middot; first event {started} (UTC)
+&middot; span {lasted} &middot; time axis: since the first event</p>
 <p class="note">Step times, losses and GPU readings come from the retained inbox, which is
 trimmed to its retention window: older samples may be missing. Vertical lines mark events;
 hover one for what happened.</p>
-{"".join(figures)}
+{figures}
 <h2>Summary</h2>
 {_summary_table(data)}
 <h2>Timeline</h2>
