@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cohort.events.codec import (
+    FIELD,
     MAX_FACT_BYTES,
     MAX_MAP_LEN,
     decode_command,
@@ -23,6 +24,7 @@ from cohort.events.models import (
     JobConfig,
     JobConfigured,
     Join,
+    LeaderElected,
     Leave,
     StepCommitted,
     StepDone,
@@ -30,6 +32,7 @@ from cohort.events.models import (
     WorldChanged,
 )
 from cohort.events.shards import Shard
+from cohort.events.streams import Entry, Journal, elects
 from cohort.events.upcasters import UPCASTERS
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "events"
@@ -234,3 +237,49 @@ def test_a_batch_names_each_kind_of_bad_entry_as_one_alone_would(raw: bytes, rea
     with pytest.raises(DecodeError) as caught:
         decode_facts([GOOD, GOOD, raw])
     assert caught.value.index == 2 and reason in caught.value.reason
+
+
+@pytest.mark.parametrize(
+    "raw, event_type",
+    [
+        (msgpack.packb({**FACT_BODY, "step": -1}), "StepCommitted"),
+        (msgpack.packb({**FACT_BODY, "type": "FromANewerCohort"}), "FromANewerCohort"),
+        ((FIXTURES / "Join.v1.msgpack").read_bytes(), "Join"),
+        (msgpack.packb({**FACT_BODY, "type": 7}), None),
+        (msgpack.packb([FACT_BODY]), None),
+        (b"\x93not an event", None),
+    ],
+)
+def test_a_decode_error_names_the_event_type_its_envelope_named_as_a_field(
+    raw: bytes, event_type: str | None
+) -> None:
+    with pytest.raises(DecodeError) as alone:
+        decode_fact(raw)
+    with pytest.raises(DecodeError) as in_a_batch:
+        decode_facts([GOOD, raw])
+    assert alone.value.event_type == in_a_batch.value.event_type == event_type
+
+
+def test_a_command_s_decode_error_names_its_event_type_too() -> None:
+    body = msgpack.unpackb(encode(Leave(at=1.0, job="j", worker="w")))
+    with pytest.raises(DecodeError) as caught:
+        decode_command(msgpack.packb({**body, "worker": ""}))
+    assert caught.value.event_type == "Leave" and "Leave" in caught.value.reason
+
+
+def test_a_page_read_keeps_each_fact_and_the_error_of_each_entry_that_has_none() -> None:
+    bad = msgpack.packb({**FACT_BODY, "step": -1})
+    rows = [Entry(f"1-{i}", {FIELD: raw}) for i, raw in enumerate([GOOD, bad, GOOD])]
+    read = Journal.read_page(rows)
+    assert read[0] == read[2] == decode_fact(GOOD)
+    assert isinstance(read[1], DecodeError) and read[1].index == 1
+    assert Journal.read_page(rows[:1]) == [decode_fact(GOOD)]
+
+
+def test_a_leader_election_is_found_by_what_an_entry_is_never_by_its_bytes() -> None:
+    elected = LeaderElected(at=1.0, job="j", coordinator="c2", epoch=2)
+    named = WorkerJoined(at=1.0, job="j", worker="LeaderElected")  # the bytes, not the fact
+    assert elects([decode_fact(GOOD), elected])
+    assert not elects([decode_fact(GOOD), named])
+    assert elects([DecodeError("invalid 'LeaderElected' fact", event_type="LeaderElected")])
+    assert not elects([DecodeError("entry mentions LeaderElected but names no type")])

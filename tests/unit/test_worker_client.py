@@ -31,7 +31,7 @@ from cohort.worker.errors import (
     WorldChangedError,
 )
 from cohort.worker.loop import simulated
-from cohort.worker.membership import client
+from cohort.worker.membership import joining
 from cohort.worker.membership.client import Worker
 from tests.helpers import wait_until
 
@@ -173,7 +173,7 @@ def test_a_worker_started_before_any_coordinator_heartbeats_until_its_join_is_an
     """Nothing in the journal yet, not even the job's config: the worker waits without a
     deadline, says so in the log, and heartbeats behind its Join so the leader that finally
     decides it from the inbox backlog sees it alive."""
-    monkeypatch.setattr(client, "JOIN_NOTICE_EVERY", 0.1)
+    monkeypatch.setattr(joining, "JOIN_NOTICE_EVERY", 0.1)
     caplog.set_level(logging.INFO, "cohort.worker")
     leader = Leader(server)
     worker = make_worker(heartbeat_interval=0.02)
@@ -200,7 +200,7 @@ def test_a_worker_started_before_any_coordinator_heartbeats_until_its_join_is_an
 def test_a_stop_ends_the_wait_for_a_coordinator_and_withdraws_the_join(
     server, make_worker, pool, monkeypatch, how
 ) -> None:
-    monkeypatch.setattr("cohort.worker.membership.client.os._exit", lambda code: None)
+    monkeypatch.setattr("cohort.worker.membership.signals.os._exit", lambda code: None)
     leader = Leader(server)
     worker = make_worker(heartbeat_interval=0.02)
     stop = threading.Event()
@@ -525,7 +525,7 @@ def test_first_signal_asks_to_stop_and_the_second_exits_now(
     leader, make_worker, monkeypatch
 ) -> None:
     exits: list[int] = []
-    monkeypatch.setattr("cohort.worker.membership.client.os._exit", exits.append)
+    monkeypatch.setattr("cohort.worker.membership.signals.os._exit", exits.append)
     worker = make_worker()
     worker.on_signal(signal.SIGTERM, None)
     assert worker.stopping.is_set() and exits == []

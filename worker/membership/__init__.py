@@ -1,8 +1,13 @@
-"""A training process's membership of a job: the `Worker` client (`client.py`) that joins,
-heartbeats, follows the journal into a frozen `View` (`view.py`, `following.py`) and
-leaves; the outbox and retries that carry its commands through Redis outages
-(`outbox.py`, `retry.py`); and the transfer queue that honours the GPU advice
-(`transfers.py`, `advice.py`).
+"""A training process's membership of a job.
+
+`client.py` holds the `Worker` a training loop calls; it composes the rest:
+`view.py` (the frozen View, a pure fold of journal facts), `following.py` (the tail thread
+that folds the journal into it and the waits on it), `joining.py` (a Join sent and its
+answer awaited), `heartbeat.py` (the heartbeat thread), `stamp.py` (the header of every
+command), `delivery.py`, `outbox.py` and `retry.py` (commands carried to the inbox in order
+and through Redis outages), `advice.py` and `transfers.py` (GPU readings and workloads up,
+the GPU advice back, and the transfer queue that honours it) and `signals.py` (the first
+SIGINT/SIGTERM leaves, the second exits).
 
 May import: `cohort.events`, `cohort.worker.errors`, `cohort.worker.telemetry`.
 """

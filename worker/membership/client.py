@@ -1,14 +1,13 @@
 """The training side of membership: join, heartbeat, follow the journal, step, leave.
 
-A `Worker` owns two threads. The tail thread follows the journal (XREAD BLOCK)
-and folds every fact into a frozen `View` with `view.apply`; it publishes the
-new view once per reply, because the facts of one coordinator decision arrive
-together (StepCommitted, WorkerActivated, WorldChanged) and a waiter must never
-see half a decision. The heartbeat thread says the worker is alive and how far
-it got, from the moment its Join is in the inbox: a worker may start long before
-any coordinator, and the leader that decides its Join from the backlog must see
-it alive. The training loop calls the blocking methods (`wait_active`,
-`wait_committed`, ...) which wait on a condition, never by sleeping.
+A `Worker` composes the pieces of a membership and runs them: its `JournalFollower`
+(following.py) folds the journal into a frozen `View` on the tail thread, its
+`HeartbeatThread` (heartbeat.py) says it is alive from the moment its Join is in the inbox,
+its `AdviceChannel` (advice.py) carries GPU readings, workloads and transfers up and the GPU
+advice back, its `ShutdownSignals` (signals.py) turn SIGINT/SIGTERM into a leave, and its
+`Stamp` (stamp.py) heads every command it sends. The training loop calls the blocking
+methods (`wait_active`, `wait_committed`, ...), which wait on the follower's condition,
+never by sleeping.
 
 Timeouts are real seconds; the `Clock` stamps the events the worker sends.
 """
@@ -16,43 +15,32 @@ Timeouts are real seconds; the `Clock` stamps the events the worker sends.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
-import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING, Any, TypeVar
-
-from pydantic import ValidationError
+from typing import TYPE_CHECKING
 
 from cohort.events import identity
 from cohort.events.clock import Clock, SystemClock
-from cohort.events.connection import UNAVAILABLE, Client, credentials, reach, start_wait
-from cohort.events.errors import DecodeError, RedisUnavailable
+from cohort.events.connection import UNAVAILABLE, Client, credentials, start_wait
 from cohort.events.keys import Keys
 from cohort.events.models import (
     CheckpointWritten,
     Command,
     Dataset,
-    GpuDevice,
-    GpuReading,
-    Heartbeat,
     Join,
     Leave,
     Node,
-    RegisterWorkload,
     StepDone,
-    TransfersWaiting,
     WeightsLoaded,
-    Workload,
     finished_refusal,
 )
 from cohort.events.shards import Range
-from cohort.events.streams import ZERO, Entry, Inbox, Journal
+from cohort.events.streams import Inbox, Journal
 from cohort.worker.errors import (
     ActivationTimeout,
     CommitTimeout,
@@ -61,7 +49,6 @@ from cohort.worker.errors import (
     JoinRefusedError,
     JoinTimeout,
     NotAssigned,
-    RedisUnreachable,
     Removed,
     Stopped,
     WaitTimeout,
@@ -69,8 +56,14 @@ from cohort.worker.errors import (
     WorldChangedError,
 )
 from cohort.worker.membership import view as views
-from cohort.worker.membership.outbox import Outbox
-from cohort.worker.membership.retry import AnyOf, Halt, Link, url_of, with_retry
+from cohort.worker.membership.advice import AdviceChannel
+from cohort.worker.membership.delivery import Delivery
+from cohort.worker.membership.following import JournalFollower
+from cohort.worker.membership.heartbeat import HeartbeatThread
+from cohort.worker.membership.joining import JoinRequest
+from cohort.worker.membership.retry import AnyOf, Halt, Link, url_of
+from cohort.worker.membership.signals import ShutdownSignals
+from cohort.worker.membership.stamp import Stamp
 from cohort.worker.membership.transfers import Slot, TransferScheduler
 from cohort.worker.membership.view import Assignment, GpuAdvice, View
 from cohort.worker.telemetry import gpu
@@ -79,15 +72,6 @@ from cohort.worker.telemetry.node import this_node
 
 if TYPE_CHECKING:
     from cohort.events.order import Indices
-
-T = TypeVar("T")
-
-TAIL_BLOCK_MS = 500  # bounds how long stop() waits for the tail thread
-HISTORY_BATCH = 2048
-DEFAULT_HEARTBEAT = 1.0
-JOIN_NOTICE_EVERY = 10.0  # seconds between "waiting for a coordinator" lines
-WITHDRAW_TIMEOUT = 2.0  # how long taking back an unanswered Join may try
-STOP_POLL = 0.1  # how often a wait that a signal may end looks at its stop event
 
 
 def default_worker_id() -> str:
@@ -147,31 +131,63 @@ class Worker:
         self.link = Link(self.log, url_of(conn))
         self.inbox = Inbox(conn, self.keys.inbox, self.signer)
         self.journal = Journal(conn, self.keys.journal)
-        self._heartbeat_interval = heartbeat_interval
 
         self.stopping = threading.Event()
         """Set by the first SIGINT/SIGTERM: finish the step, then call leave()."""
         self.world_changed = threading.Event()
         """Set whenever a new world arrives; the training loop may clear it."""
 
-        self._cond = threading.Condition()
-        self._view = View(worker=self.id)
-        self._position = ZERO  # journal ID folded up to
         self._stop = threading.Event()
-        self._joining = threading.Event()  # a Join is sent and not answered yet: heartbeat
-        self._wake = threading.Event()  # the heartbeat thread: stop, or the config changed
         self._threads: list[threading.Thread] = []
-        self._undecodable: set[str] = set()  # fact types already logged as undecodable
         self._progress: tuple[int, int] | None = None  # (last finished step, its world)
         self._began: tuple[int, int] | None = None  # (step, world) of the last batch() call
-        self._signals = 0
-        self._handlers: dict[int, Any] = {}  # the script's own, before install_signal_handlers
-        self._left = False  # leave() is done: a signal has nothing of cohort's to cut short
-        self._gpu_interval = gpu_interval
         self._gpu_probe = gpu_probe
-        self._advice_callbacks: list[Callable[[GpuAdvice], None]] = []
-        self._transfers: TransferScheduler | None = None
-        self._outbox = self._new_outbox()
+        self._delivery = Delivery(self.inbox, self.link, self._stop, f"cohort-outbox-{self.id}")
+        self._compose(heartbeat_interval, gpu_interval)
+
+    def _compose(self, heartbeat_interval: float | None, gpu_interval: float | None) -> None:
+        """The pieces of the membership, each given what it needs of this worker."""
+        self._stamp = Stamp(self.clock, self.job, self.id)
+        self._signals = ShutdownSignals(self.stopping, self.log, self.id, self.job)
+        self._heartbeat = HeartbeatThread(
+            self._delivery.send,
+            self._stamp,
+            lambda: self.view,
+            lambda: self._progress,
+            self._stop,
+            self.log,
+            heartbeat_interval,
+        )
+        self._gpu = AdviceChannel(
+            self._stamp,
+            self._delivery.send,
+            self._delivery.post,
+            lambda: self.view,
+            self.log,
+            gpu_interval,
+            self._gpu_probe,
+        )
+        self._following = JournalFollower(
+            self.journal,
+            self.job,
+            self.id,
+            self.link,
+            self._stop,
+            self.log,
+            world_changed=self.world_changed,
+            config_changed=self._heartbeat.wake,  # a new config re-paces the heartbeat
+            advice_changed=self._gpu.advice_changed,
+        )
+        self._joining = JoinRequest(
+            self.conn,
+            self.wait_for_redis,
+            self._following,
+            self._delivery,
+            self._stamp,
+            self.link,
+            self.log,
+            pending=self._heartbeat.joining,
+        )
 
     def _node(self) -> Node:
         if self.node is None:
@@ -186,8 +202,7 @@ class Worker:
     # ------------------------------------------------------------ reading
     @property
     def view(self) -> View:
-        with self._cond:
-            return self._view
+        return self._following.view
 
     @property
     def assignment(self) -> Assignment | None:
@@ -245,48 +260,23 @@ class Worker:
         Workers may start before any coordinator (compose and schedulers start everything
         at once): meanwhile this worker heartbeats, so the leader that finally decides the
         Join from the inbox backlog sees it alive, and logs a line every
-        `JOIN_NOTICE_EVERY` s. `timeout` None waits until answered or until `stop`
+        `joining.JOIN_NOTICE_EVERY` s. `timeout` None waits until answered or until `stop`
         (default: `stopping`, set by the first SIGINT/SIGTERM) is set, then raises
         Stopped; a finite one raises JoinTimeout. Either way an unanswered Join is
         withdrawn with a Leave. Raises JoinRefusedError if the coordinator says no.
         """
         stop = self.stopping if stop is None else stop
         halt = AnyOf(self._stop, stop)  # Redis may be away too: retrying ends on either
-        self._left = False
+        self._signals.left = False
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         try:
-            if not self._threads:
-                self._reach(stop)
-                self._start(deadline, halt)
-            view = self.view
-            if view.member:
-                self.log.info("worker %s is already a member of job %r", self.id, self.job)
+            self._start(deadline, halt, stop)
+            before = self.view
+            if self._member_already(before):
                 return
-            if view.finished is not None:  # no coordinator may run to refuse: say it here
-                self.stop()
-                raise JoinRefusedError(
-                    self.id, finished_refusal(self.job, view.last_committed, view.finished)
-                )
-            joins, refusals = view.joins, view.refusals
-            self._send(
-                Join(
-                    at=self.clock.now(),
-                    job=self.job,
-                    worker=self.id,
-                    host=socket.gethostname()[:255],
-                    pid=os.getpid(),
-                    node=self._node(),
-                    dataset=self.dataset,
-                    role=self.role,  # type: ignore[arg-type]
-                ),
-                deadline=deadline,
-                stop=halt,
-            )
-            self._joining.set()
-            view = self._await_answer(
-                lambda v: v.joins > joins or v.refusals > refusals, started, timeout, stop
-            )
+            self._joining.send(self._join_command(), deadline, halt)
+            view = self._joining.await_answer(before, started, timeout, stop)
         except UNAVAILABLE as exc:
             self.stop()
             raise JoinTimeout(
@@ -294,130 +284,65 @@ class Worker:
                 f"to join job {self.job!r}"
             ) from exc
         except WorkerError as exc:
-            if self._joining.is_set():
-                self._withdraw(exc)
+            self._joining.withdraw(exc)
             self.stop()
             raise
         finally:
-            self._joining.clear()
-        if view.refusals > refusals:
+            self._joining.pending.clear()
+        self._accepted(before, view)
+
+    def _member_already(self, view: View) -> bool:
+        """True if `view` has this worker a member already; JoinRefusedError if the job
+        finished (no coordinator may run to refuse: say it here)."""
+        if view.member:
+            self.log.info("worker %s is already a member of job %r", self.id, self.job)
+            return True
+        if view.finished is not None:
+            raise JoinRefusedError(
+                self.id, finished_refusal(self.job, view.last_committed, view.finished)
+            )
+        return False
+
+    def _join_command(self) -> Join:
+        return self._stamp(
+            Join,
+            host=socket.gethostname()[:255],
+            pid=os.getpid(),
+            node=self._node(),
+            dataset=self.dataset,
+            role=self.role,
+        )
+
+    def _accepted(self, before: View, answered: View) -> None:
+        """Raise JoinRefusedError if the answer to the Join sent at `before` is a refusal."""
+        if answered.refusals > before.refusals:
             self.stop()
-            raise JoinRefusedError(self.id, view.refused or "no reason given")
+            raise JoinRefusedError(self.id, answered.refused or "no reason given")
         self.log.info("worker %s joined job %r", self.id, self.job)
 
-    def _reach(self, stop: threading.Event) -> None:
-        """At start-up (Redis never answered yet), wait `wait_for_redis` s for it at most."""
-        if self.link.reached:
+    def _start(self, deadline: float | None, halt: Halt, stop: threading.Event) -> None:
+        """Once per join after a stop: reach Redis, fold the journal so far, then follow it,
+        heartbeat and (if asked) send GPU readings, each on a thread of its own."""
+        if self._threads:
             return
-        try:
-            reach(lambda: self.conn, self.link.where, self.wait_for_redis, stop)
-        except RedisUnavailable as exc:
-            if stop.is_set():
-                raise Stopped(
-                    f"worker {self.id!r} was stopped while waiting for Redis at {self.link.where} "
-                    "(unreachable so far)"
-                ) from None
-            raise RedisUnreachable(str(exc)) from exc.__cause__
-        self.link.restored()
-
-    def _await_answer(
-        self,
-        answered: Callable[[View], bool],
-        started: float,
-        timeout: float | None,
-        stop: threading.Event,
-    ) -> View:
-        """Wait for the answer to a Join, a line in the log every `JOIN_NOTICE_EVERY` s."""
-        deadline = math.inf if timeout is None else started + timeout
-        while True:
-            notice = min(time.monotonic() + JOIN_NOTICE_EVERY, deadline)
-            try:
-                return self._wait(answered, notice, WaitTimeout, check_removed=False, stop=stop)
-            except WaitTimeout:
-                if notice >= deadline:
-                    raise JoinTimeout(
-                        f"no coordinator answered the join of {self.id!r} to job {self.job!r} "
-                        f"at {self.link.where} within {timeout:g} s; check that one runs: "
-                        f"cohort coordinator --job {self.job}"
-                    ) from None
-            except Stopped:
-                raise Stopped(
-                    f"worker {self.id!r} was stopped before a coordinator of job {self.job!r} "
-                    "answered its join"
-                ) from None
-            self.log.info(
-                "waiting for a coordinator of job %r at %s (%.0f s so far): start one with "
-                "cohort coordinator --job %s",
-                self.job,
-                self.link.where,
-                time.monotonic() - started,
-                self.job,
-            )
-
-    def _withdraw(self, why: Exception) -> None:
-        """Take back a Join nobody answered: a Leave behind it in the inbox, so a coordinator
-        that decides both later lets this worker go at once instead of failing it."""
-        try:
-            self._send(
-                Leave(
-                    at=self.clock.now(),
-                    job=self.job,
-                    worker=self.id,
-                    reason=f"gave up joining: {why}"[:1024],
-                ),
-                deadline=time.monotonic() + WITHDRAW_TIMEOUT,
-            )
-        except UNAVAILABLE + (Stopped,) as exc:
-            self.log.warning("worker %s could not withdraw its join: %s", self.id, exc)
-
-    def _start(self, deadline: float | None, halt: Halt) -> None:
-        """Fold the journal so far, then follow it and start heartbeating."""
+        self._joining.reach(stop)
         self._stop.clear()
-        self._wake.clear()
-        last = with_retry(
-            self.journal.last_id, halt, self.link, "reading the journal", deadline=deadline
-        )
-        for rows in self._journal_pages(ZERO, last, deadline, halt):
-            self._fold(rows)
-        with self._cond:
-            self._position = last
+        self._heartbeat.wake.clear()
+        self._following.catch_up(deadline, halt)
+        runs = {"tail": self._following.run, "heartbeat": self._heartbeat.run}
+        sampler = self._gpu.sampler(self._stop)
+        if sampler is not None:
+            runs["gpu"] = sampler
         self._threads = [
-            threading.Thread(target=self._tail, name=f"cohort-tail-{self.id}", daemon=True),
-            threading.Thread(target=self._beat, name=f"cohort-heartbeat-{self.id}", daemon=True),
+            threading.Thread(target=run, name=f"cohort-{name}-{self.id}", daemon=True)
+            for name, run in runs.items()
         ]
-        if self._gpu_interval:
-            probe = self._gpu_probe or gpu.probe(self.log)
-            sampler = gpu.GpuSampler(
-                probe, self._send_gpu, self._gpu_interval, self._stop, log=self.log
-            )
-            self._threads.append(
-                threading.Thread(target=sampler.run, name=f"cohort-gpu-{self.id}", daemon=True)
-            )
         for thread in self._threads:
             thread.start()
 
-    def _journal_pages(
-        self,
-        after: str,
-        until: str = "+",
-        deadline: float | None = None,
-        halt: Halt | None = None,
-    ) -> Iterator[list[Entry]]:
-        """The journal after `after`, a page at a time, each read retried through outages."""
-        stop = self._stop if halt is None else halt
-
-        def attempt(read: Callable[[], list[Entry]]) -> list[Entry]:
-            return with_retry(read, stop, self.link, "reading the journal", deadline=deadline)
-
-        return self.journal.pages(after, until, HISTORY_BATCH, attempt=attempt)
-
     def ready(self, step: int = 0, digest: str | None = None) -> None:
         """Tell the coordinator this worker loaded the weights of `step`."""
-        self._send(
-            WeightsLoaded(
-                at=self.clock.now(), job=self.job, worker=self.id, step=step, digest=digest
-            )
-        )
+        self._send(self._stamp(WeightsLoaded, step=step, digest=digest))
 
     @property
     def finished(self) -> bool:
@@ -462,10 +387,8 @@ class Worker:
         began = self._began
         world = began[1] if began is not None and began[0] == step else self.world_version
         self._progress = (step, world)
-        done = StepDone(
-            at=self.clock.now(),
-            job=self.job,
-            worker=self.id,
+        done = self._stamp(
+            StepDone,
             step=step,
             world=world,
             step_time=step_time,
@@ -476,22 +399,15 @@ class Worker:
         if wait:
             self._send(done)
         else:
-            self._outbox.post(done)
+            self._delivery.post(done)
 
     def checkpoint_written(
         self, step: int, uri: str, sha256: str, size: int, digest: str | None = None
     ) -> None:
         """Tell the leader the checkpoint of `step` it asked this worker for is whole at `uri`."""
         self._send(
-            CheckpointWritten(
-                at=self.clock.now(),
-                job=self.job,
-                worker=self.id,
-                step=step,
-                uri=uri,
-                digest=digest,
-                sha256=sha256,
-                bytes=size,
+            self._stamp(
+                CheckpointWritten, step=step, uri=uri, digest=digest, sha256=sha256, bytes=size
             )
         )
 
@@ -570,15 +486,7 @@ class Worker:
         seen = False
         try:
             if self.view.member:
-                self._send(
-                    Leave(
-                        at=self.clock.now(),
-                        job=self.job,
-                        worker=self.id,
-                        after_step=after,
-                        reason=reason[:1024],
-                    )
-                )
+                self._send(self._stamp(Leave, after_step=after, reason=reason[:1024]))
                 self._wait(
                     lambda v: not v.member,
                     time.monotonic() + timeout,
@@ -597,22 +505,20 @@ class Worker:
             pass
         finally:
             self.stop()
-            self._left = True
+            self._signals.left = True
         return seen
 
     def stop(self) -> None:
         """Stop following the journal and heartbeating, without telling anyone."""
         self._stop.set()
-        self._wake.set()
-        with self._cond:
-            self._cond.notify_all()
+        self._heartbeat.wake.set()
+        self._following.wake_waiters()
         current = threading.current_thread()
         for thread in self._threads:
             if thread is not current:
                 thread.join()
         self._threads = []
-        self._outbox.close()
-        self._outbox = self._new_outbox()  # for a join after this stop
+        self._delivery.close()
 
     # ------------------------------------------------------------ signals
     def install_signal_handlers(self) -> None:
@@ -621,63 +527,18 @@ class Worker:
         Once the leave is done there is nothing left to cut short: the next signal is only
         logged, and the script's own handlers are back for any after it (its saving code
         runs to its end)."""
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            self._handlers[signum] = signal.signal(signum, self.on_signal)
+        self._signals.install()
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
-        name = signal.Signals(signum).name
-        self._signals += 1
-        if self._left:
-            self.log.warning(
-                "%s received: worker %s has already left job %r, nothing to cut short; the "
-                "script goes on (send it again to interrupt the script itself)",
-                name,
-                self.id,
-                self.job,
-            )
-            self._give_back_signals()
-            return
-        if self._signals == 1:
-            self.log.warning(
-                "%s received: worker %s finishes its step, then leaves; send it again to exit now",
-                name,
-                self.id,
-            )
-            self.stopping.set()
-            return
-        self.log.warning("%s received again: worker %s exits now", name, self.id)
-        os._exit(130)
-
-    def _give_back_signals(self) -> None:
-        """The handlers the script had before `install_signal_handlers`, back in place."""
-        for signum, handler in self._handlers.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-        self._handlers = {}
+        """What a SIGINT/SIGTERM does (signals.py); tests call it as a plain method."""
+        self._signals.on_signal(signum, frame)
 
     # ------------------------------------------------------------ plumbing
-    def _new_outbox(self) -> Outbox:
-        return Outbox(self._deliver, name=f"cohort-outbox-{self.id}")
-
     def _send(
         self, command: Command, deadline: float | None = None, stop: Halt | None = None
     ) -> str:
-        """XADD `command` to the inbox, after every command posted to the outbox before it,
-        retrying through outages until it is acknowledged (or `stop`, default the worker's
-        own, is set)."""
-        self._outbox.flush()
-        return self._deliver(command, deadline, stop)
-
-    def _deliver(
-        self, command: Command, deadline: float | None = None, stop: Halt | None = None
-    ) -> str:
-        return with_retry(
-            lambda: self.inbox.send(command),
-            self._stop if stop is None else stop,
-            self.link,
-            f"sending {command.type}",
-            deadline=deadline,
-            wait_for_memory=True,
-        )
+        """`command` in the inbox, after everything posted before it (`Delivery.send`)."""
+        return self._delivery.send(command, deadline, stop)
 
     def _wait(
         self,
@@ -689,55 +550,17 @@ class Worker:
         stop: threading.Event | None = None,
     ) -> View:
         """Block until `done(view)`; raise Removed (if asked), Stopped (also once `stop` is
-        set), or the timeout error."""
-        with self._cond:
-            while True:
-                view = self._view
-                if check_removed and removed_first and view.removed:
-                    raise Removed(self.id, view.removed_reason)
-                if done(view):
-                    return view
-                if check_removed and view.removed:
-                    raise Removed(self.id, view.removed_reason)
-                if self._stop.is_set() or (stop is not None and stop.is_set()):
-                    raise Stopped(f"worker {self.id!r} was stopped")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise timeout_error()
-                # `stop` is set by a signal handler, which must not take the condition's lock
-                # (it may interrupt this very thread inside it): look at it every STOP_POLL s.
-                self._cond.wait(remaining if stop is None else min(remaining, STOP_POLL))
+        set), or the timeout error (`JournalFollower.wait`)."""
+        return self._following.wait(
+            done, deadline, timeout_error, check_removed, removed_first, stop
+        )
 
     # ------------------------------------------------------------ GPU telemetry and advice
     @property
     def transfers(self) -> TransferScheduler:
         """This worker's transfer queue: honours its current GPU advice, and stages big
         transfers while it trains in a running world (worker/membership/transfers.py)."""
-        if self._transfers is None:
-            self._transfers = TransferScheduler(
-                lambda: self.advice,
-                lambda: self.view.active,
-                self.clock,
-                on_change=self._report_transfers,
-            )
-        return self._transfers
-
-    def _report_transfers(self, stats: dict[str, float]) -> None:
-        """The queue as it is now, to the leader's view and metrics, without waiting."""
-        if not self.view.member:
-            return
-        waiting = TransfersWaiting(
-            at=self.clock.now(),
-            job=self.job,
-            worker=self.id,
-            pending=int(stats["pending"]),
-            staged=int(stats["staged"]),
-            delayed=stats["delayed_seconds"],
-        )
-        try:
-            self._outbox.post(waiting)
-        except WorkerError as exc:  # telemetry: a lost report is not the caller's problem
-            self.log.warning("worker %s could not report its transfers: %s", self.id, exc)
+        return self._gpu.transfers
 
     def register_workload(
         self,
@@ -750,21 +573,7 @@ class Worker:
         """Tell the leader this worker runs GPU workload `name` on `devices`, holding
         `memory` bytes, at `priority`; `cohort status` and the metrics show it. Registering
         the same name again updates it. ValueError names a bad value."""
-        try:
-            workload = Workload(
-                name=name,
-                pid=os.getpid() if pid is None else pid,
-                devices=tuple(devices),
-                memory=memory,
-                priority=priority,
-            )
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            where = ".".join(str(part) for part in error["loc"])
-            raise ValueError(f"workload {where}={error.get('input')!r}: {error['msg']}") from None
-        self._send(
-            RegisterWorkload(at=self.clock.now(), job=self.job, worker=self.id, workload=workload)
-        )
+        self._gpu.register_workload(name, devices, memory, priority, pid)
 
     def schedule_transfer(self, size: int, kind: str, priority: int = 0) -> Slot:
         """When a transfer of `size` bytes of `kind` ("model", "dataset", "checkpoint",
@@ -775,151 +584,9 @@ class Worker:
     @property
     def advice(self) -> GpuAdvice:
         """The coordinator's current GPU advice for this worker (prefetch factor, delays)."""
-        return views.gpu_advice(self.view)
+        return self._gpu.advice
 
     def on_advice(self, callback: Callable[[GpuAdvice], None]) -> None:
         """Call `callback(advice)` from the journal thread whenever this worker's advice changes
         (a data loader adjusts its prefetch depth there). Exceptions are logged, not raised."""
-        self._advice_callbacks.append(callback)
-
-    def _send_gpu(self, devices: tuple[GpuDevice, ...]) -> None:
-        if self.view.member:
-            self._send(
-                GpuReading(at=self.clock.now(), job=self.job, worker=self.id, devices=devices)
-            )
-
-    def _advice_changed(self, view: View) -> None:
-        advice = views.gpu_advice(view)
-        self.log.info(
-            "worker %s GPU advice now: prefetch x%g, delay %gs, model files first: %s",
-            self.id,
-            advice.prefetch_factor,
-            advice.delay_seconds,
-            advice.prioritise_model_files,
-        )
-        for callback in list(self._advice_callbacks):
-            try:
-                callback(advice)
-            except Exception:
-                self.log.exception("GPU advice callback %r failed", callback)
-
-    def _fold(self, rows: list[Entry]) -> None:
-        """Apply a reply's entries, then publish the view and wake waiters once."""
-        if not rows:
-            return
-        with self._cond:
-            before = self._view
-            view = self._evolved(before, rows)
-            self._view = view
-            self._position = rows[-1].id
-            if view.world_version > before.world_version:
-                self.world_changed.set()
-            if view.config is not before.config:
-                self._wake.set()
-            self._cond.notify_all()
-        if view.advice != before.advice:
-            self._advice_changed(view)
-
-    def _evolved(self, view: View, rows: list[Entry]) -> View:
-        """`view` after the facts of `rows`; a fact this worker cannot read is logged, once
-        per kind, and skipped."""
-        for entry in rows:
-            try:
-                fact = Journal.decode(entry)
-            except DecodeError as exc:
-                self._undecodable_fact(entry, exc)
-                continue
-            view = views.evolve(view, fact)
-        return view
-
-    def _undecodable_fact(self, entry: Entry, exc: DecodeError) -> None:
-        kind = exc.reason.split("'")[1] if exc.reason.startswith("invalid '") else exc.reason
-        level = logging.DEBUG if kind in self._undecodable else logging.WARNING
-        self._undecodable.add(kind)
-        self.log.log(
-            level, "skipping journal entry %s this worker cannot read: %s", entry.id, exc.reason
-        )
-
-    def _tail(self) -> None:
-        while not self._stop.is_set():
-            try:
-                rows = with_retry(
-                    lambda: self.journal.tail(self._position, TAIL_BLOCK_MS),
-                    self._stop,
-                    self.link,
-                    "following the journal",
-                )
-                if self._rolled_back(rows):
-                    self._refold()
-                    continue
-                self._fold(rows)
-            except Stopped:
-                return
-            except Exception:
-                self.log.exception("worker %s could not follow the journal; retrying", self.id)
-                self._stop.wait(1.0)
-
-    def _rolled_back(self, rows: list[Entry]) -> bool:
-        """True if a new leader's entries arrive and the journal no longer holds the entry
-        this worker folded up to: Redis lost acknowledged facts (a failover to a lagging
-        replica), and the coordinators have folded the journal again (docs/redis-ha.md)."""
-        position = self._position
-        if position == ZERO or not any(b"LeaderElected" in (r.raw or b"") for r in rows):
-            return False
-        held = with_retry(
-            lambda: self.conn.xrange(self.keys.journal, position, position),
-            self._stop,
-            self.link,
-            "checking the journal",
-        )
-        return not held
-
-    def _refold(self) -> None:
-        """Rebuild the view from the journal as it is now and publish it at once."""
-        self.log.error(
-            "worker %s: the journal of job %r lost entry %s and later ones (a Redis failover "
-            "with asynchronous replication?); folding it again from the start",
-            self.id,
-            self.job,
-            self._position,
-        )
-        view, after = View(worker=self.id), ZERO
-        for rows in self._journal_pages(ZERO):
-            view, after = self._evolved(view, rows), rows[-1].id
-        with self._cond:
-            self._view = view
-            self._position = after
-            self.world_changed.set()
-            self._cond.notify_all()
-
-    def _beat(self) -> None:
-        """Heartbeat every interval; a JobConfigured arriving later re-paces the next beat."""
-        last = time.monotonic()
-        while True:
-            self._wake.wait(max(0.0, last + self._interval() - time.monotonic()))
-            self._wake.clear()
-            if self._stop.is_set():
-                return
-            if time.monotonic() < last + self._interval():
-                continue  # woken early by a new config; wait out the (new) interval
-            last = time.monotonic()
-            view = self.view
-            if not (view.member or self._joining.is_set()):
-                continue
-            step, world = self._progress or (None, view.world_version)
-            try:
-                self._send(
-                    Heartbeat(
-                        at=self.clock.now(), job=self.job, worker=self.id, step=step, world=world
-                    )
-                )
-            except Stopped:
-                return
-            except Exception:
-                self.log.exception("worker %s could not send a heartbeat", self.id)
-
-    def _interval(self) -> float:
-        if self._heartbeat_interval is not None:
-            return self._heartbeat_interval
-        config = self.view.config
-        return config.heartbeat_interval if config is not None else DEFAULT_HEARTBEAT
+        self._gpu.on_advice(callback)
