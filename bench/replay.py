@@ -69,74 +69,113 @@ def _peer(conn: redis.Redis) -> float:
     return time.perf_counter() - start
 
 
+TIMES = ("zero", "read", "peer", "cli", "snapshot", "fold", "unpack", "validate")
+"""What every run times, in seconds: the section's `raw` keeps each run's."""
+
+
 def measure(facts: int = 1_000_000, runs: int = 3) -> Section:
     print(f"replay: making a journal of {facts:,} facts with the pure core ...", flush=True)
     start = time.perf_counter()
     raws = list(long_run(facts))
     made = time.perf_counter() - start
-    times: dict[str, list[float]] = {
-        k: [] for k in ("zero", "read", "peer", "cli", "snapshot", "fold", "unpack", "validate")
-    }
+    times: dict[str, list[float]] = {k: [] for k in TIMES}
     with LocalRedis(appendonly=False) as server:
         conn = server.client()
         assert isinstance(conn, redis.Redis), "one server, not a cluster"
         ids = _load(conn, raws)
         n = len(ids)
-        # the snapshot a coordinator would hold: the state TAIL facts before the end
-        cut = n - TAIL
         head = Journal(conn, Keys(JOB).journal)
-        prefix = fold(fact for _, fact in head.facts(until=ids[cut - 1]))
-        blob = snapshot.encode(prefix, ids[cut - 1])
-        final = ""
+        blob = _snapshot_before_tail(head, ids)
         for _ in range(runs):
-            start = time.perf_counter()
-            with read_once():  # as `cohort replay` reads
-                run = from_redis(conn, JOB, with_inbox=False)
-                read = time.perf_counter()
-                state, timeline = rebuild(run)
-            times["zero"].append(time.perf_counter() - start)
-            times["read"].append(read - start)
-            assert len(timeline) == n
-            final = state_hash(state)
-            del run, timeline
-
+            final = _from_zero(conn, n, times)
             times["peer"].append(_peer(conn))
+            times["cli"].append(_cli(server.url))
+            times["snapshot"].append(_from_snapshot(head, blob, final))
+            times["fold"].append(_fold_alone(head))
+            _decode_parts(raws, times)
+    return _section(facts, runs, n, made, times)
 
-            # as a user runs it: interpreter start, imports, read, decode, fold, summary
-            cli = [sys.executable, "-m", "cohort", "--redis-url", server.url]
-            start = time.perf_counter()
-            subprocess.run([*cli, "replay", "-j", JOB, "-q"], check=True, capture_output=True)
-            times["cli"].append(time.perf_counter() - start)
 
-            start = time.perf_counter()
-            base, after = snapshot.decode(blob)
-            resumed = fold((f for _, f in head.facts(after=after)), base)
-            times["snapshot"].append(time.perf_counter() - start)
-            assert state_hash(resumed) == final, "snapshot + tail must equal a fold from zero"
+def _snapshot_before_tail(head: Journal, ids: list[str]) -> bytes:
+    """The snapshot a coordinator would hold: the state TAIL facts before the end."""
+    last = ids[len(ids) - TAIL - 1]
+    prefix = fold(fact for _, fact in head.facts(until=last))
+    return snapshot.encode(prefix, last)
 
-            decoded = [f for _, f in head.facts()]
-            start = time.perf_counter()
-            fold(decoded)
-            times["fold"].append(time.perf_counter() - start)
-            del decoded
-            # where the decode time goes: msgpack + upcasters, then pydantic validation
-            with gc_paused():
-                start = time.perf_counter()
-                bodies = fact_bodies(raws)
-                times["unpack"].append(time.perf_counter() - start)
-                start = time.perf_counter()
-                FACT_LIST.validate_python(bodies)
-                times["validate"].append(time.perf_counter() - start)
-                del bodies
+
+def _from_zero(conn: redis.Redis, n: int, times: dict[str, list[float]]) -> str:
+    """Time a rebuild from zero as `cohort replay` reads (also its XRANGE part); its state hash."""
+    start = time.perf_counter()
+    with read_once():  # as `cohort replay` reads
+        run = from_redis(conn, JOB, with_inbox=False)
+        read = time.perf_counter()
+        state, timeline = rebuild(run)
+    times["zero"].append(time.perf_counter() - start)
+    times["read"].append(read - start)
+    assert len(timeline) == n
+    return state_hash(state)
+
+
+def _cli(url: str) -> float:
+    """Seconds of `cohort replay` as a user runs it: interpreter start, imports, read,
+    decode, fold, summary."""
+    cli = [sys.executable, "-m", "cohort", "--redis-url", url]
+    start = time.perf_counter()
+    subprocess.run([*cli, "replay", "-j", JOB, "-q"], check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def _from_snapshot(head: Journal, blob: bytes, final: str) -> float:
+    """Seconds to decode the snapshot and fold the facts after it; checked against `final`."""
+    start = time.perf_counter()
+    base, after = snapshot.decode(blob)
+    resumed = fold((f for _, f in head.facts(after=after)), base)
+    took = time.perf_counter() - start
+    assert state_hash(resumed) == final, "snapshot + tail must equal a fold from zero"
+    return took
+
+
+def _fold_alone(head: Journal) -> float:
+    """Seconds to fold the journal's facts, decoded beforehand."""
+    decoded = [f for _, f in head.facts()]
+    start = time.perf_counter()
+    fold(decoded)
+    return time.perf_counter() - start
+
+
+def _decode_parts(raws: list[bytes], times: dict[str, list[float]]) -> None:
+    """Where the decode time goes: msgpack + upcasters, then pydantic validation."""
+    with gc_paused():
+        start = time.perf_counter()
+        bodies = fact_bodies(raws)
+        times["unpack"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        FACT_LIST.validate_python(bodies)
+        times["validate"].append(time.perf_counter() - start)
+        del bodies
+
+
+def _section(facts: int, runs: int, n: int, made: float, times: dict[str, list[float]]) -> Section:
+    """The section BENCHMARKS.md shows: the medians of `times` against the targets."""
     med = {k: statistics.median(v) for k, v in times.items()}
-    rate, peer_rate = n / med["zero"], n / med["peer"]
+    peer_rate = n / med["peer"]
     section = Section(
         key="replay",
         title=f"Replay: {n:,} facts from the journal",
         command=f"python -m bench.replay --facts {facts} --runs {runs}",
         header=["what", "median", "peer (same run)", "ratio", "target", ""],
     )
-    section.rows = [
+    us = {k: v / n * 1e6 for k, v in med.items()}
+    section.rows = _rows(n, med, peer_rate) + _per_fact_rows(us)
+    section.notes = _notes(n, made, us, peer_rate)
+    section.raw = {"facts": n, "seconds": med, "runs": times}
+    return section
+
+
+def _rows(n: int, med: dict[str, float], peer_rate: float) -> list[list[str]]:
+    """The targets: facts/s and seconds from zero, the CLI, a snapshot; the fold alone."""
+    rate = n / med["zero"]
+    return [
         [
             "from zero: XRANGE + decode + fold, facts/s",
             f"{rate:,.0f}",
@@ -171,8 +210,11 @@ def measure(facts: int = 1_000_000, runs: int = 3) -> Section:
         ],
         ["fold alone (decoded facts), facts/s", f"{n / med['fold']:,.0f}", "", "", "", ""],
     ]
-    us = {k: v / n * 1e6 for k, v in med.items()}
-    section.rows += [
+
+
+def _per_fact_rows(us: dict[str, float]) -> list[list[str]]:
+    """Microseconds per fact, from zero, by where they go."""
+    return [
         [f"per fact, from zero: {label}", f"{value:.2f} µs", "", "", "", ""]
         for label, value in (
             ("XRANGE into entries (redis-py, hiredis)", us["read"]),
@@ -182,7 +224,11 @@ def measure(facts: int = 1_000_000, runs: int = 3) -> Section:
             ("  of which fold", us["fold"]),
         )
     ]
-    section.notes = [
+
+
+def _notes(n: int, made: float, us: dict[str, float], peer_rate: float) -> list[str]:
+    """What the numbers mean, and what was fixed to reach them."""
+    return [
         f"200,000 facts/s is 5 µs per fact. On this machine validating a fact into its "
         f"pydantic model takes {us['validate']:.1f} µs, msgpack {us['unpack']:.1f} µs "
         f"and reading it from Redis {us['read']:.1f} µs; the peer, which validates nothing, "
@@ -203,8 +249,6 @@ def measure(facts: int = 1_000_000, runs: int = 3) -> Section:
         "world changes, epochs, GPU advice, failures and joins among them; snapshot + tail "
         "gives the same state hash as the fold from zero (checked in every run).",
     ]
-    section.raw = {"facts": n, "seconds": med, "runs": times}
-    return section
 
 
 def main() -> None:
