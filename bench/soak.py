@@ -21,6 +21,7 @@ import os
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.fleet import Fleet, coordinator, enable_identity
@@ -59,50 +60,10 @@ def measure(workers: int = 1000, seconds: float = 60.0, signed: bool = False) ->
             pid = proc.popen.pid
             fleet = Fleet(conn, job, workers, job_key)
             fleet.join_all()
-            pending: list[tuple[tuple[int, int], float]] = []
-            lags: list[float] = []
-            lock = threading.Lock()
-            done = threading.Event()
-            rss: list[float] = []
-
-            def monitor() -> None:
-                watcher = server.client()
-                key, last_rss = Keys(job).cursor, 0.0
-                while not done.wait(0.01):
-                    raw = watcher.get(key)
-                    now = time.perf_counter()
-                    if raw is None:
-                        continue
-                    cursor = id_key(text(raw))
-                    with lock:
-                        while pending and pending[0][0] <= cursor:
-                            lags.append(now - pending.pop(0)[1])
-                    if now - last_rss > 0.2:
-                        rss.append(_rss_mb(pid))
-                        last_rss = now
-
-            thread = threading.Thread(target=monitor, daemon=True)
-            thread.start()
-            cpu0, wall0 = _cpu_seconds(pid), time.perf_counter()
-            steps0 = fleet.watch.state.last_committed
-            slices = [fleet.names[i::TICKS] for i in range(TICKS)]
-            tick = sent = 0
-            while time.perf_counter() - wall0 < seconds:
-                fleet.watch.pull(block_ms=0)
-                part = slices[tick % TICKS]
-                sent_at = time.perf_counter()
-                last = fleet.send([*fleet.heartbeats(part), *fleet.step_done(part, 1.0)])
-                with lock:
-                    pending.append((id_key(last), sent_at))
-                tick += 1
-                sent += 2 * len(part)
-                time.sleep(max(0.0, wall0 + tick / TICKS - time.perf_counter()))  # the pace
-            wall = time.perf_counter() - wall0
-            cpu = _cpu_seconds(pid) - cpu0
-            fleet.watch.pull(block_ms=0)
-            steps = fleet.watch.state.last_committed - steps0
-            done.set()
-            thread.join()
+            monitor = _Monitor(server, job, pid)
+            monitor.start()
+            window = _drive(fleet, pid, monitor, seconds)
+            monitor.stop()
             assert proc.alive(), "the coordinator died"
             dead = conn.xlen(Keys(job).dead)
             assert dead == 0, f"{dead} commands were dead-lettered"
@@ -111,11 +72,92 @@ def measure(workers: int = 1000, seconds: float = 60.0, signed: bool = False) ->
             raise
         finally:
             proc.stop()
-    lags.sort()
+    return _section(workers, seconds, signed, window, monitor)
+
+
+class _Monitor:
+    """A thread timing each batch from its XADD until the coordinator's cursor passed it
+    (polled every 10 ms), and sampling the coordinator's RSS every 200 ms."""
+
+    def __init__(self, server: LocalRedis, job: str, pid: int) -> None:
+        self.server, self.job, self.pid = server, job, pid
+        self.pending: list[tuple[tuple[int, int], float]] = []  # (entry id, sent at), in order
+        self.lags: list[float] = []
+        self.rss: list[float] = []
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def sent(self, last: tuple[int, int], sent_at: float) -> None:
+        """A batch whose last entry is `last` was XADDed at `sent_at`."""
+        with self.lock:
+            self.pending.append((last, sent_at))
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def _watch(self) -> None:
+        watcher = self.server.client()
+        key, last_rss = Keys(self.job).cursor, 0.0
+        while not self.done.wait(0.01):
+            raw = watcher.get(key)
+            now = time.perf_counter()
+            if raw is None:
+                continue
+            cursor = id_key(text(raw))
+            with self.lock:
+                while self.pending and self.pending[0][0] <= cursor:
+                    self.lags.append(now - self.pending.pop(0)[1])
+            if now - last_rss > 0.2:
+                self.rss.append(_rss_mb(self.pid))
+                last_rss = now
+
+
+@dataclass(frozen=True)
+class _Window:
+    """What the fleet sent in the measured window, and what it cost the coordinator."""
+
+    sent: int
+    wall: float
+    cpu: float
+    steps: int
+
+
+def _drive(fleet: Fleet, pid: int, monitor: _Monitor, seconds: float) -> _Window:
+    """Send each tenth of the fleet's heartbeats and StepDones every 100 ms for `seconds`."""
+    cpu0, wall0 = _cpu_seconds(pid), time.perf_counter()
+    steps0 = fleet.watch.state.last_committed
+    slices = [fleet.names[i::TICKS] for i in range(TICKS)]
+    tick = sent = 0
+    while time.perf_counter() - wall0 < seconds:
+        fleet.watch.pull(block_ms=0)
+        part = slices[tick % TICKS]
+        sent_at = time.perf_counter()
+        last = fleet.send([*fleet.heartbeats(part), *fleet.step_done(part, 1.0)])
+        monitor.sent(id_key(last), sent_at)
+        tick += 1
+        sent += 2 * len(part)
+        time.sleep(max(0.0, wall0 + tick / TICKS - time.perf_counter()))  # the pace
+    wall = time.perf_counter() - wall0
+    cpu = _cpu_seconds(pid) - cpu0
+    fleet.watch.pull(block_ms=0)
+    return _Window(sent, wall, cpu, fleet.watch.state.last_committed - steps0)
+
+
+def _section(
+    workers: int, seconds: float, signed: bool, window: _Window, monitor: _Monitor
+) -> Section:
+    """The section BENCHMARKS.md shows: lag, CPU and memory against their targets."""
+    lags = sorted(monitor.lags)
     p50 = statistics.median(lags)
     p99 = lags[int(0.99 * (len(lags) - 1))]
-    load = cpu / wall
-    peak = max(rss)
+    sent, wall, steps = window.sent, window.wall, window.steps
+    load = window.cpu / wall
+    peak = max(monitor.rss)
     section = Section(
         key="soak-signed" if signed else "soak",
         title=f"{workers:,} simulated workers at 1 Hz for {seconds:.0f} s"
@@ -134,21 +176,27 @@ def measure(workers: int = 1000, seconds: float = 60.0, signed: bool = False) ->
         ["commands per second (steps committed)",
          f"{sent / wall:,.0f} ({steps} steps in {wall:.0f} s)", "", ""],
     ]  # fmt: skip
-    section.notes = [
+    section.notes = _notes(signed)
+    section.raw = {"lag_p50_s": p50, "lag_p99_s": p99, "cpu_share": load, "rss_peak_mb": peak,
+                   "steps": steps, "seconds": wall, "batches": len(lags)}  # fmt: skip
+    return section
+
+
+def _notes(signed: bool) -> list[str]:
+    """How the fleet paces its commands; with `signed`, what signing adds."""
+    notes = [
         "Each tenth of the fleet sends its heartbeats and StepDones every 100 ms, so a step "
         "commits about once a second once all ranks have reported it. The fleet, the "
         "coordinator and redis-server share this machine's cores.",
     ]
     if signed:
-        section.notes.append(
+        notes.append(
             "Per-worker identity (docs/identity.md): every command carries its worker's "
             "HMAC-SHA256 and the leader checks each against the secret it derives from the "
             "job key; none was dead-lettered. The unsigned section above is its peer, run "
             "back to back with it by `python -m bench --only soak,soak-signed`."
         )
-    section.raw = {"lag_p50_s": p50, "lag_p99_s": p99, "cpu_share": load, "rss_peak_mb": peak,
-                   "steps": steps, "seconds": wall, "batches": len(lags)}  # fmt: skip
-    return section
+    return notes
 
 
 def main() -> None:
