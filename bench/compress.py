@@ -27,6 +27,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -213,45 +214,66 @@ def convergence(
     order = np.random.default_rng(0).permutation(np.arange(steps * n * batch) % size)
     job = f"converge-{compression}-{rank}-{time.monotonic_ns()}"
     finals: list[dict[str, np.ndarray] | None] = [None] * n
-    failures: list[BaseException] = []
     models = [ex.build(0) for _ in range(n)]  # built here: torch.manual_seed is global
 
     def train(r: int) -> None:
+        conn = connect(RedisSettings(url=url))
+        collective = Collective(conn, job, Fixed(f"w{r}", r, n))
+        model = models[r]
+        optimizer = ex.optimizer_for(model, lr)
+        comp = compressor(compression, rank)
+        if comp is not None:
+            comp.reset(0)
+        for step in range(steps):
+            at = (step * n + r) * batch
+            x, y = data.take(order[at : at + batch])
+            optimizer.zero_grad()
+            ex.loss_of(model, x, y).backward()
+            sync_gradients(model, collective, step, compressor=comp)
+            optimizer.step()
+        finals[r] = ex.params_of(model)
+        conn.close()
+
+    _in_threads(n, train)
+    loss, accuracy = _scored(models[0], data)
+    return {"loss": loss, "accuracy": accuracy, "identical": _identical(finals)}
+
+
+def _in_threads(n: int, train: Callable[[int], None]) -> None:
+    """`train(r)` for every rank r, each in a thread of its own; the first failure is raised."""
+    failures: list[BaseException] = []
+
+    def guarded(r: int) -> None:
         try:
-            conn = connect(RedisSettings(url=url))
-            collective = Collective(conn, job, Fixed(f"w{r}", r, n))
-            model = models[r]
-            optimizer = ex.optimizer_for(model, lr)
-            comp = compressor(compression, rank)
-            if comp is not None:
-                comp.reset(0)
-            for step in range(steps):
-                at = (step * n + r) * batch
-                x, y = data.take(order[at : at + batch])
-                optimizer.zero_grad()
-                ex.loss_of(model, x, y).backward()
-                sync_gradients(model, collective, step, compressor=comp)
-                optimizer.step()
-            finals[r] = ex.params_of(model)
-            conn.close()
+            train(r)
         except BaseException as exc:  # reported by the caller
             failures.append(exc)
 
-    threads = [threading.Thread(target=train, args=(r,)) for r in range(n)]
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if failures:
         raise failures[0]
+
+
+def _scored(model: Any, data: Any) -> tuple[float, float]:
+    """(loss, accuracy) of `model` on the whole data set."""
+    import torch
+
     with torch.no_grad():
-        logits = models[0](data.x)
+        logits = model(data.x)
         loss = float(torch.nn.functional.cross_entropy(logits, data.y))
         accuracy = float((logits.argmax(dim=1) == data.y).float().mean())
+    return loss, accuracy
+
+
+def _identical(finals: list[dict[str, np.ndarray] | None]) -> bool:
+    """Whether every rank ended with the same parameters, bit for bit."""
     first = finals[0]
     assert first is not None
-    same = all(f is not None and all(np.array_equal(first[k], f[k]) for k in first) for f in finals)
-    return {"loss": loss, "accuracy": accuracy, "identical": same}
+    return all(f is not None and all(np.array_equal(first[k], f[k]) for k in first) for f in finals)
 
 
 # ------------------------------------------------------------------ the section
@@ -278,28 +300,49 @@ def measure(
     with LocalRedis(appendonly=False) as server:
         for n in worlds:
             g = time_gloo(n, size, runs) if gloo else float("nan")
-            exact_through = None
-            for method in methods:
-                cell = time_method(server.url, n, layers, dim, runs, method)
-                if method == "float32":
-                    exact_through = cell["through"]
-                fewer = exact_through / cell["through"] if exact_through else float("nan")
-                ratio = cell["s"] / g
-                met = verdict(ratio, 1.0, False) if size >= 64 * MIB else "report"
-                section.rows.append(
-                    [str(n), str(size // MIB), method, f"{cell['s'] * 1e3:.1f}",
-                     f"{cell['redis_s'] * 1e3:.1f}", f"{cell['through'] / MIB:.1f}",
-                     f"{fewer:.1f}x", f"{g * 1e3:.1f}", f"{ratio:.2f}", "<= 1.0x", met,
-                     f"{cell['first']:.1e}", f"{cell['summed']:.1e}"]
-                )  # fmt: skip
-                raw["cells"].append({"ranks": n, "mib": size // MIB, "method": method,
-                                     "gloo_s": g, **cell})  # fmt: skip
+            for row, cell in _cells(server.url, n, layers, dim, runs, methods, g):
+                section.rows.append(row)
+                raw["cells"].append(cell)
                 print(" | ".join(section.rows[-1]), flush=True)
         if gloo:
             for name, comp, r in (("exact", None, 4), ("int8", "int8", 4),
                                   ("powersgd-4", "powersgd", 4)):  # fmt: skip
                 raw["convergence"][name] = convergence(server.url, comp, r, steps)
-    section.notes = [
+    section.notes = _notes(layers, dim, steps, gloo, raw)
+    section.raw = raw
+    return section
+
+
+def _cells(
+    url: str,
+    n: int,
+    layers: int,
+    dim: int,
+    runs: int,
+    methods: tuple[str, ...],
+    g: float,
+) -> Iterator[tuple[list[str], dict[str, Any]]]:
+    """Each method's row and raw cell at `n` ranks, timed as it is asked for; `g` is gloo's
+    seconds for the same bytes."""
+    size = layers * dim * dim * 4
+    exact_through = None
+    for method in methods:
+        cell = time_method(url, n, layers, dim, runs, method)
+        if method == "float32":
+            exact_through = cell["through"]
+        fewer = exact_through / cell["through"] if exact_through else float("nan")
+        ratio = cell["s"] / g
+        met = verdict(ratio, 1.0, False) if size >= 64 * MIB else "report"
+        row = [str(n), str(size // MIB), method, f"{cell['s'] * 1e3:.1f}",
+               f"{cell['redis_s'] * 1e3:.1f}", f"{cell['through'] / MIB:.1f}",
+               f"{fewer:.1f}x", f"{g * 1e3:.1f}", f"{ratio:.2f}", "<= 1.0x", met,
+               f"{cell['first']:.1e}", f"{cell['summed']:.1e}"]  # fmt: skip
+        yield row, {"ranks": n, "mib": size // MIB, "method": method, "gloo_s": g, **cell}
+
+
+def _notes(layers: int, dim: int, steps: int, gloo: bool, raw: dict[str, Any]) -> list[str]:
+    """What the columns measure, then convergence, PowerSGD's misses and a missing gloo."""
+    notes = [
         f"The gradient: {layers} layers of {dim}x{dim} float32, each a rank-{SIGNAL_RANK} "
         f"signal (singular values halving, drifting by {DRIFT} a step) shared by the ranks "
         f"plus {NOISE} noise per value of each rank's own, new every step. "
@@ -317,23 +360,7 @@ def measure(
         "tests check it with np.array_equal).",
     ]
     if raw["convergence"]:
-        exact = raw["convergence"]["exact"]
-        section.notes.append(
-            f"Convergence (examples/torch_train.py's model, 3 ranks x 32 samples, {steps} "
-            "steps of SGD with momentum through Redis, the same batches): "
-            + "; ".join(
-                f"{name} loss {c['loss']:.4f} accuracy {c['accuracy']:.4f}"
-                + (
-                    ""
-                    if name == "exact"
-                    else f" ({(c['loss'] / exact['loss'] - 1) * 100:+.1f}% loss, "
-                    f"{(c['accuracy'] - exact['accuracy']) * 100:+.2f} points)"
-                )
-                + ("" if c["identical"] else " RANKS DIFFER")
-                for name, c in raw["convergence"].items()
-            )  # fmt: skip
-            + "."
-        )
+        notes.append(_convergence_note(steps, raw["convergence"]))
     misses = [
         f"{c['method']} on {c['ranks']} ranks {c['s'] / c['gloo_s']:.2f}x gloo, of which "
         f"{(c['s'] - c['redis_s']) * 1e3:.0f} of {c['s'] * 1e3:.0f} ms outside Redis"
@@ -341,7 +368,7 @@ def measure(
         if c["method"].startswith("powersgd") and c["s"] > c["gloo_s"] and c["mib"] >= 64
     ]
     if misses:
-        section.notes.append(
+        notes.append(
             "Missed by PowerSGD: " + "; ".join(misses) + ". What is left is the "
             "compressor's numpy work, memory-bound passes over the 64 MiB on the cores the "
             "ranks share (a py-spy/timeit breakdown at 2 ranks, one BLAS thread: M = g + "
@@ -349,9 +376,29 @@ def measure(
             "of their own, or with the matrices on a GPU, it no longer adds up."
         )
     if not gloo:
-        section.notes.append("torch is not installed here: the gloo columns are empty.")
-    section.raw = raw
-    return section
+        notes.append("torch is not installed here: the gloo columns are empty.")
+    return notes
+
+
+def _convergence_note(steps: int, runs: dict[str, dict[str, Any]]) -> str:
+    """Each compressor's final loss and accuracy, against exact averaging's."""
+    exact = runs["exact"]
+    return (
+        f"Convergence (examples/torch_train.py's model, 3 ranks x 32 samples, {steps} "
+        "steps of SGD with momentum through Redis, the same batches): "
+        + "; ".join(
+            f"{name} loss {c['loss']:.4f} accuracy {c['accuracy']:.4f}"
+            + (
+                ""
+                if name == "exact"
+                else f" ({(c['loss'] / exact['loss'] - 1) * 100:+.1f}% loss, "
+                f"{(c['accuracy'] - exact['accuracy']) * 100:+.2f} points)"
+            )
+            + ("" if c["identical"] else " RANKS DIFFER")
+            for name, c in runs.items()
+        )  # fmt: skip
+        + "."
+    )
 
 
 def main() -> None:
