@@ -101,7 +101,7 @@ class Keys:
     @property
     def memory(self) -> str:
         """Redis's memory as the leader last read it (maxmemory, used): the budget a
-        collective checks before it writes gradients (`worker/budget.py`)."""
+        collective checks before it writes gradients (`events/budget.py`)."""
         return f"{self.prefix}:memory"
 
     @property
