@@ -24,7 +24,7 @@ import queue
 import socket
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from typing import Any
@@ -234,38 +234,68 @@ def measure(
     )  # fmt: skip
     raw: dict[str, Any] = {"server_rate": {}, "cells": []}
     with LocalRedis(appendonly=False) as server:
-        server_rate: dict[int, float] = {}
-        for size in sizes:
-            rates = raw_throughput(server.url, size, runs)
-            server_rate[size] = 2 / (1 / rates["set_parts"] + 1 / rates["get"])
-            raw["server_rate"][size // MIB] = rates
+        server_rate = _server_rates(server.url, sizes, runs, raw["server_rate"])
         for n in worlds:
             for size in sizes:
                 g = time_gloo(n, size, runs) if gloo else float("nan")
-                for transport in ("float32", "float16"):
-                    took, error = time_allreduce(server.url, n, size, runs, transport)
-                    wire = size // 2 if transport == "float16" else size
-                    bound = (3 * n - 2) * wire / server_rate[size]
-                    if transport == "float16":
-                        target, met = "report", ""
-                    elif size <= MIB:
-                        target, met = "<= 1.0x gloo", verdict(took / g, 1.0, False)
-                        if took > g and bound > g:
-                            met += " (the one-server bound alone is above gloo)"
-                    else:
-                        target, met = "bound/measured >= 0.8", verdict(bound / took, 0.8)
-                    section.rows.append(
-                        [str(n), str(size // MIB), transport, f"{took * 1e3:.1f}",
-                         str((3 * n - 2) * wire // MIB), f"{bound * 1e3:.1f}",
-                         f"{bound / took:.2f}", f"{g * 1e3:.1f}", f"{took / g:.2f}",
-                         target, met, f"{error:.1e}"]
-                    )  # fmt: skip
-                    raw["cells"].append(
-                        {"ranks": n, "mib": size // MIB, "transport": transport,
-                         "cohort_s": took, "gloo_s": g, "bound_s": bound, "error": error}
-                    )  # fmt: skip
+                for row, cell in _cells(server.url, n, size, runs, server_rate[size], g):
+                    section.rows.append(row)
+                    raw["cells"].append(cell)
                     print(" | ".join(section.rows[-1]), flush=True)
-    section.notes = [
+    section.notes = _notes(raw)
+    if not gloo:
+        section.notes.append("torch is not installed here: the gloo columns are empty.")
+    section.raw = raw
+    return section
+
+
+def _server_rates(
+    url: str, sizes: list[int], runs: int, raw: dict[int, dict[str, float]]
+) -> dict[int, float]:
+    """The server's raw in+out bytes per second at each size (each size's rates into `raw`,
+    by MiB)."""
+    server_rate: dict[int, float] = {}
+    for size in sizes:
+        rates = raw_throughput(url, size, runs)
+        server_rate[size] = 2 / (1 / rates["set_parts"] + 1 / rates["get"])
+        raw[size // MIB] = rates
+    return server_rate
+
+
+def _cells(
+    url: str, n: int, size: int, runs: int, server_rate: float, g: float
+) -> Iterator[tuple[list[str], dict[str, Any]]]:
+    """Each transport's row and raw cell at `n` ranks and `size` bytes, timed as it is asked
+    for; `g` is gloo's seconds for the same bytes."""
+    for transport in ("float32", "float16"):
+        took, error = time_allreduce(url, n, size, runs, transport)
+        wire = size // 2 if transport == "float16" else size
+        bound = (3 * n - 2) * wire / server_rate
+        target, met = _target(transport, size, took, bound, g)
+        row = [str(n), str(size // MIB), transport, f"{took * 1e3:.1f}",
+               str((3 * n - 2) * wire // MIB), f"{bound * 1e3:.1f}",
+               f"{bound / took:.2f}", f"{g * 1e3:.1f}", f"{took / g:.2f}",
+               target, met, f"{error:.1e}"]  # fmt: skip
+        yield row, {"ranks": n, "mib": size // MIB, "transport": transport,
+                    "cohort_s": took, "gloo_s": g, "bound_s": bound, "error": error}  # fmt: skip
+
+
+def _target(transport: str, size: int, took: float, bound: float, g: float) -> tuple[str, str]:
+    """(target, verdict) of a cell: small float32 against gloo, large against the bound."""
+    if transport == "float16":
+        return "report", ""
+    if size <= MIB:
+        met = verdict(took / g, 1.0, False)
+        if took > g and bound > g:
+            met += " (the one-server bound alone is above gloo)"
+        return "<= 1.0x gloo", met
+    return "bound/measured >= 0.8", verdict(bound / took, 0.8)
+
+
+def _notes(raw: dict[str, Any]) -> list[str]:
+    """The server's raw rates, what the bound means and where it is above gloo, the profile,
+    and float16."""
+    return [
         "Raw rate of the same server, one client, GB/s (SET through the parts path, GET): "
         + "; ".join(
             f"{mib} MiB {r['set_parts'] / 1e9:.2f} / {r['get'] / 1e9:.2f} (SET with redis-py's "
@@ -300,10 +330,6 @@ def measure(
         "float16 transport halves the bytes; the error column is the largest absolute "
         "difference from the exact (float64) mean, relative to the mean's largest magnitude.",
     ]
-    if not gloo:
-        section.notes.append("torch is not installed here: the gloo columns are empty.")
-    section.raw = raw
-    return section
 
 
 def cell_options(
