@@ -223,23 +223,56 @@ def measure(runs: int = 3) -> Section:
         command=f"python -m bench.checkpoint --runs {runs}",
         header=["what", "cohort", "peer (same run)", "ratio"],
     )
-    section.rows += [
+    section.rows += _numpy_rows(numpy_cost)
+    section.rows += _torch_rows(torch_cost)
+    section.rows.append(
+        [
+            "SIGKILL of every worker -> training again from the checkpoint, s",
+            f"{statistics.median(recovery):.2f}",
+            "",
+            "",
+        ]
+    )
+    section.notes = [
+        "The loop's path is the copy of the state (for torch, `cohort.torch.state_blob`: model, "
+        "optimizer and RNG state as one no-pickle blob); the header, the sha256 and the file "
+        "are written by a background thread while training goes on. The torch rows time "
+        f"{STEPS} training steps with one checkpoint against the same steps without: the "
+        "background thread competes with training for this machine's 2 cores (torch uses "
+        "both), which a machine with a GPU or spare cores does not see. The peer blocks the "
+        "steps for the whole save, as a torchrun script's rank 0 does.",
+        "Recovery: heartbeat_timeout 2 s (detection floor), then the new workers join, rank 0 "
+        "loads the checkpoint and broadcasts it, and the first step commits. No peer is in "
+        "this row: torchrun's restart-all from a checkpoint is measured by the goodput "
+        "benchmark (issue 23).",
+    ]
+    section.raw = {"numpy": numpy_cost, "torch": torch_cost, "recovery_s": recovery}
+    return section
+
+
+def _numpy_rows(cost: dict[str, float]) -> list[list[str]]:
+    """The numpy example's cost on the loop's path (against np.savez) and in the background."""
+    return [
         [
             "numpy example (MLP): on the loop's path per checkpoint, ms (peer: np.savez)",
-            f"{numpy_cost['cohort_path'] * 1e3:.3g}",
-            f"{numpy_cost['peer'] * 1e3:.3g}",
-            f"{numpy_cost['cohort_path'] / numpy_cost['peer']:.2f}",
+            f"{cost['cohort_path'] * 1e3:.3g}",
+            f"{cost['peer'] * 1e3:.3g}",
+            f"{cost['cohort_path'] / cost['peer']:.2f}",
         ],
         [
-            f"numpy example: background write ({numpy_cost['bytes'] / 1e3:.1f} kB), ms",
-            f"{numpy_cost['background'] * 1e3:.3g}",
+            f"numpy example: background write ({cost['bytes'] / 1e3:.1f} kB), ms",
+            f"{cost['background'] * 1e3:.3g}",
             "",
             "",
         ],
     ]
-    t = torch_cost
+
+
+def _torch_rows(t: dict[str, float]) -> list[list[str]]:
+    """A torch checkpoint's cost to CPU and idle-CPU steps against torch.save, its parts,
+    and its overhead per step at one checkpoint every 100 steps."""
     every = 100
-    section.rows += [
+    return [
         [
             f"torch, {t['params'] / 1e6:.1f}M parameters + momentum ({t['bytes'] / 1e6:.0f} MB "
             f"file): one checkpoint's cost to {STEPS} CPU training steps, s (peer: torch.save)",
@@ -265,29 +298,6 @@ def measure(runs: int = 3) -> Section:
             "",
         ],
     ]
-    section.rows.append(
-        [
-            "SIGKILL of every worker -> training again from the checkpoint, s",
-            f"{statistics.median(recovery):.2f}",
-            "",
-            "",
-        ]
-    )
-    section.notes = [
-        "The loop's path is the copy of the state (for torch, `cohort.torch.state_blob`: model, "
-        "optimizer and RNG state as one no-pickle blob); the header, the sha256 and the file "
-        "are written by a background thread while training goes on. The torch rows time "
-        f"{STEPS} training steps with one checkpoint against the same steps without: the "
-        "background thread competes with training for this machine's 2 cores (torch uses "
-        "both), which a machine with a GPU or spare cores does not see. The peer blocks the "
-        "steps for the whole save, as a torchrun script's rank 0 does.",
-        "Recovery: heartbeat_timeout 2 s (detection floor), then the new workers join, rank 0 "
-        "loads the checkpoint and broadcasts it, and the first step commits. No peer is in "
-        "this row: torchrun's restart-all from a checkpoint is measured by the goodput "
-        "benchmark (issue 23).",
-    ]
-    section.raw = {"numpy": numpy_cost, "torch": torch_cost, "recovery_s": recovery}
-    return section
 
 
 def main() -> None:
