@@ -327,68 +327,93 @@ def _torchrun(failure_free: float, every: float, kills: int, checkpoint_every: i
     logs = [tmp / "agent1.jsonl", tmp / "agent2.jsonl"]
     endpoint = f"127.0.0.1:{_free_port()}"
     agents: list[subprocess.Popen[bytes]] = []
-    points: list[tuple[float, int]] = []
-    times: list[float] = []
-
-    def pull() -> None:
-        points[:] = _points(logs)
-        times[:] = [t for t, _ in points]
-        time.sleep(0.1)  # the workers write files: nothing to block on
-
+    progress = _StepLogs(logs)
     try:
         for i, log in enumerate(logs):
-            env = {
-                **os.environ,
-                "OMP_NUM_THREADS": "1",
-                "BENCH_LOG": str(log),
-                "BENCH_CHECKPOINT": str(tmp / "checkpoint.pt"),
-                "BENCH_CHECKPOINT_EVERY": str(checkpoint_every),
-                "PYTHONPATH": _python_path(),
-            }
-            agents.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                     "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                     "--rdzv-endpoint", endpoint, "--rdzv-id", "goodput",
-                     "--max-restarts", "100", "--monitor-interval", "0.1",
-                     "-m", "bench.goodput", "torchrun-rank"],
-                    env=env, stdout=(tmp / f"agent{i + 1}.out").open("wb"),
-                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                )
-            )  # fmt: skip
-        _until(lambda: len(points) >= 2 * WARMUP_STEPS, 180, "torchrun: two workers training", pull)
-
-        def kill(_: int) -> None:
-            """SIGKILL agent 2's worker: the newest pid in its log's process tree."""
-            pid = _worker_pid(agents[1].pid)
-            if pid is None:
-                return  # between restarts: the period goes on, the kill is skipped
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-        # "steps that count": how far the model's step count moved
-        def counted(_: Sequence[float], start: float, end: float) -> int:
-            return progress_at(points, end) - progress_at(points, start)
-
-        def outage(_: Sequence[float], when: float) -> float:
-            """Seconds from `when` to the first step beyond the count at `when`."""
-            before = progress_at(points, when)
-            later = [t for t, step in points if t > when and step > before]
-            return min(later) - when if later else float("inf")
-
+            agents.append(_agent(i, log, tmp, endpoint, checkpoint_every))
+        _until(
+            lambda: len(progress.points) >= 2 * WARMUP_STEPS,
+            180,
+            "torchrun: two workers training",
+            progress.pull,
+        )
         for agent in agents:
             if agent.poll() is not None:
                 raise RuntimeError(f"a torchrun agent exited ({agent.returncode}); see {tmp}")
-        run = _periods(time.time, failure_free, every, kills, times, pull, kill, counted, outage)
+        run = _periods(time.time, failure_free, every, kills, progress.times, progress.pull,
+                       lambda _: _kill_worker(agents[1].pid), progress.counted,
+                       progress.outage)  # fmt: skip
         return replace(run, failed_starts=_failed_starts(tmp))
     finally:
-        for agent in agents:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait()
-        for pid in _stray_workers():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _stop_agents(agents)
+
+
+class _StepLogs:
+    """The torchrun workers' step logs, read again at each `pull`: the model's (time, step
+    count) points, and their times (the list `_periods` watches, filled in place)."""
+
+    def __init__(self, logs: Sequence[Path]) -> None:
+        self.logs = logs
+        self.points: list[tuple[float, int]] = []
+        self.times: list[float] = []
+
+    def pull(self) -> None:
+        self.points[:] = _points(self.logs)
+        self.times[:] = [t for t, _ in self.points]
+        time.sleep(0.1)  # the workers write files: nothing to block on
+
+    # "steps that count": how far the model's step count moved
+    def counted(self, _: Sequence[float], start: float, end: float) -> int:
+        return progress_at(self.points, end) - progress_at(self.points, start)
+
+    def outage(self, _: Sequence[float], when: float) -> float:
+        """Seconds from `when` to the first step beyond the count at `when`."""
+        before = progress_at(self.points, when)
+        later = [t for t, step in self.points if t > when and step > before]
+        return min(later) - when if later else float("inf")
+
+
+def _agent(
+    i: int, log: Path, tmp: Path, endpoint: str, checkpoint_every: int
+) -> subprocess.Popen[bytes]:
+    """torchrun agent number `i` + 1 of two, its one worker logging its steps to `log`."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "BENCH_LOG": str(log),
+        "BENCH_CHECKPOINT": str(tmp / "checkpoint.pt"),
+        "BENCH_CHECKPOINT_EVERY": str(checkpoint_every),
+        "PYTHONPATH": _python_path(),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+         "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", endpoint, "--rdzv-id", "goodput",
+         "--max-restarts", "100", "--monitor-interval", "0.1",
+         "-m", "bench.goodput", "torchrun-rank"],
+        env=env, stdout=(tmp / f"agent{i + 1}.out").open("wb"),
+        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+
+
+def _kill_worker(agent: int) -> None:
+    """SIGKILL the agent's worker: the newest pid in its log's process tree."""
+    pid = _worker_pid(agent)
+    if pid is None:
+        return  # between restarts: the period goes on, the kill is skipped
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _stop_agents(agents: list[subprocess.Popen[bytes]]) -> None:
+    """Every agent's session, then any worker left in a session of its own."""
+    for agent in agents:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
+    for pid in _stray_workers():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _failed_starts(folder: Path) -> int:
@@ -452,11 +477,6 @@ def measure(
         ]
         for side in sides if run % 2 == 0 else sides[::-1]:
             side()
-    ratios = [
-        m.goodput / p.goodput if p.goodput > 0 else float("inf")
-        for m, p in zip(mine, peer, strict=True)
-    ]
-    ratio = statistics.median(ratios)
     section = Section(
         key="goodput",
         title="Goodput under failures: a worker SIGKILLed every "
@@ -467,8 +487,20 @@ def measure(
                 "goodput per run", "kill to next step that counts, s (median)", "target", ""],
         raw={"cohort": [_raw(m) for m in mine], "torchrun": [_raw(p) for p in peer]},
     )  # fmt: skip
+    section.rows = _rows(mine, peer, checkpoint_every)
+    section.notes = _notes(failure_free, every, kills, runs, peer)
+    return section
+
+
+def _rows(mine: list[Run], peer: list[Run], checkpoint_every: int) -> list[list[Any]]:
+    """Each side's medians against its target, then their ratios (median of the runs')."""
+    ratios = [
+        m.goodput / p.goodput if p.goodput > 0 else float("inf")
+        for m, p in zip(mine, peer, strict=True)
+    ]
+    ratio = statistics.median(ratios)
     goodput = statistics.median(m.goodput for m in mine)
-    section.rows = [
+    return [
         _row("cohort (ElasticJob, gloo route, survivors go on)", mine,
              f">= {TARGET_GOODPUT}", verdict(goodput, TARGET_GOODPUT)),
         _row(f"torchrun c10d (restart all, checkpoint every {checkpoint_every} steps)", peer,
@@ -478,7 +510,11 @@ def measure(
          ", ".join(f"{r:.2f}" for r in ratios), "", f">= {TARGET_VS_TORCHRUN}x",
          verdict(ratio, TARGET_VS_TORCHRUN)],
     ]  # fmt: skip
-    section.notes = [
+
+
+def _notes(failure_free: float, every: float, kills: int, runs: int, peer: list[Run]) -> list[str]:
+    """How both sides ran and what counts; torchrun workers that failed on their own."""
+    notes = [
         f"Both sides: bench.throughput's 1M-parameter MLP, {WORLD} ranks of {BATCH} "
         f"samples per step each ({GLOBAL} per step), plain SGD, one torch thread per rank, "
         "all on this machine (cohort's coordinator and Redis too). A failure-free window "
@@ -498,12 +534,12 @@ def measure(
     ]
     failed = [p.failed_starts for p in peer]
     if any(failed):
-        section.notes.append(
+        notes.append(
             f"Restarted torchrun workers that failed on their own, per run: "
             f"{', '.join(map(str, failed))} (gloo could not connect to a peer that was itself "
             "being restarted), each costing another restart of every worker."
         )
-    return section
+    return notes
 
 
 def _raw(run: Run) -> dict[str, Any]:
