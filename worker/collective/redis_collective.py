@@ -93,7 +93,7 @@ from cohort.worker.errors import (
     WorldChangedError,
 )
 from cohort.worker.membership.retry import Link, ride_out_of, seconds_of, url_of, with_retry
-from cohort.worker.membership.view import Assignment, Plan
+from cohort.worker.membership.view import Assignment, WorldPlan
 
 T = TypeVar("T")
 LOG = logging.getLogger("cohort.collective")
@@ -144,7 +144,7 @@ class World:
 
 
 @dataclass(frozen=True, slots=True)
-class _Plan:
+class _Chunking:
     """How one allreduce cuts its vectors and tags its keys: what its three phases share."""
 
     layout: Layout
@@ -210,7 +210,7 @@ class _Call:
 
     def what(self) -> str:
         return (
-            f"{self.op} of {calls.describe(self.step)} in world {self.world.version} "
+            f"{self.op} of {calls.call_name(self.step)} in world {self.world.version} "
             f"(rank {self.world.rank})"
         )
 
@@ -289,7 +289,7 @@ class _Call:
     def check_world(self) -> None:
         member = self.owner.worker
         if member.world_version > self.world.version:
-            raise WorldChangedError(calls.step_of(self.step), member.assignment)
+            raise WorldChangedError(calls.training_step(self.step), member.assignment)
 
     def see_journal(self, rows: list[Entry]) -> None:
         for _, fields in rows:
@@ -301,8 +301,8 @@ class _Call:
             except DecodeError:
                 continue  # the worker's tail logs undecodable facts
             if isinstance(fact, WorldChanged) and fact.version > self.world.version:
-                assignment = Plan.of(fact).assignment_of(self.owner.worker.id)
-                raise WorldChangedError(calls.step_of(self.step), assignment)
+                assignment = WorldPlan.of(fact).assignment_of(self.owner.worker.id)
+                raise WorldChangedError(calls.training_step(self.step), assignment)
 
     def _read(self, phase: str, pending: set[int]) -> None:
         self.check_world()
@@ -446,7 +446,7 @@ class Collective:
         timeout = self.timeout if timeout is None else timeout
         world = self.world()
         if expected is not None and world.version != expected:
-            raise WorldChangedError(calls.step_of(step), self.worker.assignment)
+            raise WorldChangedError(calls.training_step(step), self.worker.assignment)
         if world.size == 1:
             return None
         return self.begin_in(world, op, step, timeout)
@@ -578,7 +578,7 @@ class Collective:
         self, call: _Call, layout: Layout, flats: dict[str, np.ndarray], transport: Transport
     ) -> dict[str, np.ndarray]:
         """Reduce-scatter then all-gather, in the three phases of the module docstring."""
-        plan = self._plan(call, layout, flats, transport)
+        plan = self._chunking(call, layout, flats, transport)
         payload = wire_bytes(flats, transport)
         self._check_budget(call, payload * call.world.size)  # each rank writes about its all
         self._scatter(call, plan, flats)
@@ -586,17 +586,19 @@ class Collective:
         self._gather(call, plan, result)
         return unflatten(layout, result)
 
-    def _plan(
+    def _chunking(
         self, call: _Call, layout: Layout, flats: dict[str, np.ndarray], transport: Transport
-    ) -> _Plan:
+    ) -> _Chunking:
         """Cut the vectors into N*P chunks, P per rank, so no value exceeds max_value_bytes."""
         total = sum(f.nbytes for f in flats.values())
         per_rank = blobs.pieces(-(-total // call.world.size), self.max_value_bytes)
         k = call.world.size * per_rank
         cuts = bounds(layout.sizes(), k, alignment(transport))
-        return _Plan(layout, transport, k, per_rank, cuts, -(-total // k), self.placement.tags())
+        return _Chunking(
+            layout, transport, k, per_rank, cuts, -(-total // k), self.placement.tags()
+        )
 
-    def _scatter(self, call: _Call, plan: _Plan, flats: dict[str, np.ndarray]) -> None:
+    def _scatter(self, call: _Call, plan: _Chunking, flats: dict[str, np.ndarray]) -> None:
         """1. SET each chunk this rank does not own for its owner, then notify "scatter"."""
         world, mine, what = call.world, plan.owned(call.world.rank), call.what()
         items = [
@@ -608,7 +610,7 @@ class Collective:
         call.notify("scatter", l=plan.signature, t=placement.encode(plan.tags))
 
     def _reduce(
-        self, call: _Call, plan: _Plan, flats: dict[str, np.ndarray]
+        self, call: _Call, plan: _Chunking, flats: dict[str, np.ndarray]
     ) -> dict[str, np.ndarray]:
         """2. Sum this rank's chunks over every rank (in float64) as contributions arrive,
         keep their mean in the result, SET it for the others and notify "reduced"."""
@@ -637,7 +639,7 @@ class Collective:
         call.notify("reduced", t=placement.encode(plan.tags))
         return result
 
-    def _gather(self, call: _Call, plan: _Plan, result: dict[str, np.ndarray]) -> None:
+    def _gather(self, call: _Call, plan: _Chunking, result: dict[str, np.ndarray]) -> None:
         """3. GET the chunks the other ranks reduced into `result`, as their notices arrive."""
         for i, chunk in self._receive(call, plan, "reduced", self._reduced):
             for g, a in chunk.items():
@@ -646,9 +648,9 @@ class Collective:
     def _receive(
         self,
         call: _Call,
-        plan: _Plan,
+        plan: _Chunking,
         phase: str,
-        keys_of: Callable[[_Call, _Plan, int, Notice], list[tuple[int, str]]],
+        keys_of: Callable[[_Call, _Chunking, int, Notice], list[tuple[int, str]]],
     ) -> Iterator[tuple[int, Chunk]]:
         """(i, chunk i) from every other rank as its `phase` notice arrives: `keys_of` names
         the chunks a rank has for this one, and their keys. The chunks of every rank already
@@ -664,7 +666,7 @@ class Collective:
                 yield i, plan.check(chunk, i, rank, call.what())
 
     def _contributions(
-        self, call: _Call, plan: _Plan, rank: int, notice: Notice
+        self, call: _Call, plan: _Chunking, rank: int, notice: Notice
     ) -> list[tuple[int, str]]:
         """The keys of `rank`'s parts of the chunks this rank owns, after its scatter notice
         shows it passed the same layout and transport."""
@@ -678,7 +680,7 @@ class Collective:
         return [(i, call.part_key(rank, i, theirs)) for i in plan.owned(call.world.rank)]
 
     def _reduced(
-        self, call: _Call, plan: _Plan, rank: int, notice: Notice
+        self, call: _Call, plan: _Chunking, rank: int, notice: Notice
     ) -> list[tuple[int, str]]:
         """The keys of the chunks `rank` reduced, as its notice tags them."""
         theirs = call.tags(notice, rank)
