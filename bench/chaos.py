@@ -35,6 +35,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,7 +43,7 @@ import msgpack
 
 from bench.fleet import spawn
 from bench.results import Section
-from cohort.coordinator.audit import audit
+from cohort.coordinator.audit import Audit, audit
 from cohort.coordinator.fold import fold
 from cohort.coordinator.replay import JournalWatch
 from cohort.coordinator.state import state_hash
@@ -50,7 +51,7 @@ from cohort.events.codec import decode_command
 from cohort.events.connection import UNAVAILABLE, Client
 from cohort.events.errors import DecodeError
 from cohort.events.keys import Keys
-from cohort.events.models import Join, LeaderElected, WorkerJoined, WorldChanged
+from cohort.events.models import Fact, Join, LeaderElected, WorkerJoined, WorldChanged
 from cohort.events.streams import Journal
 from cohort.localredis import LocalRedis
 from cohort.processes import Proc
@@ -251,8 +252,35 @@ def _check(
     run: Run, faults: Counter[str], chaos_s: float, minutes: float, seed: int, finishers: list[Proc]
 ) -> Section:
     run.pull()
-    facts = [f for _, f in run.watch.facts]
+    live = _live_status(run)
+    found = _Findings.of(run, [f for _, f in run.watch.facts], live, finishers)
+    return Section(
+        key="chaos",
+        title="Chaos: random faults while a real model trains, then every invariant",
+        command=f"python -m bench.chaos --minutes {minutes:g}",
+        header=["what", "value"],
+        rows=_rows(run, faults, chaos_s, found),
+        notes=[
+            "Two coordinators, three or more `cohort example-worker` processes (the numpy "
+            "MLP), each behind its own TCP proxy; redis-server with appendfsync always. "
+            f"Heartbeat timeout {TIMEOUT_S:g} s, lease 1 s, seed {seed}. "
+            + ("Every check passed." if found.ok else "**A check failed**: see the rows.")
+        ],
+        raw={
+            "faults": dict(faults),
+            "chaos_s": chaos_s,
+            "steps": run.steps,
+            "lost": found.lost,
+            "twice": found.twice,
+            "audit_problems": list(found.report.problems)[:20],
+            "digests": sorted(str(d) for d in found.digests),
+            "ok": found.ok,
+        },
+    )
 
+
+def _live_status(run: Run) -> dict[str, Any]:
+    """The status a live leader publishes once it has folded the whole journal."""
     live: dict[str, Any] = {}
 
     def leader_at_tail() -> bool:
@@ -265,59 +293,77 @@ def _check(
         return False
 
     run.until(leader_at_tail, 30, "a leader publishing at the journal tail")
-    facts = [f for _, f in run.watch.facts]
-    replay_ok = live["state_hash"] == state_hash(fold(facts))
-    report = audit(facts)
-    epochs = [f.epoch for f in facts if isinstance(f, LeaderElected)]
-    versions = [f.version for f in facts if isinstance(f, WorldChanged)]
-    joined = Counter(f.worker for f in facts if isinstance(f, WorkerJoined))
-    lost = sorted(set(run.joins) - set(joined))
-    twice = sorted(w for w, n in joined.items() if n > 1)
-    ends = [_summary(p.log) for p in finishers]
-    digests = {e.get("weights_digest") for e in ends}
-    agree = len(digests) == 1 and None not in digests
-    ok = [
-        replay_ok, report.ok, epochs == sorted(set(epochs)), versions == sorted(set(versions)),
-        not lost, not twice, agree, len(ends) >= 2,
-    ]  # fmt: skip
+    return live
+
+
+@dataclass(frozen=True)
+class _Findings:
+    """What the journal, the live leader and the finishers' last lines show."""
+
+    replay_ok: bool
+    report: Audit
+    epochs: list[int]
+    versions: list[int]
+    lost: list[str]
+    twice: list[str]
+    ends: list[dict[str, Any]]
+    digests: set[Any]
+
+    @classmethod
+    def of(
+        cls, run: Run, facts: list[Fact], live: dict[str, Any], finishers: list[Proc]
+    ) -> _Findings:
+        joined = Counter(f.worker for f in facts if isinstance(f, WorkerJoined))
+        ends = [_summary(p.log) for p in finishers]
+        return cls(
+            replay_ok=live["state_hash"] == state_hash(fold(facts)),
+            report=audit(facts),
+            epochs=[f.epoch for f in facts if isinstance(f, LeaderElected)],
+            versions=[f.version for f in facts if isinstance(f, WorldChanged)],
+            lost=sorted(set(run.joins) - set(joined)),
+            twice=sorted(w for w, n in joined.items() if n > 1),
+            ends=ends,
+            digests={e.get("weights_digest") for e in ends},
+        )
+
+    @property
+    def agree(self) -> bool:
+        """Every finisher ended with the same weights."""
+        return len(self.digests) == 1 and None not in self.digests
+
+    @property
+    def grow(self) -> bool:
+        """Leader epochs and world versions only grow."""
+        return _only_grow(self.epochs) and _only_grow(self.versions)
+
+    @property
+    def ok(self) -> bool:
+        checks = [self.replay_ok, self.report.ok, self.grow, not self.lost, not self.twice,
+                  self.agree, len(self.ends) >= 2]  # fmt: skip
+        return all(checks)
+
+
+def _only_grow(values: list[int]) -> bool:
+    return values == sorted(set(values))
+
+
+def _rows(run: Run, faults: Counter[str], chaos_s: float, found: _Findings) -> list[list[str]]:
+    """The faults injected, what the run did, and each check's outcome."""
     rows = [[f"faults: {kind}", str(faults[kind])] for kind in KINDS]
-    rows += [
+    return rows + [
         ["faults in all", str(sum(faults.values()))],
         ["chaos, minutes", f"{chaos_s / 60:.1f}"],
         ["steps committed", str(run.watch.state.counters.steps_committed)],
         ["workers started", str(run.serial)],
-        ["leader epochs", str(len(epochs))],
-        ["worlds", str(len(versions))],
-        ["commands lost (Joins never decided)", str(len(lost))],
-        ["commands applied twice (Joins decided twice)", str(len(twice))],
-        ["final weights agree", f"{agree} ({len(ends)} finishers)"],
-        ["live leader state == replay of the journal", str(replay_ok)],
-        ["audit (every sample once per epoch, ranks a permutation)", str(report.ok)],
-        ["epochs and world versions only grow", str(ok[2] and ok[3])],
+        ["leader epochs", str(len(found.epochs))],
+        ["worlds", str(len(found.versions))],
+        ["commands lost (Joins never decided)", str(len(found.lost))],
+        ["commands applied twice (Joins decided twice)", str(len(found.twice))],
+        ["final weights agree", f"{found.agree} ({len(found.ends)} finishers)"],
+        ["live leader state == replay of the journal", str(found.replay_ok)],
+        ["audit (every sample once per epoch, ranks a permutation)", str(found.report.ok)],
+        ["epochs and world versions only grow", str(found.grow)],
     ]
-    return Section(
-        key="chaos",
-        title="Chaos: random faults while a real model trains, then every invariant",
-        command=f"python -m bench.chaos --minutes {minutes:g}",
-        header=["what", "value"],
-        rows=rows,
-        notes=[
-            "Two coordinators, three or more `cohort example-worker` processes (the numpy "
-            "MLP), each behind its own TCP proxy; redis-server with appendfsync always. "
-            f"Heartbeat timeout {TIMEOUT_S:g} s, lease 1 s, seed {seed}. "
-            + ("Every check passed." if all(ok) else "**A check failed**: see the rows.")
-        ],
-        raw={
-            "faults": dict(faults),
-            "chaos_s": chaos_s,
-            "steps": run.steps,
-            "lost": lost,
-            "twice": twice,
-            "audit_problems": list(report.problems)[:20],
-            "digests": sorted(str(d) for d in digests),
-            "ok": all(ok),
-        },
-    )
 
 
 def _summary(log: Path) -> dict[str, Any]:

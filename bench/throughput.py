@@ -312,37 +312,55 @@ def summary(raw: dict[str, Any], command: str) -> Section:
                 "CPU ms per step: DDP; ElasticJob's ranks + coordinator and Redis"],
         raw=raw,
     )  # fmt: skip
-    misses = []
+    misses: list[str] = []
     for name, measured in raw.items():
-        model, world = name.split("/")
-        rounds = [{route: Run(**got) for route, got in r.items()} for r in measured["rounds"]]
-        ddp = _median(rounds, "ddp", lambda r: r.samples_s)
-        ddp_cpu = _median(rounds, "ddp", lambda r: r.cpu_ms)
-        for route in (r for r in rounds[0] if r != "ddp"):
-            mine = _median(rounds, route, lambda r: r.samples_s)
-            ratio = statistics.median(r[route].samples_s / r["ddp"].samples_s for r in rounds)
-            cpu = _median(rounds, route, lambda r: r.cpu_ms)
-            helpers = _median(rounds, route, lambda r: r.helpers_ms)
-            target = TARGETS.get((route, model))
-            section.rows.append(
-                [
-                    model, world, str(measured["steps"] - MODELS[model].warmup),
-                    ROUTE_NAMES[route], f"{ddp:,.0f}", f"{mine:,.0f}", f"{ratio:.2f}",
-                    f">= {target}" if target else "report",
-                    verdict(ratio, target) if target else "",
-                    f"{ddp_cpu:,.1f}; {cpu:,.1f} + {helpers:,.1f}",
-                ]
-            )  # fmt: skip
-            if target is not None and ratio < target:
-                misses.append(
-                    f"{model} on {world} ranks through {route}: {ratio:.2f} of DDP, with "
-                    f"{cpu + helpers - ddp_cpu:,.1f} ms more CPU per step than DDP's "
-                    f"{ddp_cpu:,.1f} ({helpers:,.1f} of them the coordinator's and Redis's)"
-                )
+        rows, missed = _cell_rows(name, measured)
+        section.rows += rows
+        misses += missed
+    section.notes = _notes(raw)
+    if misses:
+        section.notes.append("Missed: " + "; ".join(misses) + ".")
+    return section
+
+
+def _cell_rows(name: str, measured: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
+    """One cell's row per ElasticJob route (medians of its rounds against DDP), and a line
+    for each route that missed its target."""
+    model, world = name.split("/")
+    rounds = [{route: Run(**got) for route, got in r.items()} for r in measured["rounds"]]
+    ddp = _median(rounds, "ddp", lambda r: r.samples_s)
+    ddp_cpu = _median(rounds, "ddp", lambda r: r.cpu_ms)
+    rows, misses = [], []
+    for route in (r for r in rounds[0] if r != "ddp"):
+        mine = _median(rounds, route, lambda r: r.samples_s)
+        ratio = statistics.median(r[route].samples_s / r["ddp"].samples_s for r in rounds)
+        cpu = _median(rounds, route, lambda r: r.cpu_ms)
+        helpers = _median(rounds, route, lambda r: r.helpers_ms)
+        target = TARGETS.get((route, model))
+        rows.append(
+            [
+                model, world, str(measured["steps"] - MODELS[model].warmup),
+                ROUTE_NAMES[route], f"{ddp:,.0f}", f"{mine:,.0f}", f"{ratio:.2f}",
+                f">= {target}" if target else "report",
+                verdict(ratio, target) if target else "",
+                f"{ddp_cpu:,.1f}; {cpu:,.1f} + {helpers:,.1f}",
+            ]
+        )  # fmt: skip
+        if target is not None and ratio < target:
+            misses.append(
+                f"{model} on {world} ranks through {route}: {ratio:.2f} of DDP, with "
+                f"{cpu + helpers - ddp_cpu:,.1f} ms more CPU per step than DDP's "
+                f"{ddp_cpu:,.1f} ({helpers:,.1f} of them the coordinator's and Redis's)"
+            )
+    return rows, misses
+
+
+def _notes(raw: dict[str, Any]) -> list[str]:
+    """How the runs are made and timed, and what the CPU column adds up."""
     models = sorted({name.split("/")[0] for name in raw})
     warmups = ", ".join(f"{m}: {MODELS[m].warmup}" for m in models)
     runs = max(len(measured["rounds"]) for measured in raw.values())
-    section.notes = [
+    return [
         f"Synthetic data, batches of {BATCH} per rank, plain SGD; every rank is a process "
         "with one torch thread, all on this machine with the coordinator and Redis. The "
         f"first steps are not timed ({warmups}); an ElasticJob run ends at its last step's "
@@ -366,9 +384,6 @@ def summary(raw: dict[str, Any], command: str) -> Section:
         "matrix, int8: a quarter) after backward, not overlapped with it, and pay numpy's "
         "encoding and error feedback on the ranks' cores instead.",
     ]
-    if misses:
-        section.notes.append("Missed: " + "; ".join(misses) + ".")
-    return section
 
 
 def _median(rounds: list[dict[str, Run]], route: str, figure: Callable[[Run], float]) -> float:
