@@ -18,11 +18,14 @@ import signal
 import statistics
 import threading
 import time
+from collections.abc import Callable
 
 from bench.fleet import Fleet, coordinator
 from bench.results import Section, verdict
+from cohort.events.connection import Client
 from cohort.events.models import LeaderElected
 from cohort.localredis import LocalRedis
+from cohort.processes import Proc
 
 LEASE_S = 1.0
 
@@ -48,43 +51,61 @@ def measure(runs: int = 5) -> Section:
     with LocalRedis(appendonly=False) as server:
         conn = server.client()
         flags = ("--lease", str(LEASE_S), "--min-workers", "8", "--heartbeat-timeout", "30")
-        procs = {name: coordinator(server.url, job, "--id", name, *flags) for name in "ab"}
+
+        def start(name: str) -> Proc:
+            return coordinator(server.url, job, "--id", name, *flags)
+
+        procs = {name: start(name) for name in "ab"}
         fleet = Fleet(conn, job, 8)
         busy = threading.Event()
-
-        def load() -> None:  # workers go on sending while the leader changes
-            sender = Fleet(server.client(), job, 8)
-            while not busy.wait(0.05):
-                sender.watch.pull(block_ms=0)
-                sender.send([*sender.heartbeats(sender.names), *sender.step_done(sender.names)])
-
         try:
             fleet.join_all()
-            thread = threading.Thread(target=load, daemon=True)
+            thread = threading.Thread(target=_send, args=(server, job, busy), daemon=True)
             thread.start()
             for _ in range(runs):
-                fleet.watch.pull(block_ms=0)
-                leader = fleet.watch.state.leader
-                assert leader in procs, f"unexpected leader {leader!r}"
-                epoch = fleet.watch.state.leader_epoch
-                killed_at = time.time()
-                procs[leader].signal(signal.SIGKILL)
-                procs[leader].stop()  # reaps it
-                fleet.until(lambda s, e=epoch: s.leader_epoch > e, 30, "a new leader")
-                elected = [f for _, f in fleet.watch.facts if isinstance(f, LeaderElected)][-1]
-                took.append(elected.at - killed_at)
-                procs[leader] = coordinator(server.url, job, "--id", leader, *flags)
-                _until_following(conn, leader)
-                committed = fleet.watch.state.last_committed
-                fleet.until(lambda s, c=committed: s.last_committed > c, 30, "steps again")
+                took.append(_fail_over(fleet, procs, start, conn))
             busy.set()
             thread.join()
         finally:
             busy.set()
             for proc in procs.values():
                 proc.stop()
+    return _section(runs, took)
+
+
+def _send(server: LocalRedis, job: str, busy: threading.Event) -> None:
+    """Workers go on sending heartbeats and StepDones while the leader changes."""
+    sender = Fleet(server.client(), job, 8)
+    while not busy.wait(0.05):
+        sender.watch.pull(block_ms=0)
+        sender.send([*sender.heartbeats(sender.names), *sender.step_done(sender.names)])
+
+
+def _fail_over(
+    fleet: Fleet, procs: dict[str, Proc], start: Callable[[str], Proc], conn: Client
+) -> float:
+    """SIGKILL the leader; seconds to its successor's LeaderElected. The killed one starts
+    again as a follower, and a step commits before the next run."""
+    fleet.watch.pull(block_ms=0)
+    leader = fleet.watch.state.leader
+    assert leader in procs, f"unexpected leader {leader!r}"
+    epoch = fleet.watch.state.leader_epoch
+    killed_at = time.time()
+    procs[leader].signal(signal.SIGKILL)
+    procs[leader].stop()  # reaps it
+    fleet.until(lambda s, e=epoch: s.leader_epoch > e, 30, "a new leader")
+    elected = [f for _, f in fleet.watch.facts if isinstance(f, LeaderElected)][-1]
+    took = elected.at - killed_at
+    procs[leader] = start(leader)
+    _until_following(conn, leader)
+    committed = fleet.watch.state.last_committed
+    fleet.until(lambda s, c=committed: s.last_committed > c, 30, "steps again")
+    return took
+
+
+def _section(runs: int, took: list[float]) -> Section:
     med = statistics.median(took)
-    section = Section(
+    return Section(
         key="failover",
         title="Leader SIGKILL to a new leader appending",
         command=f"python -m bench.failover --runs {runs}",
@@ -104,7 +125,6 @@ def measure(runs: int = 5) -> Section:
         ],
         raw={"seconds": took, "lease_s": LEASE_S},
     )
-    return section
 
 
 def main() -> None:
