@@ -115,63 +115,89 @@ def _torchrun_once(kill: str, backend: str = "c10d") -> float:
 
 def _agents(kill: str, backend: str, endpoint: str) -> float:
     port = int(endpoint.rsplit(":", 1)[1]) if backend == "c10d" else 0
-    # cohort's agents as its integration test runs them; c10d with torch's defaults (a run
-    # with last_call_timeout=2 on c10d timed out waiting for the round's role_info)
-    conf = ("--rdzv-conf", "last_call_timeout=2") if backend == "cohort" else ()
     tmp = Path(tempfile.mkdtemp(prefix="cohort-bench-torchrun-"))
     logs = [tmp / "agent1.jsonl", tmp / "agent2.jsonl"]
-    trainer = Path(__file__).with_name("torch_trainer.py")
     agents: list[subprocess.Popen[bytes]] = []
     try:
         for i, log in enumerate(logs):
-            env = {**os.environ, "BENCH_LOG": str(log), "BENCH_PACE": "0.05"}
-            agents.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
-                     "--nproc-per-node", "1", "--rdzv-backend", backend,
-                     "--rdzv-endpoint", endpoint, "--rdzv-id", "bench", *conf,
-                     "--max-restarts", "5", "--monitor-interval", "0.1", str(trainer)],
-                    env=env, stdout=(tmp / f"agent{i + 1}.out").open("wb"),
-                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                )
-            )  # fmt: skip
-            deadline = time.monotonic() + 60
-            while port and i == 0 and not _listening(port):  # agent 1 hosts the c10d store
-                if time.monotonic() > deadline or agents[0].poll() is not None:
-                    raise TimeoutError(f"torchrun's store never listened; see {tmp}")
-                time.sleep(0.05)  # another process binds the port: nothing to block on
-        deadline = time.monotonic() + 120
-        while not all(len(_lines(log)) >= 20 for log in logs):
-            if time.monotonic() > deadline or any(a.poll() is not None for a in agents):
-                raise TimeoutError(f"torchrun never trained on two agents; see {tmp}")
-            time.sleep(0.05)
+            agents.append(_agent(i, log, tmp, backend, endpoint))
+            if port and i == 0:  # agent 1 hosts the c10d store
+                _until_listening(port, agents[0], tmp)
+        _until_training(logs, agents, tmp)
         lost = 0 if kill == "host" else 1
         victim = int(_lines(logs[lost])[-1]["pid"])
         killed_at = time.time()
         if kill != "worker":  # the agent too: a lost node (its worker has a session of its own)
             os.killpg(agents[lost].pid, signal.SIGKILL)
         os.kill(victim, signal.SIGKILL)
-        survivor = agents[1 - lost]
-        deadline = time.monotonic() + LIMIT_S
-        while True:
-            after = [x["t"] for log in logs for x in _lines(log)
-                     if x["t"] > killed_at and x["pid"] != victim and x["restart"] > 0]  # fmt: skip
-            if after:
-                return min(after) - killed_at
-            if survivor.poll() is not None:
-                return float("nan")
-            if time.monotonic() > deadline:
-                return float("inf")
-            time.sleep(0.05)
+        return _back_after(logs, victim, killed_at, agents[1 - lost])
     finally:
-        # torchrun puts its workers in sessions of their own: kill each one it logged too
-        for agent in agents:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait()
-        for pid in {int(x["pid"]) for log in logs for x in _lines(log)}:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _stop(agents, logs)
+
+
+def _agent(i: int, log: Path, tmp: Path, backend: str, endpoint: str) -> subprocess.Popen[bytes]:
+    """torchrun agent number `i` + 1, its worker (bench/torch_trainer.py) logging to `log`."""
+    # cohort's agents as its integration test runs them; c10d with torch's defaults (a run
+    # with last_call_timeout=2 on c10d timed out waiting for the round's role_info)
+    conf = ("--rdzv-conf", "last_call_timeout=2") if backend == "cohort" else ()
+    trainer = Path(__file__).with_name("torch_trainer.py")
+    env = {**os.environ, "BENCH_LOG": str(log), "BENCH_PACE": "0.05"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
+         "--nproc-per-node", "1", "--rdzv-backend", backend,
+         "--rdzv-endpoint", endpoint, "--rdzv-id", "bench", *conf,
+         "--max-restarts", "5", "--monitor-interval", "0.1", str(trainer)],
+        env=env, stdout=(tmp / f"agent{i + 1}.out").open("wb"),
+        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+
+
+def _until_listening(port: int, host: subprocess.Popen[bytes], tmp: Path) -> None:
+    """Wait for the c10d store agent `host` starts to listen on `port`."""
+    deadline = time.monotonic() + 60
+    while not _listening(port):
+        if time.monotonic() > deadline or host.poll() is not None:
+            raise TimeoutError(f"torchrun's store never listened; see {tmp}")
+        time.sleep(0.05)  # another process binds the port: nothing to block on
+
+
+def _until_training(logs: list[Path], agents: list[subprocess.Popen[bytes]], tmp: Path) -> None:
+    """Wait for both agents' workers to log 20 steps."""
+    deadline = time.monotonic() + 120
+    while not all(len(_lines(log)) >= 20 for log in logs):
+        if time.monotonic() > deadline or any(a.poll() is not None for a in agents):
+            raise TimeoutError(f"torchrun never trained on two agents; see {tmp}")
+        time.sleep(0.05)
+
+
+def _back_after(
+    logs: list[Path], victim: int, killed_at: float, survivor: subprocess.Popen[bytes]
+) -> float:
+    """Seconds from the kill to the first step a restarted worker finished; inf past
+    LIMIT_S, nan if the surviving agent exited."""
+    deadline = time.monotonic() + LIMIT_S
+    while True:
+        after = [x["t"] for log in logs for x in _lines(log)
+                 if x["t"] > killed_at and x["pid"] != victim and x["restart"] > 0]  # fmt: skip
+        if after:
+            return min(after) - killed_at
+        if survivor.poll() is not None:
+            return float("nan")
+        if time.monotonic() > deadline:
+            return float("inf")
+        time.sleep(0.05)
+
+
+def _stop(agents: list[subprocess.Popen[bytes]], logs: list[Path]) -> None:
+    """Every agent's session, and every worker they logged."""
+    # torchrun puts its workers in sessions of their own: kill each one it logged too
+    for agent in agents:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
+    for pid in {int(x["pid"]) for log in logs for x in _lines(log)}:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _shown(seconds: float) -> str:
