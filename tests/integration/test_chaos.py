@@ -46,60 +46,88 @@ COORD = (
 )
 
 
+class _Chaos:
+    """Two coordinators and the workers of a chaos run, and the faults it injects: every
+    kind once per round, in a random order, at a random pace."""
+
+    def __init__(self, cluster: Cluster, server: LocalRedis, rng: random.Random) -> None:
+        self.cluster, self.server, self.rng = cluster, server, rng
+        self.coordinators = {name: cluster.coordinator(name, *COORD) for name in ("c1", "c2")}
+        self.workers: dict[str, Process] = {}
+        self.serial = 0
+        self.faults: Counter[str] = Counter()
+        self.pause = threading.Event()
+
+    def start_worker(self) -> None:
+        self.serial += 1
+        name = f"w{self.serial}"
+        self.workers[name] = self.cluster.example_worker(name, STEPS, "--pace", "0.03")
+
+    def run(self, seconds: float) -> None:
+        """Faults for `seconds`, or until the job nears its end."""
+        deadline = time.monotonic() + seconds
+        plan: list[str] = []
+        while time.monotonic() < deadline and self.cluster.pull().last_committed < STEPS - 80:
+            if not plan:  # every kind of fault in each round, in a random order
+                plan = ["kill-coordinator", "stop-coordinator", "kill-worker", "restart-redis"]
+                self.rng.shuffle(plan)
+            action = plan.pop()
+            self.inject(action)
+            self.faults[action] += 1
+            self.pause.wait(self.rng.uniform(1.5, 3.0))  # the pace of the chaos itself
+
+    def inject(self, action: str) -> None:
+        if action == "kill-coordinator":
+            name = self.rng.choice(sorted(self.coordinators))
+            self.coordinators[name].kill(signal.SIGKILL)
+            self.coordinators[name].wait(10)
+            self.coordinators[name] = self.cluster.coordinator(name, *COORD)
+        elif action == "stop-coordinator":
+            name = self.rng.choice(sorted(self.coordinators))
+            self.coordinators[name].kill(signal.SIGSTOP)
+            # a stopped process, not a wait for a condition
+            self.pause.wait(self.rng.uniform(1.0, 2.5))
+            self.coordinators[name].kill(signal.SIGCONT)
+        elif action == "kill-worker":
+            alive = [n for n, p in self.workers.items() if p.alive()]
+            if len(alive) > 2:
+                victim = self.rng.choice(alive)
+                self.workers[victim].kill(signal.SIGKILL)
+                self.workers[victim].wait(10)
+            self.start_worker()
+        else:
+            self.server.kill()
+            self.server.restart()
+            self.cluster.conn = self.server.client()
+
+
+def _joins_sent(cluster: Cluster) -> set[str]:
+    """Every worker with a Join in the inbox (entries that do not decode are skipped)."""
+    sent = set()
+    for _, fields in cluster.conn.xrange(Keys(cluster.job).inbox):
+        try:
+            command = decode_command(fields[b"e"])
+        except DecodeError:
+            continue
+        if isinstance(command, Join):
+            sent.add(command.worker)
+    return sent
+
+
 def test_training_survives_chaos_and_keeps_every_invariant(
     cluster: Cluster, server: LocalRedis
 ) -> None:
-    rng = random.Random(20261123)
-    coordinators = {name: cluster.coordinator(name, *COORD) for name in ("c1", "c2")}
-    workers: dict[str, Process] = {}
-    serial = 0
-
-    def start_worker() -> None:
-        nonlocal serial
-        serial += 1
-        name = f"w{serial}"
-        workers[name] = cluster.example_worker(name, STEPS, "--pace", "0.03")
-
+    chaos = _Chaos(cluster, server, random.Random(20261123))
     for _ in range(3):
-        start_worker()
+        chaos.start_worker()
     cluster.until(
         lambda s: len(s.ranks) >= 2 and s.last_committed >= 10,
         timeout=60,
         message="training under way",
     )
 
-    faults: Counter[str] = Counter()
-    deadline = time.monotonic() + CHAOS_SECONDS
-    pause = threading.Event()
-    plan: list[str] = []
-    while time.monotonic() < deadline and cluster.pull().last_committed < STEPS - 80:
-        if not plan:  # every kind of fault in each round, in a random order
-            plan = ["kill-coordinator", "stop-coordinator", "kill-worker", "restart-redis"]
-            rng.shuffle(plan)
-        action = plan.pop()
-        if action == "kill-coordinator":
-            name = rng.choice(sorted(coordinators))
-            coordinators[name].kill(signal.SIGKILL)
-            coordinators[name].wait(10)
-            coordinators[name] = cluster.coordinator(name, *COORD)
-        elif action == "stop-coordinator":
-            name = rng.choice(sorted(coordinators))
-            coordinators[name].kill(signal.SIGSTOP)
-            pause.wait(rng.uniform(1.0, 2.5))  # a stopped process, not a wait for a condition
-            coordinators[name].kill(signal.SIGCONT)
-        elif action == "kill-worker":
-            alive = [n for n, p in workers.items() if p.alive()]
-            if len(alive) > 2:
-                victim = rng.choice(alive)
-                workers[victim].kill(signal.SIGKILL)
-                workers[victim].wait(10)
-            start_worker()
-        else:
-            server.kill()
-            server.restart()
-            cluster.conn = server.client()
-        faults[action] += 1
-        pause.wait(rng.uniform(1.5, 3.0))  # the pace of the chaos itself
+    chaos.run(CHAOS_SECONDS)
+    faults, workers, serial = chaos.faults, chaos.workers, chaos.serial
 
     finishers = [p for p in workers.values() if p.alive()]
     for proc in finishers:
@@ -132,14 +160,7 @@ def test_training_survives_chaos_and_keeps_every_invariant(
 
     # Invariant 5: no command lost or applied twice: every worker that ever sent a Join
     # was decided exactly once (workers never rejoin here).
-    sent = set()
-    for _, fields in cluster.conn.xrange(Keys(cluster.job).inbox):
-        try:
-            command = decode_command(fields[b"e"])
-        except DecodeError:
-            continue
-        if isinstance(command, Join):
-            sent.add(command.worker)
+    sent = _joins_sent(cluster)
     joined = Counter(f.worker for f in facts if isinstance(f, WorkerJoined))
     assert set(joined) == sent == set(workers)
     assert max(joined.values()) == 1
