@@ -28,12 +28,13 @@ tests/unit/test_public_api.py holds the three to the same names and modules.
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import TYPE_CHECKING, Any
+
+from cohort.events.renames import warn_renamed
 
 if TYPE_CHECKING:
     from cohort.events.connection import RedisSettings, connect
-    from cohort.events.errors import CohortError, RedisUnavailable, SettingsError
+    from cohort.events.errors import CohortError, RedisUnavailableError, SettingsError
     from cohort.events.keys import JobNameError
     from cohort.events.models import Dataset, Node
     from cohort.events.shards import Range, Shard
@@ -41,24 +42,24 @@ if TYPE_CHECKING:
     from cohort.worker.collective.redis_collective import Collective
     from cohort.worker.errors import (
         AccumulationError,
-        ActivationTimeout,
+        ActivationTimeoutError,
         BlobError,
         CollectiveError,
-        CollectiveTimeout,
-        CommitTimeout,
+        CollectiveTimeoutError,
+        CommitTimeoutError,
         Finished,
-        IdentityMismatch,
+        IdentityMismatchError,
         JoinRefusedError,
-        JoinTimeout,
+        JoinTimeoutError,
         MemoryBudgetError,
-        NotAssigned,
-        OutageTooLong,
-        RedisUnreachable,
-        Removed,
+        NotAssignedError,
+        OutageTooLongError,
+        RedisUnreachableError,
+        RemovedError,
         RendezvousError,
         StateError,
         Stopped,
-        WaitTimeout,
+        WaitTimeoutError,
         WorkerError,
         WorldChangedError,
     )
@@ -76,41 +77,41 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AccumulationError",
-    "ActivationTimeout",
+    "ActivationTimeoutError",
     "Assignment",
     "BlobError",
     "CheckpointError",
     "CohortError",
     "Collective",
     "CollectiveError",
-    "CollectiveTimeout",
-    "CommitTimeout",
+    "CollectiveTimeoutError",
+    "CommitTimeoutError",
     "Dataset",
     "ElasticProcessGroup",
     "Evaluator",
     "Finished",
     "GpuAdvice",
     "HierarchicalCollective",
-    "IdentityMismatch",
+    "IdentityMismatchError",
     "JobNameError",
     "JoinRefusedError",
-    "JoinTimeout",
+    "JoinTimeoutError",
     "MemoryBudgetError",
     "Node",
-    "NotAssigned",
+    "NotAssignedError",
     "NumpyElasticJob",
-    "OutageTooLong",
+    "OutageTooLongError",
     "Range",
     "RedisSettings",
-    "RedisUnavailable",
-    "RedisUnreachable",
+    "RedisUnavailableError",
+    "RedisUnreachableError",
     "RendezvousError",
-    "Removed",
+    "RemovedError",
     "SettingsError",
     "Shard",
     "StateError",
     "Stopped",
-    "WaitTimeout",
+    "WaitTimeoutError",
     "Worker",
     "WorkerError",
     "WorldChangedError",
@@ -121,7 +122,7 @@ __all__ = [
 
 _HOMES: dict[str, tuple[str, ...]] = {
     "cohort.events.connection": ("RedisSettings", "connect"),
-    "cohort.events.errors": ("CohortError", "RedisUnavailable", "SettingsError"),
+    "cohort.events.errors": ("CohortError", "RedisUnavailableError", "SettingsError"),
     "cohort.events.keys": ("JobNameError",),
     "cohort.events.models": ("Dataset", "Node"),
     "cohort.events.shards": ("Range", "Shard"),
@@ -129,24 +130,24 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "cohort.worker.collective.redis_collective": ("Collective",),
     "cohort.worker.errors": (
         "AccumulationError",
-        "ActivationTimeout",
+        "ActivationTimeoutError",
         "BlobError",
         "CollectiveError",
-        "CollectiveTimeout",
-        "CommitTimeout",
+        "CollectiveTimeoutError",
+        "CommitTimeoutError",
         "Finished",
-        "IdentityMismatch",
+        "IdentityMismatchError",
         "JoinRefusedError",
-        "JoinTimeout",
+        "JoinTimeoutError",
         "MemoryBudgetError",
-        "NotAssigned",
-        "OutageTooLong",
-        "RedisUnreachable",
+        "NotAssignedError",
+        "OutageTooLongError",
+        "RedisUnreachableError",
         "RendezvousError",
-        "Removed",
+        "RemovedError",
         "StateError",
         "Stopped",
-        "WaitTimeout",
+        "WaitTimeoutError",
         "WorkerError",
         "WorldChangedError",
     ),
@@ -162,17 +163,29 @@ _HOMES: dict[str, tuple[str, ...]] = {
 _MODULES = {"checkpoints": "cohort.worker.loop.checkpoints", "torch": "cohort.worker.pytorch.api"}
 """Public names that are modules: name -> module."""
 
-_DEPRECATED = {
-    "ElasticJob": (
-        "NumpyElasticJob",
-        "cohort.ElasticJob is the numpy job, now named cohort.NumpyElasticJob (a PyTorch "
-        "script wants cohort.torch.ElasticJob)",
-    ),
+_DEPRECATED: dict[str, tuple[str, str]] = {
+    "ElasticJob": ("NumpyElasticJob", " (a PyTorch script wants cohort.torch.ElasticJob)"),
     "Rendezvous": (
         "ElasticProcessGroup",
-        "cohort.Rendezvous is now named cohort.ElasticProcessGroup (it is not torchrun's "
-        "rendezvous: it makes a torch.distributed process group for every world)",
+        " (it is not torchrun's rendezvous: it makes a torch.distributed process group for "
+        "every world)",
     ),
+    **{
+        old: (f"{old}Error", "")
+        for old in (
+            "ActivationTimeout",
+            "CollectiveTimeout",
+            "CommitTimeout",
+            "IdentityMismatch",
+            "JoinTimeout",
+            "NotAssigned",
+            "OutageTooLong",
+            "RedisUnavailable",
+            "RedisUnreachable",
+            "Removed",
+            "WaitTimeout",
+        )
+    },
 }
 """Old names that still work, with a DeprecationWarning naming the new one."""
 
@@ -182,7 +195,7 @@ _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 def __getattr__(name: str) -> Any:
     if name in _DEPRECATED:
         new, why = _DEPRECATED[name]
-        warnings.warn(why, DeprecationWarning, stacklevel=2)
+        warn_renamed(f"cohort.{name}", f"cohort.{new}", why)
         return __getattr__(new)
     if name in _MODULES:
         value: Any = importlib.import_module(_MODULES[name])

@@ -310,12 +310,12 @@ def worker_setuser(
 
 
 def check_workers(workers: Sequence[str]) -> list[str]:
-    """`workers` if each can carry a credential, else CredentialRefused naming the first
+    """`workers` if each can carry a credential, else CredentialRefusedError naming the first
     that cannot."""
     try:
         return [identity.check_worker(w) for w in workers]
     except identity.IdentityError as exc:
-        raise CredentialRefused(str(exc)) from None
+        raise CredentialRefusedError(str(exc)) from None
 
 
 def job_key(conn: Client, job: str, create: bool) -> bytes:
@@ -325,7 +325,7 @@ def job_key(conn: Client, job: str, create: bool) -> bytes:
         conn.set(keys.identity, secrets.token_bytes(identity.JOB_KEY_BYTES), nx=True)
     found: Any = conn.get(keys.identity)
     if not found:
-        raise CredentialRefused(
+        raise CredentialRefusedError(
             f"job {job!r} has no identity key yet: issue the first worker credential with "
             f"cohort acl --job {job} --worker W --apply"
         )
@@ -347,7 +347,7 @@ def issue(
     revoked: Any = conn.smembers(keys.revoked)
     for worker in workers:
         if worker.encode() in revoked or worker in revoked:
-            raise CredentialRefused(
+            raise CredentialRefusedError(
                 f"worker {worker!r}'s credential of job {job!r} was revoked; a new one would "
                 "carry the same secret: give the worker another id"
             )
@@ -377,7 +377,7 @@ def revoke(conn: Client, job: str, worker: str) -> int:
     except redis.ResponseError as exc:
         raise _explain(exc, name) from exc
     if not known:
-        raise CredentialRefused(
+        raise CredentialRefusedError(
             f"worker {worker!r} has no credential in job {job!r} (no Redis user {name!r}): "
             f"check the name, or issue one with cohort acl --job {job} --worker {worker} --apply"
         )
@@ -390,7 +390,7 @@ def revoke(conn: Client, job: str, worker: str) -> int:
     return killed
 
 
-class CredentialRefused(AclError):
+class CredentialRefusedError(AclError):
     """A worker's credential cannot be issued or revoked as asked (an unknown or revoked
     worker, a job without its key); the message names the value and the fix."""
 

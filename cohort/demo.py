@@ -54,7 +54,7 @@ COORDINATOR_FLAGS = (
 )
 
 
-class DemoFailed(CohortError):
+class DemoFailedError(CohortError):
     """The demo cannot go on; the logs of `procs` say why."""
 
     def __init__(self, message: str, procs: Sequence[Proc]) -> None:
@@ -113,7 +113,7 @@ class Demo:
         except KeyboardInterrupt:
             console.print("[yellow]interrupted: stopping every process and removing temp files[/]")
             return Exit.INTERRUPTED
-        except DemoFailed as failure:
+        except DemoFailedError as failure:
             self.show(failure)
             return Exit.FAILED
         return self.summarise(self.export(), audit(f for _, f in self.watch.facts))
@@ -230,7 +230,7 @@ class Demo:
         ok = report.ok and len(digests) == 1 and state.finished is not None
         return Exit.OK if ok else Exit.FAILED
 
-    def show(self, failure: DemoFailed) -> None:
+    def show(self, failure: DemoFailedError) -> None:
         """The failure on one line, as the command's other errors, then the end of each log
         that explains it."""
         console.print(f"[red]cohort: error: {escape(str(failure))}[/]", soft_wrap=True)
@@ -264,7 +264,7 @@ class Demo:
             if done():
                 return
             if time.monotonic() - self.started > DEADLINE:
-                raise DemoFailed(
+                raise DemoFailedError(
                     "demo did not finish in time; process logs:", [*self.procs.values()]
                 )
 
@@ -272,7 +272,7 @@ class Demo:
         """The kinds of process ("coord", "worker") of which not one still runs."""
         return {kind for kind in ("coord", "worker") if not self._running(kind)}
 
-    def _failure(self, exited: set[str]) -> DemoFailed | None:
+    def _failure(self, exited: set[str]) -> DemoFailedError | None:
         """Why the job cannot end: no coordinator left, or no worker before the last step."""
         if "coord" in exited and not self.watch.state.finished:
             return self._gone("coordinator", "coord", "before the job's end")
@@ -280,7 +280,7 @@ class Demo:
             return self._gone("worker", "worker", f"at step {self.step} of {self.steps}")
         return None
 
-    def _gone(self, what: str, kind: str, when: str) -> DemoFailed:
+    def _gone(self, what: str, kind: str, when: str) -> DemoFailedError:
         """A failure naming each process of `kind` and showing the log of one the demo did
         not kill itself."""
         group = [p for n, p in self.procs.items() if n.startswith(kind)]
@@ -289,7 +289,7 @@ class Demo:
             for p in group
         )
         culprit = next((p for p in group if p.name not in self.killed), group[0])
-        return DemoFailed(
+        return DemoFailedError(
             f"every {what} has exited {when} ({how}); {culprit.name}'s log ends:",
             [culprit],
         )

@@ -27,7 +27,7 @@ import numpy as np
 from cohort import mlp
 from cohort.events.models import CheckpointSaved, Rewound
 from cohort.worker.collective import tensors
-from cohort.worker.errors import Removed
+from cohort.worker.errors import RemovedError
 from cohort.worker.loop import checkpoints
 from cohort.worker.loop.elastic import NumpyElasticJob
 
@@ -78,7 +78,7 @@ def run(
                 summary["loss"] = loss
                 if step.step % 20 == 0:
                     log.info("%s step %d loss %.4f", job.worker.id, step.step, loss)
-    except Removed as exc:
+    except RemovedError as exc:
         summary["removed"] = exc.reason
     finally:
         job.close()

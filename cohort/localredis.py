@@ -349,7 +349,8 @@ class LocalRedis:
 
 
 class _PortTaken(LocalRedisError):
-    """redis-server lost the race for the port we picked; pick another."""
+    """redis-server lost the race for the port we picked; pick another. Control flow inside
+    the launcher: it retries on a new port, no caller sees it."""
 
 
 class _ClusterNode(LocalRedis):

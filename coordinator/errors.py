@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from cohort.events.errors import CohortError
+from cohort.events.renames import renamed
 
 
 class CoordinatorError(CohortError):
@@ -12,7 +13,8 @@ class CoordinatorError(CohortError):
 
 
 class Fenced(CoordinatorError):
-    """Our token is no longer the leader's: stop deciding. `holder` is who leads now, if anyone."""
+    """Our token is no longer the leader's: stop deciding. `holder` is who leads now, if anyone.
+    Control flow: the coordinator goes back to following; no caller sees it."""
 
     def __init__(self, token: str, holder: str | None) -> None:
         now = f"the lease is held by {holder!r}" if holder else "no one holds the lease"
@@ -22,7 +24,8 @@ class Fenced(CoordinatorError):
 
 
 class Conflict(CoordinatorError):
-    """The journal moved past the ID we expected (another writer, or our own retried append)."""
+    """The journal moved past the ID we expected (another writer, or our own retried append).
+    Control flow: the leader folds what moved and decides again; no caller sees it."""
 
     def __init__(self, expected_last: str, actual_last: str) -> None:
         super().__init__(
@@ -32,7 +35,7 @@ class Conflict(CoordinatorError):
         self.actual_last = actual_last
 
 
-class ConfigConflict(CoordinatorError):
+class ConfigConflictError(CoordinatorError):
     """The job's journaled config differs from the settings this coordinator was given."""
 
     def __init__(self, job: str, differ: list[tuple[str, Any, Any]]) -> None:
@@ -53,3 +56,8 @@ def _flag(name: str, mine: Any, theirs: Any) -> str:
     if isinstance(mine, bool):
         return f"--{'' if mine else 'no-'}{flag} (journaled: --{'' if theirs else 'no-'}{flag})"
     return f"--{flag} {mine!r} (journaled: {theirs!r})"
+
+
+__getattr__ = renamed(
+    "cohort.coordinator.errors", {"ConfigConflict": "ConfigConflictError"}, globals()
+)

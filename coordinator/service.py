@@ -36,7 +36,7 @@ import redis
 from cohort.coordinator import snapshot
 from cohort.coordinator.core import Core
 from cohort.coordinator.election import RedisLease
-from cohort.coordinator.errors import ConfigConflict, Conflict, CoordinatorError, Fenced
+from cohort.coordinator.errors import ConfigConflictError, Conflict, CoordinatorError, Fenced
 from cohort.coordinator.joblog import Durability, RedisJobLog
 from cohort.coordinator.metrics import Metrics
 from cohort.coordinator.replay import fact_details
@@ -46,7 +46,7 @@ from cohort.events import identity
 from cohort.events.clock import Clock, ServerClock
 from cohort.events.codec import decode_command, encode
 from cohort.events.connection import UNAVAILABLE, Client
-from cohort.events.errors import DecodeError, ForgedCommand
+from cohort.events.errors import DecodeError, ForgedCommandError
 from cohort.events.keys import Keys
 from cohort.events.models import (
     Command,
@@ -254,7 +254,7 @@ class Coordinator:
         self._check_config()
 
     def _check_config(self) -> None:
-        """Raise ConfigConflict if the journaled config differs from what the operator gave."""
+        """Raise ConfigConflictError if the journaled config differs from what the operator gave."""
         journaled, settings = self.state.config, self.settings
         if journaled is None:
             return
@@ -264,7 +264,7 @@ class Coordinator:
             if getattr(settings.config, name) != getattr(journaled, name)
         ]
         if differ:
-            raise ConfigConflict(settings.job, differ)
+            raise ConfigConflictError(settings.job, differ)
 
     def step(self) -> None:
         """One turn of the loop: lead a batch, or follow the journal and try for the lease."""
@@ -401,7 +401,7 @@ class Coordinator:
                 turn.commands.append((entry.ms / 1000, self._command_of(entry)))
             except DecodeError as exc:
                 turn.dead.append(DeadLetter(entry.id, exc.reason, _raw_of(entry)))
-                turn.forged += isinstance(exc, ForgedCommand)
+                turn.forged += isinstance(exc, ForgedCommandError)
         return turn
 
     def _refresh_trust(self, force: bool = False) -> None:
@@ -417,7 +417,7 @@ class Coordinator:
         if trust is not None:
             reason = identity.verify(trust, entry.fields)
             if reason is not None:
-                raise ForgedCommand(reason, _raw_of(entry))
+                raise ForgedCommandError(reason, _raw_of(entry))
         command = decode_command(entry.raw if entry.raw is not None else _no_field(entry))
         if command.job != self.settings.job:
             raise DecodeError(
@@ -428,7 +428,7 @@ class Coordinator:
         if trust is not None:
             reason = identity.claims(command.worker, entry.fields[identity.SIGNER].decode())
             if reason is not None:
-                raise ForgedCommand(reason, _raw_of(entry), event_type=command.type)
+                raise ForgedCommandError(reason, _raw_of(entry), event_type=command.type)
         return command
 
     def _decide(self, turn: Turn) -> None:

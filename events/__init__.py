@@ -5,7 +5,7 @@ from __future__ import annotations
 from cohort.events.clock import Clock, ManualClock, ServerClock, SystemClock
 from cohort.events.codec import decode_command, decode_fact, encode
 from cohort.events.connection import RedisSettings, connect
-from cohort.events.errors import DecodeError, EventsError, RedisUnavailable, SettingsError
+from cohort.events.errors import DecodeError, EventsError, RedisUnavailableError, SettingsError
 from cohort.events.keys import Keys, check_job
 from cohort.events.models import *  # noqa: F403 - the event vocabulary is the package's API
 from cohort.events.shards import Shard
@@ -23,7 +23,7 @@ __all__ = [
     "connect",
     "DecodeError",
     "EventsError",
-    "RedisUnavailable",
+    "RedisUnavailableError",
     "SettingsError",
     "Keys",
     "check_job",

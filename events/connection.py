@@ -34,7 +34,7 @@ from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainEr
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
-from cohort.events.errors import RedisUnavailable, SettingsError
+from cohort.events.errors import RedisUnavailableError, SettingsError
 
 log = logging.getLogger("cohort.events")
 
@@ -520,7 +520,7 @@ def reach(
     """The first client `open_client()` makes that answers PING, trying for `wait` seconds.
 
     For start-up only, when a process has never talked to Redis: a wrong URL or a server
-    that is not there ends in one RedisUnavailable naming `shown` (the URL without its
+    that is not there ends in one RedisUnavailableError naming `shown` (the URL without its
     password) instead of a retry loop that says a connection it never had was lost. Once
     running, callers retry with backoff as long as it takes. `halt`, when set, ends the
     wait early with the same error.
@@ -543,7 +543,7 @@ def reach(
             if time.monotonic() + delay > deadline or pause.wait(delay):
                 within = f" within {wait:g} s" if wait else ""
                 longer = f" (--wait-for-redis / ${ENV_WAIT} waits longer)" if wait else ""
-                raise RedisUnavailable(
+                raise RedisUnavailableError(
                     f"cannot reach Redis at {shown}{within} ({_reason(exc)}); start it, or "
                     f"point --redis-url / ${ENV_URL} at it{longer}"
                 ) from exc

@@ -3,10 +3,14 @@
 Every exception of the package derives from `CohortError` (exported as `cohort.CohortError`),
 so a script catches cohort's errors in one clause; each message quotes the bad value and says
 what to do. Names end in `Error` where they are errors; the few that are not are control flow
-(`Stopped`, `Finished`, the leader's `Fenced`), and their docstrings say so.
+(`Stopped`, `Finished`, the coordinator's `Fenced` and `Conflict`, and a few private ones),
+and their docstrings say so. A renamed error's old name still works, with a warning
+(`cohort.events.renames`).
 """
 
 from __future__ import annotations
+
+from cohort.events.renames import renamed
 
 
 class CohortError(Exception):
@@ -36,7 +40,7 @@ class DecodeError(EventsError):
         self.index: int | None = None
 
 
-class ForgedCommand(DecodeError):
+class ForgedCommandError(DecodeError):
     """An inbox entry whose signature does not prove it speaks for the worker it names
     (events/identity.py): unsigned, badly signed, revoked, or another worker's command."""
 
@@ -45,5 +49,12 @@ class SettingsError(EventsError):
     """A connection setting (URL, environment variable) is unusable."""
 
 
-class RedisUnavailable(EventsError):
+class RedisUnavailableError(EventsError):
     """Redis could not be reached; always chained from the redis-py error."""
+
+
+__getattr__ = renamed(
+    "cohort.events.errors",
+    {"RedisUnavailable": "RedisUnavailableError", "ForgedCommand": "ForgedCommandError"},
+    globals(),
+)

@@ -121,7 +121,7 @@ def run(
         while worker.view.last_committed < steps - 1 and not stop.is_set():
             try:
                 assignment = worker.wait_active(POLL)
-            except cohort.WaitTimeout:
+            except cohort.WaitTimeoutError:
                 continue
             if assignment.world_version != world:  # a new world: everyone takes rank 0's state
                 try:
@@ -161,7 +161,7 @@ def run(
             if step % 20 == 0:
                 log.info("%s step %d loss %.4f", worker.id, step, loss)
             step += 1
-    except cohort.Removed as exc:
+    except cohort.RemovedError as exc:
         summary["removed"] = exc.reason
         worker.stop()
         return summary, model

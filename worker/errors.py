@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cohort.events.errors import CohortError, RedisUnavailable
+from cohort.events.errors import CohortError, RedisUnavailableError
+from cohort.events.renames import renamed
 
 if TYPE_CHECKING:
     from cohort.worker.membership.view import Assignment
@@ -14,12 +15,12 @@ class WorkerError(CohortError):
     """Root of the worker's errors: what a training script meets from cohort."""
 
 
-class RedisUnreachable(WorkerError, RedisUnavailable):
+class RedisUnreachableError(WorkerError, RedisUnavailableError):
     """Redis did not answer within the start-up wait (`wait_for_redis`): a wrong URL, or a
     server that is not up. The message names the URL; the cause is redis-py's error."""
 
 
-class IdentityMismatch(WorkerError):
+class IdentityMismatchError(WorkerError):
     """The worker connects with another worker's own credential (`cohort-J-w-W`): every
     command it sent would be signed as W and dead-lettered, so it refuses to start."""
 
@@ -33,25 +34,25 @@ class IdentityMismatch(WorkerError):
         self.owner = owner
 
 
-class OutageTooLong(RedisUnreachable):
+class OutageTooLongError(RedisUnreachableError):
     """Redis stayed unreachable longer than the worker rides out (`ride_out`); the message
     names the URL, what waited, for how long, and the setting."""
 
 
-class WaitTimeout(WorkerError, TimeoutError):
+class WaitTimeoutError(WorkerError, TimeoutError):
     """A bounded wait ran out before the journal said what was awaited."""
 
 
-class JoinTimeout(WaitTimeout):
-    pass
+class JoinTimeoutError(WaitTimeoutError):
+    """No coordinator answered the join in time (`join(timeout=...)`)."""
 
 
-class CommitTimeout(WaitTimeout):
-    pass
+class CommitTimeoutError(WaitTimeoutError):
+    """A step did not commit in time (`wait_committed`)."""
 
 
-class ActivationTimeout(WaitTimeout):
-    pass
+class ActivationTimeoutError(WaitTimeoutError):
+    """This worker was not given a rank in time (`wait_active`)."""
 
 
 class JoinRefusedError(WorkerError):
@@ -63,7 +64,7 @@ class JoinRefusedError(WorkerError):
         self.reason = reason
 
 
-class Removed(WorkerError):
+class RemovedError(WorkerError):
     """This worker is no longer a member (it left or was declared failed); rejoin to come back."""
 
     def __init__(self, worker: str, reason: str) -> None:
@@ -90,8 +91,9 @@ class WorldChangedError(WorkerError):
 
 
 class Finished(WorkerError):
-    """The job finished: no step trains after `step`, its last. Not a failure: a loop
-    waiting for a rank or a commit ends here, with the final weights."""
+    """The job finished: no step trains after `step`, its last. Not a failure but control
+    flow, hence no `Error` in its name: a loop waiting for a rank or a commit ends here,
+    with the final weights."""
 
     def __init__(self, job: str, step: int, reason: str) -> None:
         super().__init__(f"job {job!r} finished at step {step} ({reason})")
@@ -100,12 +102,13 @@ class Finished(WorkerError):
         self.reason = reason
 
 
-class NotAssigned(WorkerError):
+class NotAssignedError(WorkerError):
     """This worker holds no rank (in the current world, or in the world of the asked step)."""
 
 
 class Stopped(WorkerError):
-    """The worker was stopped while an operation was still waiting or retrying."""
+    """The worker was stopped while an operation was still waiting or retrying (a signal,
+    `stop()`). Control flow, hence no `Error` in its name: the loop ends cleanly."""
 
 
 class CollectiveError(WorkerError):
@@ -118,7 +121,7 @@ class MemoryBudgetError(CollectiveError):
     maxmemory and what to do."""
 
 
-class CollectiveTimeout(CollectiveError, WaitTimeout):
+class CollectiveTimeoutError(CollectiveError, WaitTimeoutError):
     """Some ranks did not do their part in time; the message names them."""
 
 
@@ -138,3 +141,21 @@ class AccumulationError(WorkerError):
 class RendezvousError(WorkerError):
     """The ranks of a world could not meet for torch.distributed (store unreachable, rank 0
     published nothing): `cohort.ElasticProcessGroup`."""
+
+
+__getattr__ = renamed(
+    "cohort.worker.errors",
+    {
+        "RedisUnreachable": "RedisUnreachableError",
+        "IdentityMismatch": "IdentityMismatchError",
+        "OutageTooLong": "OutageTooLongError",
+        "WaitTimeout": "WaitTimeoutError",
+        "JoinTimeout": "JoinTimeoutError",
+        "CommitTimeout": "CommitTimeoutError",
+        "ActivationTimeout": "ActivationTimeoutError",
+        "CollectiveTimeout": "CollectiveTimeoutError",
+        "NotAssigned": "NotAssignedError",
+        "Removed": "RemovedError",
+    },
+    globals(),
+)

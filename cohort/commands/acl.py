@@ -127,7 +127,7 @@ def _issue(
         if do_apply and parsed is not None:
             fail("--redis-version is for printing; --apply asks the server its version")
         issued = acl.issue(conn, job, workers, apply_users=do_apply, redis_version=parsed)
-    except acl.CredentialRefused as exc:
+    except acl.CredentialRefusedError as exc:
         fail(str(exc))
     except acl.AclError as exc:
         fail(str(exc), Exit.REDIS if do_apply else Exit.USAGE)
@@ -152,7 +152,7 @@ def _revoke(ctx: click.Context, job: str, workers: tuple[str, ...]) -> None:
     for worker in workers:
         try:
             killed = acl.revoke(conn, job, worker)
-        except acl.CredentialRefused as exc:
+        except acl.CredentialRefusedError as exc:
             fail(str(exc))
         except acl.AclError as exc:
             fail(str(exc), Exit.REDIS)

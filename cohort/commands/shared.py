@@ -29,7 +29,7 @@ from cohort.events.connection import (
     connect,
     reach,
 )
-from cohort.events.errors import EventsError, RedisUnavailable, SettingsError
+from cohort.events.errors import EventsError, RedisUnavailableError, SettingsError
 from cohort.events.keys import check_job
 
 log = logging.getLogger("cohort")
@@ -120,7 +120,7 @@ def redis_client(ctx: click.Context, name: str, wait: float = 0.0) -> Client:
         return reach(lambda: connect(settings), settings.display_url, wait)
     except KeyboardInterrupt:
         fail(f"interrupted while waiting for Redis at {settings.display_url}", Exit.INTERRUPTED)
-    except RedisUnavailable as exc:
+    except RedisUnavailableError as exc:
         if tls_failure(settings, exc.__cause__ or exc):
             fail(
                 f"TLS handshake with Redis at {settings.display_url} failed ({exc.__cause__}); "

@@ -117,13 +117,18 @@ def summarised(train: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Run a worker's `train`, print its summary as one JSON line (without its parameters)
     and return it; a stop before the join exits 0, a WorkerError exits 4 naming it (a
     worker id that is not its credential's: 2)."""
-    from cohort.worker.errors import IdentityMismatch, RedisUnreachable, Stopped, WorkerError
+    from cohort.worker.errors import (
+        IdentityMismatchError,
+        RedisUnreachableError,
+        Stopped,
+        WorkerError,
+    )
 
     try:
         summary = train()
-    except RedisUnreachable as exc:
+    except RedisUnreachableError as exc:
         fail(str(exc), Exit.REDIS)
-    except IdentityMismatch as exc:
+    except IdentityMismatchError as exc:
         fail(str(exc))
     except Stopped as exc:
         click.echo(f"cohort: {exc}", err=True)

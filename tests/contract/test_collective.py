@@ -23,7 +23,7 @@ from cohort.worker.collective.redis_collective import Collective, Participant, c
 from cohort.worker.collective.tensors import pieces
 from cohort.worker.collective.tensors import unpack as unpack_blob
 from cohort.worker.collective.wire import Wire
-from cohort.worker.errors import CollectiveError, CollectiveTimeout, WorldChangedError
+from cohort.worker.errors import CollectiveError, CollectiveTimeoutError, WorldChangedError
 from cohort.worker.membership.view import Assignment
 from tests.helpers import wait_until
 
@@ -266,7 +266,7 @@ def test_a_timeout_names_the_ranks_that_did_not_contribute(
         return None
 
     error = run_ranks(connect_more, members, body)[0]
-    assert isinstance(error, CollectiveTimeout)
+    assert isinstance(error, CollectiveTimeoutError)
     assert "[2]" in str(error) and "step 0" in str(error)
 
 
@@ -287,7 +287,7 @@ def test_a_call_id_s_errors_name_the_training_step_it_serves(
         return c.allreduce({"x": np.ones(10, "<f4")}, call, timeout=5, world=1)
 
     timeout, moved = run_ranks(connect_more, members, body)
-    assert isinstance(timeout, CollectiveTimeout)
+    assert isinstance(timeout, CollectiveTimeoutError)
     assert str(timeout).startswith("allreduce of step 90 (gradients, bucket 0) in world 1")
     assert "-283115521" not in str(timeout)
     assert isinstance(moved, WorldChangedError) and moved.step == 90

@@ -8,7 +8,7 @@ from contextlib import ExitStack
 
 import pytest
 
-from cohort.demo import Demo, DemoFailed
+from cohort.demo import Demo, DemoFailedError
 from cohort.localredis import LocalRedis
 from cohort.processes import Proc
 
@@ -39,7 +39,7 @@ def test_every_worker_gone_before_the_last_step_fails_the_phase_at_once(
         coordinator = _start(demo, "coord-1", SLEEPER)
         for name in ("worker-1", "worker-2"):
             _start(demo, name, CRASHER)
-        with pytest.raises(DemoFailed) as failed, demo.live():
+        with pytest.raises(DemoFailedError) as failed, demo.live():
             demo.kill_a_worker()
         # the phase's own check, not the demo's deadline, ended it
         assert str(failed.value) == (
@@ -61,7 +61,7 @@ def test_every_coordinator_gone_fails_the_phase_and_names_the_one_not_killed_by_
         _start(demo, "coord-2", "print('coordinator lost its lease'); raise SystemExit(4)")
         worker = _start(demo, "worker-1", SLEEPER)
         demo.kill("coord-1")
-        with pytest.raises(DemoFailed) as failed, demo.live():
+        with pytest.raises(DemoFailedError) as failed, demo.live():
             demo.wait_for_the_end()
         assert str(failed.value) == (
             "every coordinator has exited before the job's end "

@@ -13,7 +13,7 @@ import pytest
 from cohort.errors import Exit
 from cohort.events.connection import RedisSettings, connect
 from cohort.localredis import LocalRedis, free_port
-from cohort.worker.errors import RedisUnreachable
+from cohort.worker.errors import RedisUnreachableError
 from cohort.worker.membership.client import Worker
 from tests.helpers import wait_until
 from tests.integration.cluster import Cluster
@@ -68,7 +68,7 @@ def test_the_worker_api_raises_redis_unreachable_naming_the_url(
 ) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     worker = Worker(connect(RedisSettings(url=url)), "j", wait_for_redis=0.5)
-    with caplog.at_level(logging.INFO), pytest.raises(RedisUnreachable) as raised:
+    with caplog.at_level(logging.INFO), pytest.raises(RedisUnreachableError) as raised:
         worker.join(timeout=30)
     assert f"cannot reach Redis at {url} within 0.5 s" in str(raised.value)
     assert "lost the connection" not in caplog.text

@@ -145,7 +145,14 @@ def test_a_bad_job_name_is_a_cohort_error_a_script_can_catch() -> None:
 
 
 @pytest.mark.parametrize(
-    ("old", "new"), [("ElasticJob", "NumpyElasticJob"), ("Rendezvous", "ElasticProcessGroup")]
+    ("old", "new"),
+    [
+        ("ElasticJob", "NumpyElasticJob"),
+        ("Rendezvous", "ElasticProcessGroup"),
+        ("RedisUnreachable", "RedisUnreachableError"),
+        ("WaitTimeout", "WaitTimeoutError"),
+        ("Removed", "RemovedError"),
+    ],
 )
 def test_an_old_name_still_works_and_says_its_new_name(old: str, new: str) -> None:
     with pytest.warns(DeprecationWarning, match=f"now named cohort.{new}"):
@@ -159,3 +166,35 @@ def test_the_new_names_say_nothing_deprecated() -> None:
         warnings.simplefilter("error")
         assert cohort.NumpyElasticJob.__name__ == "NumpyElasticJob"
         assert cohort.ElasticProcessGroup.__name__ == "ElasticProcessGroup"
+
+
+@pytest.mark.parametrize(
+    ("module", "old", "new"),
+    [
+        ("cohort.worker.errors", "CollectiveTimeout", "CollectiveTimeoutError"),
+        ("cohort.events.errors", "ForgedCommand", "ForgedCommandError"),
+        ("cohort.coordinator.errors", "ConfigConflict", "ConfigConflictError"),
+    ],
+)
+def test_a_module_answers_to_the_old_name_of_an_error_it_renamed(
+    module: str, old: str, new: str
+) -> None:
+    errors = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match=f"{module}.{old} is now named {module}.{new}"):
+        value = getattr(errors, old)
+    assert value is getattr(errors, new)
+    with pytest.raises(AttributeError, match="has no attribute 'NoSuchError'"):
+        errors.NoSuchError  # noqa: B018
+
+
+def test_errors_are_named_error_and_the_rest_say_they_are_control_flow() -> None:
+    for info in pkgutil.walk_packages(cohort.__path__, "cohort."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for value in vars(module).values():
+            if not (isinstance(value, type) and issubclass(value, BaseException)):
+                continue
+            if value.__module__ != module.__name__ or value.__name__.endswith("Error"):
+                continue
+            assert "control flow" in " ".join((value.__doc__ or "").lower().split()), value

@@ -11,7 +11,7 @@ import redis
 
 from cohort.events.clock import ManualClock
 from cohort.events.errors import SettingsError
-from cohort.worker.errors import OutageTooLong, RedisUnreachable
+from cohort.worker.errors import OutageTooLongError, RedisUnreachableError
 from cohort.worker.membership.retry import DEFAULT_RIDE_OUT, Link, ride_out_of, with_retry
 
 
@@ -41,14 +41,14 @@ def test_an_outage_longer_than_the_ride_out_ends_the_operation_naming_it() -> No
         clock.advance(100.0)  # each attempt finds Redis still away, 100 s later
         raise redis.ConnectionError("Connection refused")
 
-    with pytest.raises(OutageTooLong) as caught:
+    with pytest.raises(OutageTooLongError) as caught:
         with_retry(op, threading.Event(), link, "allreduce of step 7", ride_out=250.0)
     assert calls == 4  # the outage began at the first failure: 0, 100, 200, then 300 > 250 s
     message = str(caught.value)
     assert "unreachable for 300 s" in message and "redis://r:1/0" in message
     assert "allreduce of step 7" in message
     assert "250 s" in message and "COHORT_RIDE_OUT" in message
-    assert isinstance(caught.value, RedisUnreachable)  # the CLI exits 3 naming it
+    assert isinstance(caught.value, RedisUnreachableError)  # the CLI exits 3 naming it
 
 
 def test_an_operation_that_succeeds_within_the_ride_out_returns() -> None:

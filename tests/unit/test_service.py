@@ -19,7 +19,7 @@ import redis
 from cohort.coordinator import decide as decide_module
 from cohort.coordinator import fold as fold_module
 from cohort.coordinator import service
-from cohort.coordinator.errors import ConfigConflict
+from cohort.coordinator.errors import ConfigConflictError
 from cohort.coordinator.fold import fold
 from cohort.coordinator.service import Coordinator, ServiceSettings
 from cohort.events.clock import ManualClock
@@ -145,7 +145,7 @@ def test_taking_over_journals_the_config_once_and_keeps_it() -> None:
 def test_settings_given_that_differ_from_the_journaled_config_are_refused_naming_both() -> None:
     setup = Setup()
     leader_of(setup).close()
-    with pytest.raises(ConfigConflict) as refused:
+    with pytest.raises(ConfigConflictError) as refused:
         setup.coordinator("c2", given={"max_workers", "min_workers"}, max_workers=3)
     message = str(refused.value)
     assert "--max-workers 3 (journaled: 64)" in message
@@ -167,7 +167,7 @@ def test_shuffle_flags_are_settings_the_journal_holds_and_refuses_to_change() ->
     assert unset.params["shuffle"] is None  # not given: a standby compares nothing
     setup = Setup()  # journals the default: shuffled
     leader_of(setup).close()
-    with pytest.raises(ConfigConflict, match="--no-shuffle \\(journaled: --shuffle\\)"):
+    with pytest.raises(ConfigConflictError, match="--no-shuffle \\(journaled: --shuffle\\)"):
         setup.coordinator("c2", given={"shuffle"}, shuffle=False)
 
 
@@ -176,7 +176,7 @@ def test_a_conflict_journaled_while_following_is_refused_before_leading() -> Non
     follower = setup.coordinator("c2", given={"batch_size"}, batch_size=64)  # journal empty
     leader = leader_of(setup)  # journals its own config (batch_size 32) first
     assert leader.leading
-    with pytest.raises(ConfigConflict, match="--batch-size 64 \\(journaled: 32\\)"):
+    with pytest.raises(ConfigConflictError, match="--batch-size 64 \\(journaled: 32\\)"):
         follower.step()
     assert not follower.leading
 

@@ -25,8 +25,8 @@ from cohort.events.streams import ZERO, Inbox, Journal
 from cohort.worker.errors import (
     Finished,
     JoinRefusedError,
-    JoinTimeout,
-    Removed,
+    JoinTimeoutError,
+    RemovedError,
     Stopped,
     WorldChangedError,
 )
@@ -159,7 +159,7 @@ def test_join_refused_raises_with_the_coordinators_reason(leader, make_worker, p
 def test_join_without_a_coordinator_times_out_naming_the_job_and_withdraws(
     leader, make_worker
 ) -> None:
-    with pytest.raises(JoinTimeout, match="cohort coordinator --job unit") as info:
+    with pytest.raises(JoinTimeoutError, match="cohort coordinator --job unit") as info:
         make_worker().join(timeout=0.3)
     assert "within 0.3 s" in str(info.value) and "redis://" in str(info.value)
     # A coordinator that decides the Join later lets the worker go instead of failing it.
@@ -457,9 +457,9 @@ def test_removed_is_raised_when_this_worker_is_declared_failed(leader, make_work
     worker.step_done(0)
     waiting = pool.submit(worker.wait_committed, 0, 3)
     leader.say(fact(m.WorkerFailed, worker=ME, last_seen=1.0, timeout=1.0))
-    with pytest.raises(Removed, match="no heartbeat"):
+    with pytest.raises(RemovedError, match="no heartbeat"):
         waiting.result(timeout=3)
-    with pytest.raises(Removed):
+    with pytest.raises(RemovedError):
         worker.wait_active(1)
 
 
@@ -467,7 +467,7 @@ def test_a_removed_worker_can_join_again(leader, make_worker, pool) -> None:
     worker = make_worker()
     joined(leader, worker, pool)
     leader.say(fact(m.WorkerFailed, worker=ME, last_seen=1.0, timeout=1.0))
-    with pytest.raises(Removed):
+    with pytest.raises(RemovedError):
         worker.wait_active(3)
     joined(leader, worker, pool)
     assert worker.view.member and worker.view.joins == 2

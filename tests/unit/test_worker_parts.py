@@ -22,7 +22,7 @@ from cohort.events.codec import encode
 from cohort.events.keys import Keys
 from cohort.events.shards import Shard
 from cohort.events.streams import Journal
-from cohort.worker.errors import Stopped, WaitTimeout, WorkerError
+from cohort.worker.errors import Stopped, WaitTimeoutError, WorkerError
 from cohort.worker.membership import signals
 from cohort.worker.membership.advice import AdviceChannel
 from cohort.worker.membership.following import JournalFollower
@@ -259,7 +259,7 @@ def test_a_new_leader_over_a_journal_that_lost_the_folded_entry_is_folded_again(
         journal.conn.delete(journal.key)  # a failover to a replica that never saw them
         add("6-1", encode(world(1)))
         add("6-2", unreadable("LeaderElected"))  # known by its type alone
-        view = follow.wait(lambda v: v.world_version == 1, time.monotonic() + 5, WaitTimeout)
+        view = follow.wait(lambda v: v.world_version == 1, time.monotonic() + 5, WaitTimeoutError)
         assert view.world_version == 1 and follow.world_changed.is_set()
         assert "folding it again from the start" in caplog.text
     finally:
@@ -279,7 +279,7 @@ def test_a_new_leader_over_a_journal_that_kept_everything_is_folded_on_from_wher
     try:
         journal.append_raw(encode(fact(m.LeaderElected, coordinator="c2", epoch=2)))
         journal.append_raw(encode(world(2)))
-        follow.wait(lambda v: v.world_version == 2, time.monotonic() + 5, WaitTimeout)
+        follow.wait(lambda v: v.world_version == 2, time.monotonic() + 5, WaitTimeoutError)
         assert "folding it again" not in caplog.text
     finally:
         stop.set()
@@ -291,7 +291,7 @@ def test_a_wait_ends_with_stopped_once_its_stop_event_is_set(journal) -> None:
     stop = threading.Event()
     stop.set()
     with pytest.raises(Stopped, match="'w-me' was stopped"):
-        follow.wait(lambda v: False, time.monotonic() + 5, WaitTimeout, stop=stop)
+        follow.wait(lambda v: False, time.monotonic() + 5, WaitTimeoutError, stop=stop)
 
 
 # ---------------------------------------------------------------- the join request

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from cohort.events import models as m
 from cohort.events.deal import batch as deal_batch
 from cohort.events.shards import Range, Shard
-from cohort.worker.errors import NotAssigned
+from cohort.worker.errors import NotAssignedError
 from cohort.worker.membership.view import KEEP_PLANS, View, batch, evolve, fold
 
 JOB = "unit"
@@ -139,7 +139,7 @@ def test_batches_walk_the_shard_from_the_world_start() -> None:
     assert batch(view, 11) == ((14, 18),)
     assert batch(view, 12) == ((18, 20),)  # the last batch of the shard is short
     assert batch(view, 13) == ()
-    with pytest.raises(NotAssigned):
+    with pytest.raises(NotAssignedError):
         batch(view, 9)  # before any plan this worker knows
 
 
@@ -187,7 +187,7 @@ def test_step_committed_never_goes_back_and_plans_are_bounded() -> None:
 
 def test_batch_needs_a_configured_job() -> None:
     view = evolve(View(worker=ME), world(1, 0, (ME,), (Shard(ranges=((0, 10),)),)))
-    with pytest.raises(NotAssigned, match="not configured"):
+    with pytest.raises(NotAssignedError, match="not configured"):
         batch(view, 0)
 
 
@@ -223,7 +223,7 @@ def test_every_sample_is_used_exactly_once_across_a_world_change(
         for step in range(last_step):
             try:
                 used += indices(batch(view, step))
-            except NotAssigned:
+            except NotAssignedError:
                 continue  # not a rank in the plan of that step
     assert sorted(used) == list(range(size))
 

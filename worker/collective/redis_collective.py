@@ -33,7 +33,7 @@ A call's deadline (`timeout`, default $COHORT_COLLECTIVE_TIMEOUT or 60 s) counts
 Redis answers, not the time it is away: what the worker's `Link` counts as outage moves the
 deadline on, so a Redis restart of minutes costs the step its time, not the step. An outage
 longer than `ride_out` ($COHORT_RIDE_OUT, default 5 minutes) ends the call with
-`OutageTooLong` naming the URL and the step.
+`OutageTooLongError` naming the URL and the step.
 
 Before a call writes blobs it checks the memory budget the leader publishes
 (`events/budget.py`): a step whose blobs would leave less than a quarter of maxmemory for
@@ -85,10 +85,10 @@ from cohort.worker.collective.layout import (
 )
 from cohort.worker.collective.wire import TTL_MS, Item, Wire
 
-# Users import CollectiveError, CollectiveTimeout (cohort/__init__.py) and Transport from here.
+# Users import CollectiveError, CollectiveTimeoutError (cohort/__init__.py) and Transport from here.
 from cohort.worker.errors import (
     CollectiveError,
-    CollectiveTimeout,
+    CollectiveTimeoutError,
     MemoryBudgetError,
     WorldChangedError,
 )
@@ -308,7 +308,7 @@ class _Call:
         self.check_world()
         remaining = self.remaining()
         if remaining <= 0:
-            raise CollectiveTimeout(
+            raise CollectiveTimeoutError(
                 f"{self.what()}: no {phase!r} from ranks {sorted(pending)} within "
                 f"{self.timeout:g} s (while Redis answered); those ranks are slow, stuck or gone"
             )

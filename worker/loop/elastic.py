@@ -40,9 +40,9 @@ from cohort.events.shards import Range
 from cohort.worker.collective.redis_collective import Collective
 from cohort.worker.errors import (
     Finished,
-    NotAssigned,
+    NotAssignedError,
     Stopped,
-    WaitTimeout,
+    WaitTimeoutError,
     WorkerError,
     WorldChangedError,
 )
@@ -269,7 +269,7 @@ class Elastic:
                 except Finished as end:
                     log.info("%s: %s; it ends with the final weights", self.worker.id, end)
                     return
-                except WaitTimeout:
+                except WaitTimeoutError:
                     lost_logged = self._say_if_lost(lost_logged)
                     continue
                 if assignment.world_version != self.world:
@@ -340,7 +340,7 @@ class Elastic:
             return False
         try:
             return self.worker.batch(step.step) == step.ranges
-        except NotAssigned:
+        except NotAssignedError:
             return False
 
     def launchable(self, step: Step, after: int | None, cancelled: threading.Event) -> bool:
@@ -364,7 +364,7 @@ class Elastic:
                 try:
                     self.worker.wait_for(settled, POLL)
                     break
-                except WaitTimeout:
+                except WaitTimeoutError:
                     if cancelled.is_set() or self.stopping:
                         return False
                 except WorkerError:  # removed meanwhile

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from cohort.events.clock import Clock
 from cohort.events.connection import Client
 from cohort.events.models import CheckpointSaved, EvalDone
-from cohort.worker.errors import WaitTimeout
+from cohort.worker.errors import WaitTimeoutError
 from cohort.worker.loop import checkpoints
 from cohort.worker.membership.client import Worker
 from cohort.worker.membership.view import View
@@ -130,7 +130,7 @@ class Evaluator:
         view = worker._wait(  # same package: the worker's journal-fed wait
             lambda v: self._due(v) is not None or v.finished is not None,
             math.inf,
-            lambda: WaitTimeout("unreachable: no deadline"),
+            lambda: WaitTimeoutError("unreachable: no deadline"),
             stop=worker.stopping,
         )
         if self._due(view) is not None or view.config is None:
@@ -141,11 +141,11 @@ class Evaluator:
             return worker._wait(
                 lambda v: self._due(v) is not None,
                 time.monotonic() + final_wait,
-                lambda: WaitTimeout("no final checkpoint"),
+                lambda: WaitTimeoutError("no final checkpoint"),
                 check_removed=False,
                 stop=worker.stopping,
             )
-        except WaitTimeout:
+        except WaitTimeoutError:
             self.log.warning(
                 "evaluator %s: job %r finished at step %d and no checkpoint of it came within %g s",
                 self.id,

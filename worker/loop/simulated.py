@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from cohort.events.shards import Range, range_count
-from cohort.worker.errors import Finished, Removed, Stopped, WaitTimeout
+from cohort.worker.errors import Finished, RemovedError, Stopped, WaitTimeoutError
 from cohort.worker.membership.client import Worker
 
 POLL = 0.5  # how often a long wait looks at the stop event
@@ -49,7 +49,7 @@ def run(
         simulation.train()
     except Finished as end:  # the job reached its length: leave with the final weights
         summary["finished"] = end.reason
-    except Removed as exc:
+    except RemovedError as exc:
         summary["removed"] = exc.reason
         worker.stop()
         return summary
@@ -89,12 +89,12 @@ class Simulation:
         return self.stop.is_set() or self.worker.stopping.is_set()
 
     def train(self) -> None:
-        """Step until `steps` committed or stopped; Finished, Removed and Stopped end it."""
+        """Step until `steps` committed or stopped; Finished, RemovedError and Stopped end it."""
         self.step = self.worker.next_step
         while self.summary["steps_committed"] < self.steps and not self.halted():
             try:
                 assignment = self.worker.wait_active(POLL)
-            except WaitTimeout:
+            except WaitTimeoutError:
                 continue
             if assignment.world_version != self.world:
                 if self.world:

@@ -42,16 +42,16 @@ from cohort.events.models import (
 from cohort.events.shards import Range
 from cohort.events.streams import Inbox, Journal
 from cohort.worker.errors import (
-    ActivationTimeout,
-    CommitTimeout,
+    ActivationTimeoutError,
+    CommitTimeoutError,
     Finished,
-    IdentityMismatch,
+    IdentityMismatchError,
     JoinRefusedError,
-    JoinTimeout,
-    NotAssigned,
-    Removed,
+    JoinTimeoutError,
+    NotAssignedError,
+    RemovedError,
     Stopped,
-    WaitTimeout,
+    WaitTimeoutError,
     WorkerError,
     WorldChangedError,
 )
@@ -66,9 +66,8 @@ from cohort.worker.membership.signals import ShutdownSignals
 from cohort.worker.membership.stamp import Stamp
 from cohort.worker.membership.transfers import Slot, TransferScheduler
 from cohort.worker.membership.view import Assignment, GpuAdvice, View
-from cohort.worker.telemetry import gpu
 from cohort.worker.telemetry.gpu import GpuProbe
-from cohort.worker.telemetry.node import this_node
+from cohort.worker.telemetry.node import probed_node
 
 if TYPE_CHECKING:
     from cohort.events.order import Indices
@@ -83,13 +82,13 @@ def default_worker_id() -> str:
 def signer_of(conn: Client, job: str, worker_id: str | None) -> identity.Signer | None:
     """How this worker signs its commands: with its own credential's password if `conn`
     logs in as a worker's own user (`cohort acl --worker`), else not at all. Raises
-    IdentityMismatch if that user is another worker's (`worker_id` None: take its worker)."""
+    IdentityMismatchError if that user is another worker's (`worker_id` None: take its worker)."""
     username, password = credentials(conn)
     owner = identity.worker_of_user(job, username)
     if owner is None or not password:
         return None
     if worker_id is not None and worker_id != owner:
-        raise IdentityMismatch(worker_id, owner, username or "")
+        raise IdentityMismatchError(worker_id, owner, username or "")
     return identity.Signer(owner, password)
 
 
@@ -112,7 +111,7 @@ class Worker:
         wait_for_redis: float | None = None,
     ) -> None:
         """`wait_for_redis`: seconds `join` waits at start-up for Redis to answer before it
-        raises RedisUnreachable naming the URL (default $COHORT_WAIT_FOR_REDIS, else 10)."""
+        raises RedisUnreachableError naming the URL (default $COHORT_WAIT_FOR_REDIS, else 10)."""
         self.conn = conn
         self.dataset = dataset
         """The data this worker trains on, declared in its Join (None: it takes the job's)."""
@@ -191,12 +190,7 @@ class Worker:
 
     def _node(self) -> Node:
         if self.node is None:
-            probe = self._gpu_probe or gpu.probe(self.log)
-            try:
-                self.node = this_node(probe)
-            finally:
-                if probe is not self._gpu_probe:
-                    probe.close()
+            self.node = probed_node(self._gpu_probe, self.log)
         return self.node
 
     # ------------------------------------------------------------ reading
@@ -250,7 +244,9 @@ class Worker:
     def _assigned(self) -> Assignment:
         assignment = self.assignment
         if assignment is None:
-            raise NotAssigned(f"worker {self.id!r} holds no rank in world {self.world_version}")
+            raise NotAssignedError(
+                f"worker {self.id!r} holds no rank in world {self.world_version}"
+            )
         return assignment
 
     # ------------------------------------------------------------ joining
@@ -262,7 +258,7 @@ class Worker:
         Join from the inbox backlog sees it alive, and logs a line every
         `joining.JOIN_NOTICE_EVERY` s. `timeout` None waits until answered or until `stop`
         (default: `stopping`, set by the first SIGINT/SIGTERM) is set, then raises
-        Stopped; a finite one raises JoinTimeout. Either way an unanswered Join is
+        Stopped; a finite one raises JoinTimeoutError. Either way an unanswered Join is
         withdrawn with a Leave. Raises JoinRefusedError if the coordinator says no.
         """
         stop = self.stopping if stop is None else stop
@@ -279,7 +275,7 @@ class Worker:
             view = self._joining.await_answer(before, started, timeout, stop)
         except UNAVAILABLE as exc:
             self.stop()
-            raise JoinTimeout(
+            raise JoinTimeoutError(
                 f"could not reach Redis at {self.link.where} within {timeout:g} s "
                 f"to join job {self.job!r}"
             ) from exc
@@ -358,7 +354,7 @@ class Worker:
         view = self._wait(
             lambda v: v.active or v.finished is not None,
             time.monotonic() + timeout,
-            lambda: ActivationTimeout(
+            lambda: ActivationTimeoutError(
                 f"worker {self.id!r} was not activated within {timeout:g} s "
                 f"(status {self.view.status!r}, paused={self.view.paused})"
             ),
@@ -425,7 +421,7 @@ class Worker:
         view = self._wait(
             settled,
             time.monotonic() + timeout,
-            lambda: CommitTimeout(
+            lambda: CommitTimeoutError(
                 f"step {step} of job {self.job!r} did not commit within {timeout:g} s "
                 f"(last committed: {self.view.last_committed}, paused={self.view.paused})"
             ),
@@ -434,7 +430,7 @@ class Worker:
         if view.last_committed >= step:
             return
         if view.removed:
-            raise Removed(self.id, view.removed_reason)
+            raise RemovedError(self.id, view.removed_reason)
         if view.finished is not None:
             raise self._finished(view)
         raise WorldChangedError(step, view.assignment)
@@ -445,7 +441,7 @@ class Worker:
         was set meanwhile.
 
         A training loop's "did my step count?": on False it rolls the step back and carries
-        on from the current assignment. Raises Removed if this worker was failed or left.
+        on from the current assignment. Raises RemovedError if this worker was failed or left.
         """
         stop = self.stopping if stop is None else stop
         while True:
@@ -454,7 +450,7 @@ class Worker:
                 return True
             except (WorldChangedError, Finished):
                 return False
-            except CommitTimeout:
+            except CommitTimeoutError:
                 if stop.is_set():
                     return False
 
@@ -462,19 +458,20 @@ class Worker:
         """True once the world version exceeds `since_version`; False after `timeout`."""
         try:
             self.wait_for(lambda v: v.world_version > since_version, timeout)
-        except WaitTimeout:
+        except WaitTimeoutError:
             return False
         return True
 
     def wait_for(self, done: Callable[[View], bool], timeout: float) -> View:
         """The first view (as published after a whole journal reply) for which `done` holds.
 
-        Raises Removed once this worker is no longer a member, WaitTimeout after `timeout`.
+        Raises RemovedError once this worker is no longer a member, WaitTimeoutError after
+        `timeout`.
         """
         return self._wait(
             done,
             time.monotonic() + timeout,
-            lambda: WaitTimeout(f"worker {self.id!r}: condition not met within {timeout:g} s"),
+            lambda: WaitTimeoutError(f"worker {self.id!r}: condition not met within {timeout:g} s"),
         )
 
     # ------------------------------------------------------------ leaving
@@ -490,12 +487,12 @@ class Worker:
                 self._wait(
                     lambda v: not v.member,
                     time.monotonic() + timeout,
-                    lambda: WaitTimeout("no WorkerLeft"),
+                    lambda: WaitTimeoutError("no WorkerLeft"),
                     check_removed=False,
                 )
             seen = True
             self.log.info("worker %s left job %r", self.id, self.job)
-        except WaitTimeout:
+        except WaitTimeoutError:
             self.log.warning(
                 "worker %s sent Leave but saw no WorkerLeft within %g s; stopping anyway",
                 self.id,
@@ -549,7 +546,7 @@ class Worker:
         removed_first: bool = True,
         stop: threading.Event | None = None,
     ) -> View:
-        """Block until `done(view)`; raise Removed (if asked), Stopped (also once `stop` is
+        """Block until `done(view)`; raise RemovedError (if asked), Stopped (also once `stop` is
         set), or the timeout error (`JournalFollower.wait`)."""
         return self._following.wait(
             done, deadline, timeout_error, check_removed, removed_first, stop

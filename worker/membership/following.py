@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from cohort.events.errors import DecodeError
 from cohort.events.models import Fact
 from cohort.events.streams import ZERO, Entry, Journal, elects
-from cohort.worker.errors import Removed, Stopped
+from cohort.worker.errors import RemovedError, Stopped
 from cohort.worker.membership import view as views
 from cohort.worker.membership.retry import Halt, Link, with_retry
 from cohort.worker.membership.view import View
@@ -111,17 +111,17 @@ class JournalFollower:
         removed_first: bool = True,
         stop: threading.Event | None = None,
     ) -> View:
-        """Block until `done(view)`; raise Removed (if asked), Stopped (also once `stop` is
+        """Block until `done(view)`; raise RemovedError (if asked), Stopped (also once `stop` is
         set), or the timeout error."""
         with self._cond:
             while True:
                 view = self._view
                 if check_removed and removed_first and view.removed:
-                    raise Removed(self.worker, view.removed_reason)
+                    raise RemovedError(self.worker, view.removed_reason)
                 if done(view):
                     return view
                 if check_removed and view.removed:
-                    raise Removed(self.worker, view.removed_reason)
+                    raise RemovedError(self.worker, view.removed_reason)
                 if self._stop.is_set() or (stop is not None and stop.is_set()):
                     raise Stopped(f"worker {self.worker!r} was stopped")
                 remaining = deadline - time.monotonic()

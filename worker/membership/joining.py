@@ -14,9 +14,9 @@ import threading
 import time
 
 from cohort.events.connection import UNAVAILABLE, Client, reach
-from cohort.events.errors import RedisUnavailable
+from cohort.events.errors import RedisUnavailableError
 from cohort.events.models import Command, Join, Leave
-from cohort.worker.errors import JoinTimeout, RedisUnreachable, Stopped, WaitTimeout
+from cohort.worker.errors import JoinTimeoutError, RedisUnreachableError, Stopped, WaitTimeoutError
 from cohort.worker.membership.delivery import Delivery
 from cohort.worker.membership.following import JournalFollower
 from cohort.worker.membership.retry import Halt, Link
@@ -57,13 +57,13 @@ class JoinRequest:
             return
         try:
             reach(lambda: self.conn, self.link.where, self.wait_for_redis, stop)
-        except RedisUnavailable as exc:
+        except RedisUnavailableError as exc:
             if stop.is_set():
                 raise Stopped(
                     f"worker {self._stamp.worker!r} was stopped while waiting for Redis at "
                     f"{self.link.where} (unreachable so far)"
                 ) from None
-            raise RedisUnreachable(str(exc)) from exc.__cause__
+            raise RedisUnreachableError(str(exc)) from exc.__cause__
         self.link.restored()
 
     def send(self, join: Join, deadline: float | None, halt: Halt) -> None:
@@ -75,7 +75,7 @@ class JoinRequest:
         self, before: View, started: float, timeout: float | None, stop: threading.Event
     ) -> View:
         """The view that answers the Join sent at `before` (a WorkerJoined or a JoinRefused),
-        a line in the log every `JOIN_NOTICE_EVERY` s; JoinTimeout `timeout` s after
+        a line in the log every `JOIN_NOTICE_EVERY` s; JoinTimeoutError `timeout` s after
         `started`, Stopped once `stop` is set."""
         job, worker = self._stamp.job, self._stamp.worker
         deadline = math.inf if timeout is None else started + timeout
@@ -85,13 +85,13 @@ class JoinRequest:
                 return self.following.wait(
                     lambda v: _answered(before, v),
                     notice,
-                    WaitTimeout,
+                    WaitTimeoutError,
                     check_removed=False,
                     stop=stop,
                 )
-            except WaitTimeout:
+            except WaitTimeoutError:
                 if notice >= deadline:
-                    raise JoinTimeout(
+                    raise JoinTimeoutError(
                         f"no coordinator answered the join of {worker!r} to job {job!r} "
                         f"at {self.link.where} within {timeout:g} s; check that one runs: "
                         f"cohort coordinator --job {job}"

@@ -18,7 +18,7 @@ from typing import Protocol, TypeVar
 import redis
 
 from cohort.events.connection import UNAVAILABLE, Client, backoff, seconds_of, where
-from cohort.worker.errors import OutageTooLong, Stopped
+from cohort.worker.errors import OutageTooLongError, Stopped
 
 T = TypeVar("T")
 
@@ -158,7 +158,7 @@ def with_retry(
     """`op()`, retried on connection errors until it succeeds.
 
     Raises `Stopped` when `stop` is set while waiting, the last connection
-    error once `deadline` (time.monotonic seconds) would pass, and `OutageTooLong`
+    error once `deadline` (time.monotonic seconds) would pass, and `OutageTooLongError`
     once the outage has lasted `ride_out` seconds. With `wait_for_memory`, a write Redis
     refuses for memory is retried the same way (back-pressure: a command waits, it is not
     dropped). Other errors propagate at once: retrying cannot fix them.
@@ -185,7 +185,7 @@ def with_retry(
                 raise
             lasted = link.down_for()
             if ride_out is not None and lasted + delay > ride_out:
-                raise OutageTooLong(
+                raise OutageTooLongError(
                     f"Redis at {link.where} has been unreachable for {lasted:.0f} s while "
                     f"{what}, longer than this worker rides out ({ride_out:g} s, "
                     f"${ENV_RIDE_OUT}); check the server, or raise {ENV_RIDE_OUT} to wait longer"

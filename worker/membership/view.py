@@ -16,7 +16,7 @@ from cohort.events import deal
 from cohort.events import models as m
 from cohort.events.order import Order
 from cohort.events.shards import Range, Shard
-from cohort.worker.errors import NotAssigned
+from cohort.worker.errors import NotAssignedError
 
 Status = Literal["outside", "syncing", "ready", "active", "draining", "evaluating"]
 
@@ -332,7 +332,7 @@ def plan_for(view: View, step: int) -> WorldPlan:
     for plan in reversed(view.plans):
         if plan.base_step <= step:
             return plan
-    raise NotAssigned(
+    raise NotAssignedError(
         f"no plan covers step {step} (known plans start at "
         f"{[p.base_step for p in view.plans]}); it is older than this worker's memory"
     )
@@ -343,7 +343,7 @@ def batch(view: View, step: int) -> tuple[Range, ...]:
     config = _configured(view)
     plan = plan_for(view, step)
     if view.worker not in plan.ranks:
-        raise NotAssigned(
+        raise NotAssignedError(
             f"worker {view.worker!r} holds no rank at step {step} "
             f"(world {plan.world_version} ranks: {list(plan.ranks)})"
         )
@@ -365,5 +365,5 @@ def order_for(view: View, step: int) -> Order:
 
 def _configured(view: View) -> m.JobConfig:
     if view.config is None:
-        raise NotAssigned("the job is not configured yet (no JobConfigured in the journal)")
+        raise NotAssignedError("the job is not configured yet (no JobConfigured in the journal)")
     return view.config

@@ -47,10 +47,10 @@ import torch.distributed as dist
 from cohort.events.connection import Client
 from cohort.events.keys import Keys
 from cohort.worker.errors import (
-    Removed,
+    RemovedError,
     RendezvousError,
     Stopped,
-    WaitTimeout,
+    WaitTimeoutError,
     WorkerError,
     WorldChangedError,
 )
@@ -154,9 +154,9 @@ class Watchdog:
                 view = self.worker.wait_for(
                     lambda v: lost(v, self.world) is not None or self._stop.is_set(), WAKE_S
                 )
-            except WaitTimeout:
+            except WaitTimeoutError:
                 continue
-            except Removed as exc:
+            except RemovedError as exc:
                 self.trip(str(exc))
                 return
             except Stopped:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from cohort.events import deal
-from cohort.worker.errors import NotAssigned, WorkerError
+from cohort.worker.errors import NotAssignedError, WorkerError
 from cohort.worker.membership import view as views
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class StepSampler:
         step, micro = self.start
         try:
             plan = views.plan_for(view, step)
-        except NotAssigned:
+        except NotAssignedError:
             return
         config = view.config
         if config is None or view.worker not in plan.ranks:

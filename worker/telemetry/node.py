@@ -9,15 +9,28 @@ which of the dataset's files its node holds.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Iterable, Mapping
 
 from cohort.events.models import Node
 from cohort.worker.errors import WorkerError
+from cohort.worker.telemetry import gpu
 from cohort.worker.telemetry.gpu import GpuProbe
 
 ZONE_ENV, REGION_ENV, BANDWIDTH_ENV = "COHORT_ZONE", "COHORT_REGION", "COHORT_BANDWIDTH"
+
+
+def probed_node(probe: GpuProbe | None, log: logging.Logger) -> Node:
+    """This machine as a Node, its GPUs read with `probe`, or with a probe opened (and
+    closed) here when none is given."""
+    own = probe or gpu.probe(log)
+    try:
+        return this_node(own)
+    finally:
+        if own is not probe:
+            own.close()
 
 
 def this_node(
