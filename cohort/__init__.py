@@ -34,7 +34,12 @@ from cohort.events.renames import warn_renamed
 
 if TYPE_CHECKING:
     from cohort.events.connection import RedisSettings, connect
-    from cohort.events.errors import CohortError, RedisUnavailableError, SettingsError
+    from cohort.events.errors import (
+        CohortError,
+        InvalidValueError,
+        RedisUnavailableError,
+        SettingsError,
+    )
     from cohort.events.keys import JobNameError
     from cohort.events.models import Dataset, Node
     from cohort.events.shards import Range, Shard
@@ -93,6 +98,7 @@ __all__ = [
     "GpuAdvice",
     "HierarchicalCollective",
     "IdentityMismatchError",
+    "InvalidValueError",
     "JobNameError",
     "JoinRefusedError",
     "JoinTimeoutError",
@@ -122,7 +128,12 @@ __all__ = [
 
 _HOMES: dict[str, tuple[str, ...]] = {
     "cohort.events.connection": ("RedisSettings", "connect"),
-    "cohort.events.errors": ("CohortError", "RedisUnavailableError", "SettingsError"),
+    "cohort.events.errors": (
+        "CohortError",
+        "InvalidValueError",
+        "RedisUnavailableError",
+        "SettingsError",
+    ),
     "cohort.events.keys": ("JobNameError",),
     "cohort.events.models": ("Dataset", "Node"),
     "cohort.events.shards": ("Range", "Shard"),

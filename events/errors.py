@@ -10,12 +10,27 @@ and their docstrings say so. A renamed error's old name still works, with a warn
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 from cohort.events.renames import renamed
 
 
 class CohortError(Exception):
     """Root of every exception raised by cohort: the shared kernel, the coordinator, the
     worker and the command line."""
+
+
+class InvalidValueError(CohortError, ValueError):
+    """A value given to cohort is out of its range or of the wrong kind (the message names
+    it and what would do); also a ValueError, as Python's own argument errors are."""
+
+
+def invalid_field(what: str, exc: ValidationError) -> InvalidValueError:
+    """pydantic's first complaint about a `what` built from a caller's values, as one line
+    naming the field, the value and the rule: `workload memory=-1: Input should be ...`."""
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"] if part != "[key]")
+    return InvalidValueError(f"{what} {where}={error.get('input')!r}: {error['msg']}")
 
 
 class EventsError(CohortError):

@@ -144,6 +144,15 @@ def test_a_bad_job_name_is_a_cohort_error_a_script_can_catch() -> None:
     assert issubclass(cohort.JobNameError, ValueError)
 
 
+def test_a_bad_value_given_to_cohort_is_a_cohort_error_and_a_value_error() -> None:
+    from cohort.worker.collective.compressors import compressor
+
+    with pytest.raises(cohort.InvalidValueError, match="'zip'") as raised:
+        compressor("zip")  # type: ignore[arg-type]
+    assert isinstance(raised.value, cohort.CohortError)
+    assert isinstance(raised.value, ValueError)
+
+
 @pytest.mark.parametrize(
     ("old", "new"),
     [

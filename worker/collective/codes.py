@@ -23,6 +23,8 @@ import hashlib
 
 import numpy as np
 
+from cohort.events.errors import InvalidValueError
+
 BLOCK = 256
 """Values per int8 block: one float32 scale per 256 bytes adds 1.6%."""
 LEVELS = 127
@@ -59,7 +61,7 @@ def quantise(values: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.nda
     biggest = np.maximum(grid.max(axis=1, initial=0.0), -grid.min(axis=1, initial=0.0))
     if not np.isfinite(biggest).all():
         bad = int(np.flatnonzero(~np.isfinite(biggest))[0])
-        raise ValueError(f"cannot quantise block {bad}: it holds a value that is inf or nan")
+        raise InvalidValueError(f"cannot quantise block {bad}: it holds a value that is inf or nan")
     scales = biggest / np.float32(LEVELS)
     # divide, not multiply by 127 / biggest: that overflows for blocks of tiny values
     safe = np.where(scales > 0, scales, np.float32(1))
@@ -74,7 +76,7 @@ def dequantise(levels: np.ndarray, scales: np.ndarray, block: int = BLOCK) -> np
     n = levels.size
     count = blocks_of(n, block)
     if scales.size != count:
-        raise ValueError(
+        raise InvalidValueError(
             f"{n} int8 values in blocks of {block} need {count} scales, not {scales.size}"
         )
     grid = _grid(np.asarray(levels).reshape(-1), block)

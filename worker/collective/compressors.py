@@ -30,6 +30,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from cohort.events.errors import InvalidValueError
 from cohort.worker.collective import codes as compress
 from cohort.worker.collective.layout import flatten, unflatten
 from cohort.worker.collective.redis_collective import Collective
@@ -72,7 +73,7 @@ def compressor(compression: str | None, rank: int = DEFAULT_RANK) -> Compressor 
         return PowerSGD(rank)
     if compression == "int8":
         return Int8Feedback()
-    raise ValueError(
+    raise InvalidValueError(
         f"compression {compression!r} is not one of {', '.join(map(repr, COMPRESSIONS))} or None"
     )
 
@@ -123,7 +124,7 @@ class PowerSGD:
 
     def __init__(self, rank: int = DEFAULT_RANK, seed: int = 0) -> None:
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-            raise ValueError(f"PowerSGD rank must be an integer >= 1, not {rank!r}")
+            raise InvalidValueError(f"PowerSGD rank must be an integer >= 1, not {rank!r}")
         self.rank = rank
         self.error: dict[str, np.ndarray] = {}
         self.q: dict[str, np.ndarray] = {}
@@ -212,7 +213,7 @@ def _target(out: Mapping[str, np.ndarray] | None, name: str, shape: tuple[int, .
         return None
     target = out[name]
     if target.dtype != np.float32 or target.shape != shape or not target.flags.c_contiguous:
-        raise ValueError(
+        raise InvalidValueError(
             f"out[{name!r}] must be a C-contiguous float32 array of shape {shape}, not "
             f"{target.dtype} {target.shape}"
         )

@@ -23,6 +23,7 @@ from typing import Literal
 
 import numpy as np
 
+from cohort.events.errors import InvalidValueError
 from cohort.worker.collective import codes as compress
 from cohort.worker.errors import CollectiveError
 
@@ -96,7 +97,7 @@ def cuts(size: int, n: int, align: int = 1) -> list[slice]:
     size % n get one more), each starting at a multiple of `align` (the last may be short,
     and some empty if the vector has fewer than `n` units of `align`)."""
     if n < 1:
-        raise ValueError(f"cannot cut a vector into {n} chunks")
+        raise InvalidValueError(f"cannot cut a vector into {n} chunks")
     units = -(-size // align)
     base, extra = divmod(units, n)
     at, out = 0, []

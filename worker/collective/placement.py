@@ -21,6 +21,7 @@ import re
 from redis.cluster import RedisCluster
 
 from cohort.events.connection import Client
+from cohort.events.errors import InvalidValueError
 from cohort.events.keys import Keys
 
 _TAG = re.compile(r"g[0-9]{1,7}")
@@ -79,5 +80,5 @@ def decode(value: bytes | str | None) -> tuple[str, ...]:
     tags = tuple(text.split(","))
     bad = [t for t in tags if not _TAG.fullmatch(t)]
     if bad:
-        raise ValueError(f"chunk tags {bad[:3]!r} are not of the form g<number>")
+        raise InvalidValueError(f"chunk tags {bad[:3]!r} are not of the form g<number>")
     return tags

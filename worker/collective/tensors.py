@@ -22,6 +22,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from cohort.events.errors import InvalidValueError
 from cohort.worker.errors import BlobError
 
 VERSION = 1
@@ -203,5 +204,5 @@ def pieces(chunk_bytes: int, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> 
     """
     budget = max_value_bytes - 64 * 1024
     if budget <= 0:
-        raise ValueError(f"max_value_bytes {max_value_bytes} leaves no room for data")
+        raise InvalidValueError(f"max_value_bytes {max_value_bytes} leaves no room for data")
     return max(1, -(-chunk_bytes // budget))

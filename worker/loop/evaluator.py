@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from cohort.events.clock import Clock
 from cohort.events.connection import Client
+from cohort.events.errors import InvalidValueError, invalid_field
 from cohort.events.models import CheckpointSaved, EvalDone
 from cohort.worker.errors import WaitTimeoutError
 from cohort.worker.loop import checkpoints
@@ -49,7 +50,9 @@ class Evaluator:
         log: logging.Logger | None = None,
     ) -> None:
         if not isinstance(every, int) or every < 1:
-            raise ValueError(f"every={every!r}: an evaluator evaluates every 1 or more steps")
+            raise InvalidValueError(
+                f"every={every!r}: an evaluator evaluates every 1 or more steps"
+            )
         self.every = every
         self.log = log or logging.getLogger("cohort.evaluator")
         self.worker = Worker(
@@ -111,9 +114,7 @@ class Evaluator:
                 metrics=dict(metrics),
             )  # fmt: skip
         except ValidationError as exc:
-            error = exc.errors()[0]
-            where = ".".join(str(part) for part in error["loc"] if part != "[key]")
-            raise ValueError(f"evaluation {where}={error.get('input')!r}: {error['msg']}") from None
+            raise invalid_field("evaluation", exc) from None
         worker._send(done)  # the worker's own delivery: in order, retried through outages
 
     # ------------------------------------------------------------ what is due

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
+from cohort.events.errors import invalid_field
 from cohort.events.models import (
     Command,
     GpuDevice,
@@ -109,9 +110,7 @@ class AdviceChannel:
                 priority=priority,
             )
         except ValidationError as exc:
-            error = exc.errors()[0]
-            where = ".".join(str(part) for part in error["loc"])
-            raise ValueError(f"workload {where}={error.get('input')!r}: {error['msg']}") from None
+            raise invalid_field("workload", exc) from None
         self._send(self._stamp(RegisterWorkload, workload=workload))
 
     def on_advice(self, callback: Callable[[GpuAdvice], None]) -> None:

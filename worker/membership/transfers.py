@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cohort.events.clock import Clock, SystemClock
+from cohort.events.errors import InvalidValueError
 from cohort.worker.membership.view import GpuAdvice
 
 Kind = Literal["model", "dataset", "checkpoint", "other"]
@@ -128,11 +129,13 @@ class TransferScheduler:
     def schedule_transfer(self, size: int, kind: str, priority: int = 0) -> Slot:
         """Queue a transfer of `size` bytes of `kind`; when it may start, as of now."""
         if not isinstance(size, int) or size < 0:
-            raise ValueError(f"size={size!r}: a transfer's size is a whole number of bytes >= 0")
+            raise InvalidValueError(
+                f"size={size!r}: a transfer's size is a whole number of bytes >= 0"
+            )
         if kind not in KINDS:
-            raise ValueError(f"kind={kind!r}: a transfer is one of {', '.join(KINDS)}")
+            raise InvalidValueError(f"kind={kind!r}: a transfer is one of {', '.join(KINDS)}")
         if not isinstance(priority, int):
-            raise ValueError(f"priority={priority!r}: a transfer's priority is an int")
+            raise InvalidValueError(f"priority={priority!r}: a transfer's priority is an int")
         with self._lock:
             transfer = Transfer(next(self._ids), size, kind, priority, self.clock.now())  # type: ignore[arg-type]
             self._pending[transfer.id] = transfer

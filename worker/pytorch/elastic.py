@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cohort.events.errors import InvalidValueError
 from cohort.worker.collective import compressors as feedback
 from cohort.worker.collective.compressors import DEFAULT_RANK, Compression
 from cohort.worker.collective.redis_collective import Collective
@@ -55,7 +56,7 @@ def compression_setting(
     try:
         rank = int(rank_text) if rank_text else rank
     except ValueError:
-        raise ValueError(
+        raise InvalidValueError(
             f"${COMPRESSION_ENV}={setting!r}: the rank after ':' must be an integer"
         ) from None
     return named, rank  # type: ignore[return-value]  # compressor() checks the name
@@ -203,7 +204,7 @@ class ElasticJob(Elastic):
         through Redis."""
         compressor = feedback.compressor(compression, rank)
         if compressor is not None and self.backend is not None:
-            raise ValueError(
+            raise InvalidValueError(
                 f"compression {compression!r} works through Redis; backend {self.backend!r} "
                 "averages with torch.distributed (leave backend unset)"
             )

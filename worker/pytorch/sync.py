@@ -29,6 +29,7 @@ import msgpack
 import numpy as np
 import torch
 
+from cohort.events.errors import InvalidValueError
 from cohort.worker.collective import tensors as blobs
 from cohort.worker.collective.calls import GRADIENTS, STATE, WEIGHTS, call_id
 from cohort.worker.collective.compressors import (
@@ -385,16 +386,16 @@ class LocalSGD:
         rank: int = DEFAULT_RANK,
     ) -> None:
         if sync_every < 1:
-            raise ValueError(f"sync_every must be >= 1, not {sync_every!r}")
+            raise InvalidValueError(f"sync_every must be >= 1, not {sync_every!r}")
         if mode not in ("weights", "pseudo_gradient"):
-            raise ValueError(f"mode must be 'weights' or 'pseudo_gradient', not {mode!r}")
+            raise InvalidValueError(f"mode must be 'weights' or 'pseudo_gradient', not {mode!r}")
         if not (outer_lr > 0 and math.isfinite(outer_lr)):
-            raise ValueError(f"outer_lr must be a positive number, not {outer_lr!r}")
+            raise InvalidValueError(f"outer_lr must be a positive number, not {outer_lr!r}")
         if not 0.0 <= outer_momentum < 1.0:
-            raise ValueError(f"outer_momentum must be in [0, 1), not {outer_momentum!r}")
+            raise InvalidValueError(f"outer_momentum must be in [0, 1), not {outer_momentum!r}")
         self.compressor = compressor(compression, rank)
         if self.compressor is not None and mode != "pseudo_gradient":
-            raise ValueError(
+            raise InvalidValueError(
                 f"compression {compression!r} needs mode='pseudo_gradient' (weights are not "
                 "compressed), not mode={mode!r}"
             )

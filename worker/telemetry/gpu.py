@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from cohort.events.clock import Clock, SystemClock
+from cohort.events.errors import InvalidValueError
 from cohort.events.models import MAX_GPU_PROCESSES, GpuDevice, GpuProcess
 from cohort.worker.errors import WorkerError
 
@@ -335,7 +336,7 @@ class GpuSampler:
         log: logging.Logger | None = None,
     ) -> None:
         if not interval > 0:
-            raise ValueError(f"the GPU sampling interval must be positive, got {interval!r}")
+            raise InvalidValueError(f"the GPU sampling interval must be positive, got {interval!r}")
         self.probe = probe
         self.send = send
         self.interval = interval
