@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Iterator, Mapping
 from types import TracebackType
 
@@ -107,15 +106,10 @@ class Evaluator:
     def report(self, step: int, metrics: Mapping[str, float]) -> None:
         """Send the metrics of the weights after `step`; the leader journals them. ValueError
         names a bad value (at most 64 metrics, names of 1-64 letters, digits, ._:/-)."""
-        worker = self.worker
         try:
-            done = EvalDone(
-                at=worker.clock.now(), job=worker.job, worker=self.id, step=step,
-                metrics=dict(metrics),
-            )  # fmt: skip
+            self.worker.send(EvalDone, step=step, metrics=dict(metrics))
         except ValidationError as exc:
             raise invalid_field("evaluation", exc) from None
-        worker._send(done)  # the worker's own delivery: in order, retried through outages
 
     # ------------------------------------------------------------ what is due
     def _due(self, view: View) -> CheckpointSaved | None:
@@ -128,10 +122,9 @@ class Evaluator:
         """The view once a checkpoint is due or the job finished; after the end, up to
         `final_wait` s more for the last step's checkpoint."""
         worker = self.worker
-        view = worker._wait(  # same package: the worker's journal-fed wait
+        view = worker.wait_for(
             lambda v: self._due(v) is not None or v.finished is not None,
-            math.inf,
-            lambda: WaitTimeoutError("unreachable: no deadline"),
+            None,
             stop=worker.stopping,
         )
         if self._due(view) is not None or view.config is None:
@@ -139,12 +132,11 @@ class Evaluator:
         if view.config.checkpoint_uri is None or self.last == view.last_committed:
             return view
         try:
-            return worker._wait(
+            return worker.wait_for(
                 lambda v: self._due(v) is not None,
-                time.monotonic() + final_wait,
-                lambda: WaitTimeoutError("no final checkpoint"),
-                check_removed=False,
+                final_wait,
                 stop=worker.stopping,
+                removed=False,
             )
         except WaitTimeoutError:
             self.log.warning(

@@ -15,6 +15,7 @@ Timeouts are real seconds; the `Clock` stamps the events the worker sends.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import socket
@@ -22,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from cohort.events import identity
 from cohort.events.clock import Clock, SystemClock
@@ -71,6 +72,8 @@ from cohort.worker.telemetry.node import probed_node
 
 if TYPE_CHECKING:
     from cohort.events.order import Indices
+
+C = TypeVar("C", bound=Command)
 
 
 def default_worker_id() -> str:
@@ -351,7 +354,7 @@ class Worker:
     def wait_active(self, timeout: float) -> Assignment:
         """Wait until this worker holds a rank and training is not paused; raise Finished
         once the job finished."""
-        view = self._wait(
+        view = self._following.wait(
             lambda v: v.active or v.finished is not None,
             time.monotonic() + timeout,
             lambda: ActivationTimeoutError(
@@ -418,7 +421,7 @@ class Worker:
         def settled(v: View) -> bool:
             return v.last_committed >= step or v.world_version > ran_in or v.finished is not None
 
-        view = self._wait(
+        view = self._following.wait(
             settled,
             time.monotonic() + timeout,
             lambda: CommitTimeoutError(
@@ -462,17 +465,34 @@ class Worker:
             return False
         return True
 
-    def wait_for(self, done: Callable[[View], bool], timeout: float) -> View:
+    def wait_for(
+        self,
+        done: Callable[[View], bool],
+        timeout: float | None,
+        *,
+        stop: threading.Event | None = None,
+        removed: bool = True,
+    ) -> View:
         """The first view (as published after a whole journal reply) for which `done` holds.
 
-        Raises RemovedError once this worker is no longer a member, WaitTimeoutError after
-        `timeout`.
+        Raises WaitTimeoutError after `timeout` s (None: no deadline), Stopped once `stop`
+        is set, RemovedError once this worker is no longer a member (`removed=False`: go on
+        waiting, for a condition that holds after the end).
         """
-        return self._wait(
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        return self._following.wait(
             done,
-            time.monotonic() + timeout,
+            deadline,
             lambda: WaitTimeoutError(f"worker {self.id!r}: condition not met within {timeout:g} s"),
+            check_removed=removed,
+            stop=stop,
         )
+
+    def send(self, kind: Callable[..., C], **fields: Any) -> str:
+        """Send this member's `kind` command, `fields` its own (the header is stamped here),
+        after every command sent before it and retried through Redis outages: how a member
+        that is not a trainer (the evaluator's EvalDone) reports. Returns its inbox ID."""
+        return self._send(self._stamp(kind, **fields))
 
     # ------------------------------------------------------------ leaving
     def leave(self, reason: str = "", timeout: float = 10.0) -> bool:
@@ -484,7 +504,7 @@ class Worker:
         try:
             if self.view.member:
                 self._send(self._stamp(Leave, after_step=after, reason=reason[:1024]))
-                self._wait(
+                self._following.wait(
                     lambda v: not v.member,
                     time.monotonic() + timeout,
                     lambda: WaitTimeoutError("no WorkerLeft"),
@@ -536,21 +556,6 @@ class Worker:
     ) -> str:
         """`command` in the inbox, after everything posted before it (`Delivery.send`)."""
         return self._delivery.send(command, deadline, stop)
-
-    def _wait(
-        self,
-        done: Callable[[View], bool],
-        deadline: float,
-        timeout_error: Callable[[], Exception],
-        check_removed: bool = True,
-        removed_first: bool = True,
-        stop: threading.Event | None = None,
-    ) -> View:
-        """Block until `done(view)`; raise RemovedError (if asked), Stopped (also once `stop` is
-        set), or the timeout error (`JournalFollower.wait`)."""
-        return self._following.wait(
-            done, deadline, timeout_error, check_removed, removed_first, stop
-        )
 
     # ------------------------------------------------------------ GPU telemetry and advice
     @property
