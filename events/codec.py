@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 from pydantic import TypeAdapter, ValidationError
@@ -19,6 +19,8 @@ from pydantic import TypeAdapter, ValidationError
 from cohort.events.errors import DecodeError
 from cohort.events.models import COMMANDS, FACTS, Command, Event, Fact
 from cohort.events.upcasters import UPCASTED, upcast
+
+E = TypeVar("E", bound=Event)
 
 MAX_ENTRY_BYTES = 64 * 1024
 MAX_FACT_BYTES = 16 * 1024 * 1024  # a WorldChanged of a very large world
@@ -68,16 +70,20 @@ def _validation_reason(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def decode_command(raw: bytes) -> Command:
-    body = upcast(unpack(raw))
+def _validated(adapter: TypeAdapter[E], body: dict[str, Any], raw: bytes, kind: str) -> E:
+    """`body` as the event it names; a DecodeError naming its type and what is wrong."""
     try:
-        return COMMANDS.validate_python(body)
+        return adapter.validate_python(body)
     except ValidationError as exc:
         raise DecodeError(
-            f"invalid {body['type']!r} command: {_validation_reason(exc)}",
+            f"invalid {body['type']!r} {kind}: {_validation_reason(exc)}",
             bytes(raw),
             event_type=body["type"],
         ) from None
+
+
+def decode_command(raw: bytes) -> Command:
+    return _validated(COMMANDS, upcast(unpack(raw)), raw, "command")
 
 
 FACT_LIST: TypeAdapter[list[Fact]] = TypeAdapter(list[Fact])
@@ -133,12 +139,4 @@ def decode_facts(raws: Sequence[bytes]) -> list[Fact]:
 
 
 def decode_fact(raw: bytes) -> Fact:
-    body = upcast(unpack(raw, MAX_FACT_BYTES))
-    try:
-        return FACTS.validate_python(body)
-    except ValidationError as exc:
-        raise DecodeError(
-            f"invalid {body['type']!r} fact: {_validation_reason(exc)}",
-            bytes(raw),
-            event_type=body["type"],
-        ) from None
+    return _validated(FACTS, upcast(unpack(raw, MAX_FACT_BYTES)), raw, "fact")
