@@ -142,7 +142,7 @@ def test_without_a_checkpoint_the_job_pauses_until_resume_from_scratch(cluster: 
 WRITER = """
 import sys, threading
 import cohort
-from cohort.worker import checkpoints
+from cohort.worker.loop import checkpoints
 conn = cohort.connect(cohort.RedisSettings.resolve(sys.argv[1]))
 worker = cohort.Worker(conn, sys.argv[2], worker_id="writer")
 worker.join(); worker.ready()
