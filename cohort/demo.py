@@ -65,8 +65,13 @@ class DemoFailedError(CohortError):
 def run_demo(redis_url: str | None, job: str, workers: int, steps: int, keep: bool) -> int:
     """The demo's exit code: 0 when it ran to an identical-weights, audited end; 130 on
     Ctrl-C at any moment (every process stopped and every temp file removed first)."""
+    # A demo started as a script's background job inherits SIGINT ignored, and Python then
+    # leaves it ignored: the demo would not stop when told to. It answers SIGINT whatever
+    # it inherited.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with ExitStack() as stack:
+            stack.callback(signal.signal, signal.SIGINT, previous)
             return Demo(stack, job, workers, steps).run(redis_url, keep)
     except KeyboardInterrupt:  # during start-up or shutdown; the live phases handle their own
         console.print("[yellow]interrupted: every process stopped and temp files removed[/]")

@@ -146,14 +146,20 @@ def test_demo_runs_to_its_summary_and_leaves_nothing_behind(tmp_path: Path) -> N
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
 
 
-def test_interrupted_demo_stops_every_process_and_removes_its_files(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_interrupted_demo_stops_every_process_and_removes_its_files(
+    tmp_path: Path, inherited: str
+) -> None:
+    """Also when started with SIGINT ignored, as a script's background job is."""
     env = _demo_env(tmp_path)
+    disposition = signal.SIG_IGN if inherited == "ignored" else signal.SIG_DFL
     demo = subprocess.Popen(
         [sys.executable, "-m", "cohort", "demo", "--steps", "10000"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
         cwd=tmp_path,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, disposition),
     )
     # Wait until it is well under way: coordinators and workers are running.
     wait_until(
