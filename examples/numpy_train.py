@@ -29,10 +29,13 @@ def data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 
 def gradients(w: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
-    """The mean gradient and loss of the logistic loss over the batch."""
+    """The mean gradient and loss of the logistic loss over the batch (a rank may get an
+    empty batch at an epoch's end: zero gradient, no loss)."""
+    if len(y) == 0:
+        return np.zeros_like(w), float("nan")
     p = 1.0 / (1.0 + np.exp(-(x @ w)))
     loss = -np.mean(y * np.log(p + 1e-12) + (1 - y) * np.log(1 - p + 1e-12))
-    return x.T @ (p - y) / max(len(y), 1), float(loss)
+    return x.T @ (p - y) / len(y), float(loss)
 
 
 def main() -> None:
@@ -45,7 +48,8 @@ def main() -> None:
             grad, loss = gradients(params["w"], x[step.samples], y[step.samples])
             mean = job.allreduce({"w": grad})
             params["w"] -= LR * mean["w"]
-            job.record(loss=loss)
+            if loss == loss:  # not NaN
+                job.record(loss=loss)
     job.close()
     digest = hashlib.sha256(params["w"].tobytes()).hexdigest()[:16]
     print(json.dumps({"worker": job.worker.id, "steps": job.steps_done, "loss": loss,

@@ -116,6 +116,8 @@ class Launcher:
         self.started = 0.0
         self.next_chaos: float | None = None
         self.chaos_rng = random.Random(settings.job)
+        self.chaos_victims: set[int] = set()
+        """Pids the launcher killed on purpose (--chaos)."""
         self.log_dir = settings.run_dir
 
     # ------------------------------------------------------------ the run
@@ -232,6 +234,7 @@ class Launcher:
             how=proc.outcome(),
             ran_for=now - proc.started_at,
             finished=self.finished,
+            intended=proc.popen.pid in self.chaos_victims,
         )
         member.slot = supervision.on_exit(member.slot, exited, now, self.settings.policy)
         if member.slot.state is State.WAITING and not self.stopping:
@@ -375,19 +378,32 @@ class Launcher:
                 member.proc.signal(signal.SIGKILL)
 
     def _chaos(self, now: float) -> None:
-        """--chaos: every so many seconds of training, SIGKILL a random running rank."""
+        """--chaos: every so many seconds, SIGKILL a random local rank, once the job has
+        healed from the last one (every local rank a member of the current world)."""
         if self.next_chaos is None or now < self.next_chaos or self.finished or self.stopping:
             return
-        if self.watch.state.last_committed < 0:
-            return  # nothing trained yet: kill once training runs
-        running = [m for m in self.ranks if m.proc is not None and m.proc.alive()]
-        if running:
-            victim = self.chaos_rng.choice(running)
-            self.say(f"chaos: SIGKILL {victim.worker}")
-            assert victim.proc is not None
-            victim.proc.signal(signal.SIGKILL)
+        if not self._healed():
+            return
+        victim = self.chaos_rng.choice(self.ranks)
+        assert victim.proc is not None and victim.proc.popen is not None
+        self.say(f"chaos: SIGKILL {victim.worker}")
+        self.chaos_victims.add(victim.proc.popen.pid)
+        victim.proc.signal(signal.SIGKILL)
         assert self.settings.chaos is not None
         self.next_chaos = now + self.settings.chaos
+
+    def _healed(self) -> bool:
+        """Training runs and every local rank runs, as a rank of the current world."""
+        state = self.watch.state
+        if state.last_committed < 0 or state.paused:
+            return False
+        return all(
+            m.slot.state is State.RUNNING
+            and m.proc is not None
+            and m.proc.alive()
+            and m.worker in state.ranks
+            for m in self.ranks
+        )
 
     # ------------------------------------------------------------ the end
 

@@ -68,12 +68,16 @@ class Exited:
     how: str
     ran_for: float
     finished: bool
+    intended: bool = False
+    """The launcher killed it on purpose (--chaos): replaced at once, not a failure."""
 
 
 def on_exit(slot: Slot, exited: Exited, now: float, policy: Policy) -> Slot:
     """The slot after its process ended: done, waiting to start a new one, or given up."""
     if exited.code == 0 or exited.finished:
         return replace(slot, state=State.DONE, restart_at=None, last_exit=exited.how)
+    if exited.intended:
+        return replace(slot, state=State.WAITING, restart_at=now, last_exit=exited.how)
     if exited.ran_for >= policy.stable_after:  # it trained a while: replace it at once
         return replace(
             slot, state=State.WAITING, quick_failures=0, restart_at=now, last_exit=exited.how
