@@ -129,13 +129,14 @@ def _launch_settings(
     if redis_url:
         _check_shared_redis(ctx, job, node, job_settings_given, params["wait_for_redis"])
     run_dir = params["run_dir"] or Path("cohort-runs") / f"{job}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = run_dir.resolve()
     click.echo(f"cohort run: job {job!r}, {ranks} rank(s) on node {node!r}, logs in {run_dir}")
     return LaunchSettings(
         job=job,
         command=argv,
         ranks=ranks,
         node=node,
-        run_dir=run_dir.resolve(),
+        run_dir=run_dir,
         redis_url=redis_settings(ctx, "cohort-run").url if redis_url else None,
         coordinators=coordinators,
         job_flags=tuple(job_settings_given.argv()),
