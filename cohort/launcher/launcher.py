@@ -147,8 +147,6 @@ class Launcher:
         self.watch.pull(0)
         self._write_run_json()
         self.started = self.clock()
-        if self.settings.chaos:
-            self.next_chaos = self.started + self.settings.chaos
 
     def _start_private_redis(self) -> None:
         server = LocalRedis(
@@ -378,19 +376,23 @@ class Launcher:
                 member.proc.signal(signal.SIGKILL)
 
     def _chaos(self, now: float) -> None:
-        """--chaos: every so many seconds, SIGKILL a random local rank, once the job has
-        healed from the last one (every local rank a member of the current world)."""
-        if self.next_chaos is None or now < self.next_chaos or self.finished or self.stopping:
+        """--chaos: SIGKILL a random local rank after every so many seconds of whole, healed
+        training (every local rank a rank of the current world)."""
+        if not self.settings.chaos or self.finished or self.stopping:
             return
         if not self._healed():
+            self.next_chaos = None  # the clock starts again once the job has healed
+            return
+        if self.next_chaos is None:
+            self.next_chaos = now + self.settings.chaos
+        if now < self.next_chaos:
             return
         victim = self.chaos_rng.choice(self.ranks)
         assert victim.proc is not None and victim.proc.popen is not None
         self.say(f"chaos: SIGKILL {victim.worker}")
         self.chaos_victims.add(victim.proc.popen.pid)
         victim.proc.signal(signal.SIGKILL)
-        assert self.settings.chaos is not None
-        self.next_chaos = now + self.settings.chaos
+        self.next_chaos = None
 
     def _healed(self) -> bool:
         """Training runs and every local rank runs, as a rank of the current world."""
