@@ -8,6 +8,7 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -166,22 +167,29 @@ def _command(command: tuple[str, ...]) -> tuple[str, ...]:
     return command
 
 
-def _ranks(text: str) -> int:
+def _ranks(text: str, count_gpus: Callable[[], int] | None = None) -> int:
     """-n: a number of ranks >= 1, or `gpu` for one per GPU NVML sees."""
     if text == "gpu":
-        import logging
-
-        from cohort.worker.telemetry.gpu import probe
-
-        found = probe(logging.getLogger("cohort.run"))
-        count = len(found.sample()) if found.available else 0
-        found.close()
+        count = (count_gpus or gpu_count)()
         if count == 0:
             fail("-n gpu: NVML sees no GPU on this machine; give a number of ranks (-n 2)")
         return count
     if not text.isdigit() or int(text) < 1:
         fail(f"-n {text}: give a number of ranks of 1 or more, or `gpu`")
     return int(text)
+
+
+def gpu_count(nvml: Any = None) -> int:
+    """The GPUs NVML sees here (0 without a driver or NVML); `nvml` stands in for pynvml."""
+    import logging
+
+    from cohort.worker.telemetry.gpu import probe
+
+    found = probe(logging.getLogger("cohort.run"), nvml=nvml)
+    try:
+        return len(found.sample()) if found.available else 0
+    finally:
+        found.close()
 
 
 def _check_shared_redis(
