@@ -498,11 +498,10 @@ class Launcher:
         now = progress(state, time.time())
         rate = f"{now.steps_per_second:.1f} steps/s" if now.steps_per_second else "- steps/s"
         eta = f"ETA {now.eta_seconds:.0f} s" if now.eta_seconds is not None else "ETA -"
-        ranks = len(state.ranks)
         return Text(
             f"{self.settings.job}: step {state.last_committed + 1}, epoch {state.epoch}, "
-            f"{ranks} rank(s) in world {state.world_version}, {rate}, {eta}, "
-            f"{self.restarts} restart(s)",
+            f"{len(state.ranks)} ranks (world v{state.world_version}), {rate}, {eta}, "
+            f"{self.restarts} restart(s)" + ("  [paused]" if state.paused else ""),
             style="bold",
         )
 
