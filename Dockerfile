@@ -5,5 +5,6 @@ COPY events ./events
 COPY coordinator ./coordinator
 COPY worker ./worker
 COPY cohort ./cohort
+COPY examples ./examples
 RUN pip install --no-cache-dir .
 ENTRYPOINT ["cohort"]

@@ -13,6 +13,7 @@ from cohort.commands.coordinator import coordinator
 from cohort.commands.demo import demo
 from cohort.commands.lineage import checkpoints, resume
 from cohort.commands.reset import reset
+from cohort.commands.run import run
 from cohort.commands.runs import export_cmd, replay, report_cmd
 from cohort.commands.shared import redis_url_option
 from cohort.commands.status import status
@@ -58,6 +59,7 @@ def main(
 
     \b
     Start here:
+      cohort run -n 3 train.py          run a training script as 3 elastic ranks, supervised
       cohort demo                       a whole job on a private Redis, in one command
       cohort coordinator --job J        run a coordinator (run two or three for failover)
       cohort worker --job J             a simulated worker (your script uses cohort.Worker)
@@ -73,6 +75,7 @@ def main(
 
 
 for command in (
+    run,
     coordinator,
     worker,
     example_worker,

@@ -91,6 +91,8 @@ class LocalRedis:
         stop_timeout: float = 10.0,
         port_attempts: int = 5,
         tls: TlsFiles | None = None,
+        data_dir: Path | None = None,
+        own_session: bool = False,
     ) -> None:
         self.appendonly = appendonly
         self.appendfsync = appendfsync
@@ -103,6 +105,11 @@ class LocalRedis:
         self.port_attempts = port_attempts
         self.tls = tls
         """If set, the server listens with TLS only (on `port`), and `url` is rediss://."""
+        self.data_dir = data_dir
+        """Where the server keeps its files (None: a fresh temp dir, removed at stop)."""
+        self.own_session = own_session
+        """Start the server in a session of its own: a Ctrl-C meant for its parent does not
+        reach it (the parent then stops it when its own clients are done)."""
         self.embedded = False
         self.port = 0
         self.dir: Path | None = None
@@ -117,7 +124,9 @@ class LocalRedis:
         """Start on a fresh free port in a fresh temp dir; returns self once PING answers."""
         if self.alive():
             raise LocalRedisError(f"already running at {self.url}")
-        self.dir = Path(tempfile.mkdtemp(prefix="cohort-redis-"))
+        if self.data_dir is not None:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.dir = self.data_dir or Path(tempfile.mkdtemp(prefix="cohort-redis-"))
         try:
             if self.binary is None:
                 if not self.embedded_ok:
@@ -258,6 +267,7 @@ class LocalRedis:
             stdout=self._out,
             stderr=subprocess.STDOUT,
             cwd=self.dir,
+            start_new_session=self.own_session,
         )
         self._wait_ready()
 
@@ -316,7 +326,7 @@ class LocalRedis:
             self._out = None
 
     def _remove_dir(self) -> None:
-        if self.dir is not None and self.dir.exists():
+        if self.dir is not None and self.dir != self.data_dir and self.dir.exists():
             shutil.rmtree(self.dir, ignore_errors=True)
 
     # -- embedded fakeredis ----------------------------------------------------------

@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 
 def stop_all(procs: Iterable[Proc], grace: float = 5.0) -> None:
@@ -42,23 +44,52 @@ def tail(path: Path, lines: int = 20) -> str:
 
 @dataclass
 class Proc:
-    """`argv` run as `name`, its stdout and stderr appended to `log`."""
+    """`argv` run as `name` in a session of its own (a signal sent to the parent's terminal
+    reaches the parent only), its stdout and stderr appended to `log`; with `echo`, each
+    line of its output is also handed to `echo` as it comes."""
 
     name: str
     argv: list[str]
     log: Path
     popen: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] | None = None
+    echo: Callable[[str], None] | None = None
+    started_at: float = 0.0
+    """`time.monotonic()` when it was started."""
+    _copier: threading.Thread | None = field(default=None, repr=False)
 
     def start(self) -> None:
         handle = self.log.open("ab")
         self.popen = subprocess.Popen(
             self.argv,
-            stdout=handle,
-            stderr=handle,
+            stdout=handle if self.echo is None else subprocess.PIPE,
+            stderr=handle if self.echo is None else subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            env=self.env,
         )
-        handle.close()
+        self.started_at = time.monotonic()
+        if self.echo is None:
+            handle.close()
+            return
+        self._copier = threading.Thread(
+            target=self._copy, args=(handle,), name=f"output-{self.name}", daemon=True
+        )
+        self._copier.start()
+
+    def _copy(self, handle: BinaryIO) -> None:
+        """Each line of the output to the log, then to `echo`, until the process closes it."""
+        assert self.popen is not None and self.popen.stdout is not None and self.echo
+        with handle:
+            for raw in iter(self.popen.stdout.readline, b""):
+                handle.write(raw)
+                handle.flush()
+                self.echo(raw.decode(errors="replace").rstrip("\n"))
+
+    def drained(self, timeout: float = 5.0) -> None:
+        """Wait (up to `timeout`) until the output of a process that exited is all copied."""
+        if self._copier is not None:
+            self._copier.join(timeout)
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None

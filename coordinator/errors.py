@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from cohort.events.errors import CohortError
 from cohort.events.renames import renamed
+
+if TYPE_CHECKING:
+    from cohort.events.models import JobConfig
 
 
 class CoordinatorError(CohortError):
@@ -47,6 +51,21 @@ class ConfigConflictError(CoordinatorError):
         )
         self.job = job
         self.differ = differ
+
+    @classmethod
+    def between(
+        cls, job: str, journaled: JobConfig | None, config: JobConfig, given: Iterable[str]
+    ) -> ConfigConflictError | None:
+        """The conflict of the settings `given` in `config` with the journaled ones (None:
+        nothing journaled yet, or they agree)."""
+        if journaled is None:
+            return None
+        differ = [
+            (name, getattr(config, name), getattr(journaled, name))
+            for name in sorted(given)
+            if getattr(config, name) != getattr(journaled, name)
+        ]
+        return cls(job, differ) if differ else None
 
 
 def _flag(name: str, mine: Any, theirs: Any) -> str:

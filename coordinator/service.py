@@ -255,16 +255,12 @@ class Coordinator:
 
     def _check_config(self) -> None:
         """Raise ConfigConflictError if the journaled config differs from what the operator gave."""
-        journaled, settings = self.state.config, self.settings
-        if journaled is None:
-            return
-        differ = [
-            (name, getattr(settings.config, name), getattr(journaled, name))
-            for name in sorted(settings.given)
-            if getattr(settings.config, name) != getattr(journaled, name)
-        ]
-        if differ:
-            raise ConfigConflictError(settings.job, differ)
+        settings = self.settings
+        conflict = ConfigConflictError.between(
+            settings.job, self.state.config, settings.config, settings.given
+        )
+        if conflict is not None:
+            raise conflict
 
     def step(self) -> None:
         """One turn of the loop: lead a batch, or follow the journal and try for the lease."""

@@ -6,6 +6,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
@@ -43,3 +44,20 @@ def require_redis_server() -> str:
             pytest.fail(f"{reason}; CI must run the real-server tests")
         pytest.skip(reason)
     return binary
+
+
+def processes_mentioning(text: str, parent: int | None = None) -> list[str]:
+    """Processes whose command line holds `text` (only children of `parent`, if given:
+    other test runs on this machine may run demos too)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if text in cmdline and (parent is None or ppid == parent):
+            found.append(f"{pid}: {cmdline}")
+    return found

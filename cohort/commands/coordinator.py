@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import os
 import threading
-import tomllib
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-from pydantic import ValidationError
 
+from cohort.commands.settings import JobSettings, job_settings
 from cohort.commands.shared import (
-    FILE,
     fail,
     job_option,
     log,
@@ -23,7 +20,6 @@ from cohort.commands.shared import (
     wait_for_redis_option,
 )
 from cohort.errors import Exit
-from cohort.events.models import JobConfig
 
 if TYPE_CHECKING:
     from cohort.coordinator.metrics import Metrics
@@ -38,87 +34,7 @@ if TYPE_CHECKING:
     metavar="NAME",
     help="This coordinator's name in facts and logs (default host-pid).",
 )
-@click.option(
-    "--config",
-    "config_file",
-    type=FILE,
-    help="TOML file with job settings (keys as the flags, with underscores); "
-    "flags win over the file.",
-)
-@click.option("--min-workers", type=int, help="Pause training below this many (default 1).")
-@click.option("--max-workers", type=int, help="Refuse joins beyond this many (default 64).")
-@click.option("--heartbeat-interval", type=float, help="Seconds between heartbeats (default 1).")
-@click.option(
-    "--heartbeat-timeout",
-    type=float,
-    help="Seconds of silence before a worker is failed (default 5).",
-)
-@click.option(
-    "--dataset-size",
-    type=int,
-    help="Samples per epoch (default: the dataset the first worker to join declares; a "
-    "worker declaring other data is refused).",
-)
-@click.option(
-    "--batch-size",
-    type=int,
-    help="Samples per rank per step; with --global-batch, the most per forward (default 32).",
-)
-@click.option(
-    "--global-batch",
-    type=int,
-    help="Keep this many samples per step whatever the world size: ranks split them and "
-    "accumulate micro-batches of --batch-size, so the update equals a bigger world's "
-    "(default: --batch-size per rank; the global batch follows the world).",
-)
-@click.option(
-    "--placement",
-    type=click.Choice(["contiguous", "strided", "hash", "locality"]),
-    help="How each epoch's samples are dealt to ranks: contiguous runs, strided (rank r "
-    "takes r, r+n, ...: the global batches follow the epoch's order at any world size), or, "
-    "for a dataset of files, hash (a worker keeps its files across epochs and worlds) or "
-    "locality (files the worker's node holds first). Default: contiguous.",
-)
-@click.option(
-    "--shuffle/--no-shuffle",
-    default=None,
-    help="Visit each epoch's samples in its own pseudorandom order, keyed by the seed and "
-    "the epoch, exactly once whatever the world does (default: shuffle); --no-shuffle: in "
-    "index order.",
-)
-@click.option(
-    "--seed",
-    type=click.IntRange(0, 2**53),
-    help="The shuffle's seed: the same seed gives the same orders (default 0).",
-)
-@click.option("--straggler-factor", type=float, help="x median step time (default 1.5).")
-@click.option("--straggler-steps", type=int, help="Steps in a row to flag (default 5).")
-@click.option(
-    "--checkpoint-uri",
-    metavar="URI",
-    help="Where the weights are checkpointed: an absolute path, file://..., or any fsspec "
-    "filesystem (s3://, gs://, ... with its extra installed on the workers).",
-)
-@click.option(
-    "--checkpoint-every",
-    type=int,
-    help="Committed steps between checkpoints (default 100).",
-)
-@click.option(
-    "--checkpoint-keep",
-    type=int,
-    help="Checkpoints kept; older files are deleted (default 3).",
-)
-@click.option(
-    "--max-steps",
-    type=int,
-    help="The job finishes once this many steps committed (default: no limit).",
-)
-@click.option(
-    "--epochs",
-    type=int,
-    help="The job finishes once this many epochs finished (default: no limit).",
-)
+@job_settings
 @click.option(
     "--stay",
     is_flag=True,
@@ -137,12 +53,6 @@ if TYPE_CHECKING:
     default=1000,
     show_default=True,
     help="Write a snapshot every N facts.",
-)
-@click.option(
-    "--gpu-rules",
-    "gpu_rules_file",
-    type=FILE,
-    help="GPU rules (TOML or YAML) replacing the defaults; see docs/gpu.md.",
 )
 @click.option(
     "--allow-volatile",
@@ -179,7 +89,6 @@ def coordinator(
     ctx: click.Context,
     job: str,
     coordinator_id: str | None,
-    config_file: Path | None,
     lease: float,
     snapshot_every: int,
     metrics_port: int | None,
@@ -187,10 +96,9 @@ def coordinator(
     allow_eviction: bool,
     wait_aof: bool,
     wait_replicas: int,
-    gpu_rules_file: Path | None,
     stay: bool,
     wait_for_redis: float,
-    **flags: Any,
+    **params: Any,
 ) -> None:
     """Run a coordinator for JOB. Run several: one leads, the others follow and take over.
 
@@ -202,7 +110,7 @@ def coordinator(
     from cohort.coordinator.errors import CoordinatorError
     from cohort.coordinator.service import Coordinator, ServiceSettings
 
-    config, given = _job_config(config_file, gpu_rules_file, flags)
+    config, given = JobSettings.of(params).config()
     if not 0.2 <= lease <= 600:
         fail(f"--lease {lease} is out of range; use 0.2 to 600 seconds")
     name = coordinator_id or f"{os.uname().nodename}-{os.getpid()}"
@@ -230,74 +138,6 @@ def coordinator(
         Coordinator.on_redis(conn, settings, metrics=metrics).run(stop)
     except CoordinatorError as exc:
         fail(str(exc), Exit.DATA)
-
-
-def _job_config(
-    config_file: Path | None, gpu_rules_file: Path | None, flags: dict[str, Any]
-) -> tuple[JobConfig, frozenset[str]]:
-    """The job's settings (the TOML file's, then the flags given, then the GPU rules) and
-    the names of those that were given."""
-    from cohort.coordinator.gpu_rules import RulesError, load_rules, parse_rules
-
-    values = _load_config_file(config_file)
-    values.update({k: v for k, v in flags.items() if v is not None})
-    try:
-        if gpu_rules_file is not None:
-            rules = load_rules(gpu_rules_file)
-        elif "gpu_rules" in values:
-            rules = parse_rules({"rules": values["gpu_rules"]}, str(config_file))
-        else:
-            rules = None
-    except RulesError as exc:
-        fail(str(exc))
-    if rules is not None:
-        values["gpu_rules"] = tuple(r.model_dump(mode="json") for r in rules.rules)
-    if values.get("checkpoint_uri") is not None:
-        _check_checkpoint_uri(str(values["checkpoint_uri"]))
-    try:
-        return JobConfig(**values), frozenset(values)
-    except ValidationError as exc:
-        fail(_pydantic_message(exc, str(config_file) if config_file else "the flags"))
-    except TypeError as exc:
-        fail(f"bad job settings: {exc}")
-
-
-def _check_checkpoint_uri(uri: str) -> None:
-    """An absolute path or a URL of a filesystem fsspec knows; else exit 2 naming it."""
-    from fsspec.registry import known_implementations, registry
-    from fsspec.utils import get_protocol
-
-    protocol = get_protocol(uri)
-    if "://" not in uri and not uri.startswith("/"):
-        fail(
-            f"--checkpoint-uri {uri!r} is a relative path; every worker resolves it in its own "
-            "directory: give an absolute path or a URL (file:///..., s3://...)"
-        )
-    if protocol not in known_implementations and protocol not in registry:
-        fail(
-            f"--checkpoint-uri {uri!r}: fsspec knows no filesystem {protocol!r}; use an absolute "
-            "path, file:///..., or e.g. s3://, gs://, abfs:// (with s3fs, gcsfs, adlfs installed)"
-        )
-
-
-def _load_config_file(path: Path | None) -> dict[str, Any]:
-    if path is None:
-        return {}
-    try:
-        return tomllib.loads(path.read_text())
-    except OSError as exc:
-        fail(f"cannot read config file {str(path)!r}: {exc.strerror}")
-    except tomllib.TOMLDecodeError as exc:
-        fail(f"config file {str(path)!r} is not valid TOML: {exc}")
-
-
-def _pydantic_message(exc: ValidationError, source: str) -> str:
-    problems = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"])
-        message = err["msg"].removeprefix("Value error, ")
-        problems.append(f"{where}={err.get('input')!r}: {message}" if where else message)
-    return f"bad job settings from {source}: " + "; ".join(problems)
 
 
 def _serve_metrics(job: str, name: str, port: int) -> Metrics:

@@ -18,7 +18,7 @@ from cohort.events.keys import Keys
 from cohort.events.models import Join, StepDone, WeightsLoaded
 from cohort.events.streams import Inbox
 from cohort.localredis import LocalRedis
-from tests.helpers import require_redis_server, wait_until
+from tests.helpers import processes_mentioning, require_redis_server, wait_until
 from tests.integration.cluster import Cluster
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
@@ -35,23 +35,6 @@ def cohort(
         env=env,
         cwd=cwd,
     )
-
-
-def processes_mentioning(text: str, parent: int | None = None) -> list[str]:
-    """Processes whose command line holds `text` (only children of `parent`, if given:
-    other test runs on this machine may run demos too)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if text in cmdline and (parent is None or ppid == parent):
-            found.append(f"{pid}: {cmdline}")
-    return found
 
 
 def test_status_export_and_replay_agree_on_the_state(cluster: Cluster, tmp_path: Path) -> None:

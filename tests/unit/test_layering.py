@@ -4,6 +4,7 @@ nothing is imported or executed).
 - `cohort.events` imports neither `cohort.coordinator` nor `cohort.worker`;
 - `cohort.coordinator` and `cohort.worker` never import each other;
 - only the worker's `pytorch` room imports torch;
+- the launcher (`cohort.launcher`) never imports the worker: the ranks are the user's scripts;
 - a worker room imports only the rooms below it:
   telemetry <- membership <- collective <- loop <- pytorch (`worker/errors.py` is below them
   all). Imports under `if TYPE_CHECKING:` never run, so they are left out of this last rule.
@@ -91,6 +92,8 @@ def violations(sources: dict[str, str]) -> list[str]:
                 found.append(f"{where}: the coordinator never imports the worker")
             if within(module, "cohort.worker") and within(name, "cohort.coordinator"):
                 found.append(f"{where}: the worker never imports the coordinator")
+            if within(module, "cohort.launcher") and within(name, "cohort.worker"):
+                found.append(f"{where}: the launcher runs scripts, it never imports the worker")
             if within(name, "torch") and room(module) != "pytorch":
                 found.append(f"{where}: only cohort.worker.pytorch imports torch")
             mine, theirs = room(module), room(name)

@@ -21,9 +21,12 @@ def quick_start() -> list[str]:
     return [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.strip()]
 
 
-def test_readme_quick_start_is_exactly_two_commands_demo_and_tests() -> None:
+def test_readme_quick_start_is_exactly_two_commands_a_run_and_the_tests() -> None:
     first, second = quick_start()
-    assert first.endswith("cohort demo")
+    install, run = first.split(" && ")
+    assert install == "pip install -e '.[dev]'"
+    assert run.startswith("cohort run ") and "--chaos" in run  # a rank is killed on the way
+    assert (ROOT / run.split()[-1]).is_file()  # the example script it runs
     assert second.endswith("python -m pytest")
 
 
@@ -60,19 +63,20 @@ def test_readme_installs_the_cpu_build_of_torch_before_the_torch_extra() -> None
     ]
 
 
-def test_compose_runs_redis_with_aof_two_coordinators_and_workers() -> None:
+def test_compose_runs_redis_with_aof_and_two_nodes_under_the_launcher() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert "--appendonly" in services["redis"]["command"]
-    assert (
-        services["redis"]["command"][services["redis"]["command"].index("--appendonly") + 1]
-        == "yes"
-    )
-    coordinators = [s for s in services.values() if "coordinator" in s.get("command", [])]
-    assert len(coordinators) == 2
-    assert services["worker"]["command"][0] == "example-worker"
-    for name in ("coordinator-1", "coordinator-2", "worker"):
-        assert services[name]["environment"]["COHORT_REDIS_URL"] == "redis://redis:6379/0"
+    redis = services["redis"]["command"]
+    assert redis[redis.index("--appendonly") + 1] == "yes"
+    nodes = {name: s for name, s in services.items() if s.get("command", [""])[0] == "run"}
+    assert len(nodes) == 2
+    named = [s["command"][s["command"].index("--node") + 1] for s in nodes.values()]
+    assert len(set(named)) == 2  # two launchers of one job need two node names
+    for service in nodes.values():
+        assert service["environment"]["COHORT_REDIS_URL"] == "redis://redis:6379/0"
+        assert (ROOT / service["command"][-1]).is_file()
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "COPY examples ./examples" in dockerfile
 
 
 @pytest.mark.skipif(

@@ -158,10 +158,11 @@ def test_settings_given_that_differ_from_the_journaled_config_are_refused_naming
 
 
 def test_shuffle_flags_are_settings_the_journal_holds_and_refuses_to_change() -> None:
-    from cohort.commands.coordinator import _job_config, coordinator
+    from cohort.commands.coordinator import coordinator
+    from cohort.commands.settings import job_config
 
     parsed = coordinator.make_context("coordinator", ["--job", "j", "--no-shuffle", "--seed", "7"])
-    config, given = _job_config(None, None, {k: parsed.params[k] for k in ("shuffle", "seed")})
+    config, given = job_config(None, None, {k: parsed.params[k] for k in ("shuffle", "seed")})
     assert (config.shuffle, config.seed) == (False, 7) and given == {"shuffle", "seed"}
     unset = coordinator.make_context("coordinator", ["--job", "j"])
     assert unset.params["shuffle"] is None  # not given: a standby compares nothing

@@ -76,7 +76,15 @@ if TYPE_CHECKING:
 C = TypeVar("C", bound=Command)
 
 
+WORKER_ID_ENV = "COHORT_WORKER_ID"
+"""The worker id a launcher gives a rank it starts (`cohort run`): the default when the
+script names none."""
+
+
 def default_worker_id() -> str:
+    """$COHORT_WORKER_ID if set, else host-pid-random (unique among a job's workers)."""
+    if os.environ.get(WORKER_ID_ENV):
+        return os.environ[WORKER_ID_ENV]
     host = socket.gethostname().split(".")[0] or "host"
     host = "".join(c if c.isalnum() or c in "._-" else "-" for c in host)[:96]
     return f"{host}-{os.getpid()}-{random.randbytes(2).hex()}"

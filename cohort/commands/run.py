@@ -1,0 +1,242 @@
+"""`cohort run`: launch a job's ranks on this node, supervise them, replace the ones that fail."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from cohort.commands.settings import JobSettings, job_settings
+from cohort.commands.shared import (
+    FILE,
+    fail,
+    job_option,
+    redis_client,
+    redis_settings,
+    redis_url_option,
+    wait_for_redis_option,
+)
+
+if TYPE_CHECKING:
+    from cohort.launcher.launcher import LaunchSettings
+
+
+@click.command(context_settings={"allow_interspersed_args": False})
+@click.option(
+    "-n",
+    "--nproc-per-node",
+    "nproc",
+    default="1",
+    show_default=True,
+    metavar="N|gpu",
+    help="Ranks to run on this node; `gpu`: one per GPU NVML sees.",
+)
+@job_option(
+    "The job (default $COHORT_JOB, else a new name, printed); nodes of one job name the same.",
+    required=False,
+)
+@redis_url_option()
+@click.option(
+    "--node",
+    metavar="NAME",
+    help="This node's name in worker ids and logs (default: the host name); two launchers "
+    "of one job on one host need two names.",
+)
+@click.option(
+    "--coordinators",
+    type=click.IntRange(0, 16),
+    default=1,
+    show_default=True,
+    help="Coordinators to run on this node (each a standby until it leads); 0: none here.",
+)
+@click.option("--no-coordinator", is_flag=True, help="Run no coordinator here (--coordinators 0).")
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="Per local rank: failures in a row within a minute of starting before it is given "
+    "up (a rank that trained longer is replaced at once, its count afresh).",
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Where each rank's log, the coordinators' and run.json go (default: a new folder "
+    "under ./cohort-runs, printed).",
+)
+@click.option("--export", type=FILE, help="At the end, export the job's journal to this file.")
+@click.option(
+    "--chaos",
+    type=click.FloatRange(min=1),
+    metavar="SECONDS",
+    help="Every SECONDS of training, SIGKILL a random local rank (it is replaced): try the "
+    "script's elasticity.",
+)
+@click.option(
+    "--stop-grace",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="After Ctrl-C/SIGTERM, seconds the ranks get to finish their step and leave.",
+)
+@job_settings
+@wait_for_redis_option()
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def run(ctx: click.Context, command: tuple[str, ...], **params: Any) -> None:
+    """Run COMMAND as the job's ranks on this node, with a coordinator and (where no Redis
+    is given) a private Redis; replace a rank that fails; end when the job does.
+
+    \b
+      cohort run -n 3 --epochs 4 examples/numpy_train.py        a .py runs with this Python
+      cohort run -n 4 --job J -- python train.py --lr 0.1      on every node of job J
+    """
+    from cohort.launcher.launcher import Launcher, LaunchError, launcher_console
+
+    settings = _launch_settings(ctx, command, params)
+    console = launcher_console()
+    try:
+        code = Launcher(settings, console).run()
+    except LaunchError as exc:
+        fail(str(exc) + (f" (log: {exc.log})" if exc.log else ""), exc.code)
+    sys.exit(code)
+
+
+def _launch_settings(
+    ctx: click.Context, command: tuple[str, ...], params: dict[str, Any]
+) -> LaunchSettings:
+    """Every flag checked, nothing started yet: the launcher's settings, or exit 2 (3 when
+    the Redis given does not answer) naming the bad value."""
+    from cohort.launcher.launcher import LaunchSettings
+    from cohort.launcher.supervision import Policy
+
+    job_settings_given = JobSettings.of(params)
+    job_settings_given.config()  # bad settings: exit 2 before anything starts
+    job = params["job"] or _new_job_name()
+    node = params["node"] or _host_name()
+    _check_node(node)
+    argv = _command(command)
+    ranks = _ranks(params["nproc"])
+    coordinators = 0 if params["no_coordinator"] else params["coordinators"]
+    redis_url = ctx.obj.get("redis_url")
+    if redis_url:
+        _check_shared_redis(ctx, job, node, job_settings_given, params["wait_for_redis"])
+    run_dir = params["run_dir"] or Path("cohort-runs") / f"{job}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = run_dir.resolve()
+    click.echo(f"cohort run: job {job!r}, {ranks} rank(s) on node {node!r}, logs in {run_dir}")
+    return LaunchSettings(
+        job=job,
+        command=argv,
+        ranks=ranks,
+        node=node,
+        run_dir=run_dir,
+        redis_url=redis_settings(ctx, "cohort-run").url if redis_url else None,
+        coordinators=coordinators,
+        job_flags=tuple(job_settings_given.argv()),
+        policy=Policy(max_restarts=params["max_restarts"]),
+        export=params["export"],
+        chaos=params["chaos"],
+        live=sys.stdout.isatty(),
+        log_level=ctx.find_root().params.get("log_level", "info"),
+        stop_grace=params["stop_grace"],
+    )
+
+
+def _command(command: tuple[str, ...]) -> tuple[str, ...]:
+    """The argv of a rank: a .py first argument runs with this Python, as torchrun does."""
+    if not command:
+        fail(
+            "no command to run: give one after the options, e.g. "
+            "`cohort run -n 2 train.py --lr 0.1` or `cohort run -n 2 -- python train.py`"
+        )
+    first = command[0]
+    if first.endswith(".py"):
+        if not Path(first).is_file():
+            fail(f"script {first!r} does not exist (looked in {os.getcwd()})")
+        return (sys.executable, "-u", first, *command[1:])
+    if shutil.which(first) is None:
+        fail(f"command {first!r} is not found on PATH nor a file: give its path")
+    return command
+
+
+def _ranks(text: str, count_gpus: Callable[[], int] | None = None) -> int:
+    """-n: a number of ranks >= 1, or `gpu` for one per GPU NVML sees."""
+    if text == "gpu":
+        count = (count_gpus or gpu_count)()
+        if count == 0:
+            fail("-n gpu: NVML sees no GPU on this machine; give a number of ranks (-n 2)")
+        return count
+    if not text.isdigit() or int(text) < 1:
+        fail(f"-n {text}: give a number of ranks of 1 or more, or `gpu`")
+    return int(text)
+
+
+def gpu_count(nvml: Any = None) -> int:
+    """The GPUs NVML sees here (0 without a driver or NVML); `nvml` stands in for pynvml."""
+    import logging
+
+    from cohort.worker.telemetry.gpu import probe
+
+    found = probe(logging.getLogger("cohort.run"), nvml=nvml)
+    try:
+        return len(found.sample()) if found.available else 0
+    finally:
+        found.close()
+
+
+def _check_shared_redis(
+    ctx: click.Context, job: str, node: str, given: JobSettings, wait: float
+) -> None:
+    """On a Redis shared with other nodes: it answers (else exit 3), the job has not
+    finished, its journaled settings agree with the ones given, and no other launcher runs
+    ranks under this node's name (else exit 2)."""
+    from cohort.coordinator.errors import ConfigConflictError
+    from cohort.coordinator.replay import JournalWatch
+    from cohort.events.keys import Keys
+    from cohort.events.streams import Journal
+
+    conn = redis_client(ctx, "cohort-run", wait)
+    watch = JournalWatch(Journal(conn, Keys(job).journal))
+    watch.pull(0)
+    state = watch.state
+    if state.finished is not None:
+        fail(
+            f"job {job!r} finished at step {state.last_committed} ({state.finished}): nothing "
+            f"to run; `cohort reset --job {job}` to run the name again"
+        )
+    config, names = given.config()
+    conflict = ConfigConflictError.between(job, state.config, config, names)
+    if conflict is not None:
+        fail(str(conflict))
+    mine = sorted(w for w in state.members if w.startswith(f"{node}-"))
+    if mine:
+        fail(
+            f"node name {node!r} is in use in job {job!r} (members {', '.join(mine[:4])}): give "
+            "this launcher another with --node; if they are an earlier launcher's that is gone, "
+            "they are failed within the heartbeat timeout: try again then"
+        )
+
+
+def _new_job_name() -> str:
+    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000:04d}"
+
+
+def _host_name() -> str:
+    host = socket.gethostname().split(".")[0] or "node"
+    return re.sub(r"[^A-Za-z0-9._-]", "-", host)[:48]
+
+
+def _check_node(node: str) -> None:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,47}", node):
+        fail(
+            f"--node {node!r}: use 1-48 characters from the letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit"
+        )

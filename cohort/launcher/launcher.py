@@ -1,0 +1,526 @@
+"""The launcher's one loop: load what happened (ranks that exited, the journal), decide with
+the supervision rules, act (start, replace, stop), show.
+
+One `Launcher` runs one node of a job: its ranks (the user's command, once per local rank,
+each told who it is through the environment), its coordinators (a standby until it leads,
+so leadership moves with the nodes) and, where no Redis is given, a private one in the run
+directory. Everything it starts runs in a session of its own and is known to the reaper,
+so nothing outlives the launcher; a signal to the launcher is forwarded as one SIGTERM to
+each rank (finish the step, leave), a second one kills everything at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+from cohort.coordinator.audit import Audit, audit
+from cohort.coordinator.progress import progress
+from cohort.coordinator.replay import JournalWatch, export, from_redis
+from cohort.errors import CohortError, Exit
+from cohort.events.connection import Client, RedisSettings, connect
+from cohort.events.keys import Keys
+from cohort.events.models import WorkerFailed
+from cohort.events.streams import Journal
+from cohort.launcher import supervision
+from cohort.launcher.reaper import Reaper
+from cohort.launcher.supervision import Exited, Policy, Slot, State
+from cohort.localredis import LocalRedis
+from cohort.processes import Proc
+
+FATAL_COORDINATOR_EXITS = {Exit.USAGE, Exit.REDIS, Exit.DATA}
+"""A coordinator that exits with one of these will not do better if started again (bad
+settings, settings that differ from the journal's, Redis refusing it)."""
+TURN_MS = 100
+"""How long a turn of the loop waits on the journal: the launcher's pace."""
+COORDINATOR_EXIT_WAIT = 10.0
+"""Once the job finished, how long the coordinators get to exit on their own."""
+
+
+class LaunchError(CohortError):
+    """The launcher cannot go on; the message says why, `log` which log shows more."""
+
+    def __init__(self, message: str, log: Path | None = None, code: Exit = Exit.FAILED) -> None:
+        super().__init__(message)
+        self.log = log
+        self.code = code
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """What `cohort run` was given, checked."""
+
+    job: str
+    command: tuple[str, ...]
+    ranks: int
+    node: str
+    run_dir: Path
+    redis_url: str | None = None
+    """None: start a private Redis in the run directory."""
+    coordinators: int = 1
+    job_flags: tuple[str, ...] = ()
+    """The job settings as flags, for the coordinators (`JobSettings.argv`)."""
+    policy: Policy = Policy()
+    export: Path | None = None
+    chaos: float | None = None
+    """Seconds between SIGKILLs of a random local rank (None: none)."""
+    live: bool = False
+    log_level: str = "info"
+    stop_grace: float = 30.0
+    """After a signal, how long the ranks get to finish their step and leave."""
+
+
+@dataclass
+class Member:
+    """A slot of the launcher, its supervision state and its current process."""
+
+    slot: Slot
+    proc: Proc | None = None
+    worker: str = ""
+
+
+class Launcher:
+    """One node of a job under `cohort run`."""
+
+    def __init__(
+        self,
+        settings: LaunchSettings,
+        console: Console,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.console = console
+        self.clock = clock
+        self.ranks = [Member(Slot(i)) for i in range(settings.ranks)]
+        self.coordinators = [Member(Slot(i)) for i in range(settings.coordinators)]
+        self.restarts = 0
+        self.signals = 0
+        self.stop_deadline: float | None = None
+        self.redis_url = settings.redis_url or ""
+        self.embedded = False
+        self.started = 0.0
+        self.next_chaos: float | None = None
+        self.chaos_rng = random.Random(settings.job)
+        self.chaos_victims: set[int] = set()
+        """Pids the launcher killed on purpose (--chaos)."""
+        self.log_dir = settings.run_dir
+
+    # ------------------------------------------------------------ the run
+
+    def run(self) -> Exit:
+        """Start everything, supervise until the node's work is over, then stop and report."""
+        with ExitStack() as stack:
+            self.stack = stack
+            self._prepare()
+            self._start_coordinators()
+            self._start_ranks()
+            with self._signals_forwarded(), self._showing():
+                while not self._over():
+                    self._turn()
+            return self._finish()
+
+    def _prepare(self) -> None:
+        """The run directory, the reaper, Redis, and the journal followed."""
+        self.settings.run_dir.mkdir(parents=True, exist_ok=True)
+        self.reaper = Reaper()
+        self.stack.callback(self.reaper.release)
+        self.stack.callback(self._kill_all)
+        if not self.redis_url:
+            self._start_private_redis()
+        self.conn: Client = connect(RedisSettings.resolve(self.redis_url))
+        self.watch = JournalWatch(Journal(self.conn, Keys(self.settings.job).journal))
+        self.watch.pull(0)
+        self._write_run_json()
+        self.started = self.clock()
+
+    def _start_private_redis(self) -> None:
+        server = LocalRedis(
+            appendonly=True,
+            embedded_ok=True,
+            data_dir=self.settings.run_dir / "redis",
+            own_session=True,
+        )
+        server.start()
+        self.stack.callback(server.stop)
+        if server.process is not None:
+            self.reaper.watch(server.process.pid)
+        self.embedded = server.embedded
+        self.redis_url = server.url
+        kind = (
+            "an embedded fakeredis server (no redis-server binary found)"
+            if server.embedded
+            else f"a private redis-server (AOF on, data in {server.dir})"
+        )
+        self.say(f"cohort run: no Redis given: using {kind} at {server.url}")
+
+    def _write_run_json(self, **more: Any) -> None:
+        settings = self.settings
+        body = {
+            "job": settings.job,
+            "redis_url": RedisSettings.resolve(self.redis_url).display_url,
+            "private_redis": settings.redis_url is None,
+            "node": settings.node,
+            "ranks": settings.ranks,
+            "command": list(settings.command),
+            "run_dir": str(settings.run_dir),
+            **more,
+        }
+        (settings.run_dir / "run.json").write_text(json.dumps(body, indent=1) + "\n")
+
+    # ------------------------------------------------------------ one turn
+
+    def _turn(self) -> None:
+        """Load, decide, act, show: one pass over what happened since the last."""
+        self.watch.pull(TURN_MS)
+        now = self.clock()
+        for index, member in enumerate(self.ranks):
+            self._settle_rank(index, member, now)
+        for index, member in enumerate(self.coordinators):
+            self._settle_coordinator(index, member, now)
+        self._stop_late_ranks(now)
+        self._chaos(now)
+        self._show()
+
+    def _settle_rank(self, index: int, member: Member, now: float) -> None:
+        """A rank that exited gets the supervision's answer; a due slot a new process."""
+        proc = member.proc
+        if member.slot.state is State.RUNNING and proc is not None and not proc.alive():
+            self._exited(member, proc, now, "rank")
+        elif supervision.due(member.slot, now) and not self.stopping:
+            self.restarts += 1
+            self._start_rank(index)
+        elif member.slot.state is State.WAITING and (self.stopping or self.finished):
+            member.slot = supervision.stopped_waiting(member.slot)
+
+    def _settle_coordinator(self, index: int, member: Member, now: float) -> None:
+        proc = member.proc
+        if member.slot.state is State.RUNNING and proc is not None and not proc.alive():
+            assert proc.popen is not None
+            if proc.popen.returncode in FATAL_COORDINATOR_EXITS and not self.finished:
+                raise LaunchError(
+                    f"coordinator {proc.name} stopped ({proc.outcome()}): "
+                    + _last_line(proc.tail(5)),
+                    proc.log,
+                    Exit(proc.popen.returncode),
+                )
+            self._exited(member, proc, now, "coordinator")
+        elif supervision.due(member.slot, now) and not self.stopping and not self.finished:
+            self._start_coordinator(index)
+
+    def _exited(self, member: Member, proc: Proc, now: float, kind: str) -> None:
+        """Supervision's answer to a process that ended, said in one line."""
+        assert proc.popen is not None
+        proc.drained()
+        self.reaper.forget(proc.popen.pid)
+        exited = Exited(
+            code=proc.popen.returncode,
+            how=proc.outcome(),
+            ran_for=now - proc.started_at,
+            finished=self.finished,
+            intended=proc.popen.pid in self.chaos_victims,
+        )
+        member.slot = supervision.on_exit(member.slot, exited, now, self.settings.policy)
+        if member.slot.state is State.WAITING and not self.stopping:
+            wait = max(0.0, (member.slot.restart_at or now) - now)
+            self.say(f"{kind} {proc.name} {exited.how}: replacing it in {wait:.0f} s")
+        elif member.slot.state is State.GIVEN_UP:
+            self.say(
+                f"{kind} {proc.name} {exited.how}, its {member.slot.quick_failures}th failure "
+                f"in a row within {self.settings.policy.stable_after:g} s of starting: giving "
+                f"up on it. Its log ({proc.log}) ends:\n{proc.tail(15)}"
+            )
+
+    # ------------------------------------------------------------ processes
+
+    def _start_ranks(self) -> None:
+        for index in range(self.settings.ranks):
+            self._start_rank(index)
+
+    def _start_rank(self, index: int) -> None:
+        """A process for local rank `index`: the user's command, told who it is."""
+        member = self.ranks[index]
+        if member.proc is not None:
+            member.slot = supervision.started(member.slot)
+        generation = member.slot.generation
+        worker = f"{self.settings.node}-{index}" + (f".{generation}" if generation else "")
+        env = {
+            **os.environ,
+            "COHORT_JOB": self.settings.job,
+            "COHORT_REDIS_URL": self.redis_url,
+            "COHORT_LOCAL_RANK": str(index),
+            "COHORT_LOCAL_WORLD_SIZE": str(self.settings.ranks),
+            "COHORT_NODE": self.settings.node,
+            "COHORT_WORKER_ID": worker,
+            "PYTHONUNBUFFERED": "1",
+        }
+        log = self.log_dir / f"rank-{index}.log"
+        with log.open("a") as handle:
+            handle.write(f"==== {worker}: {' '.join(self.settings.command)}\n")
+        member.worker = worker
+        member.proc = Proc(
+            worker, list(self.settings.command), log, env=env, echo=self._echo_for(worker)
+        )
+        member.proc.start()
+        assert member.proc.popen is not None
+        self.reaper.watch(member.proc.popen.pid)
+
+    def _start_coordinators(self) -> None:
+        for index in range(self.settings.coordinators):
+            self._start_coordinator(index)
+
+    def _start_coordinator(self, index: int) -> None:
+        member = self.coordinators[index]
+        if member.proc is not None:
+            member.slot = supervision.started(member.slot)
+        name = f"{self.settings.node}-coordinator-{index}"
+        argv = [
+            sys.executable, "-m", "cohort", "--redis-url", self.redis_url,
+            "--log-level", self.settings.log_level, "coordinator", "--job", self.settings.job,
+            *self.settings.job_flags, "--id", name,
+            *(["--allow-volatile"] if self.embedded else []),
+        ]  # fmt: skip
+        member.proc = Proc(name, argv, self.log_dir / f"coordinator-{index}.log")
+        member.proc.start()
+        assert member.proc.popen is not None
+        self.reaper.watch(member.proc.popen.pid)
+
+    def _echo_for(self, worker: str) -> Callable[[str], None]:
+        """How a rank's output lines are shown: after its worker id and current rank."""
+
+        def echo(line: str) -> None:
+            rank = self.watch.state.rank_of(worker)
+            prefix = Text(f"[{worker} r{'-' if rank is None else rank}] ", style="dim")
+            self.console.print(prefix + Text(line), soft_wrap=True, highlight=False)
+
+        return echo
+
+    def _procs(self) -> Iterator[Proc]:
+        for member in (*self.ranks, *self.coordinators):
+            if member.proc is not None:
+                yield member.proc
+
+    def _kill_all(self) -> None:
+        """Whatever still runs, killed (the end of a run that failed or was killed)."""
+        for proc in self._procs():
+            proc.signal(signal.SIGKILL)
+            if proc.popen is not None:
+                proc.popen.wait()
+
+    # ------------------------------------------------------------ stopping
+
+    @property
+    def finished(self) -> bool:
+        return self.watch.state.finished is not None
+
+    @property
+    def stopping(self) -> bool:
+        return self.signals > 0
+
+    def _over(self) -> bool:
+        """Every rank slot has ended and no rank process runs."""
+        return all(m.slot.ended for m in self.ranks) and not any(
+            m.proc is not None and m.proc.alive() for m in self.ranks
+        )
+
+    @contextlib.contextmanager
+    def _signals_forwarded(self) -> Iterator[None]:
+        """SIGINT/SIGTERM while supervising: the first one a SIGTERM to every rank, the
+        second kills everything now."""
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.signals += 1
+        name = signal.Signals(signum).name
+        if self.signals > 1:
+            self.say(f"{name} again: killing every process now")
+            self._kill_all()
+            for member in self.ranks:
+                member.slot = replace(member.slot, state=State.DONE)
+            return
+        self.say(
+            f"{name}: every rank finishes its step and leaves (again to kill them now); "
+            f"at most {self.settings.stop_grace:g} s"
+        )
+        self.stop_deadline = self.clock() + self.settings.stop_grace
+        for member in self.ranks:
+            if member.proc is not None:
+                member.proc.signal(signal.SIGTERM)
+
+    def _stop_late_ranks(self, now: float) -> None:
+        """Ranks still running past the grace after a signal are killed."""
+        if self.stop_deadline is None or now < self.stop_deadline:
+            return
+        for member in self.ranks:
+            if member.proc is not None and member.proc.alive():
+                self.say(f"rank {member.worker} did not leave within the grace: killing it")
+                member.proc.signal(signal.SIGKILL)
+
+    def _chaos(self, now: float) -> None:
+        """--chaos: SIGKILL a random local rank after every so many seconds of whole, healed
+        training (every local rank a rank of the current world)."""
+        if not self.settings.chaos or self.finished or self.stopping:
+            return
+        if not self._healed():
+            self.next_chaos = None  # the clock starts again once the job has healed
+            return
+        if self.next_chaos is None:
+            self.next_chaos = now + self.settings.chaos
+        if now < self.next_chaos:
+            return
+        victim = self.chaos_rng.choice(self.ranks)
+        assert victim.proc is not None and victim.proc.popen is not None
+        self.say(f"chaos: SIGKILL {victim.worker}")
+        self.chaos_victims.add(victim.proc.popen.pid)
+        victim.proc.signal(signal.SIGKILL)
+        self.next_chaos = None
+
+    def _healed(self) -> bool:
+        """Training runs and every local rank runs, as a rank of the current world."""
+        state = self.watch.state
+        if state.last_committed < 0 or state.paused:
+            return False
+        return all(
+            m.slot.state is State.RUNNING
+            and m.proc is not None
+            and m.proc.alive()
+            and m.worker in state.ranks
+            for m in self.ranks
+        )
+
+    # ------------------------------------------------------------ the end
+
+    def _finish(self) -> Exit:
+        """Stop the coordinators, export, audit and summarise; the launcher's exit code."""
+        self._stop_coordinators()
+        self.watch.pull(0)
+        report = audit(fact for _, fact in self.watch.facts)
+        exported = self._export()
+        code = self._verdict(report)
+        self._summarise(report, exported, code)
+        self._write_run_json(exit=int(code), finished=self.watch.state.finished)
+        return code
+
+    def _stop_coordinators(self) -> None:
+        """After the job finished they exit on their own once its last worker left; else,
+        and past the wait, SIGTERM (a standby elsewhere takes over)."""
+        procs = [m.proc for m in self.coordinators if m.proc is not None and m.proc.popen]
+        wait = COORDINATOR_EXIT_WAIT if self.finished and not self.stopping else 0.0
+        deadline = self.clock() + wait
+        for proc in procs:
+            _wait_for(proc, max(0.0, deadline - self.clock()))
+            proc.signal(signal.SIGTERM)
+        for proc in procs:
+            if not _wait_for(proc, 10.0):
+                proc.signal(signal.SIGKILL)
+                _wait_for(proc, 10.0)
+            assert proc.popen is not None
+            self.reaper.forget(proc.popen.pid)
+
+    def _export(self) -> Path | None:
+        out = self.settings.export
+        if out is None:
+            return None
+        with out.open("wb") as handle:
+            export(from_redis(self.conn, self.settings.job), handle, time.time())
+        return out
+
+    def _verdict(self, report: Audit) -> Exit:
+        if self.stopping:
+            return Exit.INTERRUPTED
+        if self.finished:
+            return Exit.OK if report.ok else Exit.DATA
+        if any(m.slot.state is State.GIVEN_UP for m in self.ranks):
+            return Exit.FAILED
+        return Exit.OK  # every rank's script ended by itself before the job did
+
+    def _summarise(self, report: Audit, exported: Path | None, code: Exit) -> None:
+        state = self.watch.state
+        failures = sum(1 for _, fact in self.watch.facts if isinstance(fact, WorkerFailed))
+        took = self.clock() - self.started
+        end = (
+            f"job {self.settings.job!r} finished ({state.finished})"
+            if state.finished
+            else f"job {self.settings.job!r} did not finish (last committed step "
+            f"{state.last_committed})"
+        )
+        self.say(
+            f"cohort run: {end}: {state.counters.steps_committed} steps committed over "
+            f"{state.counters.epochs_finished} epochs in {took:.0f} s; {failures} failure(s) "
+            f"survived, {self.restarts} rank(s) restarted; audit (every sample exactly once "
+            f"per epoch): {'passed' if report.ok else 'FAILED'}"
+        )
+        self.say(f"logs: {self.settings.run_dir}" + (f"; export: {exported}" if exported else ""))
+        if code is Exit.FAILED:
+            self.say("every local rank was given up on: see its log above")
+
+    # ------------------------------------------------------------ showing
+
+    def say(self, line: str) -> None:
+        self.console.print(Text(line), soft_wrap=True, highlight=False)
+
+    @contextlib.contextmanager
+    def _showing(self) -> Iterator[None]:
+        """On a terminal, a live line with the job's step, epoch, rate and ETA."""
+        if not self.settings.live:
+            self._live: Live | None = None
+            yield
+            return
+        with Live(self._status(), console=self.console, transient=True) as live:
+            self._live = live
+            yield
+
+    def _show(self) -> None:
+        if self._live is not None:
+            self._live.update(self._status())
+
+    def _status(self) -> Text:
+        state = self.watch.state
+        now = progress(state, time.time())
+        rate = f"{now.steps_per_second:.1f} steps/s" if now.steps_per_second else "- steps/s"
+        eta = f"ETA {now.eta_seconds:.0f} s" if now.eta_seconds is not None else "ETA -"
+        return Text(
+            f"{self.settings.job}: step {state.last_committed + 1}, epoch {state.epoch}, "
+            f"{len(state.ranks)} ranks (world v{state.world_version}), {rate}, {eta}, "
+            f"{self.restarts} restart(s)" + ("  [paused]" if state.paused else ""),
+            style="bold",
+        )
+
+
+def _wait_for(proc: Proc, timeout: float) -> bool:
+    """Wait up to `timeout` s for `proc` to exit; True once it has."""
+    assert proc.popen is not None
+    try:
+        proc.popen.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def launcher_console() -> Console:
+    """The launcher's console: stdout, no markup or highlighting of what the ranks print."""
+    return Console(file=sys.stdout, highlight=False, markup=False)

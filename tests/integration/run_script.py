@@ -1,0 +1,39 @@
+"""A training script as a user writes it for `cohort run`: numpy, nothing of cohort's on its
+command line, each step paced so that a test can kill a rank mid-epoch.
+
+    python run_script.py [PACE_SECONDS] [--fail-at-import]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+if "--fail-at-import" in sys.argv:
+    import no_such_module  # noqa: F401 - a script that cannot start
+
+import numpy as np
+
+import cohort
+
+SAMPLES, FEATURES = 512, 8
+
+
+def main() -> None:
+    pace = float(sys.argv[1]) if len(sys.argv) > 1 else 0.02
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(SAMPLES, FEATURES)), rng.normal(size=SAMPLES)
+    job = cohort.NumpyElasticJob(dataset=cohort.Dataset(size=SAMPLES, fingerprint="run-itest"))
+    params = job.wrap({"w": np.zeros(FEATURES)})
+    for step in job.steps():
+        with job.attempt(step):
+            xs, ys = x[step.samples], y[step.samples]
+            grad = xs.T @ (xs @ params["w"] - ys) / max(len(ys), 1)
+            params["w"] -= 0.1 * job.allreduce({"w": grad})["w"]
+            job.worker.stopping.wait(pace)
+    job.close()
+    print(json.dumps({"worker": job.worker.id, "steps": job.steps_done}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""`cohort run` as a user runs it: real launchers, real ranks, real signals.
+
+A rank SIGKILLed mid-epoch is replaced while the others keep their processes; two
+launchers sharing one Redis are two nodes, and losing one (its whole process group) leaves
+the other to finish the job with its coordinator leading; Ctrl-C stops everything with
+130; a script that cannot start ends the launcher after its restarts, naming the log; bad
+input is refused by name before anything starts. Whatever ends the launcher, no process
+it started is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cohort.coordinator.replay import JournalWatch
+from cohort.errors import Exit
+from cohort.events.connection import RedisSettings, connect
+from cohort.events.keys import Keys
+from cohort.events.models import LeaderElected, WorkerFailed
+from cohort.events.streams import Journal
+from cohort.localredis import LocalRedis
+from tests.helpers import processes_mentioning, wait_until
+from tests.integration.cluster import Cluster
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(Path(__file__).with_name("run_script.py"))
+FAST = ("--heartbeat-timeout", "2", "--heartbeat-interval", "0.5", "--batch-size", "16")
+
+
+class Launch:
+    """A `cohort run` process started as a user would, its output collected as it comes."""
+
+    def __init__(self, *args: str, cwd: Path) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in ("COHORT_REDIS_URL", "COHORT_JOB")}
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "cohort", "run", *args],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own process group, as a terminal gives a job
+        )
+        self.lines: list[str] = []
+        self.seen: set[int] = set()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait(self, timeout: float = 180) -> int:
+        code = self.popen.wait(timeout)
+        self._reader.join(10)
+        return code
+
+    def run_json(self) -> dict[str, Any]:
+        line = wait_until(
+            lambda: next((x for x in self.lines if "logs in " in x), None), 30, message="run dir"
+        )
+        run_json = Path(line.split("logs in ")[1].strip()) / "run.json"
+        wait_until(run_json.exists, 30, message="run.json")
+        return json.loads(run_json.read_text())  # type: ignore[no-any-return]
+
+    def journal(self) -> JournalWatch:
+        body = self.run_json()
+        conn = connect(RedisSettings.resolve(body["redis_url"]))
+        return JournalWatch(Journal(conn, Keys(body["job"]).journal))
+
+    def children(self, text: str = "") -> dict[int, str]:
+        """The launcher's own processes now (ranks, coordinators, Redis, reaper), remembered
+        so that `left` can later check each one is gone."""
+        found = {}
+        for line in processes_mentioning(text, parent=self.popen.pid):
+            pid, cmdline = line.split(": ", 1)
+            found[int(pid)] = cmdline
+        self.seen.update(found)
+        return found
+
+    def ranks(self) -> set[int]:
+        return set(self.children(SCRIPT))
+
+    def left(self) -> list[int]:
+        """Processes it started that still run."""
+        return [pid for pid in self.seen if _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def training(watch: JournalWatch, ranks: int, steps: int = 5) -> bool:
+    watch.pull(100)
+    state = watch.state
+    return len(state.ranks) == ranks and state.last_committed >= steps and not state.paused
+
+
+# ---------------------------------------------------------------- one node
+
+
+def test_a_killed_rank_is_replaced_the_others_keep_their_processes_and_the_job_ends_well(
+    tmp_path: Path,
+) -> None:
+    run = Launch(
+        "-n", "3", *FAST, "--epochs", "4", "--export", str(tmp_path / "run.export"),
+        SCRIPT, "0.03", cwd=tmp_path,
+    )  # fmt: skip
+    assert run.run_json()["private_redis"] is True  # no Redis configured: its own
+    watch = run.journal()
+    wait_until(lambda: training(watch, 3), 60, message="three ranks training")
+    before = run.ranks()
+    run.children()  # the coordinator, the Redis and the reaper too
+    assert len(before) == 3
+    victim = sorted(before)[1]
+    os.kill(victim, signal.SIGKILL)
+    after = wait_until(
+        lambda: (now := run.ranks()) - before and now, 30, message="a new rank in its place"
+    )
+    assert before - after == {victim}  # only the killed one was replaced
+    assert all(_running(pid) for pid in before - {victim})  # the others never restarted
+    assert run.wait() == Exit.OK, run.output[-3000:]
+    assert "1 rank(s) restarted" in run.output and "finished" in run.output
+    assert "audit (every sample exactly once per epoch): passed" in run.output
+    assert "1 failure(s) survived" in run.output
+    replayed = subprocess.run(
+        [sys.executable, "-m", "cohort", "replay", "--file", str(tmp_path / "run.export"),
+         "--audit", "-q"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    wait_until(lambda: run.left() == [], 10, message="no process of the launcher's left")
+
+
+def test_ctrl_c_stops_every_rank_the_coordinator_and_redis_and_exits_130(tmp_path: Path) -> None:
+    run = Launch("-n", "2", *FAST, "--epochs", "1000", SCRIPT, "0.02", cwd=tmp_path)
+    watch = run.journal()
+    wait_until(lambda: training(watch, 2), 60, message="two ranks training")
+    assert len(run.ranks()) == 2 and len(run.children()) >= 5  # 2 ranks, coordinator, redis, reaper
+    run.popen.send_signal(signal.SIGINT)
+    assert run.wait(60) == Exit.INTERRUPTED, run.output[-3000:]
+    assert "every rank finishes its step and leaves" in run.output
+    wait_until(lambda: run.left() == [], 10, message="no process of the launcher's left")
+
+
+def test_a_script_that_cannot_start_ends_the_launcher_naming_its_log(tmp_path: Path) -> None:
+    run = Launch("-n", "2", "--max-restarts", "1", SCRIPT, "0.02", "--fail-at-import", cwd=tmp_path)
+    assert run.wait(120) == Exit.FAILED, run.output[-3000:]
+    assert "ModuleNotFoundError: No module named 'no_such_module'" in run.output
+    assert "giving up on it. Its log (" in run.output and "rank-0.log" in run.output
+    assert "every local rank was given up on" in run.output
+    assert run.output.count("replacing it in 1 s") == 2  # one restart each, then given up
+    wait_until(lambda: run.left() == [], 10, message="no process of the launcher's left")
+
+
+# ---------------------------------------------------------------- two nodes
+
+
+def test_losing_a_node_leaves_the_other_to_finish_with_its_coordinator_leading(
+    server: LocalRedis, tmp_path: Path
+) -> None:
+    common = ("--redis-url", server.url, "--job", "two-nodes", *FAST, "--epochs", "30")
+    a = Launch(*common, "--node", "a", "-n", "2", SCRIPT, "0.03", cwd=tmp_path)
+    watch = a.journal()
+    wait_until(lambda: training(watch, 2) and watch.state.leader, 60, message="node a leads")
+    assert watch.state.leader == "a-coordinator-0"
+    b = Launch(*common, "--node", "b", "-n", "2", SCRIPT, "0.03", cwd=tmp_path)
+    further = watch.state.last_committed + 3
+    wait_until(lambda: training(watch, 4, further), 60, message="a's and b's ranks training")
+    a_processes = a.children()
+    assert len(a_processes) >= 4 and len(b.children()) >= 3
+    seen = len(watch.facts)
+    os.killpg(a.popen.pid, signal.SIGKILL)  # the node's launcher, as a lost host takes it
+    wait_until(lambda: not any(_running(p) for p in a_processes), 10, message="a's are gone")
+    assert b.wait() == Exit.OK, b.output[-3000:]
+    watch.pull(0)
+    after = [f for _, f in watch.facts[seen:]]
+    assert any(isinstance(f, LeaderElected) and f.coordinator == "b-coordinator-0" for f in after)
+    assert {f.worker for f in after if isinstance(f, WorkerFailed)} == {"a-0", "a-1"}
+    assert watch.state.finished is not None
+    assert "audit (every sample exactly once per epoch): passed" in b.output
+    wait_until(lambda: b.left() == [], 10, message="no process of b's left")
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "says"),
+    [
+        (("-n", "0", SCRIPT), Exit.USAGE, "-n 0: give a number of ranks of 1 or more"),
+        (("-n", "two", SCRIPT), Exit.USAGE, "-n two"),
+        ((), Exit.USAGE, "no command to run"),
+        (("missing.py",), Exit.USAGE, "script 'missing.py' does not exist"),
+        (("no-such-command-here",), Exit.USAGE, "'no-such-command-here' is not found on PATH"),
+        (("--no-such-flag", SCRIPT), Exit.USAGE, "No such option '--no-such-flag'"),
+        (("--job", "bad name", SCRIPT), Exit.USAGE, "job name 'bad name' is not valid"),
+        (("--node", "a b", SCRIPT), Exit.USAGE, "--node 'a b'"),
+        (("--batch-size", "-4", SCRIPT), Exit.USAGE, "batch_size=-4"),
+        (
+            ("--redis-url", "redis://127.0.0.1:1/0", "--wait-for-redis", "0.2", SCRIPT),
+            Exit.REDIS,
+            "127.0.0.1:1",
+        ),
+    ],
+)
+def test_bad_input_is_refused_by_name_and_nothing_is_started(
+    tmp_path: Path, args: tuple[str, ...], code: Exit, says: str
+) -> None:
+    run = Launch(*args, cwd=tmp_path)
+    assert run.wait(60) == code, run.output
+    assert says in run.output
+    assert "Traceback" not in run.output
+    assert not (tmp_path / "cohort-runs").exists() and run.seen == set()
+
+
+def test_settings_that_differ_from_the_journal_are_refused_before_anything_starts(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    cluster.coordinator("c1", "--batch-size", "32")
+    cluster.until(lambda s: s.config is not None, message="the job's settings journaled")
+    run = Launch(
+        "--redis-url", cluster.url, "--job", cluster.job, "--batch-size", "64", SCRIPT,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert run.wait(60) == Exit.USAGE, run.output
+    assert "--batch-size 64 (journaled: 32)" in run.output
+    assert not (tmp_path / "cohort-runs").exists()
+
+
+def test_a_second_launcher_under_a_node_name_in_use_is_refused(
+    server: LocalRedis, tmp_path: Path
+) -> None:
+    common = ("--redis-url", server.url, "--job", "same-node", *FAST, "--epochs", "1000")
+    first = Launch(*common, "--node", "n", "-n", "1", SCRIPT, cwd=tmp_path)
+    watch = first.journal()
+    wait_until(lambda: training(watch, 1), 60, message="the first launcher trains")
+    second = Launch(*common, "--node", "n", "-n", "1", SCRIPT, cwd=tmp_path)
+    assert second.wait(60) == Exit.USAGE, second.output
+    assert "node name 'n' is in use" in second.output
+    first.popen.send_signal(signal.SIGINT)
+    assert first.wait(60) == Exit.INTERRUPTED

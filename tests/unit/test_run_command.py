@@ -1,0 +1,37 @@
+"""`cohort run -n`: a number of ranks, or one per GPU NVML sees (a fake NVML here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cohort.commands.run import _ranks, gpu_count
+from tests.unit.test_gpu_probe import FakeGpu, FakeNvml
+
+
+def test_a_number_of_ranks_is_taken_as_it_is() -> None:
+    assert _ranks("3") == 3
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "two", ""])
+def test_a_number_below_one_or_not_a_number_is_refused_by_name(
+    text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        _ranks(text)
+    assert exited.value.code == 2
+    assert f"-n {text}: give a number of ranks of 1 or more, or `gpu`" in capsys.readouterr().err
+
+
+def test_gpu_is_one_rank_per_gpu_nvml_sees() -> None:
+    assert gpu_count(FakeNvml(FakeGpu(), FakeGpu(), FakeGpu())) == 3
+    assert _ranks("gpu", lambda: 3) == 3
+
+
+def test_gpu_without_a_driver_is_refused_saying_so(capsys: pytest.CaptureFixture[str]) -> None:
+    nvml = FakeNvml(FakeGpu())
+    nvml.driver_loaded = False
+    assert gpu_count(nvml) == 0
+    with pytest.raises(SystemExit) as exited:
+        _ranks("gpu", lambda: gpu_count(nvml))
+    assert exited.value.code == 2
+    assert "NVML sees no GPU on this machine" in capsys.readouterr().err
