@@ -383,6 +383,9 @@ def _agent(
         "BENCH_LOG": str(log),
         "BENCH_CHECKPOINT": str(tmp / "checkpoint.pt"),
         "BENCH_CHECKPOINT_EVERY": str(checkpoint_every),
+        # torchrun at its best: without this a restarted worker may read the previous
+        # attempt's gloo addresses from the agent's store and fail (bench/launched.py)
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "PYTHONPATH": _python_path(),
     }
     return subprocess.Popen(
@@ -564,8 +567,8 @@ def _row(what: str, runs: list[Run], target: str, met: str) -> list[Any]:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "cohort-rank":
         parser = argparse.ArgumentParser(prog="python -m bench.goodput cohort-rank")
-        parser.add_argument("--job", required=True)
-        parser.add_argument("--redis-url", required=True)
+        parser.add_argument("--job", help="default $COHORT_JOB (as cohort run sets it)")
+        parser.add_argument("--redis-url", help="default $COHORT_REDIS_URL")
         cohort_rank(parser.parse_args(sys.argv[2:]))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "torchrun-rank":
