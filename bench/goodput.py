@@ -184,6 +184,9 @@ class Run:
     failed_starts: int = 0
     """Worker starts that failed on their own (torchrun: a restarted worker whose process
     group could not form, which costs another restart of every worker)."""
+    free_windows: tuple[float, ...] = ()
+    """The failure-free rate of each window it was measured in (before, and after, the
+    failure periods), `failure_free` their mean."""
 
     @property
     def rate(self) -> float:
@@ -273,18 +276,21 @@ def _periods(
     kill: Callable[[int], None],
     counted: Callable[[Sequence[float], float, float], int],
     outage: Callable[[Sequence[float], float], float],
+    free_after: bool = False,
 ) -> Run:
     """The failure-free window, then `kills` periods each starting with a kill; `times`
-    fills as `poll` runs. `counted(times, start, end)` are the steps that count."""
-    start = now()
-    _until(
-        lambda: now() >= start + failure_free,
-        failure_free + 5,
-        "the failure-free window's end",
-        poll,
-    )
-    t0 = now()
-    free = counted(times, start, t0) / (t0 - start)
+    fills as `poll` runs. `counted(times, start, end)` are the steps that count.
+    `free_after`: a second failure-free window after the periods, and the failure-free
+    rate the mean of both (a shared machine's drift over the run then weighs on both sides
+    of the ratio alike)."""
+
+    def window(length: float, what: str) -> tuple[float, float]:
+        start = now()
+        _until(lambda: now() >= start + length, length + 5, what, poll)
+        return start, now()
+
+    free = [window(failure_free, "the failure-free window's end")]
+    t0 = free[0][1]
     killed_at = []
     for i in range(kills):
         killed_at.append(now())
@@ -292,14 +298,19 @@ def _periods(
         end = t0 + (i + 1) * every
         _until(lambda: now() >= end, every + 5, f"period {i + 1}'s end", poll)  # noqa: B023
     t_end = now()
-    settle = time.monotonic() + 10  # steps stamped before t_end that are still on their way
-    while not (times and times[-1] >= t_end) and time.monotonic() < settle:
+    if free_after:
+        free.append(window(failure_free, "the second failure-free window's end"))
+    last = free[-1][1] if free_after else t_end
+    settle = time.monotonic() + 10  # steps stamped before `last` that are still on their way
+    while not (times and times[-1] >= last) and time.monotonic() < settle:
         poll()
+    rates = tuple(counted(times, a, b) / (b - a) for a, b in free)
     return Run(
-        failure_free=free,
+        failure_free=sum(rates) / len(rates),
         counted=counted(times, t0, t_end),
         seconds=t_end - t0,
         outages=[outage(times, at) for at in killed_at],
+        free_windows=rates,
     )
 
 

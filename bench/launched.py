@@ -156,7 +156,8 @@ def _cohort(ranks: int, failure_free: float, every: float, kills: int) -> Healin
             _kill_oldest(launcher.pid, b"cohort-rank")
 
         run = _periods(time.time, failure_free, every, kills, times, pull, kill,
-                       committed_between, lambda _, at: _healed(commits, at))  # fmt: skip
+                       committed_between, lambda _, at: _healed(commits, at),
+                       free_after=True)  # fmt: skip
         return Healing(
             run,
             training_again=[_healed(commits, at) for at in killed],
@@ -215,7 +216,7 @@ def _torchrun(
 
         run = _periods(time.time, failure_free, every, kills, progress.times, progress.pull,
                        kill, progress.counted,
-                       lambda _, at: _regained(_entries(log), at))  # fmt: skip
+                       lambda _, at: _regained(_entries(log), at), free_after=True)  # fmt: skip
         entries = _entries(log)
         return Healing(
             run,
@@ -285,7 +286,8 @@ def measure(
         f"--nproc-per-node {ranks} --standalone, a rank SIGKILLed every {every:g} s",
         command=f"python -m bench.launched --ranks {ranks} --failure-free {failure_free:g} "
         f"--every {every:g} --kills {kills} --checkpoint-every {checkpoint_every}",
-        header=["launcher", "failure-free steps/s", "steps/s under failures", "goodput",
+        header=["launcher", "failure-free steps/s (before / after)", "steps/s under failures",
+                "goodput",
                 "kill to training again, s (median)", "steps redone per kill (median)",
                 "kill to progress regained, s (median)", "workers failing on their own",
                 "target", ""],
@@ -303,7 +305,8 @@ def _median(values: Sequence[float]) -> str:
 
 
 def _row(what: str, side: Healing, target: str = "", met: str = "") -> list[str]:
-    return [what, f"{side.run.failure_free:.1f}", f"{side.run.rate:.1f}",
+    free = " / ".join(f"{rate:.1f}" for rate in side.run.free_windows)
+    return [what, free, f"{side.run.rate:.1f}",
             f"{side.run.goodput:.2f}", _median(side.training_again),
             f"{statistics.median(side.redone):.0f}" if side.redone else "-",
             _median(side.run.outages), str(side.failed_starts), target, met]  # fmt: skip
@@ -347,10 +350,13 @@ def _notes(
     return [
         f"Each side: bench.goodput's 1M-parameter MLP, {ranks} ranks of {BATCH} samples each "
         f"per step, plain SGD, one torch thread per rank, started by its own launcher on this "
-        f"machine (cohort's coordinator and private Redis too). {failure_free:g} s without "
-        f"failures give each side's own rate; then the rank that has run longest is SIGKILLed "
-        f"at the start of each of {kills} periods of {every:g} s. cohort's heartbeat timeout "
-        f"is {TIMEOUT_S:g} s.",
+        f"machine (cohort's coordinator and private Redis too). The rank that has run longest "
+        f"is SIGKILLed at the start of each of {kills} periods of {every:g} s; goodput is the "
+        f"rate over the periods against the side's own failure-free rate, the mean of "
+        f"{failure_free:g} s without failures before the periods and {failure_free:g} s "
+        f"after: a shared machine's rate drifts over minutes, failures or not, and a window "
+        f"before alone would charge the drift to the failures. cohort's heartbeat timeout is "
+        f"{TIMEOUT_S:g} s.",
         "Per kill, seconds to training again / steps redone: cohort "
         f"{_per_kill(mine)} (training again = the next committed step; redone = committed "
         f"steps committed again); torchrun as shipped {_per_kill(shipped)}; torchrun with "
@@ -370,7 +376,8 @@ def _notes(
 def _raw(side: Healing) -> dict[str, Any]:
     run = side.run
     return {
-        "failure_free": run.failure_free, "counted": run.counted, "seconds": run.seconds,
+        "failure_free": run.failure_free, "free_windows": list(run.free_windows),
+        "counted": run.counted, "seconds": run.seconds,
         "rate": run.rate, "goodput": run.goodput, "outages": run.outages,
         "training_again": side.training_again, "redone": side.redone,
         "failed_starts": side.failed_starts,

@@ -29,7 +29,7 @@ collective's gradient and weights keys are shared by every worker: a worker can 
 another's gradients (the digests in StepDone then disagree: WeightsDiverged), not forge its
 commands.
 
-`rules` is pure (Redis 7 ACL syntax); `apply`, `issue` and `revoke` talk to Redis.
+`rules` is pure (Redis 7 ACL syntax); `apply`, `issue`, `revoke` and `retire` talk to Redis.
 """
 
 from __future__ import annotations
@@ -388,6 +388,17 @@ def revoke(conn: Client, job: str, worker: str) -> int:
         with contextlib.suppress(redis.ResponseError):  # "No such user": DELUSER closed them
             killed += int(node.execute_command("CLIENT", "KILL", "USER", name))
     return killed
+
+
+def retire(conn: Client, job: str, worker: str) -> None:
+    """Delete `worker`'s own user on every node once its process has ended (`cohort run`
+    does, for each rank it issued one): nothing is left to cut off, so unlike `revoke` the
+    worker is not marked revoked, and commands it sent before it ended stay valid."""
+    name = identity.worker_user(job, worker)
+    try:
+        on_every_node(conn, ["ACL", "DELUSER", name])
+    except redis.ResponseError as exc:
+        raise AclError(f"deleting user {name!r} failed ({exc})") from exc
 
 
 class CredentialRefusedError(AclError):

@@ -5,7 +5,7 @@
 `cohort run` tells each copy its job and Redis through the environment; the job deals
 every step's samples, averages the gradients over the ranks and keeps going when a rank
 dies or joins. Each copy ends with one JSON line: its worker id, the steps it trained,
-the final loss and a digest of its weights (the same on every rank).
+its last batch's loss and a digest of its weights (the same on every rank).
 """
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ def main() -> None:
     loss = float("nan")
     for step in job.steps():
         with job.attempt(step):
-            grad, loss = gradients(params["w"], x[step.samples], y[step.samples])
+            grad, batch_loss = gradients(params["w"], x[step.samples], y[step.samples])
             mean = job.allreduce({"w": grad})
             params["w"] -= LR * mean["w"]
-            if loss == loss:  # not NaN
+            if batch_loss == batch_loss:  # not NaN: the rank had samples this step
+                loss = batch_loss
                 job.record(loss=loss)
     job.close()
     digest = hashlib.sha256(params["w"].tobytes()).hexdigest()[:16]

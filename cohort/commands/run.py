@@ -24,6 +24,7 @@ from cohort.commands.shared import (
     redis_url_option,
     wait_for_redis_option,
 )
+from cohort.errors import Exit
 
 if TYPE_CHECKING:
     from cohort.launcher.launcher import LaunchSettings
@@ -87,6 +88,13 @@ if TYPE_CHECKING:
     show_default=True,
     help="After Ctrl-C/SIGTERM, seconds the ranks get to finish their step and leave.",
 )
+@click.option(
+    "--worker-credentials",
+    is_flag=True,
+    help="Give each rank its own Redis user, whose password signs its commands "
+    "(docs/identity.md); the first switches the job to signed commands only. Automatic "
+    "where the job signs already. Needs a --redis-url user allowed ACL SETUSER.",
+)
 @job_settings
 @wait_for_redis_option()
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -129,6 +137,7 @@ def _launch_settings(
     redis_url = ctx.obj.get("redis_url")
     if redis_url:
         _check_shared_redis(ctx, job, node, job_settings_given, params["wait_for_redis"])
+        _check_credentials(ctx, job, node, params["worker_credentials"])
     run_dir = params["run_dir"] or Path("cohort-runs") / f"{job}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = run_dir.resolve()
     click.echo(f"cohort run: job {job!r}, {ranks} rank(s) on node {node!r}, logs in {run_dir}")
@@ -147,6 +156,7 @@ def _launch_settings(
         live=sys.stdout.isatty(),
         log_level=ctx.find_root().params.get("log_level", "info"),
         stop_grace=params["stop_grace"],
+        worker_credentials=params["worker_credentials"],
     )
 
 
@@ -222,6 +232,26 @@ def _check_shared_redis(
             f"node name {node!r} is in use in job {job!r} (members {', '.join(mine[:4])}): give "
             "this launcher another with --node; if they are an earlier launcher's that is gone, "
             "they are failed within the heartbeat timeout: try again then"
+        )
+
+
+def _check_credentials(ctx: click.Context, job: str, node: str, asked: bool) -> None:
+    """Where the job signs its commands (or is asked to), the Redis user given may issue each
+    rank its own credential: the first rank's is issued now, else exit 3 naming the fix."""
+    import redis
+
+    from cohort import acl
+    from cohort.launcher.credentials import Credentials
+
+    conn = redis_client(ctx, "cohort-run")
+    try:
+        if Credentials.needed(conn, job, asked):
+            acl.issue(conn, job, [f"{node}-0"])
+    except (acl.AclError, redis.ResponseError) as exc:
+        fail(
+            f"job {job!r}: the --redis-url user cannot give each rank a credential of its own "
+            f"(needed where the job signs its commands, or with --worker-credentials): {exc}",
+            Exit.REDIS,
         )
 
 

@@ -25,10 +25,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import redis
 from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
+from cohort.acl import AclError
 from cohort.coordinator.audit import Audit, audit
 from cohort.coordinator.progress import progress
 from cohort.coordinator.replay import JournalWatch, export, from_redis
@@ -38,6 +40,7 @@ from cohort.events.keys import Keys
 from cohort.events.models import WorkerFailed
 from cohort.events.streams import Journal
 from cohort.launcher import supervision
+from cohort.launcher.credentials import Credentials
 from cohort.launcher.reaper import Reaper
 from cohort.launcher.supervision import Exited, Policy, Slot, State
 from cohort.localredis import LocalRedis
@@ -83,6 +86,8 @@ class LaunchSettings:
     log_level: str = "info"
     stop_grace: float = 30.0
     """After a signal, how long the ranks get to finish their step and leave."""
+    worker_credentials: bool = False
+    """Give each rank its own credential even if the job does not sign its commands yet."""
 
 
 @dataclass
@@ -145,8 +150,42 @@ class Launcher:
         self.conn: Client = connect(RedisSettings.resolve(self.redis_url))
         self.watch = JournalWatch(Journal(self.conn, Keys(self.settings.job).journal))
         self.watch.pull(0)
+        self._prepare_credentials()
         self._write_run_json()
         self.started = self.clock()
+
+    def _prepare_credentials(self) -> None:
+        """Where the job signs its commands, the first rank's credential is issued now: a
+        launcher whose Redis user may not issue them stops before anything starts."""
+        self.credentials: Credentials | None = None
+        job = self.settings.job
+        if not Credentials.needed(self.conn, job, self.settings.worker_credentials):
+            return
+        self.credentials = Credentials(self.conn, job, self.redis_url)
+        self.stack.callback(self._retire_credentials)
+        try:
+            self.credentials.url_for(f"{self.settings.node}-0")
+        except (AclError, redis.RedisError) as exc:
+            raise LaunchError(
+                f"job {job!r} signs its commands, so each rank needs its own credential, "
+                f"and this launcher's Redis user could not issue one: {exc}",
+                code=Exit.REDIS,
+            ) from None
+        self.say(f"cohort run: job {job!r} signs its commands: each rank gets its own credential")
+
+    def _retire(self, worker: str) -> None:
+        """A rank's process ended: its credential goes (else at the end, with the rest)."""
+        if self.credentials is None:
+            return
+        try:
+            self.credentials.retire(worker)
+        except (AclError, redis.RedisError) as exc:
+            self.say(f"could not delete rank {worker}'s credential now ({exc}): at the end")
+
+    def _retire_credentials(self) -> None:
+        if self.credentials is not None:
+            for problem in self.credentials.retire_all():
+                self.say(f"could not delete the credential {problem}: delete it by hand")
 
     def _start_private_redis(self) -> None:
         server = LocalRedis(
@@ -235,6 +274,8 @@ class Launcher:
             intended=proc.popen.pid in self.chaos_victims,
         )
         member.slot = supervision.on_exit(member.slot, exited, now, self.settings.policy)
+        if kind == "rank":
+            self._retire(member.worker)
         if member.slot.state is State.WAITING and not self.stopping:
             wait = max(0.0, (member.slot.restart_at or now) - now)
             self.say(f"{kind} {proc.name} {exited.how}: replacing it in {wait:.0f} s")
@@ -258,10 +299,13 @@ class Launcher:
             member.slot = supervision.started(member.slot)
         generation = member.slot.generation
         worker = f"{self.settings.node}-{index}" + (f".{generation}" if generation else "")
+        url = self._url_for(member, worker)
+        if url is None:
+            return
         env = {
             **os.environ,
             "COHORT_JOB": self.settings.job,
-            "COHORT_REDIS_URL": self.redis_url,
+            "COHORT_REDIS_URL": url,
             "COHORT_LOCAL_RANK": str(index),
             "COHORT_LOCAL_WORLD_SIZE": str(self.settings.ranks),
             "COHORT_NODE": self.settings.node,
@@ -278,6 +322,21 @@ class Launcher:
         member.proc.start()
         assert member.proc.popen is not None
         self.reaper.watch(member.proc.popen.pid)
+
+    def _url_for(self, member: Member, worker: str) -> str | None:
+        """The Redis URL `worker` is given: its own credential's where the job signs its
+        commands. None: that could not be issued, which counts as a failed start."""
+        if self.credentials is None:
+            return self.redis_url
+        try:
+            return self.credentials.url_for(worker)
+        except (AclError, redis.RedisError) as exc:
+            now = self.clock()
+            failed = Exited(code=1, how=f"got no credential ({exc})", ran_for=0.0,
+                            finished=self.finished)  # fmt: skip
+            member.slot = supervision.on_exit(member.slot, failed, now, self.settings.policy)
+            self.say(f"rank {worker} {failed.how}")
+            return None
 
     def _start_coordinators(self) -> None:
         for index in range(self.settings.coordinators):

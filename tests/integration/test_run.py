@@ -201,6 +201,63 @@ def test_losing_a_node_leaves_the_other_to_finish_with_its_coordinator_leading(
     wait_until(lambda: b.left() == [], 10, message="no process of b's left")
 
 
+# ---------------------------------------------------------------- per-worker credentials
+
+
+def _users(conn: Any, job: str) -> set[str]:
+    """The job's per-worker Redis users."""
+    names = (u.decode() for u in conn.execute_command("ACL", "USERS"))
+    return {name for name in names if name.startswith(f"cohort-{job}-w-")}
+
+
+def _worker_of(pid: int) -> str:
+    """The worker id the launcher gave process `pid` ($COHORT_WORKER_ID)."""
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(v.split(b"=", 1)[1].decode() for v in env if v.startswith(b"COHORT_WORKER_ID="))
+
+
+def test_each_rank_speaks_with_a_credential_of_its_own_deleted_when_its_process_ends(
+    server: LocalRedis, tmp_path: Path
+) -> None:
+    job = "signed"
+    run = Launch(
+        "--redis-url", server.url, "--job", job, "--node", "s", "-n", "2", *FAST,
+        "--epochs", "6", "--worker-credentials", SCRIPT, "0.03", cwd=tmp_path,
+    )  # fmt: skip
+    watch = run.journal()
+    wait_until(lambda: training(watch, 2), 60, message="two signed ranks training")
+    conn = server.client()
+    assert conn.exists(Keys(job).identity)  # the job signs its commands now
+    connected = {c["user"] for c in conn.client_list()}
+    assert {"cohort-signed-w-s-0", "cohort-signed-w-s-1"} <= connected  # each as its own user
+    victim = next(pid for pid in run.ranks() if _worker_of(pid) == "s-0")
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: f"cohort-{job}-w-s-0.1" in _users(conn, job), 30, message="s-0.1's user")
+    assert f"cohort-{job}-w-s-0" not in _users(conn, job)  # the killed rank's is gone
+    assert run.wait() == Exit.OK, run.output[-3000:]
+    assert "each rank gets its own credential" in run.output
+    assert conn.xlen(Keys(job).dead) == 0  # no command unsigned or badly signed
+    assert _users(conn, job) == set()  # every credential it issued, deleted
+    wait_until(lambda: run.left() == [], 10, message="no process of the launcher's left")
+
+
+def test_a_launcher_whose_redis_user_cannot_issue_credentials_is_refused(
+    server: LocalRedis, tmp_path: Path
+) -> None:
+    from cohort import acl
+
+    job = "signed-refused"
+    admin = server.client()
+    acl.issue(admin, job, ["someone"])  # the job signs its commands
+    acl.apply(admin, job, {"coordinator": "pw-c"})
+    url = acl.role_url(server.url, job, "coordinator", "pw-c")
+    run = Launch("--redis-url", url, "--job", job, "-n", "2", SCRIPT, cwd=tmp_path)
+    assert run.wait(60) == Exit.REDIS, run.output
+    assert "cannot give each rank a credential of its own" in run.output
+    assert "ACL SETUSER" in run.output and "Traceback" not in run.output
+    assert not (tmp_path / "cohort-runs").exists() and run.seen == set()
+
+
 # ---------------------------------------------------------------- bad input
 
 

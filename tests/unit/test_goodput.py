@@ -70,3 +70,23 @@ def test_goodput_is_the_rate_over_the_periods_against_the_failure_free_rate() ->
 
 def test_a_side_that_never_stops_has_a_goodput_of_one() -> None:
     assert run(outage=0.0).goodput == pytest.approx(1.0, abs=0.02)
+
+
+def test_with_a_window_after_the_failure_free_rate_is_the_mean_of_both() -> None:
+    # a machine that slows from a step per 0.1 s to one per 0.125 s once the first window ends
+    side = Timeline(outage=0.0)
+    kept: list[float] = []
+
+    def slowing_poll() -> None:
+        side.poll()
+        if side.times and side.times[-1] > 110.05 and len(kept) % 5 == 4:
+            side.times.pop()  # one step in five not done: 8 steps/s
+        kept.append(side.clock)
+
+    got = _periods(
+        side.now, 10, 20, 1, side.times, slowing_poll, side.kill,
+        counted=committed_between, outage=lambda times, at: 0.0, free_after=True,
+    )  # fmt: skip
+    assert got.free_windows == pytest.approx((10.0, 8.0), rel=0.03)
+    assert got.failure_free == pytest.approx(9.0, rel=0.03)
+    assert got.goodput == pytest.approx(8.0 / 9.0, rel=0.03)  # the drift is not the kill's

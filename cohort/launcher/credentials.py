@@ -1,0 +1,55 @@
+"""Each rank's own Redis user, where its job signs commands (docs/identity.md).
+
+A job whose workers hold per-worker credentials decides only commands each worker signed
+with its own secret. `cohort run` gives every rank process it starts a credential of its
+own (its Redis URL names the user `cohort-<job>-w-<worker>`), issued with the launcher's
+Redis user, which must be allowed ACL SETUSER, and deletes that user once the process has
+ended: a replacement gets a new worker id and a new credential.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from cohort import acl
+from cohort.events.connection import Client
+from cohort.events.identity import worker_user
+from cohort.events.keys import Keys
+
+
+class Credentials:
+    """The credentials one launcher issued, by worker id, while their processes run."""
+
+    def __init__(self, conn: Client, job: str, url: str) -> None:
+        self.conn = conn
+        self.job = job
+        self.url = url
+        self.issued: set[str] = set()
+
+    @staticmethod
+    def needed(conn: Client, job: str, asked: bool) -> bool:
+        """Asked for (`--worker-credentials`), or the job signs its commands already."""
+        return asked or bool(conn.exists(Keys(job).identity))
+
+    def url_for(self, worker: str) -> str:
+        """`worker`'s own Redis URL, its user created on every node (acl.AclError if the
+        launcher's user may not)."""
+        secret = acl.issue(self.conn, self.job, [worker])[worker]
+        self.issued.add(worker)
+        return acl.url_as(self.url, worker_user(self.job, worker), secret)
+
+    def retire(self, worker: str) -> None:
+        """`worker`'s process ended: its user goes (acl.AclError if Redis refuses)."""
+        if worker in self.issued:
+            acl.retire(self.conn, self.job, worker)
+            self.issued.discard(worker)
+
+    def retire_all(self) -> list[str]:
+        """Every user still issued deleted; returns the problems, one line each."""
+        problems = []
+        for worker in sorted(self.issued):
+            try:
+                self.retire(worker)
+            except (acl.AclError, redis.RedisError) as exc:
+                problems.append(f"{worker_user(self.job, worker)}: {exc}")
+        return problems
