@@ -43,7 +43,7 @@ from cohort.launcher import supervision
 from cohort.launcher.credentials import Credentials
 from cohort.launcher.reaper import Reaper
 from cohort.launcher.supervision import Exited, Policy, Slot, State
-from cohort.localredis import LocalRedis
+from cohort.localredis import LocalRedis, LocalRedisError
 from cohort.processes import Proc
 
 FATAL_COORDINATOR_EXITS = {Exit.USAGE, Exit.REDIS, Exit.DATA}
@@ -118,6 +118,12 @@ class Launcher:
         self.stop_deadline: float | None = None
         self.redis_url = settings.redis_url or ""
         self.embedded = False
+        self.private: LocalRedis | None = None
+        """The private Redis it started, where none was given."""
+        self.redis_slot = Slot(0)
+        self.redis_started = 0.0
+        self.redis_lost: float | None = None
+        """Since when Redis has not answered (None: it answers)."""
         self.started = 0.0
         self.next_chaos: float | None = None
         self.chaos_rng = random.Random(settings.job)
@@ -198,6 +204,8 @@ class Launcher:
         self.stack.callback(server.stop)
         if server.process is not None:
             self.reaper.watch(server.process.pid)
+        self.private = server
+        self.redis_started = self.clock()
         self.embedded = server.embedded
         self.redis_url = server.url
         kind = (
@@ -225,8 +233,9 @@ class Launcher:
 
     def _turn(self) -> None:
         """Load, decide, act, show: one pass over what happened since the last."""
-        self.watch.pull(TURN_MS)
+        self._pull(TURN_MS)
         now = self.clock()
+        self._settle_private_redis(now)
         for index, member in enumerate(self.ranks):
             self._settle_rank(index, member, now)
         for index, member in enumerate(self.coordinators):
@@ -234,6 +243,55 @@ class Launcher:
         self._stop_late_ranks(now)
         self._chaos(now)
         self._show()
+
+    def _pull(self, block_ms: int) -> None:
+        """Fold the journal's news. While Redis does not answer, say so once and supervise
+        on: the ranks and coordinators ride out an outage by themselves."""
+        try:
+            self.watch.pull(block_ms)
+        except redis.RedisError as exc:
+            if self.redis_lost is None:
+                self.redis_lost = self.clock()
+                self.say(f"Redis does not answer ({exc}): supervising on, the ranks ride it out")
+            time.sleep(block_ms / 1000)  # the loop's pace, as the blocking read gives it
+            return
+        if self.redis_lost is not None:
+            self.say(f"Redis answers again, after {self.clock() - self.redis_lost:.0f} s")
+            self.redis_lost = None
+
+    def _settle_private_redis(self, now: float) -> None:
+        """A private redis-server that stopped is started again on its port from its AOF,
+        under the ranks' rules: one that keeps stopping ends the launcher, naming its log."""
+        server = self.private
+        if server is None or server.embedded or server.alive() or self.stopping:
+            return
+        if self.redis_slot.state is State.RUNNING:
+            code = server.process.returncode if server.process is not None else 1
+            how = f"exit code {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
+            self._private_redis_failed(how, now - self.redis_started, now)
+        if not supervision.due(self.redis_slot, now):
+            return
+        self.redis_slot = supervision.started(self.redis_slot)
+        self.redis_started = now
+        try:
+            server.restart()
+        except LocalRedisError as exc:
+            self._private_redis_failed(f"could not start again: {exc}", 0.0, now)
+            return
+        if server.process is not None:
+            self.reaper.watch(server.process.pid)
+
+    def _private_redis_failed(self, how: str, ran_for: float, now: float) -> None:
+        stopped = Exited(code=1, how=how, ran_for=ran_for, finished=False)
+        self.redis_slot = supervision.on_exit(self.redis_slot, stopped, now, self.settings.policy)
+        log = Path(self.private.dir if self.private and self.private.dir else ".") / "redis.log"
+        if self.redis_slot.state is State.GIVEN_UP:
+            raise LaunchError(
+                f"the private Redis keeps stopping ({how}; {self.redis_slot.quick_failures} "
+                "times in a row soon after starting)",
+                log,
+            )
+        self.say(f"the private Redis stopped ({how}): starting it again from its AOF ({log})")
 
     def _settle_rank(self, index: int, member: Member, now: float) -> None:
         """A rank that exited gets the supervision's answer; a due slot a new process."""
@@ -471,9 +529,13 @@ class Launcher:
     def _finish(self) -> Exit:
         """Stop the coordinators, export, audit and summarise; the launcher's exit code."""
         self._stop_coordinators()
-        self.watch.pull(0)
+        self._pull(0)
         report = audit(fact for _, fact in self.watch.facts)
-        exported = self._export()
+        try:
+            exported = self._export()
+        except redis.RedisError as exc:
+            exported = None
+            self.say(f"could not export the journal ({exc}): `cohort export` it later")
         code = self._verdict(report)
         self._summarise(report, exported, code)
         self._write_run_json(exit=int(code), finished=self.watch.state.finished)

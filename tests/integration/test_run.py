@@ -201,6 +201,44 @@ def test_losing_a_node_leaves_the_other_to_finish_with_its_coordinator_leading(
     wait_until(lambda: b.left() == [], 10, message="no process of b's left")
 
 
+# ---------------------------------------------------------------- Redis going away
+
+
+def test_the_ranks_ride_out_a_redis_outage_under_the_launcher_and_none_is_restarted(
+    server: LocalRedis, tmp_path: Path
+) -> None:
+    run = Launch(
+        "--redis-url", server.url, "--job", "outage", "-n", "2", *FAST, "--epochs", "6",
+        SCRIPT, "0.03", cwd=tmp_path,
+    )  # fmt: skip
+    watch = run.journal()
+    wait_until(lambda: training(watch, 2), 60, message="two ranks training")
+    ranks = run.ranks()
+    server.kill()  # as a crash: the AOF (fsync always) keeps every fact
+    wait_until(lambda: "Redis does not answer" in run.output, 30, message="the outage noticed")
+    assert run.popen.poll() is None and all(_running(pid) for pid in ranks)
+    server.restart()
+    assert run.wait() == Exit.OK, run.output[-3000:]
+    assert "Redis answers again" in run.output
+    assert "0 rank(s) restarted" in run.output and "audit (every sample" in run.output
+    wait_until(lambda: run.left() == [], 10, message="no process of the launcher's left")
+
+
+def test_a_private_redis_that_dies_is_started_again_from_its_aof(tmp_path: Path) -> None:
+    run = Launch("-n", "2", *FAST, "--epochs", "6", SCRIPT, "0.03", cwd=tmp_path)
+    watch = run.journal()
+    wait_until(lambda: training(watch, 2), 60, message="two ranks training")
+    (server,) = run.children("redis-server")
+    os.kill(server, signal.SIGKILL)
+    wait_until(
+        lambda: "the private Redis stopped (killed by SIGKILL)" in run.output, 30,
+        message="the launcher saw its Redis die",
+    )  # fmt: skip
+    assert run.wait() == Exit.OK, run.output[-3000:]
+    assert "audit (every sample exactly once per epoch): passed" in run.output
+    wait_until(lambda: run.left() == [], 10, message="no process of the launcher's left")
+
+
 # ---------------------------------------------------------------- per-worker credentials
 
 
