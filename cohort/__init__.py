@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from cohort.events.renames import warn_renamed
 
 if TYPE_CHECKING:
+    from cohort import torch as torch
     from cohort.events.connection import RedisSettings, connect
     from cohort.events.errors import (
         CohortError,
@@ -74,7 +75,6 @@ if TYPE_CHECKING:
     from cohort.worker.loop.evaluator import Evaluator
     from cohort.worker.membership.client import Worker
     from cohort.worker.membership.view import Assignment, GpuAdvice
-    from cohort.worker.pytorch import api as torch
     from cohort.worker.pytorch.dist import ElasticProcessGroup
 
     ElasticJob = NumpyElasticJob  # deprecated: cohort.NumpyElasticJob
@@ -171,7 +171,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
 }
 """Where each public class and function loads from: module -> names."""
 
-_MODULES = {"checkpoints": "cohort.worker.loop.checkpoints", "torch": "cohort.worker.pytorch.api"}
+_MODULES = {"checkpoints": "cohort.worker.loop.checkpoints", "torch": "cohort.torch"}
 """Public names that are modules: name -> module."""
 
 _DEPRECATED: dict[str, tuple[str, str]] = {

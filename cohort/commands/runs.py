@@ -107,6 +107,9 @@ def write_whole(output: Path, write: Callable[[IO[bytes]], T]) -> T:
     is_flag=True,
     help="Check every sample of each epoch was used by exactly one committed step.",
 )
+@click.option(
+    "--timeline", is_flag=True, help="With --audit: the timeline too (else the verdict alone)."
+)
 @click.option("--quiet", "-q", is_flag=True, help="Only the final state, no timeline.")
 @click.pass_context
 @reads_whole_run
@@ -117,9 +120,11 @@ def replay(
     until: str | None,
     as_json: bool,
     audit: bool,
+    timeline: bool,
     quiet: bool,
 ) -> None:
-    """Rebuild a job's state at any journal entry, with its timeline and a stable hash."""
+    """Rebuild a job's state at any journal entry, with its timeline and a stable hash;
+    with --audit, the state and the audit's verdict (--timeline for the timeline too)."""
     from cohort.coordinator.audit import audit as run_audit
     from cohort.coordinator.replay import fact_details, rebuild, view
     from cohort.render.terminal import audit_table, state_summary
@@ -128,15 +133,17 @@ def replay(
         fail(ONE_SOURCE)
     if until is not None and not _is_stream_id(until):
         fail(f"--until {until!r} is not a stream entry ID; use MS-SEQ as shown in the timeline")
+    if quiet and timeline:
+        fail("--quiet and --timeline contradict each other: give one")
     run = run_from(ctx, job, path, "cohort-replay", with_inbox=False)
-    state, timeline = or_fail(lambda: rebuild(run, until))
-    report = run_audit(f for _, f in timeline) if audit else None
+    state, facts = or_fail(lambda: rebuild(run, until))
+    report = run_audit(f for _, f in facts) if audit else None
+    show_timeline = timeline or not (quiet or audit)
     if as_json:
         body: dict[str, Any] = {"job": run.job, "state": view(state)}
-        if not quiet:
+        if show_timeline:
             body["timeline"] = [
-                {"id": i, "type": type(f).__name__, **f.model_dump(mode="json")}
-                for i, f in timeline
+                {"id": i, "type": type(f).__name__, **f.model_dump(mode="json")} for i, f in facts
             ]
         if report is not None:
             body["audit"] = {
@@ -146,8 +153,8 @@ def replay(
             }
         click.echo(json.dumps(body, default=str))
     else:
-        if not quiet:
-            for entry_id, fact in timeline:
+        if show_timeline:
+            for entry_id, fact in facts:
                 click.echo(f"{entry_id:>22}  {type(fact).__name__:<18} {fact_details(fact)}")
         state_summary(view(state))
         if report is not None:

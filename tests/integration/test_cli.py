@@ -99,6 +99,7 @@ def test_status_export_and_replay_agree_on_the_state(cluster: Cluster, tmp_path:
         (["replay", "--file", "/no/such/file"], "cannot open export file"),
         (["replay", "--file", "/etc/hostname"], "not a `cohort export` file"),
         (["replay", "--job", "j", "--until", "yesterday"], "'yesterday' is not a stream"),
+        (["replay", "--job", "j", "--audit", "-q", "--timeline"], "--quiet and --timeline"),
         (["coordinator", "--job", "j", "--config", "/no/such.toml"], "cannot read config file"),
     ],
 )
@@ -125,8 +126,15 @@ def test_demo_runs_to_its_summary_and_leaves_nothing_behind(tmp_path: Path) -> N
     assert processes_mentioning(f"127.0.0.1:{port}") == []
     assert processes_mentioning(str(tmp_path / "tmp")) == []
     assert list((tmp_path / "tmp").iterdir()) == []
-    replayed = cohort("replay", "--file", str(tmp_path / "cohort-demo.export"), "--audit", "-q")
+    export = str(tmp_path / "cohort-demo.export")
+    replayed = cohort("replay", "--file", export, "--audit", "-q")
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    audited = cohort("replay", "--file", export, "--audit")  # the verdict, not the timeline
+    assert audited.returncode == 0 and "passed" in audited.stdout
+    assert "StepCommitted" not in audited.stdout
+    both = cohort("replay", "--file", export, "--audit", "--timeline")
+    assert both.stdout.count("StepCommitted") >= 24 and "passed" in both.stdout
+    assert "StepCommitted" in cohort("replay", "--file", export).stdout  # no --audit: as ever
 
 
 @pytest.mark.parametrize("inherited", ["default", "ignored"])

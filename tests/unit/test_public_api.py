@@ -207,3 +207,21 @@ def test_errors_are_named_error_and_the_rest_say_they_are_control_flow() -> None
             if value.__module__ != module.__name__ or value.__name__.endswith("Error"):
                 continue
             assert "control flow" in " ".join((value.__doc__ or "").lower().split()), value
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import cohort.torch as t, cohort; assert cohort.torch is t",
+        "import cohort; t = cohort.torch; import cohort.torch as u; assert t is u",
+        "from cohort.torch import ElasticJob as J; import cohort as c;"
+        "assert c.torch.ElasticJob is J",
+    ],
+)
+def test_cohort_torch_is_one_real_module_however_a_script_reaches_it(code: str) -> None:
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
