@@ -10,109 +10,27 @@ it started is left.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from cohort.coordinator.replay import JournalWatch
 from cohort.errors import Exit
-from cohort.events.connection import RedisSettings, connect
 from cohort.events.keys import Keys
 from cohort.events.models import LeaderElected, WorkerFailed
-from cohort.events.streams import Journal
 from cohort.localredis import LocalRedis
-from tests.helpers import processes_mentioning, wait_until
+from tests.helpers import wait_until
 from tests.integration.cluster import Cluster
+from tests.integration.launch import Launch, running, training
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = str(Path(__file__).with_name("run_script.py"))
 FAST = ("--heartbeat-timeout", "2", "--heartbeat-interval", "0.5", "--batch-size", "16")
-
-
-class Launch:
-    """A `cohort run` process started as a user would, its output collected as it comes."""
-
-    def __init__(self, *args: str, cwd: Path) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in ("COHORT_REDIS_URL", "COHORT_JOB")}
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "cohort", "run", *args],
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # its own process group, as a terminal gives a job
-        )
-        self.lines: list[str] = []
-        self.seen: set[int] = set()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def wait(self, timeout: float = 180) -> int:
-        code = self.popen.wait(timeout)
-        self._reader.join(10)
-        return code
-
-    def run_json(self) -> dict[str, Any]:
-        line = wait_until(
-            lambda: next((x for x in self.lines if "logs in " in x), None), 30, message="run dir"
-        )
-        run_json = Path(line.split("logs in ")[1].strip()) / "run.json"
-        wait_until(run_json.exists, 30, message="run.json")
-        return json.loads(run_json.read_text())  # type: ignore[no-any-return]
-
-    def journal(self) -> JournalWatch:
-        body = self.run_json()
-        conn = connect(RedisSettings.resolve(body["redis_url"]))
-        return JournalWatch(Journal(conn, Keys(body["job"]).journal))
-
-    def children(self, text: str = "") -> dict[int, str]:
-        """The launcher's own processes now (ranks, coordinators, Redis, reaper), remembered
-        so that `left` can later check each one is gone."""
-        found = {}
-        for line in processes_mentioning(text, parent=self.popen.pid):
-            pid, cmdline = line.split(": ", 1)
-            found[int(pid)] = cmdline
-        self.seen.update(found)
-        return found
-
-    def ranks(self) -> set[int]:
-        return set(self.children(SCRIPT))
-
-    def left(self) -> list[int]:
-        """Processes it started that still run."""
-        return [pid for pid in self.seen if _running(pid)]
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def training(watch: JournalWatch, ranks: int, steps: int = 5) -> bool:
-    watch.pull(100)
-    state = watch.state
-    return len(state.ranks) == ranks and state.last_committed >= steps and not state.paused
 
 
 # ---------------------------------------------------------------- one node
@@ -128,16 +46,16 @@ def test_a_killed_rank_is_replaced_the_others_keep_their_processes_and_the_job_e
     assert run.run_json()["private_redis"] is True  # no Redis configured: its own
     watch = run.journal()
     wait_until(lambda: training(watch, 3), 60, message="three ranks training")
-    before = run.ranks()
+    before = run.ranks(SCRIPT)
     run.children()  # the coordinator, the Redis and the reaper too
     assert len(before) == 3
     victim = sorted(before)[1]
     os.kill(victim, signal.SIGKILL)
     after = wait_until(
-        lambda: (now := run.ranks()) - before and now, 30, message="a new rank in its place"
+        lambda: (now := run.ranks(SCRIPT)) - before and now, 30, message="a new rank in its place"
     )
     assert before - after == {victim}  # only the killed one was replaced
-    assert all(_running(pid) for pid in before - {victim})  # the others never restarted
+    assert all(running(pid) for pid in before - {victim})  # the others never restarted
     assert run.wait() == Exit.OK, run.output[-3000:]
     assert "1 rank(s) restarted" in run.output and "finished" in run.output
     assert "audit (every sample exactly once per epoch): passed" in run.output
@@ -155,7 +73,8 @@ def test_ctrl_c_stops_every_rank_the_coordinator_and_redis_and_exits_130(tmp_pat
     run = Launch("-n", "2", *FAST, "--epochs", "1000", SCRIPT, "0.02", cwd=tmp_path)
     watch = run.journal()
     wait_until(lambda: training(watch, 2), 60, message="two ranks training")
-    assert len(run.ranks()) == 2 and len(run.children()) >= 5  # 2 ranks, coordinator, redis, reaper
+    assert len(run.ranks(SCRIPT)) == 2
+    assert len(run.children()) >= 5  # 2 ranks, the coordinator, Redis, the reaper
     run.popen.send_signal(signal.SIGINT)
     assert run.wait(60) == Exit.INTERRUPTED, run.output[-3000:]
     assert "every rank finishes its step and leaves" in run.output
@@ -190,7 +109,7 @@ def test_losing_a_node_leaves_the_other_to_finish_with_its_coordinator_leading(
     assert len(a_processes) >= 4 and len(b.children()) >= 3
     seen = len(watch.facts)
     os.killpg(a.popen.pid, signal.SIGKILL)  # the node's launcher, as a lost host takes it
-    wait_until(lambda: not any(_running(p) for p in a_processes), 10, message="a's are gone")
+    wait_until(lambda: not any(running(p) for p in a_processes), 10, message="a's are gone")
     assert b.wait() == Exit.OK, b.output[-3000:]
     watch.pull(0)
     after = [f for _, f in watch.facts[seen:]]
@@ -213,10 +132,10 @@ def test_the_ranks_ride_out_a_redis_outage_under_the_launcher_and_none_is_restar
     )  # fmt: skip
     watch = run.journal()
     wait_until(lambda: training(watch, 2), 60, message="two ranks training")
-    ranks = run.ranks()
+    ranks = run.ranks(SCRIPT)
     server.kill()  # as a crash: the AOF (fsync always) keeps every fact
     wait_until(lambda: "Redis does not answer" in run.output, 30, message="the outage noticed")
-    assert run.popen.poll() is None and all(_running(pid) for pid in ranks)
+    assert run.popen.poll() is None and all(running(pid) for pid in ranks)
     server.restart()
     assert run.wait() == Exit.OK, run.output[-3000:]
     assert "Redis answers again" in run.output
@@ -268,7 +187,7 @@ def test_each_rank_speaks_with_a_credential_of_its_own_deleted_when_its_process_
     assert conn.exists(Keys(job).identity)  # the job signs its commands now
     connected = {c["user"] for c in conn.client_list()}
     assert {"cohort-signed-w-s-0", "cohort-signed-w-s-1"} <= connected  # each as its own user
-    victim = next(pid for pid in run.ranks() if _worker_of(pid) == "s-0")
+    victim = next(pid for pid in run.ranks(SCRIPT) if _worker_of(pid) == "s-0")
     os.kill(victim, signal.SIGKILL)
     wait_until(lambda: f"cohort-{job}-w-s-0.1" in _users(conn, job), 30, message="s-0.1's user")
     assert f"cohort-{job}-w-s-0" not in _users(conn, job)  # the killed rank's is gone

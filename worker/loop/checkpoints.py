@@ -24,7 +24,7 @@ import queue
 import secrets
 import struct
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -101,6 +101,13 @@ def write(
     sha = hashlib.sha256()
     for part in parts:
         sha.update(part)
+    write_whole(uri, parts, "checkpoint")
+    return Written(uri=uri, sha256=sha.hexdigest(), bytes=sum(len(memoryview(p)) for p in parts))
+
+
+def write_whole(uri: str, parts: Iterable[bytes | memoryview], what: str = "file") -> None:
+    """`parts` one after the other into `uri` (a path or an fsspec URL), whole or not at
+    all: written beside it under a temporary name, then moved into place."""
     fs, path = _fs(uri)
     tmp = f"{path}.tmp-{secrets.token_hex(4)}"
     try:
@@ -113,8 +120,7 @@ def write(
         fs.mv(tmp, path)
     except OSError as exc:
         _remove(fs, tmp)
-        raise CheckpointError(f"cannot write checkpoint {uri!r}: {exc}") from exc
-    return Written(uri=uri, sha256=sha.hexdigest(), bytes=sum(len(memoryview(p)) for p in parts))
+        raise CheckpointError(f"cannot write {what} {uri!r}: {exc}") from exc
 
 
 def read(uri: str, sha256: str | None = None) -> Checkpoint:

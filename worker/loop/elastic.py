@@ -27,7 +27,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("cohort.elastic")
 POLL = 0.5
 JOB_ENV = "COHORT_JOB"
+LOCAL_RANK_ENV = "COHORT_LOCAL_RANK"
 LOST_LOG_EVERY = 10.0
 
 
@@ -202,9 +203,13 @@ class Elastic:
         """Where the walk over the steps starts: no state, world, step or report yet."""
         self.state: TrainingState | None = None
         self.world = 0
-        self.world_size = 0
-        self.step = 0
+        self._world_size = 0
+        self._step = 0
+        """The next step of the walk."""
         self.current: Step | None = None
+        """The step the walk built last (it may run ahead of the script: `_given`)."""
+        self._given: Step | None = None
+        """The step the script trains, or trained last."""
         self.aborted = False
         self.steps_done = 0
         self._unsettled: Step | None = None
@@ -251,8 +256,99 @@ class Elastic:
         """The job reached its length: the loop ended with the final weights."""
         return self.worker.finished
 
+    # ------------------------------------------------------------ who am I
+    @property
+    def worker_id(self) -> str:
+        """This process's member id in the job ($COHORT_WORKER_ID under `cohort run`)."""
+        return self.worker.id
+
+    @property
+    def local_rank(self) -> int:
+        """This process's index among the job's processes on its node, for picking a GPU:
+        $COHORT_LOCAL_RANK (`cohort run`) or $LOCAL_RANK (torchrun), else 0. Fixed for the
+        process's life, unlike `rank`."""
+        for name in (LOCAL_RANK_ENV, "LOCAL_RANK"):
+            value = os.environ.get(name, "")
+            if value.isdigit():
+                return int(value)
+        return 0
+
+    @property
+    def rank(self) -> int | None:
+        """This process's rank, 0 to world_size - 1, in the world of the step it trains;
+        between steps and after the loops, of the step it trained last; before its first
+        step, in the world it is in (None while it is in none). A world change renumbers
+        ranks: read it where it is used."""
+        if self._given is not None:
+            return self._given.rank
+        assignment = self.worker.assignment
+        return assignment.rank if assignment is not None else None
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks train the step this process trains (as `rank`: between steps and
+        after the loops, the last one's; 0 before it is in a world)."""
+        if self._given is not None:
+            return self._given.world_size
+        assignment = self.worker.assignment
+        return assignment.world_size if assignment is not None else 0
+
+    @property
+    def is_chief(self) -> bool:
+        """Rank 0 of its world (as `rank`): the one rank to log, validate or save for all.
+        After the loops of a finished job, exactly one process of the final world is."""
+        return self.rank == 0
+
+    @property
+    def step(self) -> int | None:
+        """The job's number of the step this process trains (from 0), or trained last
+        between steps and after the loops; None before its first."""
+        return self._given.step if self._given is not None else None
+
+    @property
+    def epoch(self) -> int:
+        """The data epoch of that step (from 0): after an epoch's loop, the epoch it ended;
+        before the first step, the job's current epoch."""
+        if self._given is not None:
+            return self._given.epoch
+        plan = self.worker.view.plan
+        return plan.epoch if plan is not None else 0
+
+    def save(self, uri: str | os.PathLike[str]) -> bool:
+        """Write the final weights to `uri` (a path or any fsspec URL, written whole or not
+        at all) once for the whole job: after the loops, by the chief of the world that
+        trained the job's last step. True where this process wrote them; every other rank,
+        and a process stopped before the job finished, writes nothing and gets False."""
+        if not self.finished:
+            log.warning("%s: job.save(%r) skipped: the job did not finish", self.worker_id, uri)
+            return False
+        if not self.is_chief or self.step != self.worker.view.last_committed:
+            return False  # the chief of the world that trained the job's last step writes
+        checkpoints.write_whole(os.fspath(uri), [self._final_weights()], "the final weights")
+        log.info("%s wrote the final weights to %s", self.worker_id, os.fspath(uri))
+        return True
+
+    def _final_weights(self) -> bytes:
+        """The weights as `save` writes them, in the framework's own file format."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------ the walk
     def steps(self) -> Iterator[Step]:
+        """Every step this rank trains, in order, until the job finishes or it is stopped.
+
+        Between two `next()` the caller computes the step and applies its update through
+        the job's collective; `abort()` says a world change cut that short."""
+        walk = self._walk()
+        try:
+            for step in walk:
+                trained, self._given = self._given, step
+                yield step
+                if self.aborted:  # nothing applied: the script is where it was
+                    self._given = trained
+        finally:
+            walk.close()
+
+    def _walk(self) -> Generator[Step, None, None]:
         """Every step this rank trains, in order, until the job finishes or it is stopped.
 
         Between two `next()` the caller computes the step and applies its update through
@@ -276,7 +372,7 @@ class Elastic:
                     self._settle()
                     if not self._start_world(assignment):
                         continue
-                self.step = max(self.step, self.worker.next_step)
+                self._step = max(self._step, self.worker.next_step)
                 step = self._current(assignment)
                 self.aborted = False
                 started = time.monotonic()
@@ -286,7 +382,7 @@ class Elastic:
                     continue
                 self._report(step, time.monotonic() - started)
                 self._settle()
-                self._unsettled, self.step = step, step.step + 1
+                self._unsettled, self._step = step, step.step + 1
         finally:
             self._settle()
 
@@ -376,20 +472,20 @@ class Elastic:
         self.aborted = True
 
     def _current(self, assignment: Assignment) -> Step:
-        ranges = self.worker.batch(self.step)
+        ranges = self.worker.batch(self._step)
         view = self.worker.view
         plan = view.plan
         assert view.config is not None
         self.current = Step(
-            step=self.step,
+            step=self._step,
             world=assignment.world_version,
             epoch=plan.epoch if plan is not None else 0,
             rank=assignment.rank,
             world_size=assignment.world_size,
             ranges=ranges,
-            order=views.order_for(view, self.step),
+            order=views.order_for(view, self._step),
             micro=deal.micro_batches(view.config, ranges),
-            weight=views.weight(view, self.step),
+            weight=views.weight(view, self._step),
         )
         return self.current
 
@@ -415,8 +511,8 @@ class Elastic:
             self._joined_world(assignment)
         except WorldChangedError:
             return False
-        old, self.world_size = self.world_size, assignment.world_size
-        self.world, self.step = assignment.world_version, assignment.start_step
+        old, self._world_size = self._world_size, assignment.world_size
+        self.world, self._step = assignment.world_version, assignment.start_step
         for callback in self._world_callbacks:
             callback(old, assignment.world_size)
         return True
@@ -590,6 +686,17 @@ class NumpyElasticJob(Elastic):
     def wrap(self, params: dict[str, Any]) -> dict[str, Any]:
         self.attach(NumpyState(params))
         return params
+
+    def _final_weights(self) -> bytes:
+        """The parameters as an .npz file (`numpy.load` reads it back)."""
+        import io
+
+        import numpy as np
+
+        assert isinstance(self.state, NumpyState)
+        out = io.BytesIO()
+        np.savez(out, **self.state.params)
+        return out.getvalue()
 
     def allreduce(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """The mean of `tensors` (this rank's mean gradients over its batch) over the ranks,

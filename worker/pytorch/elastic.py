@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import os
 import threading
 import types
@@ -138,7 +139,7 @@ class ElasticJob(Elastic):
     def __init__(self, job: str | None = None, backend: str | None = None, **options: Any):
         super().__init__(job, **options)
         backend = backend or os.environ.get(BACKEND_ENV) or None
-        self._steps: Iterator[Step] = self.steps()
+        self._steps: Iterator[Step] = self._walk()
         self._peeked: Step | None = None
         self.backend = backend
         self.rdzv: Any = None
@@ -198,6 +199,14 @@ class ElasticJob(Elastic):
         if self.backend is not None:
             return _under_ddp(model, self), optimizer
         return model, optimizer
+
+    def _final_weights(self) -> bytes:
+        """The model's state_dict as `torch.save` writes it (`torch.load` reads it back)."""
+        state = self.state
+        assert isinstance(state, TorchState)
+        out = io.BytesIO()
+        torch.save(state.model.state_dict(), out)
+        return out.getvalue()
 
     def _compressor(self, compression: Compression | None, rank: int) -> feedback.Compressor | None:
         """The compressor `wrap` was asked for; ValueError if the gradients do not go
@@ -365,9 +374,12 @@ class ElasticJob(Elastic):
             if step is None or step.epoch != first.epoch:
                 self._peeked = step
                 return
+            trained, self._given = self._given, step
             self._start_step()
             if not step.ranges:
                 self._empty_step(dataset, collate)
+                if self.aborted:
+                    self._given = trained
                 continue
             self._sizes = tuple(sum(b - a for a, b in part) for part in step.micro)
             count = len(step.micro)
@@ -386,6 +398,8 @@ class ElasticJob(Elastic):
                 if self.aborted or self.current is not step:
                     break  # the world changed under this step: it is retried whole
             self._micro = (0, 1)
+            if self.aborted:  # nothing applied: the script is where it was
+                self._given = trained
 
     def _loader_for(self, loader: Any) -> StepLoader:
         """One twin per script loader, kept: its persistent workers live across epochs."""

@@ -1,0 +1,79 @@
+"""What a script can ask its job, run under `cohort run` as a user runs it: who it is (worker
+id, local rank, rank, world size, chief), where it is (step, epoch) inside and between its
+loops, and `job.save`, which writes the final model once for the whole job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cohort.errors import Exit
+from tests.integration.launch import Launch
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(Path(__file__).with_name("whoami_script.py"))
+SETTINGS = ("--heartbeat-timeout", "2", "--heartbeat-interval", "0.5", "--min-workers", "2")
+
+
+def _torch() -> Any:
+    """torch; in CI, which installs it, a missing torch fails instead of skipping."""
+    if os.environ.get("CI") == "true":
+        import torch
+
+        return torch
+    return pytest.importorskip("torch")
+
+
+def reports(run: Launch) -> list[dict[str, Any]]:
+    return [json.loads(line.split("WHOAMI ", 1)[1]) for line in run.lines if "WHOAMI " in line]
+
+
+def run_script(route: str, tmp_path: Path, *settings: str) -> list[dict[str, Any]]:
+    run = Launch(
+        "-n", "2", "--node", "n", *SETTINGS, *settings, SCRIPT, route, str(tmp_path),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert run.wait(240) == Exit.OK, run.output[-3000:]
+    seen = reports(run)
+    assert len(seen) == 2, run.output[-3000:]
+    return sorted(seen, key=lambda r: r["local_rank"])
+
+
+def test_a_numpy_script_knows_its_rank_step_and_epoch_and_saves_once(tmp_path: Path) -> None:
+    first, second = run_script("numpy", tmp_path, "--epochs", "2", "--batch-size", "16")
+    assert [first["worker_id"], second["worker_id"]] == ["n-0", "n-1"]
+    assert [first["local_rank"], second["local_rank"]] == [0, 1]
+    assert first["agree"] and second["agree"]  # job.step/rank/... are the step's, inside it
+    for report in (first, second):
+        after = report["after"]
+        assert after["step"] == report["trained"][-1]  # the last step it trained
+        assert after["epoch"] == 1 and after["world_size"] == 2
+    assert sorted([first["after"]["rank"], second["after"]["rank"]]) == [0, 1]
+    assert [first["saved"], second["saved"]].count(True) == 1  # the chief alone
+    assert [r["after"]["is_chief"] for r in (first, second)] == [first["saved"], second["saved"]]
+    with np.load(tmp_path / "final.npz") as saved:
+        np.testing.assert_array_equal(saved["w"], np.array(first["weights"]))
+    assert first["weights"] == second["weights"]
+    assert not [name for name in os.listdir(tmp_path) if ".tmp-" in name]  # written whole
+
+
+def test_a_torch_script_after_an_epoch_loop_is_still_in_that_epoch(tmp_path: Path) -> None:
+    torch = _torch()
+    first, second = run_script("torch", tmp_path, "--epochs", "3", "--batch-size", "8")
+    for report in (first, second):
+        assert report["agree"]  # inside the batches, job.epoch is the loop's epoch
+        ended = [(epoch, seen["epoch"]) for epoch, seen in report["epochs"]]
+        assert ended == [(0, 0), (1, 1), (2, 2)]  # not the next epoch's first step
+        steps = [seen["step"] for _, seen in report["epochs"]]
+        assert steps == sorted(steps) and steps[-1] == report["after"]["step"]
+    assert [first["saved"], second["saved"]].count(True) == 1
+    saved = torch.load(tmp_path / "final.pt", weights_only=True)
+    weights = [t.flatten().tolist() for t in saved.values()]
+    assert np.allclose(sum(weights, []), sum(first["weights"], []))
