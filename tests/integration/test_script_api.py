@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 
 from cohort.errors import Exit
+from cohort.localredis import LocalRedis
 from tests.integration.launch import Launch
 
 pytestmark = pytest.mark.slow
@@ -77,3 +80,21 @@ def test_a_torch_script_after_an_epoch_loop_is_still_in_that_epoch(tmp_path: Pat
     saved = torch.load(tmp_path / "final.pt", weights_only=True)
     weights = [t.flatten().tolist() for t in saved.values()]
     assert np.allclose(sum(weights, []), sum(first["weights"], []))
+
+
+def test_a_copy_started_after_the_job_finished_says_so_in_one_line_and_exits_0(
+    server: LocalRedis, tmp_path: Path
+) -> None:
+    run_script("numpy", tmp_path, "--redis-url", server.url, "--job", "done", "--epochs", "1")
+    env = {**os.environ, "COHORT_JOB": "done", "COHORT_REDIS_URL": server.url}
+    late = subprocess.run(
+        [sys.executable, SCRIPT, "numpy", str(tmp_path / "late")],
+        env={**env, "COHORT_WORKER_ID": "late"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert late.returncode == 0, late.stderr
+    assert "Traceback" not in late.stderr
+    said = [line for line in late.stderr.splitlines() if "nothing to train" in line]
+    assert len(said) == 1 and "job 'done' finished at step" in said[0]
+    report = json.loads(late.stdout.split("WHOAMI ", 1)[1])
+    assert report["trained"] == [] and report["saved"] is False
+    assert not (tmp_path / "late").exists()

@@ -19,6 +19,7 @@ import pytest
 
 from cohort.events import decode_command, encode
 from cohort.events import models as m
+from cohort.events.connection import where
 from cohort.events.keys import JobNameError, Keys
 from cohort.events.shards import Shard
 from cohort.events.streams import ZERO, Inbox, Journal
@@ -642,3 +643,12 @@ def test_a_worker_without_a_job_name_says_so(server, job) -> None:
         JobNameError, match=r"no job name given \(" + repr(job) + r"\): pass the name"
     ):
         Worker(fakeredis.FakeRedis(server=server), job)
+
+
+def test_the_join_line_names_the_redis_it_joined_on(leader, make_worker, pool, caplog) -> None:
+    worker = make_worker()
+    with caplog.at_level(logging.INFO, logger="cohort"):
+        joined(leader, worker, pool)
+    said = [r.getMessage() for r in caplog.records if "joined job" in r.getMessage()]
+    assert said == [f"worker {ME} joined job {JOB!r} on Redis {where(worker.conn)}"]
+    assert "redis://" in said[0]  # which server: forgetting $COHORT_REDIS_URL shows here

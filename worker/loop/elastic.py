@@ -40,6 +40,7 @@ from cohort.events.shards import Range
 from cohort.worker.collective.redis_collective import Collective
 from cohort.worker.errors import (
     Finished,
+    JoinRefusedError,
     NotAssignedError,
     Stopped,
     WaitTimeoutError,
@@ -230,6 +231,11 @@ class Elastic:
         except Stopped:
             log.info("%s was stopped before it joined job %r", self.worker.id, self.worker.job)
             return False
+        except JoinRefusedError as refused:
+            if self.worker.view.finished is None:
+                raise
+            log.warning("%s: nothing to train: %s", self.worker.id, refused.reason)
+            return False  # the loops end at once; job.finished says why
         return True
 
     # ------------------------------------------------------------ set up
@@ -357,6 +363,8 @@ class Elastic:
         has nearly always arrived by then): the wait stays off the critical path.
         """
         assert self.state is not None, "attach() the training state first"
+        if not self.joined:
+            return  # stopped before it joined, or the job had finished
         lost_logged = 0.0
         try:
             while not self.stopping:

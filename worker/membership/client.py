@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from cohort.events import identity
 from cohort.events.clock import Clock, SystemClock
-from cohort.events.connection import UNAVAILABLE, Client, credentials, start_wait
+from cohort.events.connection import UNAVAILABLE, Client, credentials, start_wait, where
 from cohort.events.keys import Keys
 from cohort.events.models import (
     CheckpointWritten,
@@ -325,7 +325,7 @@ class Worker:
         if answered.refusals > before.refusals:
             self.stop()
             raise JoinRefusedError(self.id, answered.refused or "no reason given")
-        self.log.info("worker %s joined job %r", self.id, self.job)
+        self.log.info("worker %s joined job %r on Redis %s", self.id, self.job, where(self.conn))
 
     def _start(self, deadline: float | None, halt: Halt, stop: threading.Event) -> None:
         """Once per join after a stop: reach Redis, fold the journal so far, then follow it,
