@@ -391,3 +391,35 @@ def test_local_sgd_rejects_bad_settings() -> None:
         ct.LocalSGD(model, None, sync_every=0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="mode"):
         ct.LocalSGD(model, None, sync_every=2, mode="mean")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("scheduler_first", [True, False])
+def test_taking_over_the_optimizer_keeps_lr_schedulers_quiet_and_counting(
+    scheduler_first: bool,
+) -> None:
+    """job.wrap takes over optimizer.step(): a scheduler built before or after it neither
+    warns nor loses count (issue 32, papercut 7)."""
+    import warnings
+
+    from cohort.worker.pytorch.elastic import take_over
+
+    model = torch.nn.Linear(2, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls: list[str] = []
+    original = sgd.step
+
+    def build() -> Any:
+        return torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)
+
+    schedule = build() if scheduler_first else None
+    take_over(sgd, lambda: (calls.append("step"), original())[1], lambda: calls.append("zero"))
+    schedule = schedule or build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        for _ in range(3):
+            sgd.zero_grad()
+            model(torch.ones(1, 2)).sum().backward()
+            sgd.step()
+            schedule.step()
+    assert calls == ["zero", "step"] * 3
+    assert sgd.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)

@@ -194,8 +194,7 @@ class ElasticJob(Elastic):
         if self.backend is None and overlap and not accumulating and self.compressor is None:
             self.overlapped = OverlappedGradients(model, self.collective, bucket_bytes)
         self._optimizer_step, self._optimizer_zero_grad = optimizer.step, optimizer.zero_grad
-        optimizer.step = _method_of(optimizer, self._step_optimizer)  # type: ignore[method-assign]
-        optimizer.zero_grad = _method_of(optimizer, self._zero_grad)  # type: ignore[method-assign]
+        take_over(optimizer, self._step_optimizer, self._zero_grad)
         if self.backend is not None:
             return _under_ddp(model, self), optimizer
         return model, optimizer
@@ -444,6 +443,25 @@ class ElasticJob(Elastic):
     def _next(self) -> Step | None:
         step, self._peeked = self._peek(), None
         return step
+
+
+def take_over(
+    optimizer: torch.optim.Optimizer, step: Callable[..., Any], zero_grad: Callable[..., Any]
+) -> None:
+    """`optimizer.step()` and `zero_grad()` call `step` and `zero_grad` from now on.
+
+    An LR scheduler made before this wrapped the optimizer's step to see it called; the new
+    step keeps that promise (it marks the optimizer called, and is marked as wrapped), so
+    torch warns neither "optimizer.step() has been overridden" nor "lr_scheduler.step()
+    before optimizer.step()", whichever the script built first."""
+
+    def stepped(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]  # what schedulers check
+        return step(*args, **kwargs)
+
+    optimizer.step = _method_of(optimizer, stepped)  # type: ignore[method-assign]
+    optimizer.step.__func__._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.zero_grad = _method_of(optimizer, zero_grad)  # type: ignore[method-assign]
 
 
 def _method_of(optimizer: torch.optim.Optimizer, call: Callable[..., Any]) -> Any:
