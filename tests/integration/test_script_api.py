@@ -38,7 +38,7 @@ def reports(run: Launch) -> list[dict[str, Any]]:
     return [json.loads(line.split("WHOAMI ", 1)[1]) for line in run.lines if "WHOAMI " in line]
 
 
-def run_script(route: str, tmp_path: Path, *settings: str) -> list[dict[str, Any]]:
+def launch(route: str, tmp_path: Path, *settings: str) -> tuple[Launch, list[dict[str, Any]]]:
     run = Launch(
         "-n", "2", "--node", "n", *SETTINGS, *settings, SCRIPT, route, str(tmp_path),
         cwd=tmp_path,
@@ -46,11 +46,21 @@ def run_script(route: str, tmp_path: Path, *settings: str) -> list[dict[str, Any
     assert run.wait(240) == Exit.OK, run.output[-3000:]
     seen = reports(run)
     assert len(seen) == 2, run.output[-3000:]
-    return sorted(seen, key=lambda r: r["local_rank"])
+    return run, sorted(seen, key=lambda r: r["local_rank"])
+
+
+def run_script(route: str, tmp_path: Path, *settings: str) -> list[dict[str, Any]]:
+    return launch(route, tmp_path, *settings)[1]
 
 
 def test_a_numpy_script_knows_its_rank_step_and_epoch_and_saves_once(tmp_path: Path) -> None:
-    first, second = run_script("numpy", tmp_path, "--epochs", "2", "--batch-size", "16")
+    run, (first, second) = launch("numpy", tmp_path, "--epochs", "2", "--batch-size", "16")
+    # what it says without any logging set up: where it joined, its rank and weights
+    joined = [line for line in run.lines if "cohort: worker n-" in line and "joined job" in line]
+    assert len(joined) == 2 and all("on Redis redis://127.0.0.1:" in x for x in joined)
+    starts = [line for line in run.lines if "trains as rank" in line]
+    assert any("n-0 trains as rank" in x for x in starts) and len(starts) >= 2
+    assert any("of 2 (world" in x and "with the initial weights" in x for x in starts)
     assert [first["worker_id"], second["worker_id"]] == ["n-0", "n-1"]
     assert [first["local_rank"], second["local_rank"]] == [0, 1]
     assert first["agree"] and second["agree"]  # job.step/rank/... are the step's, inside it
@@ -67,9 +77,16 @@ def test_a_numpy_script_knows_its_rank_step_and_epoch_and_saves_once(tmp_path: P
     assert not [name for name in os.listdir(tmp_path) if ".tmp-" in name]  # written whole
 
 
-def test_a_torch_script_after_an_epoch_loop_is_still_in_that_epoch(tmp_path: Path) -> None:
+def test_a_torch_script_after_an_epoch_loop_is_still_in_that_epoch_and_hears_of_its_loader(
+    tmp_path: Path,
+) -> None:
     torch = _torch()
-    first, second = run_script("torch", tmp_path, "--epochs", "3", "--batch-size", "8")
+    run, (first, second) = launch("torch", tmp_path, "--epochs", "3", "--batch-size", "4")
+    said = [line for line in run.lines if "UserWarning" in line]
+    assert len(said) == 2, said  # once per rank, though each epoch makes a new loader
+    assert all("the DataLoader's batch_size=8 is not used" in line for line in said)
+    assert all("--batch-size 4" in line for line in said)
+    assert not [line for line in run.lines if "Warning" in line and line not in said]
     for report in (first, second):
         assert report["agree"]  # inside the batches, job.epoch is the loop's epoch
         ended = [(epoch, seen["epoch"]) for epoch, seen in report["epochs"]]
@@ -98,3 +115,9 @@ def test_a_copy_started_after_the_job_finished_says_so_in_one_line_and_exits_0(
     report = json.loads(late.stdout.split("WHOAMI ", 1)[1])
     assert report["trained"] == [] and report["saved"] is False
     assert not (tmp_path / "late").exists()
+    quiet = subprocess.run(
+        [sys.executable, SCRIPT, "numpy", str(tmp_path / "late")],
+        env={**env, "COHORT_WORKER_ID": "late-2", "COHORT_LOG_LEVEL": "error"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert quiet.returncode == 0 and "cohort:" not in quiet.stderr  # $COHORT_LOG_LEVEL

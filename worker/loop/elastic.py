@@ -60,6 +60,7 @@ log = logging.getLogger("cohort.elastic")
 POLL = 0.5
 JOB_ENV = "COHORT_JOB"
 LOCAL_RANK_ENV = "COHORT_LOCAL_RANK"
+LOG_LEVEL_ENV = "COHORT_LOG_LEVEL"
 LOST_LOG_EVERY = 10.0
 
 
@@ -137,6 +138,36 @@ def as_dataset(data: Any) -> Dataset | None:
     return Dataset(size=size, fingerprint=str(fingerprint)[:128])
 
 
+class _UntilConfigured(logging.StreamHandler):  # type: ignore[type-arg]
+    """cohort's lines on stderr for a script that set up no logging of its own; silent
+    once the root logger has a handler (the script's setup then shows them)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+def speak() -> None:
+    """A script hears cohort's few important lines (waiting for a coordinator, its rank and
+    world and the weights it starts from, the end) without configuring logging; level
+    $COHORT_LOG_LEVEL (default INFO; WARNING quiets them)."""
+    ours = logging.getLogger("cohort")
+    if logging.getLogger().handlers or any(isinstance(h, _UntilConfigured) for h in ours.handlers):
+        return  # the script, cohort's CLI or a test harness set logging up: theirs decides
+    handler = _UntilConfigured()
+    handler.setFormatter(logging.Formatter("cohort: %(message)s"))
+    ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        level = os.environ.get(LOG_LEVEL_ENV, "INFO").upper()
+        known = level in logging.getLevelNamesMapping()
+        ours.setLevel(level if known else "INFO")
+        if not known:
+            log.warning(
+                "$%s=%r is not a logging level (DEBUG, INFO, WARNING, ERROR): using INFO",
+                LOG_LEVEL_ENV, os.environ[LOG_LEVEL_ENV],
+            )  # fmt: skip
+
+
 def _job_name(job: str | None) -> str:
     """`job`, else $COHORT_JOB, checked; WorkerError if neither names one."""
     job = job or os.environ.get(JOB_ENV)
@@ -178,6 +209,7 @@ class Elastic:
         collective_timeout: float | None = None,
         ride_out: float | None = None,
     ) -> None:
+        speak()
         job = _job_name(job)
         self.conn = conn or connect(RedisSettings.resolve(redis_url, client_name=f"cohort-{job}"))
         if local_files is not None:
@@ -521,6 +553,11 @@ class Elastic:
             return False
         old, self._world_size = self._world_size, assignment.world_size
         self.world, self._step = assignment.world_version, assignment.start_step
+        log.info(
+            "%s trains as rank %d of %d (world %d) from step %d, with %s",
+            self.worker.id, assignment.rank, assignment.world_size, assignment.world_version,
+            assignment.start_step, _origin(weights),
+        )  # fmt: skip
         for callback in self._world_callbacks:
             callback(old, assignment.world_size)
         return True
@@ -631,6 +668,15 @@ class Elastic:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _origin(weights: Any) -> str:
+    """Where a world's starting weights come from, for people."""
+    if weights is None or weights.source == "rank":
+        return "the weights the ranks hold"
+    if weights.source == "initial":
+        return "the initial weights"
+    return f"the weights of step {weights.step} from {weights.uri}"
 
 
 class NumpyState:

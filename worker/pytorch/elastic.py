@@ -23,6 +23,7 @@ import io
 import os
 import threading
 import types
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -404,9 +405,25 @@ class ElasticJob(Elastic):
         """One twin per script loader, kept: its persistent workers live across epochs."""
         known = self._loaders.get(id(loader))
         if known is None or known[0] is not loader:
+            self._say_batch_size(loader)
             known = (loader, StepLoader(loader, self.worker))
             self._loaders[id(loader)] = known
         return known[1]
+
+    def _say_batch_size(self, loader: Any) -> None:
+        """Once per loader: its own batch_size, where it is not the job's, is not used."""
+        config = self.worker.view.config
+        own = getattr(loader, "batch_size", None)
+        if config is None or own is None or own == config.batch_size:
+            return
+        warnings.warn(
+            f"the DataLoader's batch_size={own} is not used: the job deals batches of "
+            f"{config.batch_size} samples per rank (the coordinators' --batch-size "
+            f"{config.batch_size}); give the loader batch_size={config.batch_size}, or the "
+            "job the size you meant",
+            UserWarning,
+            stacklevel=4,
+        )
 
     def _accumulating(self) -> bool:
         """Inside a micro-batch before a step's last (DDP must not reduce its gradients)."""
