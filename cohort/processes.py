@@ -42,6 +42,16 @@ def tail(path: Path, lines: int = 20) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def outcome(code: int | None) -> str:
+    """A process's return code for people: "exit code 4", "killed by SIGKILL" (a negative
+    code), or "running" (None)."""
+    if code is None:
+        return "running"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
 @dataclass
 class Proc:
     """`argv` run as `name` in a session of its own (a signal sent to the parent's terminal
@@ -96,12 +106,7 @@ class Proc:
 
     def outcome(self) -> str:
         """How it ended, for people: "exit code 4", "killed by SIGKILL", or "running"."""
-        code = None if self.popen is None else self.popen.poll()
-        if code is None:
-            return "running"
-        if code < 0:
-            return f"killed by {signal.Signals(-code).name}"
-        return f"exit code {code}"
+        return outcome(None if self.popen is None else self.popen.poll())
 
     def signal(self, sig: int) -> None:
         """Send `sig` to its process group, if it still runs."""

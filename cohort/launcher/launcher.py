@@ -44,7 +44,7 @@ from cohort.launcher.credentials import Credentials
 from cohort.launcher.reaper import Reaper
 from cohort.launcher.supervision import Exited, Policy, Slot, State
 from cohort.localredis import LocalRedis, LocalRedisError
-from cohort.processes import Proc
+from cohort.processes import Proc, outcome
 
 FATAL_COORDINATOR_EXITS = {Exit.USAGE, Exit.REDIS, Exit.DATA}
 """A coordinator that exits with one of these will not do better if started again (bad
@@ -267,8 +267,7 @@ class Launcher:
             return
         if self.redis_slot.state is State.RUNNING:
             code = server.process.returncode if server.process is not None else 1
-            how = f"exit code {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
-            self._private_redis_failed(how, now - self.redis_started, now)
+            self._private_redis_failed(outcome(code), now - self.redis_started, now)
         if not supervision.due(self.redis_slot, now):
             return
         self.redis_slot = supervision.started(self.redis_slot)
