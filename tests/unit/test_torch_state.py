@@ -423,3 +423,59 @@ def test_taking_over_the_optimizer_keeps_lr_schedulers_quiet_and_counting(
             schedule.step()
     assert calls == ["zero", "step"] * 3
     assert sgd.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+
+
+# ------------------------------------------------------------------ what travels with the weights
+def test_extra_is_the_scripts_own_dict_in_both_directions() -> None:
+    """What the script changes in `extra` is what a snapshot holds, and what a loaded
+    snapshot brings is what the script's dict then reads (not a copy's)."""
+    from cohort.worker.pytorch.elastic import TorchState
+
+    model = torch.nn.Linear(2, 1)
+    counters = {"epochs_done": 0}
+    state = TorchState(model, torch.optim.SGD(model.parameters(), lr=0.1), extra=counters)
+    counters["epochs_done"] = 3
+    at_three = state.snapshot()
+    counters["epochs_done"] = 5
+    state.load(at_three)
+    assert counters == {"epochs_done": 3}
+    state.reset()
+    assert counters == {"epochs_done": 0}
+
+
+def scheduled(schedule: str) -> tuple[torch.optim.Optimizer, Any]:
+    """SGD with momentum on a small model, and a scheduler of kind `schedule`."""
+    sgd = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1, momentum=0.9)
+    if schedule == "step":
+        return sgd, torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)
+    return sgd, torch.optim.lr_scheduler.OneCycleLR(sgd, max_lr=1.0, total_steps=10)
+
+
+def settings(sgd: torch.optim.Optimizer, scheduler: Any) -> tuple[Any, ...]:
+    group = sgd.param_groups[0]
+    return scheduler.last_epoch, group["lr"], group["momentum"]
+
+
+@pytest.mark.parametrize("schedule", ["step", "one-cycle"])
+def test_a_step_cut_short_leaves_the_scheduler_where_it_was(schedule: str) -> None:
+    """A world change cuts a step short after the script's `optimizer.step()` (which then
+    applied nothing) and before its `scheduler.step()`: the scheduler step is undone, with
+    the learning rate and momentum it set, so the schedule counts applied steps only."""
+    from cohort.worker.pytorch.elastic import TorchState
+
+    sgd, scheduler = scheduled(schedule)
+    state = TorchState(torch.nn.Linear(2, 1), sgd, scheduler)
+    sgd.step()
+    scheduler.step()  # an applied step
+    state.hold()  # the next one begins
+    before = settings(sgd, scheduler)
+    scheduler.step()  # ... and is cut short: this must not count
+    assert settings(sgd, scheduler) != before
+    state.unwind()
+    assert settings(sgd, scheduler) == before
+    scheduler.step()  # the step again, in the next world: as if nothing had happened
+    twin, twin_scheduler = scheduled(schedule)
+    for _ in range(2):
+        twin.step()
+        twin_scheduler.step()
+    assert settings(sgd, scheduler) == settings(twin, twin_scheduler)

@@ -120,6 +120,15 @@ class Step:
         return self.samples.tolist()  # type: ignore[no-any-return]
 
 
+@dataclass(frozen=True, slots=True)
+class EpochEnd:
+    """What the walk gives after a data epoch's last step: the script's code between
+    epochs (an epoch scheduler's step, validation) runs before the walk goes on, and so
+    before a checkpoint of that step copies the state or a new world takes it."""
+
+    epoch: int
+
+
 def as_dataset(data: Any) -> Dataset | None:
     """What a worker declares of `data`: a cohort.Dataset as it is; any sized dataset (a
     torch Dataset) by its length and its `fingerprint` attribute if it has one (a version
@@ -249,6 +258,8 @@ class Elastic:
         """Applied and reported here; its commit not seen yet."""
         self._digest: str | None = None
         self._loss: float | None = None
+        self._due = False
+        """Whether the leader will ask for a checkpoint of the step reported last."""
         self._snapshot: bytes | None = None
         self._writer: checkpoints.CheckpointWriter | None = None
         self._world_callbacks: list[Callable[[int, int], None]] = []
@@ -379,6 +390,8 @@ class Elastic:
         walk = self._walk()
         try:
             for step in walk:
+                if isinstance(step, EpochEnd):
+                    continue  # a step's body is this route's only place for the script's code
                 trained, self._given = self._given, step
                 yield step
                 if self.aborted:  # nothing applied: the script is where it was
@@ -386,13 +399,16 @@ class Elastic:
         finally:
             walk.close()
 
-    def _walk(self) -> Generator[Step, None, None]:
-        """Every step this rank trains, in order, until the job finishes or it is stopped.
+    def _walk(self) -> Generator[Step | EpochEnd, None, None]:
+        """Every step this rank trains, in order, until the job finishes or it is stopped,
+        with an `EpochEnd` after each data epoch's last step.
 
         Between two `next()` the caller computes the step and applies its update through
         the job's collective; `abort()` says a world change cut that short. A finished step
         is reported at once and its commit is awaited only after the next step's work (it
-        has nearly always arrived by then): the wait stays off the critical path.
+        has nearly always arrived by then): the wait stays off the critical path. What the
+        step leaves behind (a checkpoint's copy, a new world's broadcast) is taken only
+        when the caller asks past it, so it holds what the script did after the step.
         """
         assert self.state is not None, "attach() the training state first"
         if not self.joined:
@@ -420,10 +436,26 @@ class Elastic:
                 if self.aborted:  # nothing was applied: the step is retried in the new world
                     self._settle()
                     continue
-                self._report(step, time.monotonic() - started)
-                self._settle()
-                self._unsettled, self._step = step, step.step + 1
+                yield from self._after(step, time.monotonic() - started)
         finally:
+            self._settle()
+
+    def _after(self, step: Step, took: float) -> Generator[EpochEnd, None, None]:
+        """`step` applied: report it, and copy what a checkpoint of it needs as the caller
+        asks for more. After an epoch's last step the caller is first given the epoch's end
+        (its code between epochs runs there), and the step's commit is awaited: it brings
+        the next epoch's plan, or the job's end, which the next step is built on."""
+        self._settle()  # the step before (as a rule, settled as this one applied)
+        ends_epoch, ends_job = self._report(step, took)
+        self._unsettled, self._step = step, step.step + 1
+        if ends_epoch:
+            try:
+                yield EpochEnd(step.epoch)
+            finally:
+                self._capture(between_epochs=True)
+        else:
+            self._capture(between_epochs=False)
+        if ends_epoch or ends_job:
             self._settle()
 
     @contextlib.contextmanager
@@ -565,14 +597,17 @@ class Elastic:
     def _joined_world(self, assignment: Assignment) -> None:
         """Every rank holds the world's state: what else a world needs (a process group)."""
 
-    def _report(self, step: Step, took: float) -> None:
+    def _report(self, step: Step, took: float) -> tuple[bool, bool]:
         """StepDone for `step`, with a digest of the weights now and then, sent without
         waiting for Redis (the commit it leads to is awaited before the next step applies).
-        If the leader will ask for a checkpoint of this step (it asks when the step
-        commits), the state is copied now, before the next step changes it."""
+        Whether `step` ends its data epoch, and whether it ends the job: read before the
+        send, like whether a checkpoint of it is due, since once it commits the view moves
+        on."""
         assert self.state is not None
-        due = self._checkpoint_due(step)
-        sample = due or (self.digest_every and step.step % self.digest_every == 0)
+        ends_epoch = self._ends_epoch(step)
+        ends_job = self._ends_job(step, ends_epoch)
+        self._due = self._checkpoint_due(step, ends_job)
+        sample = self._due or (self.digest_every and step.step % self.digest_every == 0)
         self._digest = self.state.digest() if sample else None
         samples = sum(stop - start for start, stop in step.ranges)
         self.worker.step_done(
@@ -584,21 +619,43 @@ class Elastic:
             wait=False,
         )
         self._loss = None
-        self._snapshot = self.state.snapshot() if due else None
+        return ends_epoch, ends_job
 
-    def _checkpoint_due(self, step: Step) -> bool:
+    def _capture(self, between_epochs: bool) -> None:
+        """Copy the state a checkpoint of the step just reported holds, if the leader will
+        ask for one (it asks when the step commits). The copy is taken as the script asks
+        for the next step: after all it did once the step applied (a per-step scheduler's
+        step; after an epoch's last step, its code between epochs too: an epoch scheduler's
+        step, an EMA, counters in `extra`), and before the next step changes anything. A
+        run resumed from it then starts the next step as the uninterrupted run did.
+        Between epochs the script may have changed the weights: they are digested again."""
+        assert self.state is not None
+        self._snapshot = self.state.snapshot() if self._due else None
+        if self._due and between_epochs:
+            self._digest = self.state.digest()
+
+    def _checkpoint_due(self, step: Step, ends_job: bool) -> bool:
         """Whether the leader will ask for a checkpoint of `step` once it commits: after
         every `checkpoint_every` steps, and after the job's last."""
-        view = self.worker.view
-        config, plan = view.config, view.plan
+        config = self.worker.view.config
         if config is None or config.checkpoint_uri is None:
             return False
-        if (step.step + 1) % config.checkpoint_every == 0:
-            return True
-        if plan is None:
+        return ends_job or (step.step + 1) % config.checkpoint_every == 0
+
+    def _ends_job(self, step: Step, ends_epoch: bool) -> bool:
+        """Whether `step` is the job's last (its length in steps or epochs)."""
+        config = self.worker.view.config
+        if config is None or self.worker.view.plan is None:
             return False
-        epoch_done = deal.exhausted(config, plan.shards, plan.base_step, step.step + 1)
-        return config.end_reason(step.step, step.epoch, epoch_done) is not None
+        return config.end_reason(step.step, step.epoch, ends_epoch) is not None
+
+    def _ends_epoch(self, step: Step) -> bool:
+        """Whether `step` is the last of its data epoch (in the plan it was built on)."""
+        view = self.worker.view
+        config, plan = view.config, view.plan
+        if config is None or plan is None:
+            return False
+        return deal.exhausted(config, plan.shards, plan.base_step, step.step + 1)
 
     def _settle(self) -> None:
         """Wait for the reported step to commit (if one waits); write its checkpoint if the

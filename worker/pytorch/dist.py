@@ -203,10 +203,12 @@ class Watchdog:
         callback()
 
     def wait(self, done: threading.Event, timeout: float | None = None) -> bool:
-        """Block until `done` is set (True) or the watchdog trips (False); None: no limit."""
+        """Block until `done` is set or the watchdog trips (None: no limit). True if `done`
+        was set in a world that is not over; tripping sets `done` too, to wake the waiter
+        at once, so False says the world ended (or the time ran out) whatever `done` is."""
         with self._lock:
             if self.tripped.is_set():
-                return done.is_set()
+                return False
             self._waiters.add(done)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -215,7 +217,7 @@ class Watchdog:
                 if left <= 0:
                     break
                 done.wait(left)
-            return done.is_set()
+            return done.is_set() and not self.tripped.is_set()
         finally:
             with self._lock:
                 self._waiters.discard(done)
@@ -421,7 +423,7 @@ class ElasticProcessGroup:
         self.track(work)
         done = threading.Event()
         work.get_future().add_done_callback(lambda _: done.set())
-        if not dog.wait(done) or dog.tripped.is_set():  # a result of a world that is over
+        if not dog.wait(done):  # no result, or one of a world that is over
             raise WorldChangedError(step, self.worker.assignment)
         try:
             work.wait()

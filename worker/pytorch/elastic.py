@@ -17,14 +17,16 @@ the leader asks for are written in the background; the job leaves when the loops
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import io
+import logging
 import os
 import threading
 import types
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -35,11 +37,12 @@ from cohort.worker.collective import compressors as feedback
 from cohort.worker.collective.compressors import DEFAULT_RANK, Compression
 from cohort.worker.collective.redis_collective import Collective
 from cohort.worker.errors import WorkerError, WorldChangedError
-from cohort.worker.loop.elastic import Elastic, Step
+from cohort.worker.loop.elastic import POLL, Elastic, EpochEnd, Step
 from cohort.worker.pytorch import sync as torch_sync
 from cohort.worker.pytorch.loader import Stale, StepLoader
 from cohort.worker.pytorch.overlap import OverlappedGradients
 
+log = logging.getLogger("cohort.torch")
 BACKEND_ENV = "COHORT_TORCH_BACKEND"
 """Where a script that names no backend finds one (gloo, nccl); unset: through Redis."""
 COMPRESSION_ENV = "COHORT_COMPRESSION"
@@ -72,13 +75,16 @@ class TorchState:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: Any = None,
-        extra: Mapping[str, Any] | None = None,
+        extra: MutableMapping[str, Any] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.extra = dict(extra) if extra is not None else None
+        self.extra = extra
+        """The script's own dict, not a copy: what it changes is what travels, and what a
+        world or checkpoint brings is what it reads."""
         self.initial = self.snapshot()
+        self._held: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
 
     def _extra(self) -> dict[str, Any]:
         state: dict[str, Any] = {"rng": torch.get_rng_state()}
@@ -125,6 +131,28 @@ class TorchState:
     def reset(self) -> None:
         self.load(self.initial)
 
+    def hold(self) -> None:
+        """As a step begins: remember where the scheduler is, and the optimizer's settings
+        it changes (learning rates, momenta), so that `unwind` can put them back."""
+        if self.scheduler is None:
+            return
+        groups = [
+            {k: v.clone() if torch.is_tensor(v) else v for k, v in group.items() if k != "params"}
+            for group in self.optimizer.param_groups
+        ]
+        self._held = (copy.deepcopy(self.scheduler.state_dict()), groups)
+
+    def unwind(self) -> None:
+        """The step was cut short by a world change and comes again: a scheduler step the
+        script took after its `optimizer.step()` (which applied nothing) is undone, so the
+        schedule counts applied steps only, as in a run without the failure."""
+        if self._held is None:
+            return
+        scheduled, groups = self._held
+        self.scheduler.load_state_dict(copy.deepcopy(scheduled))
+        for group, held in zip(self.optimizer.param_groups, groups, strict=True):
+            group.update(held)
+
 
 class ElasticJob(Elastic):
     """Elastic data-parallel PyTorch training; see the module docstring for the loop.
@@ -140,8 +168,8 @@ class ElasticJob(Elastic):
     def __init__(self, job: str | None = None, backend: str | None = None, **options: Any):
         super().__init__(job, **options)
         backend = backend or os.environ.get(BACKEND_ENV) or None
-        self._steps: Iterator[Step] = self._walk()
-        self._peeked: Step | None = None
+        self._steps: Iterator[Step | EpochEnd] = self._walk()
+        self._peeked: Step | EpochEnd | None = None
         self.backend = backend
         self.rdzv: Any = None
         self.ddp: Any = None
@@ -151,6 +179,8 @@ class ElasticJob(Elastic):
         self.overlapped: OverlappedGradients | None = None
         self._gate: Callable[[threading.Event], bool] = lambda cancelled: True
         self._launch: bool | None = None
+        self._rebuilt = False
+        """Whether the current world's DDP agreed on its buckets (`_buckets_rebuilt`)."""
         self._micro: tuple[int, int] = (0, 1)
         """(index, count) of the micro-batch being trained in the current step."""
         self._sizes: tuple[int, ...] = ()
@@ -172,7 +202,7 @@ class ElasticJob(Elastic):
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: Any = None,
-        extra: Mapping[str, Any] | None = None,
+        extra: MutableMapping[str, Any] | None = None,
         bucket_bytes: int = torch_sync.DEFAULT_BUCKET_BYTES,
         overlap: bool = True,
         compression: Compression | None = None,
@@ -275,6 +305,7 @@ class ElasticJob(Elastic):
         from torch.nn.parallel import DistributedDataParallel
 
         self.ddp = self._mean = None  # the old world's reducer and hooks go before new ones
+        self._rebuilt = False
         self.rdzv.init_process_group(self.backend)
         state = self.state
         assert isinstance(state, TorchState)
@@ -290,6 +321,41 @@ class ElasticJob(Elastic):
         )
         self._mean = GuardedMean(self.rdzv, self._may_launch)
         self.ddp.register_comm_hook(self._mean, _guarded_allreduce)
+
+    def _buckets_rebuilt(self, ddp: Any) -> bool:
+        """Under DDP, before a forward: DDP's one collective outside the comm hook, the
+        bucket order its ranks agree on at their second forward, run here first (DDP's own
+        call then finds it done). It blocks in gloo, which no abort breaks: it runs on a
+        thread of its own, and a world the journal ends meanwhile leaves it behind. A peer
+        that died breaks it, or hangs it until the journal says so: the step is then
+        aborted (False), runs without DDP, and comes again in the next world."""
+        if self._rebuilt or not torch.is_grad_enabled():
+            return True
+        done, failed = threading.Event(), []
+
+        def rebuild() -> None:
+            try:
+                self._rebuilt = ddp.reducer._rebuild_buckets()
+            except RuntimeError as error:  # gloo: "Connection closed by peer", "Read error"
+                failed.append(error)
+            finally:
+                done.set()
+
+        threading.Thread(target=rebuild, name="cohort-ddp-buckets", daemon=True).start()
+        dog = self.rdzv.watchdog
+        if dog.wait(done) and not failed:
+            return True
+        why = failed[0] if failed else "the journal ended the world first"
+        log.warning("world %d broke as DDP agreed on its buckets: %s", self.world, why)
+        while not dog.tripped.wait(POLL) and not self.stopping:
+            pass  # until the journal ends the world: the step comes again in the next
+        # The thread left behind holds the reducer's lock, which its hooks on the model's
+        # parameters take in every backward: they go, or this step's backward would hang.
+        ddp.reducer._remove_autograd_hooks()
+        self.abort()
+        if self._mean is not None:
+            self._mean.aborted = True
+        return False
 
     def _carry(self, model: torch.nn.Module, index: int) -> None:
         """After micro-batch `index` (not the last): the gradients, which hold W / m_index
@@ -336,6 +402,9 @@ class ElasticJob(Elastic):
         assert current is not None
         after = self._unsettled.step if self._unsettled is not None else None
         self._gate = functools.partial(self.launchable, current, after)
+        state = self.state
+        assert isinstance(state, TorchState)
+        state.hold()
         if self._mean is not None:
             self._mean.aborted = False
         if self.overlapped is not None:
@@ -371,15 +440,16 @@ class ElasticJob(Elastic):
         first = self._peek()
         while first is not None and not self.stopping:
             step = self._next()
-            if step is None or step.epoch != first.epoch:
-                self._peeked = step
+            if not isinstance(step, Step):
+                return  # the epoch's end (the walk waits for the script's code after it)
+            if step.epoch != first.epoch:
+                self._peeked = step  # a world that starts in a later epoch (a rewind)
                 return
             trained, self._given = self._given, step
             self._start_step()
             if not step.ranges:
                 self._empty_step(dataset, collate)
-                if self.aborted:
-                    self._given = trained
+                self._put_back(trained)
                 continue
             self._sizes = tuple(sum(b - a for a, b in part) for part in step.micro)
             count = len(step.micro)
@@ -398,8 +468,17 @@ class ElasticJob(Elastic):
                 if self.aborted or self.current is not step:
                     break  # the world changed under this step: it is retried whole
             self._micro = (0, 1)
-            if self.aborted:  # nothing applied: the script is where it was
-                self._given = trained
+            self._put_back(trained)
+
+    def _put_back(self, trained: Step | None) -> None:
+        """After a step the script ran: if a world change cut it short, nothing was applied
+        and the script is where it was (the step it trained last, its scheduler's place)."""
+        if not self.aborted:
+            return
+        self._given = trained
+        state = self.state
+        assert isinstance(state, TorchState)
+        state.unwind()
 
     def _loader_for(self, loader: Any) -> StepLoader:
         """One twin per script loader, kept: its persistent workers live across epochs."""
@@ -453,13 +532,18 @@ class ElasticJob(Elastic):
         state.optimizer.zero_grad()
 
     def _peek(self) -> Step | None:
-        if self._peeked is None:
+        """The next step, past an epoch's end: asking for it lets the walk go on."""
+        while self._peeked is None or isinstance(self._peeked, EpochEnd):
             self._peeked = next(self._steps, None)
+            if self._peeked is None:
+                return None
         return self._peeked
 
-    def _next(self) -> Step | None:
-        step, self._peeked = self._peek(), None
-        return step
+    def _next(self) -> Step | EpochEnd | None:
+        """What the walk gives next: a step, an epoch's end, or None once it ended."""
+        taken = self._peeked if self._peeked is not None else next(self._steps, None)
+        self._peeked = None
+        return taken
 
 
 def take_over(
@@ -504,6 +588,8 @@ def _under_ddp(model: torch.nn.Module, job: ElasticJob) -> torch.nn.Module:
             return base.__call__(self, *args, **kwargs)
         job._inside_ddp = True
         try:
+            if not job._buckets_rebuilt(ddp):
+                return base.__call__(self, *args, **kwargs)  # the step is aborted meanwhile
             if job._accumulating():
                 with ddp.no_sync():  # reduced with the step's last micro-batch
                     return ddp(*args, **kwargs)
