@@ -479,3 +479,15 @@ def test_a_step_cut_short_leaves_the_scheduler_where_it_was(schedule: str) -> No
         twin.step()
         twin_scheduler.step()
     assert settings(sgd, scheduler) == settings(twin, twin_scheduler)
+
+
+def test_a_step_s_seed_depends_on_the_seed_the_step_and_the_rank_only() -> None:
+    from cohort.worker.pytorch.elastic import step_seed
+
+    assert step_seed(7, 12, 1) == step_seed(7, 12, 1)  # the step redone draws alike
+    seeds = {step_seed(seed, step, rank) for seed in (0, 7) for step in (0, 1) for rank in (0, 1)}
+    assert len(seeds) == 8 and all(0 <= s < 2**64 for s in seeds)
+    torch.manual_seed(step_seed(7, 12, 1))
+    first = torch.rand(3)
+    torch.manual_seed(step_seed(7, 12, 1))
+    assert torch.equal(torch.rand(3), first)

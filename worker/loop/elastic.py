@@ -253,6 +253,8 @@ class Elastic:
         self._given: Step | None = None
         """The step the script trains, or trained last."""
         self.aborted = False
+        """True once a world change cut the current step short: nothing was applied, and
+        the step comes again in the next world."""
         self.steps_done = 0
         self._unsettled: Step | None = None
         """Applied and reported here; its commit not seen yet."""

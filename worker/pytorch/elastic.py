@@ -181,6 +181,8 @@ class ElasticJob(Elastic):
         self._launch: bool | None = None
         self._rebuilt = False
         """Whether the current world's DDP agreed on its buckets (`_buckets_rebuilt`)."""
+        self._seed: int | None = None
+        """`seed_steps`'s seed: each step's draws then depend on it, the step and the rank."""
         self._micro: tuple[int, int] = (0, 1)
         """(index, count) of the micro-batch being trained in the current step."""
         self._sizes: tuple[int, ...] = ()
@@ -237,6 +239,14 @@ class ElasticJob(Elastic):
         out = io.BytesIO()
         torch.save(state.model.state_dict(), out)
         return out.getvalue()
+
+    def seed_steps(self, seed: int) -> None:
+        """From now on, begin every step (and every retry of one) with torch's generators
+        seeded from `seed`, the step and this rank (`step_seed`): a step's dropout and other
+        draws then depend on where it is, not on the steps before it, so a step redone
+        after a rewind, in a world of the same size, draws what it drew the first time
+        (docs/guarantees.md, "Randomness")."""
+        self._seed = seed
 
     def _compressor(self, compression: Compression | None, rank: int) -> feedback.Compressor | None:
         """The compressor `wrap` was asked for; ValueError if the gradients do not go
@@ -405,6 +415,8 @@ class ElasticJob(Elastic):
         state = self.state
         assert isinstance(state, TorchState)
         state.hold()
+        if self._seed is not None:
+            torch.manual_seed(step_seed(self._seed, current.step, current.rank))
         if self._mean is not None:
             self._mean.aborted = False
         if self.overlapped is not None:
@@ -544,6 +556,13 @@ class ElasticJob(Elastic):
         taken = self._peeked if self._peeked is not None else next(self._steps, None)
         self._peeked = None
         return taken
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """A 64-bit seed for `step` on `rank`, from the job's `seed`: the same three give the
+    same seed in any process, and any two that differ give unrelated ones (numpy's
+    SeedSequence mixes them)."""
+    return int(np.random.SeedSequence((seed, step, rank)).generate_state(1, np.uint64)[0])
 
 
 def take_over(
