@@ -37,6 +37,8 @@ class Liveness:
         self._medians: dict[int, float] = {}  # step -> median of its times, until a new report
         self.digests: dict[int, dict[str, str]] = defaultdict(dict)  # step -> worker -> digest
         self.losses: dict[str, float] = {}
+        self.figures: dict[str, dict[str, float]] = {}
+        """Each worker's figures (`job.record`) as its latest report that had any said them."""
         self.gpus: dict[str, GpuReading] = {}
         self.transfers: dict[str, TransfersWaiting] = {}
         self.commands = 0
@@ -56,6 +58,8 @@ class Liveness:
                     self.digests[command.step][worker] = command.digest
                 if command.loss is not None:
                     self.losses[worker] = command.loss
+                if command.metrics:
+                    self.figures[worker] = command.metrics
             case Heartbeat() if command.step is not None and command.world is not None:
                 self._progress(worker, command.world, command.step)
             case GpuReading():
@@ -106,6 +110,7 @@ class Liveness:
         self.last_seen.pop(worker, None)
         self.progress.pop(worker, None)
         self.losses.pop(worker, None)
+        self.figures.pop(worker, None)
         self.gpus.pop(worker, None)
         self.transfers.pop(worker, None)
 

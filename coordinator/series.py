@@ -95,6 +95,9 @@ class ReportData:
     membership: tuple[Series, ...] = ()
     step_time: tuple[Series, ...] = ()
     loss: tuple[Series, ...] = ()
+    figures: tuple[tuple[str, tuple[Series, ...]], ...] = ()
+    """The scripts' own figures (`job.record`, retained inbox): (name, a line per worker),
+    by name."""
     evaluation: tuple[Series, ...] = ()
     """Each evaluator's metrics (journaled, so never trimmed), one line per evaluator and
     metric, at the time the leader journaled them."""
@@ -139,6 +142,9 @@ def series(run: Run) -> ReportData:
         membership=facts.membership(end),
         step_time=_per_worker(inbox.step_time),
         loss=_per_worker(inbox.loss),
+        figures=tuple(
+            (name, _per_worker(by_worker)) for name, by_worker in sorted(inbox.figures.items())
+        ),
         evaluation=tuple(
             Series(f"{worker} {name}", worker, tuple(points[-MAX_POINTS:]))
             for (worker, name), points in sorted(facts.evals.items())
@@ -213,6 +219,10 @@ class _InboxSeries:
 
     step_time: dict[str, list[Point]] = field(default_factory=lambda: defaultdict(list))
     loss: dict[str, list[Point]] = field(default_factory=lambda: defaultdict(list))
+    figures: dict[str, dict[str, list[Point]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(list))
+    )
+    """name -> worker -> (time, value) of what the scripts recorded."""
     memory: dict[tuple[str, int], list[Point]] = field(default_factory=lambda: defaultdict(list))
     temperature: dict[tuple[str, int], list[Point]] = field(
         default_factory=lambda: defaultdict(list)
@@ -234,6 +244,9 @@ class _InboxSeries:
             self.step_time[command.worker].append((at, command.step_time))
             if command.loss is not None and math.isfinite(command.loss):
                 self.loss[command.worker].append((at, command.loss))
+            for name, value in (command.metrics or {}).items():
+                if math.isfinite(value):
+                    self.figures[name][command.worker].append((at, value))
         elif isinstance(command, TransfersWaiting):
             self.times.append(at)
             self.transfers[command.worker].append((at, float(command.pending)))

@@ -648,6 +648,7 @@ class Coordinator:
                     "last_seen": seen.last_seen.get(w),
                     "progress": list(seen.progress.get(w, (-1, -1))),
                     "loss": seen.losses.get(w),
+                    "figures": seen.figures.get(w, {}),
                     "step_time": seen.step_times.get(seen.progress.get(w, (-1, -1))[1], {}).get(w),
                     "gpu": [
                         {

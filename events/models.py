@@ -154,9 +154,11 @@ class Heartbeat(Event):
 
 
 class StepDone(Event):
-    """A worker finished `step` in world `world` (its collective completed)."""
+    """A worker finished `step` in world `world` (its collective completed). v2 added
+    `metrics`: the script's named figures of the step (`job.record`)."""
 
     type: Literal["StepDone"] = "StepDone"
+    v: Literal[2] = 2
     worker: WorkerId
     step: Count
     world: Count
@@ -164,6 +166,7 @@ class StepDone(Event):
     samples: Count = 0
     digest: Digest | None = None
     loss: Annotated[float, Field(allow_inf_nan=True)] | None = None
+    metrics: Metrics | None = None
 
 
 class EpochDone(Event):

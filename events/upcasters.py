@@ -77,6 +77,12 @@ def _config_gained_placement(body: Body) -> Body:
     return {**body, "config": {**config, "dataset_size": 60_000}}
 
 
+@upcaster("StepDone", 1)
+def _step_reported_no_metrics(body: Body) -> Body:
+    """Reports before v2 carried no named figures besides the loss (None: none)."""
+    return body
+
+
 def upcast(body: Body) -> Body:
     """Apply every upcaster from the body's version up to the newest one known."""
     type_, v = body.get("type"), body.get("v", 1)

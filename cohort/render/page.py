@@ -399,6 +399,7 @@ def _worker_order(data: ReportData) -> dict[str, int]:
     groups = (
         data.step_time,
         data.loss,
+        *(lines for _, lines in data.figures),
         data.evaluation,
         data.gpu_memory,
         data.gpu_temperature,
@@ -414,6 +415,10 @@ def _plots(data: ReportData) -> list[_Plot]:
         ("plot-membership", "Membership", "workers", data.membership, True),
         ("plot-step-time", "Step time per worker", "seconds", data.step_time, True),
         ("plot-loss", "Loss per worker", "loss", data.loss, False),
+    ]
+    plots += [
+        (f"plot-figure-{index}", f"{name} per worker", name, lines, False)
+        for index, (name, lines) in enumerate(data.figures)
     ]
     if data.evaluation:
         plots.append(("plot-evaluation", "Evaluations", "metric", data.evaluation, False))

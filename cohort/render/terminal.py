@@ -199,6 +199,7 @@ def status_view(body: dict[str, Any], recent: list[tuple[str, str]] | None = Non
             )
         )
     rows.extend(_fitted(WORKER_COLUMNS, cells))
+    rows.extend(Text(line) for line in _figure_lines(workers_live))
     rows.extend(Text(line) for line in _evaluation_lines(body))
     rows.extend(Text(line) for line in _workload_lines(body, workers_live))
     if recent:
@@ -238,6 +239,19 @@ def _workload_lines(body: dict[str, Any], live: dict[str, Any]) -> list[str]:
             )
         if parts:
             lines.append(f"{worker}: " + "; ".join(parts))
+    return lines
+
+
+def _figure_lines(live: dict[str, Any]) -> list[str]:
+    """Each worker's latest figures of its own (`job.record`), loss first."""
+    lines = []
+    for worker, seen in sorted(live.items()):
+        said = dict(seen.get("figures") or {})
+        if seen.get("loss") is not None:
+            said = {"loss": seen["loss"], **said}
+        if said:
+            figures = "  ".join(f"{name} {value:.4g}" for name, value in said.items())
+            lines.append(f"{worker} recorded: {figures}")
     return lines
 
 

@@ -49,6 +49,12 @@ def test_join_v1_reads_as_today_s_join() -> None:
     assert (join.v, join.worker, join.host, join.pid) == (3, "w-old", "h1", 42)
 
 
+def test_a_step_reported_before_v2_carries_its_loss_and_no_other_figures() -> None:
+    done = decode_command((FIXTURES / "StepDone.v1.msgpack").read_bytes())
+    assert isinstance(done, StepDone)
+    assert (done.v, done.worker, done.step, done.loss, done.metrics) == (2, "w-old", 7, 0.25, None)
+
+
 def test_a_join_or_joined_before_v3_describes_no_machine_and_declares_no_dataset() -> None:
     join = decode_command((FIXTURES / "Join.v2.msgpack").read_bytes())
     assert isinstance(join, Join)

@@ -425,3 +425,29 @@ def test_report_command_needs_exactly_one_source(tmp_path: Path) -> None:
         assert "exactly one of --job" in result.output
     missing = runner.invoke(main, ["report", "--file", str(tmp_path / "nope"), "-o", "r.html"])
     assert missing.exit_code == 4 and "cannot open export file" in missing.output
+
+
+def test_what_scripts_record_is_plotted_per_name_with_a_line_per_worker() -> None:
+    s = Streams()
+    for step in range(6):
+        for n, worker in enumerate(("w1", "w2")):
+            figures = {"accuracy": 0.5 + step / 20, "lr": 0.1 / (step + 1)}
+            if step == 5:
+                figures["val/acc"] = 0.8 + n / 100  # a name first said late, by both
+            s.command(
+                StepDone(
+                    at=T0 + step, job=JOB, worker=worker, step=step, world=1, step_time=0.1,
+                    loss=1.0, metrics=figures,
+                )
+            )  # fmt: skip
+    data = series(s.run)
+
+    assert [name for name, _ in data.figures] == ["accuracy", "lr", "val/acc"]
+    accuracy = dict(data.figures)["accuracy"]
+    assert [line.worker for line in accuracy] == ["w1", "w2"]
+    assert accuracy[0].points[-1] == (s.run.inbox[-2].ms / 1000, 0.75)
+    html = render(data, "run")
+    assert all(f"{name} per worker" in html for name in ("accuracy", "lr", "val/acc"))
+    page = parse(html)
+    for index in range(3):
+        assert lines_by_worker(page, f"plot-figure-{index}") == {"w1": 1, "w2": 1}

@@ -31,10 +31,13 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pydantic import TypeAdapter, ValidationError
+
 from cohort.events import deal
 from cohort.events.connection import Client, RedisSettings, connect
+from cohort.events.errors import InvalidValueError
 from cohort.events.keys import check_job
-from cohort.events.models import Dataset, Node
+from cohort.events.models import Dataset, Metrics, Node
 from cohort.events.order import Order
 from cohort.events.shards import Range
 from cohort.worker.collective.redis_collective import Collective
@@ -62,6 +65,7 @@ JOB_ENV = "COHORT_JOB"
 LOCAL_RANK_ENV = "COHORT_LOCAL_RANK"
 LOG_LEVEL_ENV = "COHORT_LOG_LEVEL"
 LOST_LOG_EVERY = 10.0
+FIGURES: TypeAdapter[dict[str, float]] = TypeAdapter(Metrics)
 
 
 class TrainingState(Protocol):
@@ -260,6 +264,8 @@ class Elastic:
         """Applied and reported here; its commit not seen yet."""
         self._digest: str | None = None
         self._loss: float | None = None
+        self._figures: dict[str, float] = {}
+        """What the script recorded of the current step besides its loss."""
         self._due = False
         """Whether the leader will ask for a checkpoint of the step reported last."""
         self._snapshot: bytes | None = None
@@ -290,9 +296,27 @@ class Elastic:
         if self.joined:
             self.worker.ready(step=max(self.worker.view.last_committed, 0))
 
-    def record(self, loss: float | None = None) -> None:
-        """A figure of the current step to report with it (the loss, for `cohort report`)."""
-        self._loss = loss
+    def record(self, loss: Any = None, **figures: Any) -> None:
+        """Figures of the current step, sent with its report (no message of their own):
+        `loss`, and any other named numbers, e.g. `job.record(loss=l, accuracy=a, lr=r)`.
+        `cohort status` shows each worker's latest, `cohort report` plots each name per
+        worker. Any number will do (a float, a numpy scalar, a one-element tensor: read
+        once here); calls within a step add up, a name said again keeps its last value.
+        Names: a letter or digit, then letters, digits and `._:/-`, up to 64 characters
+        (`job.record(**{"val/acc": a})`); at most 64 names a step. Anything else raises
+        InvalidValueError naming it."""
+        if loss is not None:
+            self._loss = _number("loss", loss)
+        said = {**self._figures, **{name: _number(name, v) for name, v in figures.items()}}
+        try:
+            self._figures = FIGURES.validate_python(said)
+        except ValidationError as error:
+            problem = error.errors()[0]
+            where = ".".join(str(part) for part in problem["loc"])
+            raise InvalidValueError(
+                f"job.record(): {where or 'the figures'}: {problem['msg']} (names: a letter or "
+                "digit, then letters, digits and ._:/-, up to 64 characters; at most 64 a step)"
+            ) from None
 
     def on_world_change(self, callback: Callable[[int, int], None]) -> None:
         """`callback(old_size, new_size)` at every new world (to scale a learning rate)."""
@@ -436,6 +460,7 @@ class Elastic:
                 started = time.monotonic()
                 yield step
                 if self.aborted:  # nothing was applied: the step is retried in the new world
+                    self._loss, self._figures = None, {}  # the retry says its own
                     self._settle()
                     continue
                 yield from self._after(step, time.monotonic() - started)
@@ -619,8 +644,9 @@ class Elastic:
             digest=self._digest,
             loss=self._loss,
             wait=False,
+            metrics=self._figures,
         )
-        self._loss = None
+        self._loss, self._figures = None, {}
         return ends_epoch, ends_job
 
     def _capture(self, between_epochs: bool) -> None:
@@ -727,6 +753,16 @@ class Elastic:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _number(name: str, value: Any) -> float:
+    """`value` as a float for `record`, or InvalidValueError naming it."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of many values
+        raise InvalidValueError(
+            f"job.record({name}=...): {value!r:.80} is not a number; record one number a name"
+        ) from None
 
 
 def _origin(weights: Any) -> str:

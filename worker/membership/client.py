@@ -21,7 +21,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -385,8 +385,10 @@ class Worker:
         digest: str | None = None,
         loss: float | None = None,
         wait: bool = True,
+        metrics: Mapping[str, float] | None = None,
     ) -> None:
-        """Report `step` finished, in the world it began in (see `batch`).
+        """Report `step` finished, in the world it began in (see `batch`), with the
+        script's figures of it (`loss`, and any other named `metrics`).
 
         `wait=False` returns at once: the report goes out from a thread of the worker,
         retried through outages like a blocking one, and before any command sent after it
@@ -402,6 +404,7 @@ class Worker:
             samples=samples,
             digest=digest,
             loss=loss,
+            metrics=dict(metrics) if metrics else None,
         )
         if wait:
             self._send(done)

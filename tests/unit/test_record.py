@@ -1,0 +1,49 @@
+"""`job.record(**figures)`: the script's named numbers travel in the step's own report.
+
+The test is the leader of a one-rank job (tests/unit/test_capture_point.py's `job`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cohort.events.errors import InvalidValueError
+from tests.unit.test_capture_point import commit, job  # noqa: F401  (job: the fixture)
+
+
+def test_recorded_figures_travel_in_the_report_of_their_own_step(job) -> None:  # noqa: F811
+    leader, elastic, _ = job
+    walk = elastic._walk()
+    next(walk)  # step 0
+    elastic.record(loss=np.float32(0.5), accuracy=np.float64(0.9))
+    elastic.record(**{"val/acc": 1, "accuracy": 0.95})  # adds; a name said again: its last
+    next(walk)  # step 0 is reported as step 1 is asked for
+    done = leader.expect("StepDone")
+    assert (done.step, done.loss, done.metrics) == (0, 0.5, {"accuracy": 0.95, "val/acc": 1.0})
+    commit(leader, 0)
+    next(walk)
+    quiet = leader.expect("StepDone")  # step 1 recorded nothing: its report says nothing
+    assert (quiet.step, quiet.loss, quiet.metrics) == (1, None, None)
+    commit(leader, 1)
+    walk.close()
+
+
+@pytest.mark.parametrize(
+    "figures, named",
+    [
+        ({"accuracy": "high"}, "accuracy"),
+        ({"accuracy": [0.5, 0.6]}, "accuracy"),
+        ({"_private": 1.0}, "_private"),
+        ({"x" * 65: 1.0}, "x" * 65),
+        ({f"m{i}": 1.0 for i in range(65)}, "at most 64"),
+    ],
+)
+def test_a_figure_that_is_no_number_or_badly_named_is_refused_naming_it(
+    job,  # noqa: F811
+    figures: dict[str, object],
+    named: str,
+) -> None:
+    _, elastic, _ = job
+    with pytest.raises(InvalidValueError, match=named[:20]):
+        elastic.record(**figures)
