@@ -388,24 +388,18 @@ class Worker:
         metrics: Mapping[str, float] | None = None,
     ) -> None:
         """Report `step` finished, in the world it began in (see `batch`), with the
-        script's figures of it (`loss`, and any other named `metrics`).
-
-        `wait=False` returns at once: the report goes out from a thread of the worker,
-        retried through outages like a blocking one, and before any command sent after it
-        (a training loop goes on with the next step and awaits the commit later)."""
+        script's figures of it (`loss`, and any other named `metrics`). `wait=False`
+        returns at once: the report goes out from a thread of the worker, retried through
+        outages like a blocking one, and before any command sent after it (a training
+        loop goes on with the next step and awaits the commit later)."""
         began = self._began
         world = began[1] if began is not None and began[0] == step else self.world_version
         self._progress = (step, world)
+        figures = dict(metrics) if metrics else None
         done = self._stamp(
-            StepDone,
-            step=step,
-            world=world,
-            step_time=step_time,
-            samples=samples,
-            digest=digest,
-            loss=loss,
-            metrics=dict(metrics) if metrics else None,
-        )
+            StepDone, step=step, world=world, step_time=step_time, samples=samples,
+            digest=digest, loss=loss, metrics=figures,
+        )  # fmt: skip
         if wait:
             self._send(done)
         else:
