@@ -99,6 +99,20 @@ def test_a_torch_script_after_an_epoch_loop_is_still_in_that_epoch_and_hears_of_
     assert np.allclose(sum(weights, []), sum(first["weights"], []))
 
 
+@pytest.mark.parametrize("route", ["numpy", "torch"])
+def test_a_job_of_three_steps_gives_each_rank_three_steps_and_no_fourth(
+    route: str, tmp_path: Path
+) -> None:
+    """No batch is given that would not be applied: the walk learns of the job's end with
+    its last step's commit, before it builds another."""
+    if route == "torch":
+        _torch()
+    first, second = run_script(route, tmp_path, "--max-steps", "3", "--batch-size", "4")
+    assert first["given"] == second["given"] == [0, 1, 2]  # each a batch the script trains
+    assert first["trained"] == second["trained"] == [0, 1, 2]
+    assert first["after"]["step"] == second["after"]["step"] == 2
+
+
 def test_a_copy_started_after_the_job_finished_says_so_in_one_line_and_exits_0(
     server: LocalRedis, tmp_path: Path
 ) -> None:

@@ -33,8 +33,9 @@ def numpy_route(out: Path) -> tuple[Any, dict[str, Any]]:
     x, y = rng.normal(size=(SAMPLES, FEATURES)), rng.normal(size=SAMPLES)
     job = cohort.NumpyElasticJob(dataset=cohort.Dataset(size=SAMPLES, fingerprint="whoami"))
     params = job.wrap({"w": np.zeros(FEATURES)})
-    report: dict[str, Any] = {"before": seen(job), "agree": True, "trained": []}
+    report: dict[str, Any] = {"before": seen(job), "agree": True, "trained": [], "given": []}
     for step in job.steps():
+        report["given"].append(step.step)
         with job.attempt(step):
             mine = [step.step, step.rank, step.world_size, step.epoch]
             report["agree"] &= mine == [job.step, job.rank, job.world_size, job.epoch]
@@ -58,14 +59,18 @@ def torch_route(out: Path) -> tuple[Any, dict[str, Any]]:
     job = cohort.torch.ElasticJob(dataset=data)
     model = torch.nn.Linear(FEATURES, 1)
     model, sgd = job.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05))
-    report: dict[str, Any] = {"before": seen(job), "agree": True, "epochs": []}
+    report: dict[str, Any] = {"before": seen(job), "agree": True, "epochs": [], "trained": []}
+    report["given"] = []
     for epoch in job.epochs():
         for x, y in job.batches(DataLoader(data, batch_size=8)):
+            report["given"].append(job.step)
             report["agree"] &= job.epoch == epoch and job.rank is not None
             loss = torch.nn.functional.mse_loss(model(x), y)
             sgd.zero_grad()
             loss.backward()
             sgd.step()
+            if not job.aborted:
+                report["trained"].append(job.step)
         report["epochs"].append([epoch, seen(job)])  # after the epoch's loop: that epoch's
     report["after"] = seen(job)
     report["saved"] = job.save(out / "final.pt")
