@@ -229,6 +229,7 @@ def view(state: JobState) -> dict[str, Any]:
     body["next_step"] = state.next_step
     body["chief"] = state.chief
     body["phase"] = "finished" if state.finished else "paused" if state.paused else "running"
+    body["paused"] = state.paused and not state.finished  # a finished job waits for nothing
     for worker, member in body["members"].items():
         member["rank"] = state.rank_of(worker)
     body["shards"] = [s.model_dump(mode="json")["ranges"] for s in state.shards]

@@ -48,6 +48,7 @@ def _summary_lines(body: dict[str, Any]) -> list[str]:
         f"facts {body['facts']}  state hash {body['state_hash']}",
         *_progress_lines(body),
         *_lineage_lines(body),
+        *_waiting_lines(body),
     ]
 
 
@@ -60,6 +61,8 @@ def _duration(seconds: float) -> str:
 def _progress_lines(body: dict[str, Any]) -> list[str]:
     """Steps per second, how far the epoch is, and the time to the job's end."""
     ahead = body.get("progress")
+    if body["phase"] == "finished":
+        return [f"[bold]finished[/] at step {body['last_committed']} in data epoch {body['epoch']}"]
     if not ahead:
         return []  # a replayed state: no `now` to date it
     config = body.get("config") or {}
@@ -70,11 +73,40 @@ def _progress_lines(body: dict[str, Any]) -> list[str]:
         parts.append(f"[bold]epoch[/] {body['epoch']}{epochs} {done:.0%} done")
     left, eta = ahead["steps_left"], ahead["eta_seconds"]
     if left is None:
-        parts.append("[bold]end[/] no configured length")
+        parts.append(f"[bold]end[/] {_length(config)}")
     else:
         when = _duration(eta) if eta is not None else "unknown while paused or measuring"
         parts.append(f"[bold]steps left[/] {left}  [bold]ETA[/] {when}")
     return ["  ".join(parts)]
+
+
+def _length(config: dict[str, Any]) -> str:
+    """The job's configured length, where its steps are not known yet."""
+    ends = []
+    if config.get("max_steps"):
+        ends.append(f"after step {config['max_steps'] - 1}")
+    if config.get("epochs"):
+        ends.append(f"after {config['epochs']} epochs (steps known once the data is)")
+    return " or ".join(ends) or "no configured length"
+
+
+def _waiting_lines(body: dict[str, Any]) -> list[str]:
+    """What a paused job waits for (a job that lost its weights: `_lineage_lines`)."""
+    if body["phase"] != "paused" or body["weights_lost"] is not None:
+        return []
+    if not body.get("config"):
+        return ["[yellow]paused[/]: waits for a coordinator to configure the job"]
+    saved, last = body["checkpoints"], body["last_committed"]
+    if last >= 0 and not body.get("holders") and saved:
+        step = saved[-1]["step"]
+        return [
+            f"[yellow]paused[/]: no member holds the weights of step {last}; when workers "
+            f"join, the job rewinds to the checkpoint of step {step} and trains steps "
+            f"{step + 1}..{last} again"
+        ]
+    trainers = sum(1 for m in body["members"].values() if m.get("role", "trainer") == "trainer")
+    need = body["config"].get("min_workers", 1)
+    return [f"[yellow]paused[/]: waits for {need} worker(s) to train; {trainers} member(s) now"]
 
 
 def _leader(body: dict[str, Any]) -> str:
@@ -162,6 +194,8 @@ def status_view(body: dict[str, Any], recent: list[tuple[str, str]] | None = Non
                 f"inbox lag {live.get('inbox_lag_ms', 0)} ms" + _identity(live)
             )
         )
+    elif body["phase"] == "finished":
+        rows.append(Text("no live leader view: the coordinators end with the job"))
     else:
         rows.append(
             Text.from_markup("[yellow]no live leader view (no coordinator leads right now?)[/]")

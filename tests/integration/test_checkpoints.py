@@ -72,8 +72,12 @@ def test_every_worker_killed_a_newcomer_resumes_from_the_checkpoint_on_the_linea
         timeout=90,
         message="a checkpoint saved, and steps committed after it",
     )
-    latest = cluster.state.checkpoints[-1]
     killed_at = max(proc.kill(signal.SIGKILL) for proc in first)
+    cluster.until(lambda s: not s.holders and s.paused, 30, "both workers failed")
+    latest = cluster.state.checkpoints[-1]
+    waits = cli(cluster, "status", "--job", cluster.job).stdout  # what the pause waits for
+    assert f"no member holds the weights of step {cluster.state.last_committed}" in waits
+    assert f"rewinds to the checkpoint of step {latest.step}" in waits, waits
     # the newcomer starts at once, as a scheduler would restart the job
     newcomer = cluster.example_worker("c", steps, "--pace", PACE, save=True)
     newcomer_2 = cluster.example_worker("d", steps, "--pace", PACE, save=True)

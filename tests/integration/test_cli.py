@@ -271,3 +271,16 @@ def test_status_and_metrics_show_the_rate_epoch_progress_and_eta(cluster: Cluste
         return 'cohort_steps_left{coordinator="c1",job="itest"} 45.0' in body.decode()
 
     wait_until(steps_left, 20, 0.1, message="metrics show the steps left")
+
+
+def test_status_of_a_job_waiting_for_its_data_says_its_length_and_what_it_waits_for(
+    cluster: Cluster,
+) -> None:
+    """Configured with --epochs 3 and no dataset size, the job's steps are unknown until a
+    worker declares its data: status says the length it has, and why training waits."""
+    cluster.spawn("c1", "coordinator", "--job", cluster.job, "--epochs", "3", "--min-workers", "2")
+    cluster.until(lambda s: s.configured, message="the job configured")
+    human = cohort("--redis-url", cluster.url, "status", "--job", cluster.job).stdout
+    assert "end after 3 epochs (steps known once the data is)" in human, human
+    assert "no configured length" not in human
+    assert "paused: waits for 2 worker(s) to train; 0 member(s) now" in human

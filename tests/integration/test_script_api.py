@@ -17,6 +17,7 @@ import pytest
 
 from cohort.errors import Exit
 from cohort.localredis import LocalRedis
+from tests.helpers import wait_until
 from tests.integration.launch import Launch
 
 pytestmark = pytest.mark.slow
@@ -111,6 +112,32 @@ def test_a_job_of_three_steps_gives_each_rank_three_steps_and_no_fourth(
     assert first["given"] == second["given"] == [0, 1, 2]  # each a batch the script trains
     assert first["trained"] == second["trained"] == [0, 1, 2]
     assert first["after"]["step"] == second["after"]["step"] == 2
+
+
+def test_status_of_a_finished_job_says_where_it_ended_and_waits_for_nothing(
+    server: LocalRedis, tmp_path: Path
+) -> None:
+    run_script("numpy", tmp_path, "--redis-url", server.url, "--job", "over", "--epochs", "1")
+
+    def status(*flags: str) -> str:
+        said = subprocess.run(
+            [sys.executable, "-m", "cohort", "--redis-url", server.url, "status", "--job",
+             "over", *flags],
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        return said.stdout
+
+    # the leader's last view outlives it by a few seconds; then the job's own end is said
+    def without_leader() -> str:
+        text = status()
+        return "" if "inbox lag" in text else text  # the live view says its lag
+
+    text = wait_until(without_leader, 30, 0.5, "the finished leader's view expired")
+    assert "finished at step 3 in data epoch 0" in text, text
+    assert "no live leader view: the coordinators end with the job" in text
+    assert "no coordinator leads right now" not in text and "steps/s" not in text
+    body = json.loads(status("--json"))
+    assert (body["phase"], body["paused"]) == ("finished", False)
 
 
 def test_a_copy_started_after_the_job_finished_says_so_in_one_line_and_exits_0(
