@@ -9,12 +9,13 @@ device names come from untrusted input.
 from __future__ import annotations
 
 import html
+import itertools
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from cohort.coordinator.series import Marker, ReportData, Series
+from cohort.coordinator.series import Marker, Point, ReportData, Series
 
 WIDTH = 960
 HEIGHT = 240
@@ -62,6 +63,9 @@ LANES = (
 )
 LEGEND_MAX = 24
 LABEL_CHAR_PX = 6.5  # width of one 11px character, near enough to avoid overlaps
+GAP_FACTOR, GAP_MIN_S = 5.0, 2.0
+"""A line is broken where its samples stop for over GAP_FACTOR times their median spacing
+and at least GAP_MIN_S seconds."""
 
 
 def _escaped(text: object) -> str:
@@ -198,23 +202,58 @@ def _line_plot(
             f'text-anchor="end">{_escaped(f"{round(tick, 10):g}")}</text>'
         )
         tick += step
+    out.extend(_drawn(lines, axis, y, order, [m.at for m in markers if m.kind == "rewind"]))
+    if plot_id == "plot-loss":
+        rewinds = [m for m in markers if m.kind == "rewind"]
+        out.extend(_lane_labels(axis, rewinds, "rewind", TOP + 12))
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _drawn(
+    lines: Sequence[Series],
+    axis: _Axis,
+    y: Callable[[float], float],
+    order: dict[str, int],
+    cuts: Sequence[float],
+) -> list[str]:
+    """Each line as polylines (cut by `_pieces`), a dot where a piece is one sample."""
+    out = []
     for s in lines:
         color = JOB_COLORS.get(s.label, "#333") if not s.worker else _color(s.worker, order)
         dash = ' stroke-dasharray="6 3"' if s.dashed else ""
-        points = " ".join(f"{axis.x(t):.1f},{y(v):.1f}" for t, v in s.points)
         tip = _escaped(s.tooltip or s.label)
-        out.append(
-            f'<polyline class="series" data-worker="{_escaped(s.worker or s.label)}" '
-            f'points="{points}" stroke="{color}"{dash}><title>{tip}</title></polyline>'
-        )
-        if len(s.points) == 1:
-            t, v = s.points[0]
+        # job-wide lines (membership) are stairs: held between changes, never gaps
+        for piece in _pieces(s.points, cuts) if s.worker else [list(s.points)]:
+            points = " ".join(f"{axis.x(t):.1f},{y(v):.1f}" for t, v in piece)
             out.append(
-                f'<circle class="dot" cx="{axis.x(t):.1f}" cy="{y(v):.1f}" r="3" '
-                f'fill="{color}"><title>{tip}</title></circle>'
+                f'<polyline class="series" data-worker="{_escaped(s.worker or s.label)}" '
+                f'points="{points}" stroke="{color}"{dash}><title>{tip}</title></polyline>'
             )
-    out.append("</svg>")
-    return "\n".join(out)
+            if len(piece) == 1:
+                t, v = piece[0]
+                out.append(
+                    f'<circle class="dot" cx="{axis.x(t):.1f}" cy="{y(v):.1f}" r="3" '
+                    f'fill="{color}"><title>{tip}</title></circle>'
+                )
+    return out
+
+
+def _pieces(points: Sequence[Point], cuts: Sequence[float] = ()) -> list[list[Point]]:
+    """`points` cut where samples stopped (a gap of over GAP_FACTOR times the line's median
+    spacing, and at least GAP_MIN_S) and at each of `cuts` (rewinds: the line goes back in
+    training, not on in time): a stall or failover shows as a gap, not a straight line."""
+    if len(points) < 3:
+        return [list(points)] if points else []
+    gaps = sorted(b[0] - a[0] for a, b in itertools.pairwise(points))
+    longest = max(GAP_FACTOR * gaps[len(gaps) // 2], GAP_MIN_S)
+    out: list[list[Point]] = [[points[0]]]
+    for before, point in itertools.pairwise(points):
+        cut = any(before[0] < at <= point[0] for at in cuts)
+        if cut or point[0] - before[0] > longest:
+            out.append([])
+        out[-1].append(point)
+    return out
 
 
 def _events_plot(axis: _Axis, markers: Sequence[Marker]) -> str:
@@ -241,14 +280,32 @@ def _events_plot(axis: _Axis, markers: Sequence[Marker]) -> str:
 
 
 def _lane_labels(axis: _Axis, markers: Sequence[Marker], kind: str, y: float) -> list[str]:
-    """Labels beside a lane's markers of `kind`, each cut to the room before the next marker."""
-    xs = [axis.x(m.at) + 4 for m in markers] + [float(WIDTH - RIGHT)]
+    """Labels beside a lane's markers of `kind`, each cut to the room before the next
+    marker; markers of `kind` drawn at one place (failures at once) share one label."""
+    together: list[tuple[float, str, list[str]]] = []  # (x, kind, labels)
+    for m in markers:
+        x = axis.x(m.at) + 4
+        if together and m.kind == kind == together[-1][1] and x - together[-1][0] < 2:
+            together[-1][2].append(m.label)
+        else:
+            together.append((x, m.kind, [m.label]))
+    xs = [x for x, _, _ in together] + [float(WIDTH - RIGHT)]
     out = []
-    for m, x, following in zip(markers, xs, xs[1:], strict=False):
+    for (x, of, labels), following in zip(together, xs[1:], strict=False):
         room = int((following - x - 6) / LABEL_CHAR_PX)
-        if m.kind != kind or room < 4:
+        label = "; ".join(labels)
+        if of != kind:
             continue
-        text = m.label if len(m.label) <= room else m.label[: room - 1] + "…"
+        last, before = following == xs[-1], int((x - 8 - LEFT) / LABEL_CHAR_PX)
+        if last and room < len(label) <= before:  # near the right edge: written leftwards
+            out.append(
+                f'<text class="marker-label" x="{x - 8:.1f}" y="{y:.1f}" text-anchor="end">'
+                f"{_escaped(label)}</text>"
+            )
+            continue
+        if room < 4:
+            continue
+        text = label if len(label) <= room else label[: room - 1] + "…"
         out.append(f'<text class="marker-label" x="{x:.1f}" y="{y:.1f}">{_escaped(text)}</text>')
     return out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import io
+import re
 from collections import Counter
 from dataclasses import dataclass
 from html.parser import HTMLParser
@@ -19,6 +20,7 @@ from cohort.coordinator.replay import Run, export
 from cohort.coordinator.series import MAX_POINTS, TIMELINE_ROWS, ReportData, Series, series
 from cohort.events.codec import FIELD, encode
 from cohort.events.models import (
+    DataPosition,
     Event,
     GpuAdviceCleared,
     GpuAdviceIssued,
@@ -28,6 +30,7 @@ from cohort.events.models import (
     JobConfig,
     JobConfigured,
     LeaderElected,
+    Rewound,
     StepCommitted,
     StepDone,
     TrainingPaused,
@@ -451,3 +454,42 @@ def test_what_scripts_record_is_plotted_per_name_with_a_line_per_worker() -> Non
     page = parse(html)
     for index in range(3):
         assert lines_by_worker(page, f"plot-figure-{index}") == {"w1": 1, "w2": 1}
+
+
+def labels(page: str, plot: str) -> list[str]:
+    """The marker labels written on `plot`."""
+    inside = page.split(f'<svg id="{plot}"', 1)[1].split("</svg>", 1)[0]
+    return re.findall(r'<text class="marker-label"[^>]*>([^<]*)</text>', inside)
+
+
+def test_a_stall_and_a_rewind_break_the_lines_and_the_rewind_is_named_on_the_loss_plot() -> None:
+    s = Streams()
+    at = T0
+    for step in range(30):
+        at += 0.1 if step != 10 else 8.0  # step 10 comes after an 8 s stall (a failover)
+        s.command(StepDone(at=at, job=JOB, worker="w1", step=step, world=1, loss=1 / (step + 1)))
+        if step == 20:
+            position = DataPosition(epoch=0, rest=Shard(ranges=((0, 8),)))
+            s.fact(
+                Rewound(
+                    at=at + 0.05, job=JOB, from_step=20, to_step=15, source="checkpoint",
+                    uri="file:///c/step-000000000015.ckpt", position=position,
+                )
+            )  # fmt: skip
+    page = render(series(s.run), "run")
+    parsed = parse(page)
+
+    assert lines_by_worker(parsed, "plot-step-time") == {"w1": 3}  # the stall, the rewind
+    assert lines_by_worker(parsed, "plot-loss") == {"w1": 3}
+    assert labels(page, "plot-loss") == ["rewound from step 20 to 15 (checkpoint)"]
+
+
+def test_failures_at_one_instant_are_all_named_on_the_failures_lane() -> None:
+    s = Streams()
+    s.command(StepDone(at=T0, job=JOB, worker="w1", step=0, world=1))
+    for worker in WORKERS:
+        s.fact(WorkerFailed(at=T0 + 5, job=JOB, worker=worker, last_seen=T0, timeout=5))
+    s.command(StepDone(at=T0 + 60, job=JOB, worker="w1", step=1, world=1))
+    named = labels(render(series(s.run), "run"), "plot-events")
+
+    assert len(named) == 1 and all(worker in named[0] for worker in WORKERS), named
