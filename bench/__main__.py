@@ -25,6 +25,7 @@ from bench import (
     compress,
     control_plane,
     failover,
+    figures,
     goodput,
     hierarchy,
     launched,
@@ -56,6 +57,7 @@ FULL: dict[str, Callable[[], Section]] = {
     "order": lambda: order.measure((60_000, 1_000_000, 10_000_000), 5),
     "loader": lambda: loader.run(200, 100, 5, 3),
     "throughput": lambda: throughput.measure((2, 4), ("1m", "25m"), 3),
+    "figures": lambda: figures.measure(5, 100),
     "chaos": lambda: chaos.measure(10),
 }
 QUICK: dict[str, Callable[[], Section]] = {
@@ -76,6 +78,7 @@ QUICK: dict[str, Callable[[], Section]] = {
     "order": lambda: order.measure((60_000, 1_000_000), 3),
     "loader": lambda: loader.run(40, 100, 5, 1),
     "throughput": lambda: throughput.measure((2,), ("1m",), 1, steps=10),
+    "figures": lambda: figures.measure(1, 20),
     "chaos": lambda: chaos.measure(0.5),
 }
 

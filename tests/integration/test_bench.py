@@ -170,3 +170,21 @@ def test_a_quick_compress_run_counts_fewer_bytes_and_trains_like_exact(tmp_path:
     assert cells["int8"]["first"] < 0.02
     for figures in section["raw"]["convergence"].values():
         assert figures["identical"]
+
+
+def test_a_quick_figures_run_times_each_phase_through_both_routes(tmp_path: Path) -> None:
+    """Two real ranks per route train plain, recording and reducing phases in one job."""
+    if os.environ.get("CI") != "true":
+        pytest.importorskip("torch")  # CI installs torch: there a missing torch must fail
+    out = tmp_path / "B.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--only", "figures", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    page = out.read_text()
+    assert "`python -m bench.figures --rounds 1 --phase 20`" in page
+    (section,) = json.loads(out.with_suffix(".json").read_text())
+    assert set(section["raw"]) == {"redis", "gloo"}
+    for route in section["raw"].values():
+        assert set(route) == {"plain", "record", "mean"} and all(t > 0 for t in route.values())

@@ -140,6 +140,19 @@ def test_status_of_a_finished_job_says_where_it_ended_and_waits_for_nothing(
     assert (body["phase"], body["paused"]) == ("finished", False)
 
 
+@pytest.mark.parametrize("backend", ["", "gloo"])
+def test_a_sharded_validation_counts_every_sample_once_over_the_world(
+    backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After each epoch each rank validates its `job.shard` of 50 samples; `job.sum`,
+    `max` and `mean` over the world give every rank the whole set's figures."""
+    _torch()
+    monkeypatch.setenv("COHORT_TORCH_BACKEND", backend)
+    first, second = run_script("torch", tmp_path, "--epochs", "2", "--batch-size", "16")
+    expected = {"count": 50, "ids": sum(range(50)), "top": 49.0, "ranks": 0.5, "world_size": 2}
+    assert first["validations"] == second["validations"] == [expected, expected]
+
+
 def test_a_copy_started_after_the_job_finished_says_so_in_one_line_and_exits_0(
     server: LocalRedis, tmp_path: Path
 ) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 
 import cohort
 
-SAMPLES, FEATURES = 256, 4
+SAMPLES, FEATURES, VALIDATION = 256, 4, 50
 
 
 def seen(job: Any) -> dict[str, Any]:
@@ -60,7 +60,7 @@ def torch_route(out: Path) -> tuple[Any, dict[str, Any]]:
     model = torch.nn.Linear(FEATURES, 1)
     model, sgd = job.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05))
     report: dict[str, Any] = {"before": seen(job), "agree": True, "epochs": [], "trained": []}
-    report["given"] = []
+    report["given"], report["validations"] = [], []
     for epoch in job.epochs():
         for x, y in job.batches(DataLoader(data, batch_size=8)):
             report["given"].append(job.step)
@@ -72,10 +72,26 @@ def torch_route(out: Path) -> tuple[Any, dict[str, Any]]:
             if not job.aborted:
                 report["trained"].append(job.step)
         report["epochs"].append([epoch, seen(job)])  # after the epoch's loop: that epoch's
+        report["validations"].append(validate(job))
     report["after"] = seen(job)
     report["saved"] = job.save(out / "final.pt")
     report["weights"] = [p.detach().flatten().tolist() for p in model.parameters()]
     return job, report
+
+
+def validate(job: Any) -> dict[str, Any]:
+    """A validation set of VALIDATION samples sharded over the world, the findings
+    reduced: every rank must see every sample counted once."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    mine = job.shard(DataLoader(TensorDataset(torch.arange(VALIDATION)), batch_size=7))
+    ids = [int(i) for (batch,) in mine for i in batch]
+    return {
+        "count": job.sum(len(ids)), "ids": job.sum(torch.tensor(sum(ids))).item(),
+        "top": job.max(float(max(ids))), "ranks": job.mean(float(job.rank)),
+        "world_size": job.world_size,
+    }  # fmt: skip
 
 
 def main() -> None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 from cohort.worker.errors import CollectiveError
 
 MAX_BUCKETS = 1 << 20
-GRADIENTS, WEIGHTS, STATE = 0, 1, 2
-"""Channels of `call_id`: sync_gradients, LocalSGD and broadcast_state never share a call."""
-CHANNELS = ("gradients", "weights", "state")
+GRADIENTS, WEIGHTS, STATE, FIGURES = 0, 1, 2, 3
+"""Channels of `call_id`: sync_gradients, LocalSGD, broadcast_state and the script's
+reductions of its figures (`job.mean`) never share a call."""
+CHANNELS = ("gradients", "weights", "state", "figures")
 
 
 def call_id(step: int, channel: int, bucket: int = 0) -> int:

@@ -53,7 +53,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -207,6 +207,9 @@ class _Call:
     positions: dict[str, str] = field(default_factory=dict)
     notices: dict[str, dict[int, Notice]] = field(default_factory=dict)
     written: list[str] = field(default_factory=list)
+    standing: Callable[[], bool] | None = None
+    """Set: the call is among the ranks of `world` even once the job has a newer world;
+    it gives up only when this says one of them is gone from the job."""
 
     def what(self) -> str:
         return (
@@ -288,10 +291,15 @@ class _Call:
 
     def check_world(self) -> None:
         member = self.owner.worker
-        if member.world_version > self.world.version:
+        if self.standing is not None:
+            if not self.standing():
+                raise WorldChangedError(calls.training_step(self.step), member.assignment)
+        elif member.world_version > self.world.version:
             raise WorldChangedError(calls.training_step(self.step), member.assignment)
 
     def see_journal(self, rows: list[Entry]) -> None:
+        if self.standing is not None:
+            return  # a newer world does not end this call: a rank gone does
         for _, fields in rows:
             raw = fields.get(b"e")
             if raw is None or b"WorldChanged" not in raw:
@@ -429,6 +437,35 @@ class Collective:
 
         self._run(call, arrive)
 
+    def gather(
+        self,
+        values: Sequence[float],
+        step: int,
+        world: World,
+        standing: Callable[[], bool],
+        timeout: float | None = None,
+    ) -> list[tuple[float, ...]]:
+        """Every rank's `values` (a few numbers: one notice each), in rank order, among the
+        ranks of `world`: the world of the step the caller trained, which the job may have
+        replaced since (its ranks still answer for that step, e.g. a metric reduced after
+        an epoch's last step). Exact: the numbers travel as `float.hex`. Raises
+        WorldChangedError once `standing()` says a rank it waits for left or failed."""
+        mine = tuple(float(v) for v in values)
+        if world.size == 1:
+            return [mine]
+        timeout = self.timeout if timeout is None else timeout
+        call = self.begin_in(world, "gather", step, timeout, standing)
+
+        def gather() -> list[tuple[float, ...]]:
+            call.notify("value", x=",".join(v.hex() for v in mine))
+            got = {world.rank: mine}
+            for rank, notice in call.arrivals("value", world.others):
+                said = text(notice.get(b"x", b""))
+                got[rank] = tuple(float.fromhex(part) for part in said.split(",") if part)
+            return [got[rank] for rank in range(world.size)]
+
+        return self._run(call, gather)  # type: ignore[no-any-return]
+
     # ------------------------------------------------------------ the machinery
     def world(self) -> World:
         """(version, rank, size) of the worker's current world, read consistently."""
@@ -451,9 +488,17 @@ class Collective:
             return None
         return self.begin_in(world, op, step, timeout)
 
-    def begin_in(self, world: World, op: str, step: int, timeout: float) -> _Call:
+    def begin_in(
+        self,
+        world: World,
+        op: str,
+        step: int,
+        timeout: float,
+        standing: Callable[[], bool] | None = None,
+    ) -> _Call:
         """A call of `op` among the ranks of `world` (the current world, or a group of its
-        ranks renumbered 0..n-1, as the hierarchical allreduce's host leaders are)."""
+        ranks renumbered 0..n-1, as the hierarchical allreduce's host leaders are); with
+        `standing`, however the job has moved on since, while it says they all remain."""
         call = _Call(
             owner=self,
             op=op,
@@ -463,6 +508,7 @@ class Collective:
             timeout=timeout,
             events=self.keys.step_events(world.version, step, op),
             outage=self.link.outage(),
+            standing=standing,
         )
         try:
             call.retry(self._cleanup, "deleting finished keys")

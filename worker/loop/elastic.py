@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -40,7 +41,8 @@ from cohort.events.keys import check_job
 from cohort.events.models import Dataset, Metrics, Node
 from cohort.events.order import Order
 from cohort.events.shards import Range
-from cohort.worker.collective.redis_collective import Collective
+from cohort.worker.collective import calls
+from cohort.worker.collective.redis_collective import Collective, World
 from cohort.worker.errors import (
     Finished,
     JoinRefusedError,
@@ -256,6 +258,9 @@ class Elastic:
         """The step the walk built last (it may run ahead of the script: `_given`)."""
         self._given: Step | None = None
         """The step the script trains, or trained last."""
+        self._reduced: Step | None = None
+        self._reductions = 0
+        """The step `_reduced` the script made reductions in (`mean`), and the last's index."""
         self.aborted = False
         """True once a world change cut the current step short: nothing was applied, and
         the step comes again in the next world."""
@@ -388,6 +393,88 @@ class Elastic:
             return self._given.epoch
         plan = self.worker.view.plan
         return plan.epoch if plan is not None else 0
+
+    # ------------------------------------------------------------ figures of the world
+    def mean(self, value: Any) -> Any:
+        """The mean of `value` (a number, or an array or tensor of up to 4096, reduced
+        element by element) over the ranks of the world of the step this process trains,
+        or trained last: inside a step, or between epochs after `batches`. Every rank of
+        that world must make the same reductions in the same order, as with any
+        collective. It returns a float for a number, else the kind it was given. A world
+        change does not stop it, a rank of its world leaving or failing does: it raises
+        WorldChangedError (that rank will never answer). Exact: the numbers travel whole
+        and are summed with `math.fsum`."""
+        return self._reduce(value, "mean")
+
+    def sum(self, value: Any) -> Any:
+        """The sum of `value` over the ranks (as `mean`): e.g. correct answers and samples
+        of a sharded validation set, whose quotient is the accuracy over all of it."""
+        return self._reduce(value, "sum")
+
+    def max(self, value: Any) -> Any:
+        """The largest `value` over the ranks (as `mean`), element by element."""
+        return self._reduce(value, "max")
+
+    def shard(self, data: Any) -> Any:
+        """This rank's part of `data` (a count, or anything with a length): the positions
+        rank, rank + n, ... of its world's n ranks, as a numpy array of indices. The ranks
+        of one world together hold every position once, so an evaluation over their parts
+        uses every sample once: reduce what they found with `sum`/`mean`. Take the parts
+        where you use them, in the world of the step trained last (`job.rank`)."""
+        import numpy as np
+
+        rank, size = self.rank, self.world_size
+        if rank is None or not size:
+            raise WorkerError("job.shard() splits over a world's ranks: this process is in none")
+        total = data if isinstance(data, int) else len(data)
+        return np.arange(rank, total, size)
+
+    def _reduce(self, value: Any, how: str) -> Any:
+        given = self._given
+        if given is None or self._left:
+            raise WorkerError(
+                f"job.{how}() reduces over the ranks of a step's world: call it inside the "
+                "loops (in a step, or between epochs after job.batches()), not before the "
+                "first step or after the loops, when the ranks have left"
+            )
+        numbers, rebuild = self._numbers(value, how)
+        count = self._reductions + 1 if self._reduced is given else 0
+        self._reduced, self._reductions = given, count
+        try:
+            plan = views.plan_for(self.worker.view, given.step)
+            ranks = plan.ranks if plan.world_version == given.world else ()
+        except NotAssignedError:  # a plan this old is forgotten: its ranks are not watched
+            ranks = ()
+
+        def standing() -> bool:
+            now = self.worker.view
+            return all(w in now.members and w not in now.gone for w in ranks)
+
+        world = World(given.world, given.rank, given.world_size)
+        call = calls.call_id(given.step, calls.FIGURES, count)
+        rows = self.collective.gather(numbers, call, world, standing)
+        columns = list(zip(*rows, strict=True))
+        if how == "max":
+            return rebuild([max(column) for column in columns])
+        sums = [math.fsum(column) for column in columns]
+        return rebuild(sums if how == "sum" else [total / len(rows) for total in sums])
+
+    def _numbers(self, value: Any, how: str) -> tuple[list[float], Callable[[list[float]], Any]]:
+        """`value` as numbers for a reduction, and how to give the result back as its kind
+        (a float for a number, a numpy array of its shape for an array)."""
+        import numpy as np
+
+        if isinstance(value, np.ndarray):
+            shape = value.shape
+            numbers = value.astype(np.float64).ravel().tolist()
+            reducible(numbers, how)
+            return numbers, lambda result: np.asarray(result, dtype=np.float64).reshape(shape)
+        try:
+            return [float(value)], lambda result: result[0]
+        except (TypeError, ValueError):
+            raise InvalidValueError(
+                f"job.{how}({value!r:.80}): give a number, or an array or tensor of numbers"
+            ) from None
 
     def save(self, uri: str | os.PathLike[str]) -> bool:
         """Write the final weights to `uri` (a path or any fsspec URL, written whole or not
@@ -753,6 +840,19 @@ class Elastic:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+MAX_REDUCED = 4096
+"""Numbers one reduction (`job.mean`) takes: figures, not tensors (use the collective)."""
+
+
+def reducible(numbers: list[float], how: str) -> None:
+    """InvalidValueError if `numbers` are too many for one reduction (`job.mean`)."""
+    if len(numbers) > MAX_REDUCED:
+        raise InvalidValueError(
+            f"job.{how}() of {len(numbers)} numbers: it reduces figures, at most "
+            f"{MAX_REDUCED}; tensors go through the job's collective"
+        )
 
 
 def _number(name: str, value: Any) -> float:

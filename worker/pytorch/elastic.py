@@ -37,7 +37,7 @@ from cohort.worker.collective import compressors as feedback
 from cohort.worker.collective.compressors import DEFAULT_RANK, Compression
 from cohort.worker.collective.redis_collective import Collective
 from cohort.worker.errors import WorkerError, WorldChangedError
-from cohort.worker.loop.elastic import POLL, Elastic, EpochEnd, Step
+from cohort.worker.loop.elastic import POLL, Elastic, EpochEnd, Step, reducible
 from cohort.worker.pytorch import sync as torch_sync
 from cohort.worker.pytorch.loader import Stale, StepLoader
 from cohort.worker.pytorch.overlap import OverlappedGradients
@@ -247,6 +247,39 @@ class ElasticJob(Elastic):
         after a rewind, in a world of the same size, draws what it drew the first time
         (docs/guarantees.md, "Randomness")."""
         self._seed = seed
+
+    def shard(self, data: Any) -> Any:
+        """This rank's part (see the base job's `shard`) of a dataset, as a
+        `torch.utils.data.Subset`, or of a DataLoader, as a loader of the same settings
+        over that part (batch size, collate function, workers; never shuffled, nothing
+        dropped unless the loader drops its last batch). A count gives indices."""
+        if not isinstance(data, torch.utils.data.DataLoader):
+            if isinstance(data, int) or not hasattr(data, "__getitem__"):
+                return super().shard(data)
+            return torch.utils.data.Subset(data, super().shard(data).tolist())
+        part = torch.utils.data.Subset(data.dataset, super().shard(data.dataset).tolist())
+        settings = {
+            name: getattr(data, name)
+            for name in (
+                "batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout",
+                "worker_init_fn", "multiprocessing_context", "persistent_workers",
+            )
+        }  # fmt: skip
+        if data.num_workers:
+            settings["prefetch_factor"] = data.prefetch_factor
+        return torch.utils.data.DataLoader(part, shuffle=False, **settings)
+
+    def _numbers(self, value: Any, how: str) -> tuple[list[float], Callable[[list[float]], Any]]:
+        """A tensor's numbers for `mean`/`sum`/`max`, given back as a tensor of its shape on
+        its device (a mean of integers as float64); anything else as the base job does."""
+        if not torch.is_tensor(value):
+            return super()._numbers(value, how)
+        shape, device = value.shape, value.device
+        exact = value.dtype.is_floating_point or how != "mean"
+        dtype = value.dtype if exact else torch.float64
+        numbers = value.detach().to("cpu", torch.float64).reshape(-1).tolist()
+        reducible(numbers, how)
+        return numbers, lambda got: torch.tensor(got, dtype=dtype, device=device).reshape(shape)
 
     def _compressor(self, compression: Compression | None, rank: int) -> feedback.Compressor | None:
         """The compressor `wrap` was asked for; ValueError if the gradients do not go
