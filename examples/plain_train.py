@@ -11,11 +11,12 @@ FEATURES, HIDDEN, CLASSES = 16, 64, 4
 
 
 def dataset(size: int = 4096, seed: int = 1234) -> TensorDataset:
-    """A fixed synthetic classification set: labels of a random teacher network."""
+    """A fixed synthetic classification set: labels of a random teacher network (the
+    same teacher at any size: a larger set's extra samples are held out)."""
     gen = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(FEATURES, CLASSES, generator=gen)
     x = torch.randn(size, FEATURES, generator=gen)
-    y = (x @ torch.randn(FEATURES, CLASSES, generator=gen)).argmax(dim=1)
-    return TensorDataset(x, y)
+    return TensorDataset(x, (x @ teacher).argmax(dim=1))
 
 
 def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

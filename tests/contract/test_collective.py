@@ -274,10 +274,10 @@ def test_a_call_id_s_errors_name_the_training_step_it_serves(
     connect_more: Callable[[], redis.Redis],
 ) -> None:
     """sync_gradients calls allreduce with a call id per bucket (negative); a person reading
-    its timeout or world change wants step 90, not -283115521."""
+    its timeout or world change wants step 90, not -377487361."""
     members = _members(2)
     call = calls.call_id(90, calls.GRADIENTS, 0)
-    assert call == -283115521
+    assert call == -377487361
 
     def body(c: Collective, m: StandIn) -> Any:
         if m.rank == 0:
@@ -289,7 +289,7 @@ def test_a_call_id_s_errors_name_the_training_step_it_serves(
     timeout, moved = run_ranks(connect_more, members, body)
     assert isinstance(timeout, CollectiveTimeoutError)
     assert str(timeout).startswith("allreduce of step 90 (gradients, bucket 0) in world 1")
-    assert "-283115521" not in str(timeout)
+    assert "-377487361" not in str(timeout)
     assert isinstance(moved, WorldChangedError) and moved.step == 90
 
 

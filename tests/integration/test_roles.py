@@ -8,6 +8,7 @@ journaled; SIGKILLed, it is declared failed without a new world or an aborted st
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -131,3 +132,31 @@ def test_a_workers_gpu_workload_and_transfer_queue_show_in_status_and_metrics(
     assert "w: train (pid" in human and "transfers: 2 pending, 0 staged" in human
     w.popen.send_signal(signal.SIGTERM)
     assert cluster.finished(w, 30) == 0, w.output()[-3000:]
+
+
+def test_the_torch_evaluator_example_scores_each_checkpoint_of_the_elastic_example(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/elastic-api.md's evaluator, as shipped: examples/elastic_evaluate.py loads each
+    checkpoint examples/elastic_train.py's job saves into the model and reports its scores."""
+    if os.environ.get("CI") != "true":
+        pytest.importorskip("torch")  # CI installs torch: there a missing torch must fail
+    monkeypatch.setenv("COHORT_JOB", cluster.job)
+    monkeypatch.setenv("COHORT_REDIS_URL", cluster.url)
+    cluster.coordinator(
+        "c1", "--min-workers", "2", "--dataset-size", "4096", "--batch-size", "32",
+        "--epochs", "2", "--checkpoint-uri", f"file://{tmp_path / 'ckpt'}",
+        "--checkpoint-every", "32", "--checkpoint-keep", "8",
+    )  # fmt: skip
+    evaluator = cluster.python("ev", "examples/elastic_evaluate.py", "--job", cluster.job)
+    trainers = [cluster.python(name, "examples/elastic_train.py") for name in ("a", "b")]
+    for proc in (*trainers, evaluator):
+        assert cluster.finished(proc, 240) == 0, proc.output()[-3000:]
+    scored = [json.loads(line) for line in evaluator.output().splitlines() if line[:1] == "{"]
+    steps = [score["step"] for score in scored]  # 2 epochs of 64 steps, a checkpoint every 32
+    assert steps == sorted(steps) and set(steps) <= {31, 63, 95, 127} and steps[-1] == 127
+    assert scored[-1]["accuracy"] > 0.5, scored  # the final weights learned the task
+    journaled = [f for _, f in cluster.of_type(EvalReported)]
+    assert [(f.step, f.metrics["accuracy"]) for f in journaled] == [
+        (s["step"], s["accuracy"]) for s in scored
+    ]
