@@ -227,7 +227,10 @@ class Launcher:
             "run_dir": str(settings.run_dir),
             **more,
         }
-        (settings.run_dir / "run.json").write_text(json.dumps(body, indent=1) + "\n")
+        path = settings.run_dir / "run.json"
+        partial = path.with_name(".run.json.partial")
+        partial.write_text(json.dumps(body, indent=1) + "\n")
+        os.replace(partial, path)  # a reader (a tool, a test) never sees half a file
 
     # ------------------------------------------------------------ one turn
 
