@@ -11,19 +11,17 @@ is a number the "script" changes.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import fakeredis
 import pytest
 
 from cohort.events import models as m
 from cohort.events.shards import Shard
 from cohort.worker.loop.elastic import Elastic, EpochEnd, Step
-from tests.unit.test_worker_client import JOB, Leader, fact
+from tests.unit.test_elastic_gate import ME, joined
+from tests.unit.test_worker_client import Leader, fact
 
-ME = "w-me"
 WHOLE = (Shard(ranges=((0, 16),)),)  # 16 samples, 4 a step: 4 steps an epoch
 
 
@@ -53,19 +51,10 @@ class Number:
 
 @pytest.fixture
 def job(tmp_path: Path) -> Iterator[tuple[Leader, Elastic, Number]]:
-    server = fakeredis.FakeServer()
-    leader = Leader(server)
     config = m.JobConfig(
         dataset_size=16, batch_size=4, checkpoint_uri=f"file://{tmp_path}", checkpoint_every=2
     )
-    leader.say(fact(m.JobConfigured, config=config))
-    with ThreadPoolExecutor(1) as pool:
-        joining = pool.submit(
-            Elastic, JOB, conn=fakeredis.FakeRedis(server=server), worker_id=ME, signals=False
-        )
-        leader.expect("Join")
-        leader.say(fact(m.WorkerJoined, worker=ME))
-        elastic = joining.result(timeout=5)
+    leader, elastic = joined(config)
     state = Number()
     elastic.attach(state)
     leader.say(

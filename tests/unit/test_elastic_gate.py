@@ -24,18 +24,23 @@ from tests.unit.test_worker_client import JOB, Leader, fact
 ME = "w-me"
 
 
-@pytest.fixture
-def job() -> Iterator[tuple[Leader, Elastic]]:
+def joined(config: m.JobConfig) -> tuple[Leader, Elastic]:
+    """A job configured with `config`, the test its leader, and ME joined to it (no rank)."""
     server = fakeredis.FakeServer()
     leader = Leader(server)
-    leader.say(fact(m.JobConfigured, config=m.JobConfig(dataset_size=16, batch_size=4)))
+    leader.say(fact(m.JobConfigured, config=config))
     with ThreadPoolExecutor(1) as pool:
         joining = pool.submit(
             Elastic, JOB, conn=fakeredis.FakeRedis(server=server), worker_id=ME, signals=False
         )
         leader.expect("Join")
         leader.say(fact(m.WorkerJoined, worker=ME))
-        elastic = joining.result(timeout=5)
+        return leader, joining.result(timeout=5)
+
+
+@pytest.fixture
+def job() -> Iterator[tuple[Leader, Elastic]]:
+    leader, elastic = joined(m.JobConfig(dataset_size=16, batch_size=4))
     leader.say(
         fact(m.WorkerSynced, worker=ME, step=0),
         fact(m.WorkerActivated, worker=ME),
