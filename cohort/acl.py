@@ -73,6 +73,7 @@ _COORDINATOR = (
     "+fcall", "+fcall_ro", "+function|load", "+function|list",  # election.load_library
     "+get", "+set", "+exists", "+incr", "+pexpire", "+del",  # fencing.lua, status
     "+xadd", "+xrange", "+xrevrange", "+xread", "+xlen", "+xtrim",  # journal, inbox
+    "+xdel", "+xsetid", "+xinfo|stream",  # cohort_repair_inbox, cohort_inbox_marks
     "+time",  # the server clock decides silence
     "+smembers",  # the revoked workers (identity mode)
     "+info",  # durability: refuse a Redis without AOF (INFO persistence)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cohort.coordinator import decide
-from cohort.coordinator.fold import fold
+from cohort.coordinator.fold import evolve, fold
 from cohort.coordinator.liveness import Liveness
 from cohort.coordinator.state import JobState
 from cohort.events.models import Command, Fact, JobConfig, WorkerFailed, WorkerLeft
@@ -47,6 +47,11 @@ class Core:
     ) -> tuple[Fact, ...]:
         """A new leader's first facts: the job's config if the journal has none, and itself."""
         return self._adopt(decide.take_over(self.state, job, config, coordinator, epoch, now))
+
+    def note(self, fact: Fact) -> None:
+        """A fact the leader journals as evidence (refusals, a repaired inbox), not as a
+        decision: folded into `state` like one."""
+        self.state = evolve(self.state, fact)
 
     def _adopt(self, decision: decide.Decision) -> tuple[Fact, ...]:
         self.state = decision.state

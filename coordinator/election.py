@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from cohort.coordinator.errors import Conflict, CoordinatorError, Fenced
-from cohort.coordinator.stores import Acked, DeadLetter
+from cohort.coordinator.stores import Acked, DeadLetter, InboxMarks
 from cohort.events.connection import Client, primaries, server_for, text
 from cohort.events.keys import Keys
 from cohort.events.streams import ZERO
@@ -216,7 +216,7 @@ class FencedJournal:
         args: list[Any] = [token, expected_last, cursor or "", len(facts), self.dead_maxlen]
         args.extend(facts)
         for letter in dead:
-            args.extend((letter.inbox_id, letter.reason, letter.raw))
+            args.extend(letter.fields())
         keys = [self.keys.leader, self.keys.journal, self.keys.cursor, self.keys.dead]
         self.acked = None
         try:
@@ -285,6 +285,24 @@ class FencedJournal:
         except redis.ResponseError as exc:
             self._raise_translated(exc, token, "")
             raise
+
+    def repair_inbox(self, token: str, cursor: str, limit: str) -> tuple[str, int, int]:
+        """fencing.lua's cohort_repair_inbox: (new cursor, entries moved, entries dropped)."""
+        keys = [self.keys.leader, self.keys.inbox, self.keys.cursor]
+        try:
+            found = _fcall(self.conn, "cohort_repair_inbox", keys, [token, cursor, limit])
+        except redis.ResponseError as exc:
+            self._raise_translated(exc, token, "")
+            raise
+        return text(found[0]), int(found[1]), int(found[2])
+
+    def inbox_marks(self, cursor: str) -> InboxMarks | None:
+        """fencing.lua's cohort_inbox_marks (None: there is no inbox)."""
+        found = _fcall(self.conn, "cohort_inbox_marks", [self.keys.inbox], [cursor])
+        if not found:
+            return None
+        last, deleted, first, held = found
+        return InboxMarks(text(last), text(deleted), text(first), bool(int(held)))
 
     def cursor(self) -> str:
         """The inbox ID consumed up to ("0-0" before the first append that moved it)."""

@@ -10,8 +10,11 @@ call in one Cluster slot. Bump VERSION whenever this file changes: Python
 replaces a library whose cohort_version is older than its own.
 ]]
 
-local VERSION = 2
+local VERSION = 3
 local FIELD = 'e' -- events/codec.py FIELD: the one stream field holding an event
+local LAST_ID = '18446744073709551615-18446744073709551615' -- the largest a stream allows
+local MOVED_FIELDS = 64 -- names and values an entry moved by cohort_repair_inbox keeps
+local DEAD_FIELDS = 7 -- coordinator/stores.py DeadLetter: the fields of one dead letter
 
 local function bad_args(fn, what)
   return redis.error_reply('ERR ' .. fn .. ': ' .. what)
@@ -91,7 +94,7 @@ end
 
 -- KEYS[leader, journal, cursor, dead]
 -- ARGV[token, expected_last_id, cursor_id, n_facts, dead_maxlen,
---      fact_1 .. fact_n, (inbox_id, reason, raw) * n_dead]
+--      fact_1 .. fact_n, (inbox_id, reason, kind, sender, size, sha256, head) * n_dead]
 -- -> the new journal IDs, in order. Nothing is written unless every check passes.
 local function append(keys, args)
   if #keys ~= 4 then
@@ -110,9 +113,10 @@ local function append(keys, args)
     return bad_args('cohort_append', 'dead_maxlen ' .. args[5] .. ' is not a positive integer')
   end
   local rest = #args - 5 - n_facts
-  if rest < 0 or rest % 3 ~= 0 then
+  if rest < 0 or rest % DEAD_FIELDS ~= 0 then
     return bad_args('cohort_append', 'after ' .. n_facts .. ' facts, ' .. rest
-      .. ' args remain; dead letters come as (inbox_id, reason, raw) triples')
+      .. ' args remain; dead letters come as (inbox_id, reason, kind, sender, size, sha256, '
+      .. 'head) groups of ' .. DEAD_FIELDS)
   end
 
   local fenced = fence(keys[1], token)
@@ -135,11 +139,126 @@ local function append(keys, args)
   if cursor_id ~= '' then
     redis.call('SET', keys[3], cursor_id)
   end
-  for i = 6 + n_facts, #args, 3 do
+  for i = 6 + n_facts, #args, DEAD_FIELDS do
     redis.call('XADD', keys[4], 'MAXLEN', '~', maxlen, '*',
-      'inbox_id', args[i], 'reason', args[i + 1], 'raw', args[i + 2])
+      'inbox_id', args[i], 'reason', args[i + 1], 'kind', args[i + 2], 'sender', args[i + 3],
+      'size', args[i + 4], 'sha256', args[i + 5], 'raw', args[i + 6])
   end
   return ids
+end
+
+-- Stream IDs compared as Redis orders them: 'ms-seq' parts may exceed a Lua number's
+-- exact range (up to 2^64-1), so each part is compared by length, then as text.
+local function id_cmp(a, b)
+  local ams, aseq = string.match(a, '^(%d+)-(%d+)$')
+  local bms, bseq = string.match(b, '^(%d+)-(%d+)$')
+  local function part(x, y)
+    x = string.gsub(x, '^0+(%d)', '%1')
+    y = string.gsub(y, '^0+(%d)', '%1')
+    if #x ~= #y then return #x < #y and -1 or 1 end
+    if x == y then return 0 end
+    return x < y and -1 or 1
+  end
+  local ms = part(ams, bms)
+  if ms ~= 0 then return ms end
+  return part(aseq, bseq)
+end
+
+-- XINFO STREAM's flat reply as a table of its scalar fields.
+local function stream_info(key)
+  local flat = redis.call('XINFO', 'STREAM', key)
+  local info = {}
+  for i = 1, #flat, 2 do
+    info[flat[i]] = flat[i + 1]
+  end
+  return info
+end
+
+-- KEYS[leader, inbox, cursor] ARGV[token, cursor_id, limit_id]
+-- -> {cursor, moved, dropped}: the inbox put back in order, only if `token` leads.
+-- Entries with IDs after `limit_id` (the server's clock, plus a skew) are ahead: every
+-- entry after the cursor is deleted and added again with an ID the server assigns (its
+-- fields kept, plus 'o' = its old ID), in order; entries ahead at or before the cursor
+-- (read before, so decided) are dropped; the stream's last ID goes back to its newest
+-- entry left, which becomes the cursor. A stream recreated below the cursor (deleted,
+-- then appended to) is read from its start. Unread entries deleted by someone else
+-- (max-deleted-entry-id after the cursor) are acknowledged: the mark goes back to the
+-- cursor, so the loss is reported once.
+local function repair_inbox(keys, args)
+  if #keys ~= 3 or #args ~= 3 then
+    return bad_args('cohort_repair_inbox', 'expects 3 keys (leader, inbox, cursor) and 3 args '
+      .. '(token, cursor_id, limit_id)')
+  end
+  local fenced = fence(keys[1], args[1])
+  if fenced then
+    return fenced
+  end
+  local cursor, limit = args[2], args[3]
+  if redis.call('EXISTS', keys[2]) == 0 then
+    return {cursor, 0, 0}
+  end
+  local info = stream_info(keys[2])
+  local last = info['last-generated-id']
+  if id_cmp(last, cursor) < 0 then
+    cursor = '0-0'
+  end
+  local moved, dropped = {}, 0
+  if id_cmp(last, limit) > 0 then
+    if cursor == '0-0' then
+      moved = redis.call('XRANGE', keys[2], '-', '+')
+    elseif cursor ~= LAST_ID then -- nothing can follow the last ID a stream allows
+      moved = redis.call('XRANGE', keys[2], '(' .. cursor, '+')
+    end
+    for _, entry in ipairs(moved) do
+      redis.call('XDEL', keys[2], entry[1])
+    end
+    if id_cmp(cursor, limit) > 0 then
+      local stale = redis.call('XRANGE', keys[2], '(' .. limit, cursor)
+      for _, entry in ipairs(stale) do
+        redis.call('XDEL', keys[2], entry[1])
+      end
+      dropped = #stale
+    end
+    local top = redis.call('XREVRANGE', keys[2], '+', '-', 'COUNT', 1)
+    cursor = top[1] and top[1][1] or '0-1'
+    last = cursor
+  end
+  local mark = info['max-deleted-entry-id'] or '0-0'
+  if id_cmp(mark, cursor) > 0 or #moved > 0 or dropped > 0 then
+    redis.call('XSETID', keys[2], last, 'MAXDELETEDID', cursor)
+  end
+  for _, entry in ipairs(moved) do
+    local fields = entry[2]
+    while #fields > MOVED_FIELDS do -- a hostile entry's thousands of fields stay behind
+      table.remove(fields)
+    end
+    fields[#fields + 1] = 'o'
+    fields[#fields + 1] = entry[1]
+    redis.call('XADD', keys[2], '*', unpack(fields))
+  end
+  redis.call('SET', keys[3], cursor)
+  return {cursor, #moved, dropped}
+end
+
+-- KEYS[inbox] ARGV[cursor] -> {last-generated-id, max-deleted-entry-id, first entry's ID,
+-- 1 if the cursor's entry is there else 0}, or nil if there is no inbox. XINFO STREAM's
+-- reply also carries the first and last entries, which a worker can make megabytes long:
+-- only the marks leave the server.
+local function inbox_marks(keys, args)
+  if #keys ~= 1 or #args ~= 1 then
+    return bad_args('cohort_inbox_marks', 'expects 1 key (inbox) and 1 arg (cursor)')
+  end
+  if redis.call('EXISTS', keys[1]) == 0 then
+    return nil
+  end
+  local info = stream_info(keys[1])
+  local first = redis.call('XRANGE', keys[1], '-', '+', 'COUNT', 1)
+  local held = 0
+  if args[1] ~= '0-0' and #redis.call('XRANGE', keys[1], args[1], args[1]) > 0 then
+    held = 1
+  end
+  return {info['last-generated-id'], info['max-deleted-entry-id'] or '0-0',
+    first[1] and first[1][1] or '0-0', held}
 end
 
 -- KEYS[leader, snapshot] ARGV[token, blob] -> 1, or a FENCED error.
@@ -164,3 +283,10 @@ redis.register_function{function_name = 'cohort_renew', callback = renew, flags 
 redis.register_function{function_name = 'cohort_release', callback = release, flags = {'allow-oom'}}
 redis.register_function{function_name = 'cohort_append', callback = append, flags = {'allow-oom'}}
 redis.register_function('cohort_snapshot', snapshot)
+redis.register_function{
+  function_name = 'cohort_inbox_marks', callback = inbox_marks, flags = {'no-writes'}
+}
+-- 'allow-oom': an inbox whose IDs ran ahead refuses every worker's XADD until repaired.
+redis.register_function{
+  function_name = 'cohort_repair_inbox', callback = repair_inbox, flags = {'allow-oom'}
+}

@@ -12,6 +12,7 @@ from cohort.events.models import (
     CheckpointExpired,
     CheckpointRequested,
     CheckpointSaved,
+    CommandsRefused,
     Dataset,
     DatasetDeclared,
     EpochFinished,
@@ -20,6 +21,7 @@ from cohort.events.models import (
     Fact,
     GpuAdviceCleared,
     GpuAdviceIssued,
+    InboxRepaired,
     JobConfigured,
     JobFinished,
     JoinRefused,
@@ -184,6 +186,12 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:  # noqa: C901 - 
             return {"evals": (*state.evals, fact)[-KEEP_EVALS:]}
         case JobFinished():
             return {"finished": fact.reason or "finished", "paused": True}
+        case CommandsRefused():
+            forged = sum(r.count for r in fact.refusals if r.kind == "forged")
+            total = sum(r.count for r in fact.refusals)
+            return {"counters": _count(state.counters, dead_letters=total, forged=forged)}
+        case InboxRepaired():
+            return {"counters": _count(state.counters, inbox_repairs=1)}
     raise TypeError(f"evolve has no branch for {type(fact).__name__}")  # pragma: no cover
 
 

@@ -18,7 +18,7 @@ import redis
 from cohort.coordinator import durability
 from cohort.coordinator.election import FencedJournal, load_library
 from cohort.coordinator.errors import CoordinatorError
-from cohort.coordinator.stores import Acked, DeadLetter
+from cohort.coordinator.stores import Acked, DeadLetter, InboxMarks
 from cohort.events import budget
 from cohort.events.connection import Client, primaries, text
 from cohort.events.identity import Trust
@@ -138,6 +138,12 @@ class RedisJobLog:
 
     def trim_inbox(self, before: str) -> None:
         self.conn.xtrim(self.keys.inbox, minid=before, approximate=True)
+
+    def repair_inbox(self, token: str, cursor: str, limit: str) -> tuple[str, int, int]:
+        return self.fenced.repair_inbox(token, cursor, limit)
+
+    def inbox_marks(self, cursor: str) -> InboxMarks | None:
+        return self.fenced.inbox_marks(cursor)
 
     def publish_status(self, blob: bytes, ttl_ms: int) -> None:
         self.conn.set(self.keys.status, blob, px=ttl_ms)

@@ -18,6 +18,16 @@ own, `ServerClock`, in production), only once the inbox is drained, and as of
 the drained read, so a leader working through a backlog (workers that started
 before any coordinator, a long leaderless gap) never fails a worker whose
 heartbeats are still in the queue or arrived while it decided.
+
+The inbox is untrusted (docs/identity.md): anyone who may XADD to it may choose an
+entry's ID. No ID moves the leader's clock: an entry is decided as of its ID only up
+to the server's time of the read, and an entry further ahead than `SKEW` stops the
+read there; the leader journals `InboxRepaired` and moves every unread entry behind
+the server's clock (fencing.lua's cohort_repair_inbox), so a worker's XADD with an
+explicit ID, even the largest a stream allows, costs a turn. Unread entries deleted
+by someone else are found the same way (once a second) and journaled. A dead letter
+is a bounded record, tallied by sender and journaled (`refusals.py`); a command the
+core cannot decide is a dead letter too, never a crash.
 """
 
 from __future__ import annotations
@@ -39,9 +49,10 @@ from cohort.coordinator.election import RedisLease
 from cohort.coordinator.errors import ConfigConflictError, Conflict, CoordinatorError, Fenced
 from cohort.coordinator.joblog import Durability, RedisJobLog
 from cohort.coordinator.metrics import Metrics
+from cohort.coordinator.refusals import Refusals, claimed_sender
 from cohort.coordinator.replay import fact_details
 from cohort.coordinator.state import JobState, state_hash
-from cohort.coordinator.stores import DeadLetter, JobLog, Lease, epoch_of
+from cohort.coordinator.stores import DeadLetter, InboxMarks, JobLog, Lease, epoch_of
 from cohort.events import identity
 from cohort.events.clock import Clock, ServerClock
 from cohort.events.codec import decode_command, encode
@@ -51,12 +62,14 @@ from cohort.events.keys import Keys
 from cohort.events.models import (
     Command,
     Fact,
+    InboxRepaired,
     JobConfig,
+    RefusalKind,
     StepCommitted,
     StepDone,
     TransfersWaiting,
 )
-from cohort.events.streams import ZERO, Entry, Journal, elects, id_ms
+from cohort.events.streams import ZERO, Entry, Journal, elects, id_key, id_ms
 
 log = logging.getLogger("cohort.coordinator")
 
@@ -64,6 +77,13 @@ WINDOW_PAGE = 10_000
 """Inbox entries read per round trip when a new leader looks at who was alive."""
 TRUST_REFRESH = 1.0
 """Seconds between reads of the job key and revoked workers while leading."""
+SKEW = 1.0
+"""Seconds an inbox entry's ID may run ahead of the server's clock at the read (past the
+read's own blocking time) before the leader treats the inbox as out of order."""
+MAX_ENTRY_BYTES = 1 << 20
+"""An inbox entry larger than this (its fields' bytes) is dead-lettered undecoded: every
+command cohort sends is far smaller (a Join with 10,000 file ranges is ~100 KB)."""
+MAX_SEQ = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -126,8 +146,16 @@ class Turn:
     read_at: float = 0.0
     """Server time (s) by which every inbox entry was loaded, if `drained`: silence is
     judged as of then, not as of a later clock reading that entries since would belie."""
-    commands: list[tuple[float, Command]] = field(default_factory=list)
-    """Each valid command with the server time (s) it arrived at."""
+    commands: list[tuple[float, Command, str]] = field(default_factory=list)
+    """Each valid command with the server time (s) it arrived at and its inbox ID."""
+    ahead: Entry | None = None
+    """The first entry whose ID ran ahead of the server's clock: the read stopped before it."""
+    limit: str = ZERO
+    """The newest inbox ID the server's clock allowed at the read."""
+    repair: bool = False
+    """Once saved, put the inbox back in order (`_repair`)."""
+    tallied: bool = False
+    """`facts` holds the refusals' tally (`refusals.Refusals.fact`)."""
     dead: list[DeadLetter] = field(default_factory=list)
     forged: int = 0
     """Of `dead`, how many were refused for their signature (events/identity.py)."""
@@ -174,6 +202,10 @@ class Coordinator:
         self._trust: identity.Trust | None = None  # None: commands need no signature
         self._trusted_at = -1e9
         self._nonce = f"{settings.coordinator}:{random.getrandbits(32):08x}"
+        self.refusals = Refusals()
+        self._trouble: InboxRepaired | None = None  # found by housekeeping, not journaled yet
+        self._reported: set[str] = set()  # inbox entries an InboxRepaired named
+        self._marks: InboxMarks | None = None  # the inbox's marks at the last look
 
     @classmethod
     def on_redis(
@@ -357,7 +389,7 @@ class Coordinator:
                 except DecodeError:
                     continue
                 seen.observe(command, entry.ms / 1000)
-        since = cursor_ms / 1000 if self.cursor != ZERO else now
+        since = min(cursor_ms / 1000, now) if self.cursor != ZERO else now
         seen.grace(list(self.state.members), since)
 
     def _inbox_between(self, after: str, until: str) -> Iterator[Entry]:
@@ -379,25 +411,34 @@ class Coordinator:
         self._decide(turn)
         self._save(turn)
         self._account(turn)
+        if turn.repair and turn.saved:
+            self._repair(turn.limit)
         self._housekeeping()
 
     def _load(self) -> Turn:
-        """The inbox after the cursor: this job's valid commands, dead letters for the rest."""
+        """The inbox after the cursor: this job's valid commands, dead letters for the rest,
+        up to the first entry whose ID runs ahead of the server's clock."""
         self._refresh_trust()
         batch = self.settings.batch
         asked_at = self.clock.now()  # entries added after this have IDs from it on
         entries = self.joblog.commands(self.cursor, self.settings.block_ms, batch)
-        turn = Turn(
-            cursor=entries[-1].id if entries else None,
-            drained=len(entries) < batch,
-            read_at=max(asked_at, entries[-1].ms / 1000) if entries else asked_at,
-        )
+        newest = asked_at + self.settings.block_ms / 1000  # no honest entry is newer
+        limit_ms = int((newest + SKEW) * 1000)
+        turn = Turn(drained=len(entries) < batch, limit=f"{limit_ms}-{MAX_SEQ}")
+        for index, entry in enumerate(entries):
+            if entry.ms > limit_ms:
+                turn.ahead, turn.drained, entries = entry, False, entries[:index]
+                break
+        turn.cursor = entries[-1].id if entries else None
+        turn.read_at = max(asked_at, min(entries[-1].ms / 1000, newest)) if entries else asked_at
         for entry in entries:
             try:
-                turn.commands.append((entry.ms / 1000, self._command_of(entry)))
+                command = self._command_of(entry)
             except DecodeError as exc:
-                turn.dead.append(DeadLetter(entry.id, exc.reason, _raw_of(entry)))
+                turn.dead.append(_letter(entry, exc))
                 turn.forged += isinstance(exc, ForgedCommandError)
+                continue
+            turn.commands.append((min(entry.ms / 1000, newest), command, entry.id))
         return turn
 
     def _refresh_trust(self, force: bool = False) -> None:
@@ -409,6 +450,13 @@ class Coordinator:
 
     def _command_of(self, entry: Entry) -> Command:
         """The entry's command, if valid, for this job and (in identity mode) for its signer."""
+        size = _size(entry)
+        if size > MAX_ENTRY_BYTES:
+            raise _Refused(
+                f"entry of {size} bytes is over the leader's limit of {MAX_ENTRY_BYTES} "
+                "(no command is that large); dead-lettered undecoded",
+                "oversized",
+            )
         trust = self._trust
         if trust is not None:
             reason = identity.verify(trust, entry.fields)
@@ -416,24 +464,64 @@ class Coordinator:
                 raise ForgedCommandError(reason, _raw_of(entry))
         command = decode_command(entry.raw if entry.raw is not None else _no_field(entry))
         if command.job != self.settings.job:
-            raise DecodeError(
+            raise _Refused(
                 f"command is for job {command.job!r} "
                 f"but sits in the inbox of {self.settings.job!r}",
-                event_type=command.type,
+                "foreign",
             )
         if trust is not None:
-            reason = identity.claims(command.worker, entry.fields[identity.SIGNER].decode())
+            signer = entry.fields[identity.SIGNER].decode()
+            reason = identity.claims(command.worker, signer)
             if reason is not None:
-                raise ForgedCommandError(reason, _raw_of(entry), event_type=command.type)
+                forged = ForgedCommandError(reason, _raw_of(entry), event_type=command.type)
+                forged.signer = signer  # type: ignore[attr-defined] - proven by its MAC
+                raise forged
         return command
 
     def _decide(self, turn: Turn) -> None:
         """Each command decided as of its arrival; silence judged once the backlog is read,
-        as of the read."""
-        for received_at, command in turn.commands:
-            turn.facts.extend(self.core.handle(command, received_at, received_at))
+        as of the read; the inbox's troubles and refusals journaled as they are found."""
+        for received_at, command, entry_id in turn.commands:
+            try:
+                turn.facts.extend(self.core.handle(command, received_at, received_at))
+            except Exception as exc:  # noqa: BLE001 - one command must not stop the job
+                log.exception("could not decide %s (inbox %s)", command.type, entry_id)
+                why = f"the leader could not decide this {command.type}: {exc}"
+                sender = (command.worker, False)
+                turn.dead.append(DeadLetter.of(entry_id, why, b"", "undecidable", sender))
         if turn.drained and self._down_since is None:  # after an outage: see `_back` first
             turn.facts.extend(self.core.tick(turn.read_at))
+        self._note_trouble(turn)
+        if self.refusals.due(turn.read_at):
+            turn.tallied = True
+            self._note(turn, self.refusals.fact(self.settings.job, turn.read_at))
+
+    def _note_trouble(self, turn: Turn) -> None:
+        """An inbox out of order (this turn's read) or losing entries (housekeeping's look)
+        is journaled once per entry that shows it, then repaired once saved."""
+        trouble, self._trouble = self._trouble, None
+        if turn.ahead is not None:
+            ahead = turn.ahead
+            trouble = InboxRepaired(
+                at=turn.read_at,
+                job=self.settings.job,
+                trouble="ahead",
+                entry=ahead.id,
+                ahead_s=min(max(0.0, ahead.ms / 1000 - turn.read_at), 1e10),
+                sender=claimed_sender(ahead),
+                reason="an inbox entry's ID ran ahead of the server's clock",
+            )
+        if trouble is None:
+            return
+        turn.repair = True
+        if trouble.entry not in self._reported:
+            self._reported.add(trouble.entry)
+            self._note(turn, trouble)
+
+    def _note(self, turn: Turn, fact: Fact) -> None:
+        """A fact the leader journals as evidence, not as a decision about a command."""
+        self.core.note(fact)
+        turn.facts.append(fact)
 
     def _save(self, turn: Turn) -> None:
         """Append what the core decided, with the cursor and dead letters, in one fenced
@@ -475,7 +563,7 @@ class Coordinator:
         self.counters.commands += turn.entries
         if self.metrics is not None:
             self.metrics.commands.inc(turn.entries)
-            for _, command in turn.commands:
+            for _, command, _ in turn.commands:
                 if isinstance(command, StepDone):
                     self.metrics.step_time.observe(command.step_time)
         if not turn.saved:
@@ -489,8 +577,9 @@ class Coordinator:
             self.metrics.facts.inc(len(turn.facts))
             self.metrics.dead.inc(len(turn.dead))
             self.metrics.forged.inc(turn.forged)
-        for letter in turn.dead:
-            log.warning("dead letter %s: %s", letter.inbox_id, letter.reason)
+        if turn.tallied:
+            self.refusals.journaled(turn.read_at)
+        self.refusals.add(turn.dead, turn.read_at)
         for entry_id, fact in zip(turn.ids, turn.facts, strict=False):
             self._say(entry_id, fact)
 
@@ -525,6 +614,50 @@ class Coordinator:
             )
         if acked.aof is False:
             log.warning("WAITAOF: the AOF was not fsynced within %d ms", self.settings.wait_ms)
+
+    def _repair(self, limit: str) -> None:
+        """Put the inbox back in order behind `limit` (the journal already says why)."""
+        assert self.token is not None
+        try:
+            cursor, moved, dropped = self.joblog.repair_inbox(self.token, self.cursor, limit)
+        except Fenced:
+            self.token = None
+            self._resync()
+            return
+        except redis.ResponseError as exc:  # a server without XSETID (fakeredis), say
+            log.error("could not repair the inbox of job %r: %s", self.settings.job, exc)
+            return
+        log.warning(
+            "inbox of job %r repaired: %d unread entries moved behind the server's clock, "
+            "%d read ones ahead of it dropped; cursor %s -> %s",
+            self.settings.job,
+            moved,
+            dropped,
+            self.cursor,
+            cursor,
+        )
+        self.cursor = cursor
+        self._marks = None
+
+    def _look_at_inbox(self) -> None:
+        """Find unread entries someone else deleted: the inbox gone, recreated below the
+        cursor, trimmed past it or XDELed (`stores.InboxMarks.lost`)."""
+        marks, before = self.joblog.inbox_marks(self.cursor), self._marks
+        self._marks = marks
+        if marks is None:
+            why = "the inbox was deleted" if before is not None else None
+        else:
+            why = marks.lost(self.cursor)
+        if why is None:
+            return
+        log.error("job %r: %s; unread commands are lost (senders retry)", self.settings.job, why)
+        self._trouble = InboxRepaired(
+            at=self.clock.now(),
+            job=self.settings.job,
+            trouble="lost",
+            entry=self.cursor if marks is None else max(marks.deleted, marks.first, key=id_key),
+            reason=why,
+        )
 
     # ------------------------------------------------------------ going back to the journal
     def _resync(self) -> None:
@@ -619,6 +752,8 @@ class Coordinator:
         if now - self._status_at >= self.settings.status_interval:
             self._status_at = now
             self._publish_status()
+            if self.token is not None:
+                self._look_at_inbox()
         if now - self._trimmed_at >= 10.0 and self.cursor != ZERO:
             self._trimmed_at = now
             keep_ms = int((self.clock.now() - self.settings.inbox_retention) * 1000)
@@ -699,7 +834,30 @@ def _transfers(waiting: TransfersWaiting | None) -> dict[str, float] | None:
 def _raw_of(entry: Entry) -> bytes:
     if entry.raw is not None:
         return entry.raw
-    return msgpack.packb({k: v for k, v in entry.fields.items()}, use_bin_type=True)[:65536]
+    return msgpack.packb({k: v for k, v in entry.fields.items()}, use_bin_type=True)
+
+
+def _size(entry: Entry) -> int:
+    return sum(len(name) + len(value) for name, value in entry.fields.items())
+
+
+class _Refused(DecodeError):
+    """An entry refused for a reason of `kind` (the tally's, `CommandsRefused`)."""
+
+    def __init__(self, reason: str, kind: RefusalKind) -> None:
+        super().__init__(reason)
+        self.kind: RefusalKind = kind
+
+
+def _letter(entry: Entry, exc: DecodeError) -> DeadLetter:
+    """The bounded dead letter of an entry refused with `exc`."""
+    signer = getattr(exc, "signer", None)
+    kind: RefusalKind = "forged" if isinstance(exc, ForgedCommandError) else "malformed"
+    if isinstance(exc, _Refused):
+        kind = exc.kind
+    sender = (signer, True) if signer is not None else (claimed_sender(entry), False)
+    raw = b"" if kind == "oversized" else _raw_of(entry)
+    return DeadLetter.of(entry.id, exc.reason, raw, kind, sender, _size(entry))
 
 
 def _no_field(entry: Entry) -> bytes:

@@ -72,6 +72,11 @@ class Counters:
     rewinds: int = 0
     discarded_steps: int = 0
     """Committed steps a rewind took off the lineage the model descends from."""
+    dead_letters: int = 0
+    """Inbox entries dead-lettered (CommandsRefused), of which `forged` had a signature
+    that does not prove their worker."""
+    forged: int = 0
+    inbox_repairs: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,22 +10,95 @@ a real redis-server.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from cohort.coordinator.errors import CoordinatorError
 from cohort.events.identity import Trust
-from cohort.events.streams import Entry
+from cohort.events.models import RefusalKind
+from cohort.events.streams import ZERO, Entry, id_after
 
 
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
-    """An inbox entry the leader rejected, with why; `raw` is the entry's bytes as received."""
+    """An inbox entry the leader rejected, with why, as a bounded record: who it claims to
+    be from, its size and hash, and the first HEAD_BYTES of its command (a 50 MB entry
+    costs the dead-letter stream a few hundred bytes, not 50 MB)."""
 
     inbox_id: str
     reason: str
     raw: bytes
+    """At most HEAD_BYTES of the entry's command (or of its fields, packed)."""
+    kind: RefusalKind = "malformed"
+    sender: str = "unknown"
+    """The worker its signature proved (`verified`), else the name it claimed."""
+    verified: bool = False
+    size: int = 0
+    """The entry's fields' bytes in all."""
+    sha256: str = ""
+    """Of the whole command (or fields), so two copies of one entry are recognised."""
+
+    HEAD_BYTES: ClassVar[int] = 256
+    REASON_CHARS: ClassVar[int] = 500
+
+    @classmethod
+    def of(
+        cls,
+        inbox_id: str,
+        reason: str,
+        raw: bytes,
+        kind: RefusalKind,
+        sender: tuple[str, bool] = ("unknown", False),
+        size: int | None = None,
+    ) -> DeadLetter:
+        """The bounded record of an entry whose whole command (or packed fields) is `raw`."""
+        return cls(
+            inbox_id,
+            reason[: cls.REASON_CHARS],
+            raw[: cls.HEAD_BYTES],
+            kind,
+            sender[0],
+            sender[1],
+            len(raw) if size is None else size,
+            hashlib.sha256(raw).hexdigest(),
+        )
+
+    def fields(self) -> tuple[str, str, str, str, str, str, bytes]:
+        """The dead-letter stream entry's values, as fencing.lua's cohort_append takes them."""
+        who = self.sender if self.verified else f"{self.sender} (claimed)"
+        return (
+            self.inbox_id, self.reason, self.kind, who, str(self.size), self.sha256, self.raw
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class InboxMarks:
+    """Where the inbox stands, as the leader looks for entries someone else deleted."""
+
+    last: str
+    """The last ID the stream generated (XINFO STREAM last-generated-id)."""
+    deleted: str
+    """The newest ID deleted by XDEL (max-deleted-entry-id; trimming does not move it)."""
+    first: str
+    """The oldest entry's ID ("0-0": none)."""
+    holds_cursor: bool
+    """The entry at the cursor is still there."""
+
+    def lost(self, cursor: str) -> str | None:
+        """Why unread entries after `cursor` are gone, or None if none are."""
+        if id_after(cursor, self.last):
+            return f"the inbox was recreated below the cursor (its last ID is {self.last})"
+        if id_after(self.deleted, cursor):
+            return f"unread inbox entries up to {self.deleted} were deleted"
+        if cursor not in (ZERO, FLOOR) and not self.holds_cursor and id_after(self.first, cursor):
+            return f"inbox entries before {self.first}, unread ones among them, were trimmed"
+        return None
+
+
+FLOOR = "0-1"
+"""The cursor of an inbox that a repair left empty (fencing.lua's cohort_repair_inbox)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +210,16 @@ class JobLog(Protocol):
 
     def trim_inbox(self, before: str) -> None:
         """Let the inbox drop entries older than `before` (approximately)."""
+        ...
+
+    def repair_inbox(self, token: str, cursor: str, limit: str) -> tuple[str, int, int]:
+        """Put the inbox back in order, only if `token` leads (else Fenced): entries after
+        `limit` (ahead of the server's clock) are moved behind it, and the new cursor is
+        set. Returns (cursor, entries moved, entries ahead before the cursor dropped)."""
+        ...
+
+    def inbox_marks(self, cursor: str) -> InboxMarks | None:
+        """Where the inbox stands beside `cursor` (None: there is no inbox)."""
         ...
 
     def publish_status(self, blob: bytes, ttl_ms: int) -> None:

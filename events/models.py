@@ -702,6 +702,61 @@ class JobFinished(Event):
     reason: Text = ""
 
 
+EntryId = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,20}-[0-9]{1,20}$")]
+RefusalKind = Literal["forged", "malformed", "foreign", "oversized", "undecidable"]
+"""Why inbox entries were dead-lettered, in kind: `forged` (a signature that does not
+prove the entry's worker: unsigned, bad, revoked, or speaking for another), `malformed`
+(no command could be read), `foreign` (another job's command), `oversized` (over the
+leader's entry size limit, never decoded), `undecidable` (a command the leader could
+not decide)."""
+MAX_REFUSAL_ROWS = 256
+"""Rows one CommandsRefused carries at most: senders beyond it are counted as `other`."""
+
+
+class Refusal(BaseModel):
+    """How many entries of one sender the leader refused for one kind of reason."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sender: Annotated[str, StringConstraints(max_length=128)]
+    """The worker whose signature proved it (`verified`), else the name the entry claimed
+    (its signer field, or its command's worker), else `unknown`; `other` sums the rows
+    beyond MAX_REFUSAL_ROWS."""
+    verified: bool = False
+    kind: RefusalKind
+    count: Count
+    bytes: Count = 0
+    """The entries' size in all (their fields' bytes)."""
+
+
+class CommandsRefused(Event):
+    """Inbox entries the leader dead-lettered since the last such fact, by sender and kind:
+    the evidence that outlives the capped dead-letter stream, its log lines (rate-limited)
+    and a leader change. Journaled at most every few seconds, while there are any."""
+
+    type: Literal["CommandsRefused"] = "CommandsRefused"
+    refusals: tuple[Refusal, ...] = Field(max_length=MAX_REFUSAL_ROWS + 1)
+    first: EntryId
+    last: EntryId
+
+
+class InboxRepaired(Event):
+    """The leader put the inbox back in order. `ahead`: entries carried IDs ahead of the
+    server's clock (an XADD with an explicit ID, or the server's clock stepped back),
+    which would have moved the leader's clock and could exhaust the stream; they are
+    moved behind the server's time (the first was `entry`, `ahead_s` ahead, by `sender`
+    as its fields claim) and decided as of it. `lost`: unread entries after `entry` were
+    deleted by someone else (the inbox deleted, or trimmed by an XADD with MAXLEN);
+    their commands are gone, and workers that miss an answer send again."""
+
+    type: Literal["InboxRepaired"] = "InboxRepaired"
+    trouble: Literal["ahead", "lost"]
+    entry: EntryId
+    ahead_s: Seconds = 0.0
+    sender: Annotated[str, StringConstraints(max_length=128)] | None = None
+    reason: Text = ""
+
+
 def finished_refusal(job: str, step: int, reason: str) -> str:
     """Why a finished job takes no joiner, and what to do (the leader's JoinRefused, and a
     worker's own refusal when no coordinator is left to say it)."""
@@ -781,7 +836,9 @@ Fact = Annotated[
     | Rewound
     | EvalReported
     | WorkloadRegistered
-    | JobFinished,
+    | JobFinished
+    | CommandsRefused
+    | InboxRepaired,
     Field(discriminator="type"),
 ]
 

@@ -5,6 +5,8 @@ Invariant 4 of docs/design.md: no fact is appended by a coordinator without the 
 
 from __future__ import annotations
 
+import hashlib
+
 import fakeredis
 import pytest
 import redis
@@ -19,7 +21,7 @@ from cohort.coordinator.election import (
 from cohort.coordinator.errors import Conflict, CoordinatorError, Fenced
 from cohort.coordinator.stores import DeadLetter, epoch_of
 from cohort.events.keys import Keys
-from cohort.events.streams import ZERO, Stream
+from cohort.events.streams import ZERO, Stream, id_key
 
 KEYS = Keys("fencing")
 LEASE_MS = 30_000
@@ -214,19 +216,39 @@ def test_retrying_a_successful_append_is_detected_as_conflict(
     assert Stream(conn, KEYS.journal).length() == 2
 
 
-def test_dead_letters_keep_inbox_id_reason_and_raw_bytes(
+def test_dead_letters_keep_a_bounded_record_of_the_entry(
     conn: redis.Redis, lease: RedisLease, journal: FencedJournal
 ) -> None:
     token = lease.acquire("a")
     assert token is not None
-    letters = [DeadLetter("5-0", "not msgpack", b"\xff\x00junk"), DeadLetter("6-1", "bad", b"")]
+    big = b"\xff\x00junk" * 100_000
+    letters = [
+        DeadLetter.of("5-0", "not msgpack", big, "malformed", ("w1", False)),
+        DeadLetter.of("6-1", "speaks for w1", b"", "forged", ("w2", True), size=7),
+    ]
 
     journal.append(token, ZERO, [b"f1"], cursor="6-1", dead=letters)
 
     rows = conn.xrange(KEYS.dead)
     assert [fields for _, fields in rows] == [
-        {b"inbox_id": b"5-0", b"reason": b"not msgpack", b"raw": b"\xff\x00junk"},
-        {b"inbox_id": b"6-1", b"reason": b"bad", b"raw": b""},
+        {
+            b"inbox_id": b"5-0",
+            b"reason": b"not msgpack",
+            b"kind": b"malformed",
+            b"sender": b"w1 (claimed)",
+            b"size": str(len(big)).encode(),
+            b"sha256": hashlib.sha256(big).hexdigest().encode(),
+            b"raw": big[: DeadLetter.HEAD_BYTES],
+        },
+        {
+            b"inbox_id": b"6-1",
+            b"reason": b"speaks for w1",
+            b"kind": b"forged",
+            b"sender": b"w2",
+            b"size": b"7",
+            b"sha256": hashlib.sha256(b"").hexdigest().encode(),
+            b"raw": b"",
+        },
     ]
     assert journal.cursor() == "6-1"
 
@@ -255,10 +277,127 @@ def test_bad_arguments_are_an_error_reply_not_a_crash(conn: redis.Redis) -> None
 
     with pytest.raises(redis.ResponseError, match="n_facts x is not a non-negative integer"):
         conn.fcall("cohort_append", 4, *keys, "t", ZERO, "", "x", 10)
-    with pytest.raises(redis.ResponseError, match="triples"):
+    with pytest.raises(redis.ResponseError, match="groups of 7"):
         conn.fcall("cohort_append", 4, *keys, "t", ZERO, "", 0, 10, "only-two", "args")
     with pytest.raises(redis.ResponseError, match="expects 4 keys"):
         conn.fcall("cohort_append", 1, KEYS.leader, "t", ZERO, "", 0, 10)
+
+
+# -------------------------------------------------------------------- the inbox put back in order
+
+MAX_ID = f"{2**64 - 1}-{2**64 - 1}"
+LIMIT = f"2000000000000-{2**64 - 1}"  # the server's clock plus a skew, as the leader computes it
+
+
+@pytest.fixture
+def real_only(conn: redis.Redis) -> None:
+    if isinstance(conn, fakeredis.FakeRedis):
+        pytest.skip("fakeredis has no XSETID; cohort_repair_inbox runs on redis-server only")
+
+
+def inbox(conn: redis.Redis) -> list[tuple[str, dict[bytes, bytes]]]:
+    return [(i.decode(), f) for i, f in conn.xrange(KEYS.inbox)]
+
+
+@pytest.mark.usefixtures("real_only")
+def test_entries_ahead_of_the_clock_are_moved_behind_it_in_order(
+    conn: redis.Redis, lease: RedisLease, journal: FencedJournal
+) -> None:
+    token = lease.acquire("a")
+    assert token is not None
+    read = conn.xadd(KEYS.inbox, {"e": "read"}).decode()
+    conn.xadd(KEYS.inbox, {"e": "forged"}, id="99999999999999-0")
+    conn.xadd(KEYS.inbox, {"e": "honest"})  # the server gives it 99999999999999-1
+
+    cursor, moved, dropped = journal.repair_inbox(token, read, LIMIT)
+
+    assert (cursor, moved, dropped) == (read, 2, 0)
+    after = inbox(conn)
+    assert [f[b"e"] for _, f in after] == [b"read", b"forged", b"honest"]
+    assert [f.get(b"o") for _, f in after] == [None, b"99999999999999-0", b"99999999999999-1"]
+    assert all(id_key(i) <= id_key(LIMIT) for i, _ in after)
+    assert journal.cursor() == read
+    fresh = conn.xadd(KEYS.inbox, {"e": "next"}).decode()  # the stream takes IDs again
+    assert id_key(fresh) < id_key(LIMIT)
+    marks = journal.inbox_marks(read)
+    assert marks is not None and (marks.last, marks.deleted) == (fresh, read)
+
+
+@pytest.mark.usefixtures("real_only")
+def test_an_exhausted_inbox_takes_entries_again_and_read_ones_ahead_are_dropped(
+    conn: redis.Redis, lease: RedisLease, journal: FencedJournal
+) -> None:
+    token = lease.acquire("a")
+    assert token is not None
+    conn.xadd(KEYS.inbox, {"e": "read"})
+    conn.xadd(KEYS.inbox, {"e": "max"}, id=MAX_ID)
+    with pytest.raises(redis.ResponseError, match="exhausted"):
+        conn.xadd(KEYS.inbox, {"e": "refused"})
+
+    cursor, moved, dropped = journal.repair_inbox(token, MAX_ID, LIMIT)  # an old leader read it
+
+    assert (moved, dropped) == (0, 1)
+    assert [f[b"e"] for _, f in inbox(conn)] == [b"read"]
+    assert cursor == inbox(conn)[0][0] == journal.cursor()
+    assert conn.xadd(KEYS.inbox, {"e": "taken"})
+
+
+@pytest.mark.usefixtures("real_only")
+def test_an_inbox_recreated_below_the_cursor_is_read_from_its_start(
+    conn: redis.Redis, lease: RedisLease, journal: FencedJournal
+) -> None:
+    token = lease.acquire("a")
+    assert token is not None
+    conn.xadd(KEYS.inbox, {"e": "new"}, id="5-0")  # deleted and appended to again
+
+    assert journal.repair_inbox(token, "9-0", LIMIT) == (ZERO, 0, 0)
+    assert journal.cursor() == ZERO
+
+
+@pytest.mark.usefixtures("real_only")
+def test_unread_entries_deleted_by_someone_else_are_found_and_acknowledged_once(
+    conn: redis.Redis, lease: RedisLease, journal: FencedJournal
+) -> None:
+    token = lease.acquire("a")
+    assert token is not None
+    read = conn.xadd(KEYS.inbox, {"e": "read"}).decode()
+    gone = conn.xadd(KEYS.inbox, {"e": "gone"}).decode()
+    conn.xdel(KEYS.inbox, gone)
+    marks = journal.inbox_marks(read)
+    assert marks is not None
+    assert marks.lost(read) == f"unread inbox entries up to {gone} were deleted"
+
+    journal.repair_inbox(token, read, LIMIT)
+
+    after = journal.inbox_marks(read)
+    assert after is not None and after.lost(read) is None
+
+
+@pytest.mark.usefixtures("real_only")
+def test_unread_entries_trimmed_by_an_xadd_with_maxlen_are_found(
+    conn: redis.Redis, journal: FencedJournal
+) -> None:
+    read = conn.xadd(KEYS.inbox, {"e": "read"}).decode()
+    conn.xadd(KEYS.inbox, {"e": "gone"})
+    kept = conn.xadd(KEYS.inbox, {"e": "trim"}, maxlen=1, approximate=False).decode()
+
+    marks = journal.inbox_marks(read)
+
+    assert marks is not None and not marks.holds_cursor
+    assert marks.lost(read) == f"inbox entries before {kept}, unread ones among them, were trimmed"
+    assert marks.lost(kept) is None  # once the leader read past them
+
+
+def test_only_the_leader_repairs_the_inbox(
+    conn: redis.Redis, lease: RedisLease, journal: FencedJournal
+) -> None:
+    assert lease.acquire("a") is not None
+    with pytest.raises(Fenced):
+        journal.repair_inbox("0:stale", ZERO, LIMIT)
+
+
+def test_no_inbox_has_no_marks(journal: FencedJournal) -> None:
+    assert journal.inbox_marks(ZERO) is None
 
 
 # -------------------------------------------------------------------- snapshot

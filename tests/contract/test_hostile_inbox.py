@@ -3,12 +3,15 @@ is either decided or dead-lettered with a reason (invariant 6 of docs/design.md)
 
 from __future__ import annotations
 
+import hashlib
+
 import fakeredis
 import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cohort.coordinator.service import Coordinator, ServiceSettings
+from cohort.coordinator.stores import DeadLetter
 from cohort.events.codec import FIELD, decode_command, encode
 from cohort.events.errors import DecodeError
 from cohort.events.keys import Keys
@@ -136,5 +139,8 @@ def test_no_inbox_entry_stops_the_leader_and_each_is_decided_or_dead_lettered(
             assert entry_id not in dead
         else:
             assert entry_id in dead, f"entry {raw[:40]!r} was neither decided nor dead-lettered"
-            assert dead[entry_id][b"reason"]
-            assert dead[entry_id][b"raw"] == raw
+            letter = dead[entry_id]
+            assert letter[b"reason"]
+            assert letter[b"raw"] == raw[: DeadLetter.HEAD_BYTES]
+            assert letter[b"sha256"].decode() == hashlib.sha256(raw).hexdigest()
+            assert int(letter[b"size"]) == len(FIELD) + len(raw)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import msgpack
 import pytest
 
 from cohort.coordinator.fold import fold
 from cohort.coordinator.service import Coordinator, ServiceSettings
 from cohort.coordinator.state import state_hash
+from cohort.coordinator.stores import DeadLetter
 from cohort.events.codec import FIELD, encode
 from cohort.events.keys import Keys
 from cohort.events.models import (
@@ -129,7 +132,7 @@ def test_a_stale_leader_cannot_append(conn) -> None:  # type: ignore[no-untyped-
         (msgpack.packb([1, 2, 3]), "not a map"),
         (msgpack.packb({"type": "Explode", "v": 1}), "Explode"),
         (msgpack.packb({"type": "Join", "v": 2, "at": 0, "job": JOB}), "worker"),
-        (b"\x00" * 70_000, "limit"),
+        pytest.param(b"\x00" * 70_000, "limit", id="70-kB-of-zeros"),
         (encode(Join(at=0, job="other", worker="x")), "other"),
         (
             msgpack.packb(
@@ -149,7 +152,8 @@ def test_bad_inbox_entries_are_dead_lettered_and_the_leader_keeps_going(conn, ra
     ((dead_id, fields),) = conn.xrange(keys.dead)
     assert fields[b"inbox_id"].decode() == bad_id
     assert reason in fields[b"reason"].decode()
-    assert fields[b"raw"] == raw
+    assert fields[b"raw"] == raw[: DeadLetter.HEAD_BYTES]
+    assert fields[b"sha256"].decode() == hashlib.sha256(raw).hexdigest()
     assert "a" in leader.state.members
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import redis
 
 from cohort.coordinator.errors import Conflict, Fenced
-from cohort.coordinator.stores import Acked, DeadLetter
+from cohort.coordinator.stores import Acked, DeadLetter, InboxMarks
 from cohort.events.clock import ManualClock
 from cohort.events.codec import FIELD, decode_fact, encode
 from cohort.events.identity import Trust
@@ -78,18 +78,40 @@ class MemoryLog:
     """Runs once, as the next inbox read returns: what happens while the leader holds it."""
     trusted: Trust | None = None
     """The job key and revoked workers (None: no identity mode)."""
+    max_deleted: str = ZERO
+    """The inbox's max-deleted-entry-id, as Redis keeps it."""
     _last_ms: int = 0
     _seq: int = 0
 
     # ------------------------------------------------------------ test side
     def new_id(self) -> str:
         ms = int(self.clock.now() * 1000)
+        if (self._last_ms, self._seq) == (MAX_ID, MAX_ID):
+            raise redis.ResponseError(
+                "The stream has exhausted the last possible ID, unable to add more items"
+            )
         if ms <= self._last_ms:
             ms, self._seq = self._last_ms, self._seq + 1
         else:
             self._seq = 0
         self._last_ms = ms
         return f"{ms}-{self._seq}"
+
+    def send_at(self, entry_id: str, fields: dict[bytes, bytes]) -> str:
+        """XADD with an explicit ID, as anyone who may append to the inbox can."""
+        if id_key(entry_id) <= (self._last_ms, self._seq):
+            raise redis.ResponseError("The ID specified in XADD is equal or smaller")
+        self._last_ms, self._seq = id_key(entry_id)
+        self.inbox.append(Entry(entry_id, fields))
+        return entry_id
+
+    def delete_unread(self, count: int) -> None:
+        """Delete the newest `count` inbox entries, as XADD ... MAXLEN or XDEL would."""
+        gone, self.inbox = (
+            self.inbox[len(self.inbox) - count :],
+            self.inbox[: len(self.inbox) - count],
+        )
+        self.max_deleted = max((e.id for e in gone), key=id_key, default=self.max_deleted)
 
     def send(self, command: Command) -> str:
         return self.send_raw(encode(command))
@@ -184,6 +206,34 @@ class MemoryLog:
     def trim_inbox(self, before: str) -> None:
         self.inbox = [e for e in self.inbox if id_key(e.id) >= id_key(before)]
 
+    def repair_inbox(self, token: str, cursor: str, limit: str) -> tuple[str, int, int]:
+        """fencing.lua's cohort_repair_inbox, on lists."""
+        if self.lease.holder() != token:
+            raise Fenced(token, self.lease.holder())
+        last = (self._last_ms, self._seq)
+        if last < id_key(cursor):
+            cursor = ZERO
+        moved: list[Entry] = []
+        dropped = 0
+        if last > id_key(limit):
+            moved = _after(self.inbox, cursor)
+            stale = [e for e in self.inbox if id_key(limit) < id_key(e.id) <= id_key(cursor)]
+            self.inbox = [e for e in self.inbox if e not in moved and e not in stale]
+            dropped = len(stale)
+            cursor = self.inbox[-1].id if self.inbox else "0-1"
+            self._last_ms, self._seq = id_key(cursor)
+        if id_key(self.max_deleted) > id_key(cursor) or moved or dropped:
+            self.max_deleted = cursor
+        for entry in moved:
+            self.send_fields({**entry.fields, b"o": entry.id.encode()})
+        self.cursor_id = cursor
+        return cursor, len(moved), dropped
+
+    def inbox_marks(self, cursor: str) -> InboxMarks | None:
+        first = self.inbox[0].id if self.inbox else ZERO
+        held = any(entry.id == cursor for entry in self.inbox)
+        return InboxMarks(f"{self._last_ms}-{self._seq}", self.max_deleted, first, held)
+
     def publish_status(self, blob: bytes, ttl_ms: int) -> None:
         self.status = blob
 
@@ -192,6 +242,9 @@ class MemoryLog:
 
     def trust(self) -> Trust | None:
         return self.trusted
+
+
+MAX_ID = 2**64 - 1
 
 
 def _after(entries: list[Entry], after: str) -> list[Entry]:
