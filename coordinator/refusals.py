@@ -23,7 +23,7 @@ import msgpack
 from cohort.coordinator.stores import DeadLetter
 from cohort.events import identity
 from cohort.events.codec import FIELD
-from cohort.events.models import MAX_REFUSAL_ROWS, CommandsRefused, Refusal
+from cohort.events.models import MAX_REFUSAL_ROWS, CommandsRefused, Refusal  # noqa: F401 - MAX_REFUSAL_ROWS: the tally's bound
 from cohort.events.streams import Entry, id_after
 
 EVERY = 5.0

@@ -647,7 +647,7 @@ class Coordinator:
         if marks is None:
             why = "the inbox was deleted" if before is not None else None
         else:
-            why = marks.lost(self.cursor)
+            why = marks.lost(self.cursor, before)
         if why is None:
             return
         log.error("job %r: %s; unread commands are lost (senders retry)", self.settings.job, why)

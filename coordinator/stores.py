@@ -86,12 +86,19 @@ class InboxMarks:
     holds_cursor: bool
     """The entry at the cursor is still there."""
 
-    def lost(self, cursor: str) -> str | None:
-        """Why unread entries after `cursor` are gone, or None if none are."""
+    def lost(self, cursor: str, before: InboxMarks | None = None) -> str | None:
+        """Why unread entries after `cursor` may be gone, or None; `before`: the marks at
+        the leader's previous look (a deletion since then may have taken entries the
+        leader has read past since)."""
         if id_after(cursor, self.last):
             return f"the inbox was recreated below the cursor (its last ID is {self.last})"
         if id_after(self.deleted, cursor):
             return f"unread inbox entries up to {self.deleted} were deleted"
+        if before is not None and id_after(self.deleted, before.deleted):
+            return (
+                f"inbox entries up to {self.deleted} were deleted by someone else since the "
+                "last look; unread ones among them are lost"
+            )
         if cursor not in (ZERO, FLOOR) and not self.holds_cursor and id_after(self.first, cursor):
             return f"inbox entries before {self.first}, unread ones among them, were trimmed"
         return None

@@ -84,6 +84,12 @@ class MemoryLog:
     _seq: int = 0
 
     # ------------------------------------------------------------ test side
+    def new_journal_id(self) -> str:
+        """The journal is a stream of its own: its IDs never follow the inbox's."""
+        ms = int(self.clock.now() * 1000)
+        last = id_key(self.journal[-1].id) if self.journal else (0, 0)
+        return f"{ms}-0" if (ms, 0) > last else f"{last[0]}-{last[1] + 1}"
+
     def new_id(self) -> str:
         ms = int(self.clock.now() * 1000)
         if (self._last_ms, self._seq) == (MAX_ID, MAX_ID):
@@ -126,7 +132,7 @@ class MemoryLog:
 
     def write(self, fact: Fact) -> str:
         """A fact written past the fence (another writer, as a Conflict test needs)."""
-        entry = Entry(self.new_id(), {FIELD: encode(fact)})
+        entry = Entry(self.new_journal_id(), {FIELD: encode(fact)})
         self.journal.append(entry)
         return entry.id
 
@@ -169,7 +175,7 @@ class MemoryLog:
         self.appends += 1
         ids = []
         for raw in facts:
-            entry = Entry(self.new_id(), {FIELD: raw})
+            entry = Entry(self.new_journal_id(), {FIELD: raw})
             self.journal.append(entry)
             ids.append(entry.id)
         if cursor:

@@ -96,3 +96,28 @@ def test_a_write_refused_for_memory_waits_when_asked_and_is_said_once(
     with pytest.raises(redis.OutOfMemoryError):  # not asked: the caller handles it
         with_retry(lambda: (_ for _ in ()).throw(redis.OutOfMemoryError("full")),
                    threading.Event(), link, "x")  # fmt: skip
+
+
+def test_an_append_to_a_stream_whose_ids_ran_out_waits_for_the_repair_and_is_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Another writer's XADD with the largest ID jams the inbox until the leader repairs it
+    (issue 33): the worker's command waits, it is neither dropped nor fatal."""
+    link = Link(logging.getLogger("test.jammed"), "redis://r:1/0")
+    exhausted = "The stream has exhausted the last possible ID, unable to add more items"
+    answers = iter([redis.ResponseError(exhausted), redis.ResponseError(exhausted), "id"])
+
+    def op() -> str:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    with caplog.at_level(logging.WARNING, logger="test.jammed"):
+        got = with_retry(op, threading.Event(), link, "sending Heartbeat", cap=0.01)
+    assert got == "id"
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "leader repairs it" in warnings[0]
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):  # other refusals: at once
+        with_retry(lambda: (_ for _ in ()).throw(redis.ResponseError("WRONGTYPE")),
+                   threading.Event(), link, "x")  # fmt: skip

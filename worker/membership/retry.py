@@ -50,6 +50,7 @@ class Link:
         self._down_since = 0.0
         self._down_before = 0.0  # seconds of the outages that ended
         self._full = False  # Redis refused a write for memory; logged once until one lands
+        self._jammed = False  # a stream refused an append for its IDs; logged once likewise
 
     def outage(self) -> float:
         """Seconds Redis has been unreachable in all, the current outage included: a
@@ -101,9 +102,25 @@ class Link:
             exc,
         )
 
+    def jammed(self, exc: BaseException, what: str) -> None:
+        """A stream refused an append for its IDs (another writer exhausted them): said once
+        until an operation succeeds; the leader repairs the inbox within a turn."""
+        with self._lock:
+            if self._jammed:
+                return
+            self._jammed = True
+        self.log.warning(
+            "Redis at %s refused an append while %s (%s): a stream's IDs were run ahead by "
+            "another writer; retrying with backoff until the leader repairs it",
+            self.where,
+            what,
+            exc,
+        )
+
     def restored(self) -> None:
         self._reached = True
         self._full = False
+        self._jammed = False
         if not self._down:  # the common case, without taking the lock
             return
         with self._lock:
@@ -113,6 +130,12 @@ class Link:
             lasted = self.clock() - self._down_since
             self._down_before += lasted
         self.log.warning("the connection to Redis at %s is back after %.1f s", self.where, lasted)
+
+
+def jammed(exc: redis.ResponseError) -> bool:
+    """True for the refusal of an append to a stream whose IDs ran out: someone appended the
+    largest ID a stream allows (docs/identity.md). Retried: the leader repairs the inbox."""
+    return "exhausted the last possible id" in str(exc).lower()
 
 
 class Halt(Protocol):
@@ -161,21 +184,23 @@ def with_retry(
     error once `deadline` (time.monotonic seconds) would pass, and `OutageTooLongError`
     once the outage has lasted `ride_out` seconds. With `wait_for_memory`, a write Redis
     refuses for memory is retried the same way (back-pressure: a command waits, it is not
-    dropped). Other errors propagate at once: retrying cannot fix them.
+    dropped); so is an append to a stream whose IDs another writer exhausted (`jammed`).
+    Other errors propagate at once: retrying cannot fix them.
     """
     attempt = 0
     while True:
         try:
             result = op()
-        except redis.OutOfMemoryError as exc:
-            if not wait_for_memory:
+        except redis.ResponseError as exc:  # OutOfMemoryError is one
+            refused = _refused(exc, wait_for_memory)
+            if refused is None:
                 raise
-            link.full(exc, what)
+            (link.full if refused == "is full" else link.jammed)(exc, what)
             attempt += 1
             if deadline is not None and time.monotonic() + cap > deadline:
                 raise
             if stop.wait(backoff(attempt, cap=cap)):
-                raise Stopped(f"stopped while {what} (Redis at {link.where} is full)") from exc
+                raise Stopped(f"stopped while {what} (Redis at {link.where} {refused})") from exc
             continue
         except UNAVAILABLE as exc:
             link.lost(exc, what)
@@ -195,6 +220,13 @@ def with_retry(
             continue
         link.restored()
         return result
+
+
+def _refused(exc: redis.ResponseError, wait_for_memory: bool) -> str | None:
+    """Why Redis refused a write that waiting may fix (for the log line), or None."""
+    if isinstance(exc, redis.OutOfMemoryError):
+        return "is full" if wait_for_memory else None
+    return "has a jammed stream" if jammed(exc) else None
 
 
 def ride_out_of(value: float | None = None, env: Mapping[str, str] | None = None) -> float:
