@@ -109,12 +109,19 @@ def parse_version(text: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-def rules(job: str, role: Role, redis_version: tuple[int, int] = MIN_VERSION) -> list[str]:
+def rules(
+    job: str,
+    role: Role,
+    redis_version: tuple[int, int] = MIN_VERSION,
+    worker: str | None = None,
+) -> list[str]:
     """The ACL SETUSER rules of `role` for `job` (no user name, no password).
 
     Everything starts denied (`-@all`, no keys, no channels); each role is then granted
     only the commands cohort's code paths issue and only its own job's key patterns.
     `redis_version` adds the commands Redis 7.2 introduced (older servers reject them).
+    `worker` (worker role only) confines the collective's keys to that worker's own:
+    it reads every rank's, and writes only those whose name ends in `/<worker>`.
     """
     keys = Keys(job)
     newer = redis_version >= (7, 2)
@@ -131,9 +138,7 @@ def rules(job: str, role: Role, redis_version: tuple[int, int] = MIN_VERSION) ->
             f"%W~{keys.inbox}",
             f"%R~{keys.journal}",
             f"%R~{keys.memory}",  # the gradient budget the leader publishes
-            f"~{keys.prefix}:grad:*",  # chunks, reduced chunks, broadcasts, notice streams
-            f"~{keys.spread('g*')}:grad:*",  # chunks spread over a cluster's primaries
-            f"~{keys.prefix}:weights:*",
+            *_collective(keys, worker),
         ]
     if role == "viewer":
         return [
@@ -148,6 +153,18 @@ def rules(job: str, role: Role, redis_version: tuple[int, int] = MIN_VERSION) ->
             f"%R~{keys.inbox}",
         ]
     raise AclError(f"role {role!r} is not one of {', '.join(ROLES)}")
+
+
+def _collective(keys: Keys, worker: str | None) -> list[str]:
+    """The collective's keys: chunks, reduced chunks, broadcasts and notice streams
+    (`grad`, in the job's slot and spread over a cluster's primaries) and the weights.
+    The role user reads and writes them all; a worker's own user reads them all and
+    writes only its own (`Keys.writable`), so no rank's data can be forged by another."""
+    shared = (f"{keys.prefix}:grad:*", f"{keys.spread('g*')}:grad:*", f"{keys.prefix}:weights:*")
+    if worker is None:
+        return [f"~{pattern}" for pattern in shared]
+    mine = keys.writable(identity.check_worker(worker))
+    return [*(f"%R~{pattern}" for pattern in shared), *(f"%W~{pattern}" for pattern in mine)]
 
 
 def password_hash(password: str) -> str:
@@ -296,8 +313,8 @@ def _explain(exc: redis.ResponseError, name: str) -> AclError:
 def worker_setuser(
     job: str, worker: str, secret: str, redis_version: tuple[int, int] = MIN_VERSION
 ) -> list[str]:
-    """The `ACL SETUSER` arguments of `worker`'s own user: the worker role's rules, its secret
-    as the password."""
+    """The `ACL SETUSER` arguments of `worker`'s own user: the worker role's rules with the
+    collective's keys confined to its own for writing, its secret as the password."""
     return [
         "ACL",
         "SETUSER",
@@ -305,7 +322,7 @@ def worker_setuser(
         "reset",
         "on",
         password_hash(secret),
-        *rules(job, "worker", redis_version),
+        *rules(job, "worker", redis_version, worker),
     ]
 
 

@@ -254,7 +254,10 @@ class _HostCall:
     def leaders(self) -> World:
         """The hosts' leaders as a world of their own: host i is rank i."""
         return World(
-            self.world.version, self.hosts.index_of(self.world.rank), len(self.hosts.groups)
+            self.world.version,
+            self.hosts.index_of(self.world.rank),
+            len(self.hosts.groups),
+            tuple(self.world.member(group[0]) for group in self.hosts.groups),
         )
 
     # ------------------------------------------------------------ barrier and broadcast
@@ -394,12 +397,12 @@ class _HostCall:
             for kind in ("c", "r"):
                 if self.name(rank, kind) not in mine:
                     _unlink(self.name(rank, kind))
-        keys = self.owner.flat.keys
+        keys, me = self.owner.flat.keys, self.world.member(self.world.rank)
         streams = [
-            keys.step_events(self.world.version, self.step, self.op + stage)
+            keys.step_events(self.world.version, self.step, self.op + stage, me)
             for stage in (LOCAL, HOSTS)
         ]
-        with contextlib.suppress(redis.RedisError):  # a peer's notices, even if no call began
+        with contextlib.suppress(redis.RedisError):  # its notices, even if no call began
             self.owner.flat.conn.unlink(*streams)
         for call in self.calls:
             if call.written:
