@@ -20,14 +20,16 @@ What each mode protects against:
 - role users: a worker cannot write or fake a fact, the cursor, the lease or dead letters,
   read the inbox (so it cannot replay another's signed entry) or touch another job.
 - per-worker credentials: on top, worker A cannot make worker B leave, fail, commit,
-  diverge or stay alive; each such command is dead-lettered with the reason.
+  diverge or stay alive; each such command is dead-lettered with the reason. Nor can A
+  write B's collective notices, chunks, broadcast pieces or weights (Redis refuses).
 
 What ACLs cannot do: a key is writable or not, whatever the arguments, so a worker may
 trim or delete the inbox (XADD ... MAXLEN 0 does it too). That loses unread commands of
-the job, never a fact: the journal, cursor and lease stay out of a worker's reach. And the
-collective's gradient and weights keys are shared by every worker: a worker can corrupt
-another's gradients (the digests in StepDone then disagree: WeightsDiverged), not forge its
-commands.
+the job, never a fact: the journal, cursor and lease stay out of a worker's reach. The
+collective's gradient and weights keys end in their writer's worker name (`Keys.by`): a
+worker's own user reads them all and writes only its own (issue 33), so it cannot forge
+another rank's notices or data; the shared worker role writes them all (no identity, no
+authentication).
 
 `rules` is pure (Redis 7 ACL syntax); `apply`, `issue`, `revoke` and `retire` talk to Redis.
 """

@@ -46,7 +46,7 @@ class StandIn:
         return tuple(f"w{r}" for r in range(self.world_size))
 
 
-def _notices(conn: redis.Redis, step: int, op: str = "allreduce", n: int = 4) -> list[Any]:
+def _notices(conn: Any, step: int, op: str = "allreduce", n: int = 4) -> list[Any]:
     """Every notice of one call in world 1: each rank writes its own stream."""
     return [
         fields

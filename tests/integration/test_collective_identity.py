@@ -11,18 +11,17 @@ a blob of the wrong size, dtype or format is a failure naming A at the step it h
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
-import redis
 from redis.exceptions import NoPermissionError
 
 from cohort import acl
 from cohort.events import identity
-from cohort.events.connection import RedisSettings, connect
+from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.keys import Keys
 from cohort.localredis import LocalRedis
 from cohort.worker.collective import tensors as blobs
@@ -60,16 +59,16 @@ class Rank:
 @dataclass
 class Job:
     server: LocalRedis
-    admin: redis.Redis
+    admin: Client
     secrets: dict[str, str]
 
-    def own(self, worker: str) -> redis.Redis:
+    def own(self, worker: str) -> Client:
         """A client with `worker`'s own credential, as its process would connect."""
         user = identity.worker_user(JOB, worker)
         url = acl.url_as(self.server.url, user, self.secrets[worker])
         return connect(RedisSettings(url=url, client_name=worker))
 
-    def role(self) -> redis.Redis:
+    def role(self) -> Client:
         """A client with the shared worker role's credential (no identity of its own)."""
         return connect(RedisSettings(url=acl.role_url(self.server.url, JOB, "worker", "w-secret")))
 
@@ -84,7 +83,9 @@ def job(server: LocalRedis) -> Iterator[Job]:
     admin.close()
 
 
-def run(job: Job, bodies: dict[str, Callable[[Collective], Any]], world: tuple[str, ...]) -> dict:
+def run(
+    job: Job, bodies: Mapping[str, Callable[[Collective], Any]], world: tuple[str, ...]
+) -> dict:
     """Each worker's body on its own credential and thread; its result or exception."""
     results: dict[str, Any] = {}
 

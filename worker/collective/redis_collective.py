@@ -6,19 +6,31 @@ so that no Redis value exceeds `max_value_bytes`); rank r owns chunks r*P .. r*P
 (`worker/collective/layout.py`).
 
 1. scatter: every rank SETs each chunk it does not own at `grad(world, step, rank, chunk)`,
-   then adds a "scatter" notice (with a digest of its tensor layout) to the step's stream;
-2. reduce: rank r GETs its chunks from every other rank as their notices arrive, sums them in
-   float64 (also for float16/float32: one rounding at the end, not N), divides by N, casts back
-   to the tensor's dtype, SETs the result at `grad_reduced(world, step, chunk)` and notifies;
-3. gather: every rank GETs the other ranks' reduced chunks and assembles the result.
+   then adds a "scatter" notice (with a digest of its tensor layout) to its notice stream;
+2. reduce: rank r GETs its chunks from every other rank as their notices arrive, checks each
+   has the call's sizes and dtypes, sums them in float64 (also for float16/float32: one
+   rounding at the end, not N), divides by N, casts back to the tensor's dtype, SETs the
+   result at `grad_reduced(world, step, chunk)` and notifies;
+3. gather: every rank GETs the other ranks' reduced chunks, checks and assembles them.
+
+Every key a rank writes, its notice stream too, ends in `/<its worker>` (`Keys.by`), and a
+reader names the keys of rank r from the world's rank -> worker map (`World.members`: the
+WorldChanged's `ranks`), never from what a notice says. Each rank writes its own notice
+stream per call and reads only those of the ranks it waits for; a notice counts as the
+rank whose stream holds it, whatever its fields claim. With per-worker credentials a
+worker's Redis user may write only keys ending in its own name (`acl.rules(worker=W)`), so
+no rank can forge another's notice (an abort, tags pointing at its own keys) or overwrite
+its chunks: what a rank reads as r's was written by r. A blob of r's that does not unpack
+or has other sizes or dtypes than the call's fails the call at once with CorruptDataError
+naming r, its worker and the key.
 
 Bytes through the server for S payload bytes: in = (N-1)S scattered + S reduced = N*S;
 out = (N-1)S to the owners + (N-1)S gathered = 2(N-1)S; in + out = (3N-2)S, i.e. each
 rank's byte crosses the server (3N-2)/N times (a naive hub: every rank reads every other's
 whole vector, N*S in + N(N-1)S out). How the bytes are sent and fetched is `wire.py`.
 
-Waiting is one XREAD BLOCK over the step's notice stream and the job's journal at once, so
-a WorldChanged wakes the waiter, which raises `WorldChangedError`; the worker's view is also
+Waiting is one XREAD BLOCK over the other ranks' notice streams and the job's journal at
+once (N streams for N ranks, all in the job's slot), so a WorldChanged wakes the waiter, which raises `WorldChangedError`; the worker's view is also
 rechecked every `WAKE_S`. Every key has a PX TTL, and the keys of an operation are unlinked
 when this rank starts the operation after the next one: every operation here synchronises
 all ranks, so having finished operation i+1 proves that every rank has finished i.
@@ -26,8 +38,9 @@ all ranks, so having finished operation i+1 proves that every rank has finished 
 On Redis Cluster the chunk, reduced and broadcast keys carry a per-primary hash tag
 (`placement.py`: chunk i on primary i mod M), so a step's bytes are spread over every
 primary; each notice names the writer's tags (field `t`) and readers use them, so ranks
-need not agree on the slot map. The notice stream stays in the job's slot: it is XREAD
-together with the journal.
+need not agree on the slot map. Tags only place a key: its name still ends in the writer's
+own, so they cannot point a reader at another writer's key. The notice streams stay in the
+job's slot: they are XREAD together with the journal.
 
 A call's deadline (`timeout`, default $COHORT_COLLECTIVE_TIMEOUT or 60 s) counts the time
 Redis answers, not the time it is away: what the worker's `Link` counts as outage moves the
@@ -40,7 +53,8 @@ Before a call writes blobs it checks the memory budget the leader publishes
 the journal and inbox is refused before anything is written, and the refusing rank's
 "abort" notice ends the call on every other rank at once (`MemoryBudgetError`, naming
 maxmemory). A write Redis refuses for memory (OOM) ends the call the same way. A refused
-call's blobs are unlinked by the ranks that wrote them.
+call's blobs are unlinked by the ranks that wrote them. Only rank r can write its abort
+(in its own stream): another rank cannot end the call in r's name.
 
 A call is named by (world version, step, op): calling the same op twice for one step of one
 world mixes their notices. The coordinator starts a new world on every membership change, so
