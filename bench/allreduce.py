@@ -54,6 +54,10 @@ class Fixed:
     world_version: int = 1
     assignment: None = None
 
+    @property
+    def ranks(self) -> tuple[str, ...]:
+        return tuple(f"w{r}" for r in range(self.world_size))
+
 
 def _own_resource_tracker() -> None:
     """Track this process's shared memory in a tracker of its own, as a rank started on its

@@ -20,14 +20,16 @@ What each mode protects against:
 - role users: a worker cannot write or fake a fact, the cursor, the lease or dead letters,
   read the inbox (so it cannot replay another's signed entry) or touch another job.
 - per-worker credentials: on top, worker A cannot make worker B leave, fail, commit,
-  diverge or stay alive; each such command is dead-lettered with the reason.
+  diverge or stay alive; each such command is dead-lettered with the reason. Nor can A
+  write B's collective notices, chunks, broadcast pieces or weights (Redis refuses).
 
 What ACLs cannot do: a key is writable or not, whatever the arguments, so a worker may
 trim or delete the inbox (XADD ... MAXLEN 0 does it too). That loses unread commands of
-the job, never a fact: the journal, cursor and lease stay out of a worker's reach. And the
-collective's gradient and weights keys are shared by every worker: a worker can corrupt
-another's gradients (the digests in StepDone then disagree: WeightsDiverged), not forge its
-commands.
+the job, never a fact: the journal, cursor and lease stay out of a worker's reach. The
+collective's gradient and weights keys end in their writer's worker name (`Keys.by`): a
+worker's own user reads them all and writes only its own (issue 33), so it cannot forge
+another rank's notices or data; the shared worker role writes them all (no identity, no
+authentication).
 
 `rules` is pure (Redis 7 ACL syntax); `apply`, `issue`, `revoke` and `retire` talk to Redis.
 """
@@ -110,12 +112,19 @@ def parse_version(text: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-def rules(job: str, role: Role, redis_version: tuple[int, int] = MIN_VERSION) -> list[str]:
+def rules(
+    job: str,
+    role: Role,
+    redis_version: tuple[int, int] = MIN_VERSION,
+    worker: str | None = None,
+) -> list[str]:
     """The ACL SETUSER rules of `role` for `job` (no user name, no password).
 
     Everything starts denied (`-@all`, no keys, no channels); each role is then granted
     only the commands cohort's code paths issue and only its own job's key patterns.
     `redis_version` adds the commands Redis 7.2 introduced (older servers reject them).
+    `worker` (worker role only) confines the collective's keys to that worker's own:
+    it reads every rank's, and writes only those whose name ends in `/<worker>`.
     """
     keys = Keys(job)
     newer = redis_version >= (7, 2)
@@ -132,9 +141,7 @@ def rules(job: str, role: Role, redis_version: tuple[int, int] = MIN_VERSION) ->
             f"%W~{keys.inbox}",
             f"%R~{keys.journal}",
             f"%R~{keys.memory}",  # the gradient budget the leader publishes
-            f"~{keys.prefix}:grad:*",  # chunks, reduced chunks, broadcasts, notice streams
-            f"~{keys.spread('g*')}:grad:*",  # chunks spread over a cluster's primaries
-            f"~{keys.prefix}:weights:*",
+            *_collective(keys, worker),
         ]
     if role == "viewer":
         return [
@@ -149,6 +156,18 @@ def rules(job: str, role: Role, redis_version: tuple[int, int] = MIN_VERSION) ->
             f"%R~{keys.inbox}",
         ]
     raise AclError(f"role {role!r} is not one of {', '.join(ROLES)}")
+
+
+def _collective(keys: Keys, worker: str | None) -> list[str]:
+    """The collective's keys: chunks, reduced chunks, broadcasts and notice streams
+    (`grad`, in the job's slot and spread over a cluster's primaries) and the weights.
+    The role user reads and writes them all; a worker's own user reads them all and
+    writes only its own (`Keys.writable`), so no rank's data can be forged by another."""
+    shared = (f"{keys.prefix}:grad:*", f"{keys.spread('g*')}:grad:*", f"{keys.prefix}:weights:*")
+    if worker is None:
+        return [f"~{pattern}" for pattern in shared]
+    mine = keys.writable(identity.check_worker(worker))
+    return [*(f"%R~{pattern}" for pattern in shared), *(f"%W~{pattern}" for pattern in mine)]
 
 
 def password_hash(password: str) -> str:
@@ -297,8 +316,8 @@ def _explain(exc: redis.ResponseError, name: str) -> AclError:
 def worker_setuser(
     job: str, worker: str, secret: str, redis_version: tuple[int, int] = MIN_VERSION
 ) -> list[str]:
-    """The `ACL SETUSER` arguments of `worker`'s own user: the worker role's rules, its secret
-    as the password."""
+    """The `ACL SETUSER` arguments of `worker`'s own user: the worker role's rules with the
+    collective's keys confined to its own for writing, its secret as the password."""
     return [
         "ACL",
         "SETUSER",
@@ -306,7 +325,7 @@ def worker_setuser(
         "reset",
         "on",
         password_hash(secret),
-        *rules(job, "worker", redis_version),
+        *rules(job, "worker", redis_version, worker),
     ]
 
 

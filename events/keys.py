@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from cohort.events.errors import EventsError
+from cohort.events.errors import EventsError, InvalidValueError
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -133,23 +133,64 @@ class Keys:
         can equal it); None keeps the job's prefix (one server: key names as before)."""
         return self.prefix if tag is None else f"cohort:{{{self.job}/{tag}}}"
 
-    def grad(self, world: int, step: int, rank: int, chunk: int, tag: str | None = None) -> str:
-        """Rank `rank`'s part of chunk `chunk` of a step's allreduce, placed by `tag`."""
-        return f"{self.spread(tag)}:grad:{world}:{step}:{rank}:{chunk}"
+    def grad(
+        self, world: int, step: int, rank: int, chunk: int, writer: str, tag: str | None = None
+    ) -> str:
+        """Rank `rank`'s part of chunk `chunk` of a step's allreduce, placed by `tag`, written
+        by worker `writer` (the rank's owner: see `by`)."""
+        return by(f"{self.spread(tag)}:grad:{world}:{step}:{rank}:{chunk}", writer)
 
-    def weights(self, step: int) -> str:
-        return f"{self.prefix}:weights:{step}"
+    def weights(self, step: int, writer: str) -> str:
+        """The weights of `step` as worker `writer` publishes them."""
+        return by(f"{self.prefix}:weights:{step}", writer)
 
-    def grad_reduced(self, world: int, step: int, chunk: int, tag: str | None = None) -> str:
-        """Chunk `chunk` of a step's allreduce, averaged by the rank that owns it."""
-        return f"{self.spread(tag)}:grad:{world}:{step}:reduced:{chunk}"
+    def grad_reduced(
+        self, world: int, step: int, chunk: int, writer: str, tag: str | None = None
+    ) -> str:
+        """Chunk `chunk` of a step's allreduce, averaged by `writer`, the worker that owns it."""
+        return by(f"{self.spread(tag)}:grad:{world}:{step}:reduced:{chunk}", writer)
 
-    def grad_broadcast(self, world: int, step: int, piece: int, tag: str | None = None) -> str:
-        """Piece `piece` of the tensors a root broadcasts at `step`."""
-        return f"{self.spread(tag)}:grad:{world}:{step}:broadcast:{piece}"
+    def grad_broadcast(
+        self, world: int, step: int, piece: int, writer: str, tag: str | None = None
+    ) -> str:
+        """Piece `piece` of the tensors worker `writer` broadcasts (as root) at `step`."""
+        return by(f"{self.spread(tag)}:grad:{world}:{step}:broadcast:{piece}", writer)
 
-    def step_events(self, world: int, step: int, op: str = "allreduce") -> str:
-        """Stream of 'my part is written' notices for one collective `op` of one step.
+    def step_events(self, world: int, step: int, op: str, writer: str) -> str:
+        """Worker `writer`'s stream of notices ('my part is written') for one collective
+        `op` of one step: each rank of the call writes its own, and reads those of the ranks
+        it waits for.
 
-        Always in the job's slot: a waiter XREADs it together with the journal."""
-        return f"{self.prefix}:grad:{world}:{step}:{op}:events"
+        Always in the job's slot: a waiter XREADs them together with the journal."""
+        return by(f"{self.prefix}:grad:{world}:{step}:{op}:events", writer)
+
+    def writable(self, writer: str) -> tuple[str, ...]:
+        """Glob patterns of every collective key worker `writer` writes, and no other
+        worker's (docs/identity.md): its own user's write patterns (cohort/acl.py)."""
+        return tuple(
+            by(pattern, writer)
+            for pattern in (
+                f"{self.prefix}:grad:*",
+                f"{self.spread('g*')}:grad:*",
+                f"{self.prefix}:weights:*",
+            )
+        )
+
+
+WRITER = "/"
+"""What separates a collective key from the worker that wrote it: the key's last segment.
+
+No worker name holds a '/' (`events.models.WorkerId`), nor a glob special (`*?[]\\`), so
+the pattern `...*/W` matches the keys written by W and by no other worker: a key of worker
+V ends in '/V', which ends in '/W' only if V is W. '@' would not do: it is allowed in
+worker names, and `*@b` matches the keys of worker 'a@b'."""
+
+
+def by(key: str, writer: str) -> str:
+    """`key` as written by worker `writer` (`WRITER` and its name appended)."""
+    if not writer or WRITER in writer or any(c in writer for c in "*?[]\\"):
+        raise InvalidValueError(
+            f"worker name {writer!r} cannot name a collective key's writer: it must be "
+            "non-empty, without '/' or a glob special (*?[]\\)"
+        )
+    return f"{key}{WRITER}{writer}"

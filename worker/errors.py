@@ -125,6 +125,35 @@ class CollectiveTimeoutError(CollectiveError, WaitTimeoutError):
     """Some ranks did not do their part in time; the message names them."""
 
 
+class CorruptDataError(CollectiveError):
+    """What a rank wrote for a collective failed verification where it was read (a blob
+    that does not unpack, or sizes, dtypes or values other than the call's): the step fails
+    at once, naming the rank, its worker and the key, instead of diverging later."""
+
+    def __init__(self, message: str, rank: int, worker: str, key: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.worker = worker
+        self.key = key
+
+
+class WeightsRefusedError(WorkerError):
+    """The weights a new world's rank 0 sent do not have the digest the journal recorded
+    for them: this rank does not train on them. The message names the sender and both
+    digests."""
+
+    def __init__(self, sender: str, step: int, got: str, journaled: str) -> None:
+        super().__init__(
+            f"the weights of step {step} sent by worker {sender!r} (rank 0) have digest "
+            f"{got}, not the journaled {journaled}: refused; this worker left the job rather "
+            "than train on them"
+        )
+        self.sender = sender
+        self.step = step
+        self.got = got
+        self.journaled = journaled
+
+
 class BlobError(WorkerError):
     """A tensor blob is malformed or hostile (bad header, dtype, shape or byte range)."""
 

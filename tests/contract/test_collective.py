@@ -41,6 +41,19 @@ class StandIn:
     world_version: int = 1
     assignment: Assignment | None = None
 
+    @property
+    def ranks(self) -> tuple[str, ...]:
+        return tuple(f"w{r}" for r in range(self.world_size))
+
+
+def _notices(conn: Any, step: int, op: str = "allreduce", n: int = 4) -> list[Any]:
+    """Every notice of one call in world 1: each rank writes its own stream."""
+    return [
+        fields
+        for r in range(n)
+        for _, fields in conn.xrange(KEYS.step_events(1, step, op, f"w{r}"))  # type: ignore[union-attr]
+    ]
+
 
 def _members(n: int) -> list[StandIn]:
     return [StandIn(id=f"w{r}", rank=r, world_size=n) for r in range(n)]
@@ -145,7 +158,7 @@ def test_allreduce_mixes_dtypes_and_splits_values_over_the_limit(
             np.testing.assert_allclose(got[name], want, rtol=1e-3 if name == "h" else 1e-6)
     per_rank = pieces(-(-(4001 * 4 + 330 * 2 + 777 * 8) // n), 64 * 1024 + 1024)
     assert per_rank > 1
-    scattered = list(connect_more().scan_iter(match=KEYS.grad(1, 7, 0, 0)[:-1] + "*"))
+    scattered = list(connect_more().scan_iter(match=f"{KEYS.prefix}:grad:1:7:0:*/w0"))
     assert len(scattered) == (n - 1) * per_rank  # rank 0's pieces of the chunks it does not own
 
 
@@ -170,7 +183,7 @@ def test_float16_transport_halves_the_bytes_and_every_rank_gets_the_same_result(
         assert not np.array_equal(got["a"], want.astype(np.float32))  # it did travel as f16
         want_d = np.mean([tensors(r)["d"] for r in range(n)], axis=0)
         np.testing.assert_allclose(got["d"], want_d, rtol=1e-12)  # float64 is untouched
-    scattered = connect_more().get(KEYS.grad(1, 0, 0, 1))
+    scattered = connect_more().get(KEYS.grad(1, 0, 0, 1, "w0"))
     assert scattered is not None
     assert unpack_blob(scattered)["<f4"].dtype == np.float16
 
@@ -212,7 +225,7 @@ def test_a_rank_that_never_contributes_and_a_world_change_wake_the_others_within
     thread = threading.Thread(target=lambda: box.append(run_ranks(connect_more, members, body)))
     thread.start()
     # Both ranks have scattered (so they read the journal from before the fact) before it lands.
-    wait_until(lambda: conn.xlen(KEYS.step_events(1, 4)) == 2, message="ranks 0 and 1 scatter")
+    wait_until(lambda: len(_notices(conn, 4, n=2)) == 2, message="ranks 0 and 1 scatter")
     fact = WorldChanged(
         at=1.0,
         job=JOB,
@@ -243,7 +256,7 @@ def test_a_worker_view_moving_past_the_call_s_world_aborts_it(
 
     def body(c: Collective, m: StandIn) -> Any:
         if m.rank == 1:
-            wait_until(lambda: c.conn.xlen(KEYS.step_events(1, 0)) == 1, message="rank 0 scatters")
+            wait_until(lambda: len(_notices(c.conn, 0, n=2)) == 1, message="rank 0 scatters")
             members[0].world_version = 3  # what the worker's journal tail would do
             return time.monotonic()
         return c.allreduce({"x": np.ones(10, "<f4")}, 0, timeout=20)
@@ -282,7 +295,10 @@ def test_a_call_id_s_errors_name_the_training_step_it_serves(
     def body(c: Collective, m: StandIn) -> Any:
         if m.rank == 0:
             return c.allreduce({"x": np.ones(10, "<f4")}, call, timeout=0.3)
-        wait_until(lambda: c.conn.exists(KEYS.step_events(1, call)), message="rank 0 began")
+        wait_until(
+            lambda: c.conn.exists(KEYS.step_events(1, call, "allreduce", "w0")),
+            message="rank 0 began",
+        )
         members[1].world_version = 2
         return c.allreduce({"x": np.ones(10, "<f4")}, call, timeout=5, world=1)
 
@@ -331,10 +347,9 @@ def test_broadcast_gives_every_rank_the_root_s_tensors(
         assert set(got) == set(sent)
         for name, array in sent.items():
             np.testing.assert_array_equal(got[name], array)
-    rows: Any = conn.xrange(KEYS.step_events(1, 2, "broadcast"))
-    notices = [f for _, f in rows]
+    notices = _notices(conn, 2, "broadcast", n=3)
     assert [int(f[b"n"]) for f in notices if f[b"p"] == b"sent"] == [5]  # 5 values, each < limit
-    assert not conn.exists(KEYS.grad_broadcast(1, 2, 0))  # the root unlinks once all received
+    assert not conn.exists(KEYS.grad_broadcast(1, 2, 0, "w1"))  # the root unlinks once all received
 
 
 def test_barrier_waits_for_every_rank(connect_more: Callable[[], redis.Redis]) -> None:
@@ -349,7 +364,8 @@ def test_barrier_waits_for_every_rank(connect_more: Callable[[], redis.Redis]) -
 
     thread = threading.Thread(target=lambda: run_ranks(connect_more, _members(3), body))
     thread.start()
-    wait_until(lambda: connect_more().xlen(KEYS.step_events(1, 0, "barrier")) == 2)
+    probe = connect_more()
+    wait_until(lambda: len(_notices(probe, 0, "barrier", n=3)) == 2)
     assert passed == []
     gate.set()
     thread.join(30)
@@ -391,14 +407,13 @@ def test_chunks_of_ranks_already_there_come_in_one_round_trip_up_to_fetch_bytes(
         return get_all(self, keys)
 
     monkeypatch.setattr(Wire, "_get_all", counted)
-    events = KEYS.step_events(1, 3, "allreduce")
     probe = connect_more()
 
     def body(c: Collective, m: StandIn) -> Any:
         if m.rank == 0:
             rank_0.append(c.wire)
             wait_until(
-                lambda: sum(f[b"p"] == b"scatter" for _, f in probe.xrange(events)) == 3,
+                lambda: sum(f[b"p"] == b"scatter" for f in _notices(probe, 3)) == 3,
                 10,
                 0.01,
                 "the other ranks scattered",

@@ -121,7 +121,7 @@ def test_int8_transport_sends_int8_levels_and_the_owner_mean_decodes_alike(
     for tensor, mean in results[0].items():
         bound = 2 * np.max(np.abs(exact[tensor])) / 127  # two roundings, half a level each
         assert np.max(np.abs(mean - exact[tensor])) <= bound
-    scattered = unpack_blob(conn.get(KEYS.grad(1, 5, 0, 1)))
+    scattered = unpack_blob(conn.get(KEYS.grad(1, 5, 0, 1, "w0")))
     assert scattered["<f4"].dtype == np.uint8 and "<f4/scales" in scattered
 
 

@@ -32,6 +32,10 @@ class Rank:
     world_version: int = 1
     assignment: Assignment | None = None
 
+    @property
+    def ranks(self) -> tuple[str, ...]:
+        return tuple(f"w{r}" for r in range(self.world_size))
+
 
 def tensors(rank: int, mib: float) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(rank)

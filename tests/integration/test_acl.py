@@ -150,17 +150,17 @@ def test_worker_writes_the_inbox_and_its_gradients_and_reads_the_journal(
     worker_conn: redis.Redis, coordinator_conn: redis.Redis
 ) -> None:
     Inbox(worker_conn, KEYS.inbox).send(Join(at=0, job=JOB, worker="w1"), maxlen=1000)
-    grad = KEYS.grad(1, 0, 0, 0)
+    grad = KEYS.grad(1, 0, 0, 0, "w1")
     assert worker_conn.set(grad, b"blob", px=60_000)
     assert worker_conn.get(grad) == b"blob"
     assert worker_conn.pexpire(grad, 1000)
     assert worker_conn.unlink(grad) == 1
-    spread = KEYS.grad(1, 0, 0, 0, "g17")  # a chunk placed on another cluster primary
+    spread = KEYS.grad(1, 0, 0, 0, "w1", "g17")  # a chunk placed on another cluster primary
     assert worker_conn.set(spread, b"blob", px=60_000) and worker_conn.unlink(spread) == 1
-    events = KEYS.step_events(1, 0)
+    events = KEYS.step_events(1, 0, "allreduce", "w1")
     worker_conn.xadd(events, {"r": "0"})
     assert worker_conn.xread({events: "0-0", KEYS.journal: "0-0"}, block=1)
-    assert worker_conn.set(KEYS.weights(0), b"w", px=60_000)
+    assert worker_conn.set(KEYS.weights(0, "w1"), b"w", px=60_000)
     coord = Coordinator.on_redis(
         coordinator_conn, ServiceSettings(job=JOB, coordinator="c1", block_ms=10)
     )
@@ -196,8 +196,8 @@ def test_a_fact_forged_with_worker_credentials_never_reaches_the_journal(
     refused(worker_conn, "UNLINK", KEYS.journal)
     refused(worker_conn, "XTRIM", KEYS.journal, "MAXLEN", 0)
     refused(worker_conn, "XDEL", KEYS.journal, before[0][0])
-    refused(worker_conn, "RENAME", KEYS.grad(1, 0, 0, 0), KEYS.journal)
-    refused(worker_conn, "COPY", KEYS.grad(1, 0, 0, 0), KEYS.journal)
+    refused(worker_conn, "RENAME", KEYS.grad(1, 0, 0, 0, "w1"), KEYS.journal)
+    refused(worker_conn, "COPY", KEYS.grad(1, 0, 0, 0, "w1"), KEYS.journal)
     assert coordinator_conn.xrange(KEYS.journal) == before
 
 
@@ -223,10 +223,10 @@ def test_worker_cannot_touch_another_job(worker_conn: redis.Redis) -> None:
     other = Keys(OTHER)
     refused(worker_conn, "XADD", other.inbox, "*", "e", "x")
     refused(worker_conn, "XRANGE", other.journal, "-", "+")
-    refused(worker_conn, "SET", other.grad(1, 0, 0, 0), "x")
-    refused(worker_conn, "GET", other.grad(1, 0, 0, 0))
+    refused(worker_conn, "SET", other.grad(1, 0, 0, 0, "w1"), "x")
+    refused(worker_conn, "GET", other.grad(1, 0, 0, 0, "w1"))
     refused(worker_conn, "GET", "cohort:{acl2}:grad:1:0:0:0")  # a job whose name extends ours
-    refused(worker_conn, "SET", other.grad(1, 0, 0, 0, "g3"), "x")
+    refused(worker_conn, "SET", other.grad(1, 0, 0, 0, "w1", "g3"), "x")
     refused(worker_conn, "SET", "cohort:{acl/x}:grad:1", "x")  # not a placement tag
     refused(worker_conn, "SET", "unrelated", "x")
 
@@ -324,7 +324,7 @@ def test_viewer_reads_the_job_and_writes_nothing(
         ("XADD", KEYS.journal, "*", "e", "x"),
         ("DEL", KEYS.journal),
         ("PEXPIRE", KEYS.leader, 1),
-        ("SET", KEYS.grad(1, 0, 0, 0), "x"),
+        ("SET", KEYS.grad(1, 0, 0, 0, "w1"), "x"),
         ("FCALL", "cohort_release", 1, KEYS.leader, "x"),
         ("GET", Keys(OTHER).status),
         ("XRANGE", Keys(OTHER).journal, "-", "+"),

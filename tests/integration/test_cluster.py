@@ -50,7 +50,8 @@ def test_a_jobs_control_keys_share_one_slot_and_many_jobs_spread_over_the_primar
     keys = Keys("itest")
     control = [
         keys.inbox, keys.journal, keys.leader, keys.epoch, keys.cursor, keys.snapshot,
-        keys.dead, keys.status, keys.step_events(3, 7), keys.step_events(3, 7, "broadcast"),
+        keys.dead, keys.status, keys.step_events(3, 7, "allreduce", "w1"),
+        keys.step_events(3, 7, "broadcast", "w2"),
     ]  # fmt: skip
     assert len({conn.keyslot(k) for k in control}) == 1
     owners = {_owner(conn, Keys(f"job-{i}").journal) for i in range(40)}
@@ -65,9 +66,9 @@ def test_the_chunks_of_one_step_are_spread_over_every_primary(conn: RedisCluster
     for chunk in range(9):  # chunk i on primary i mod 3, for every kind of chunk key
         tag = placement.tag_of(tags, chunk)
         for key in (
-            keys.grad(4, 11, 2, chunk, tag),
-            keys.grad_reduced(4, 11, chunk, tag),
-            keys.grad_broadcast(4, 11, chunk, tag),
+            keys.grad(4, 11, 2, chunk, "w1", tag),
+            keys.grad_reduced(4, 11, chunk, "w1", tag),
+            keys.grad_broadcast(4, 11, chunk, "w1", tag),
         ):
             assert _owner(conn, key) == names[chunk % 3]
     # every rank computes the same tags from the same slot map
@@ -127,6 +128,10 @@ class _Rank:
     def __init__(self, rank: int, size: int) -> None:
         self.id, self.rank, self.world_size = f"w{rank}", rank, size
         self.world_version, self.assignment = 1, None
+
+    @property
+    def ranks(self) -> tuple[str, ...]:
+        return tuple(f"w{r}" for r in range(self.world_size))
 
 
 def _ranks(url: str, n: int, body: Any, **options: Any) -> list[Any]:

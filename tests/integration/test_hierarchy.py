@@ -129,7 +129,7 @@ def test_a_rank_killed_mid_call_and_the_world_change_leave_nothing_behind(
     wait_until(lambda: "entered" in a[0].output(), 30, message="rank 0 in the call")
     wait_until(lambda: len(segments(job)) == 1, 30, message="rank 1's contribution in /dev/shm")
     wait_until(
-        lambda: cluster.conn.xlen(keys.step_events(1, 0, "allreduce-local")) >= 1,
+        lambda: cluster.conn.xlen(keys.step_events(1, 0, "allreduce-local", "w1")) >= 1,
         30,
         message="rank 1 said so",
     )

@@ -123,6 +123,10 @@ class _Rank:
         self.id, self.rank, self.world_size = f"w{rank}", rank, size
         self.world_version, self.assignment = 1, None
 
+    @property
+    def ranks(self) -> tuple[str, ...]:
+        return tuple(f"w{r}" for r in range(self.world_size))
+
 
 def test_a_server_over_maxmemory_still_takes_the_journal_and_refuses_gradients_clearly(
     small: LocalRedis,

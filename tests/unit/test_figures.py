@@ -30,6 +30,10 @@ class Rank:
         self.id, self.rank, self.world_size = f"w{rank}", rank, size
         self.world_version, self.assignment = version, None
 
+    @property
+    def ranks(self) -> tuple[str, ...]:
+        return tuple(f"w{r}" for r in range(self.world_size))
+
 
 def gathered(values: list[list[float]], version: int = 1, standing: Any = lambda: True) -> Any:
     server = fakeredis.FakeServer()
@@ -39,7 +43,9 @@ def gathered(values: list[list[float]], version: int = 1, standing: Any = lambda
         collective = Collective(
             fakeredis.FakeRedis(server=server), "figs", Rank(r, size, version), timeout=10
         )
-        return collective.gather(values[r], 7, World(1, r, size), standing)
+        return collective.gather(
+            values[r], 7, World(1, r, size, tuple(f"w{i}" for i in range(size))), standing
+        )
 
     with ThreadPoolExecutor(size) as pool:
         return [f.result(timeout=30) for f in [pool.submit(rank, r) for r in range(size)]]
@@ -59,7 +65,7 @@ def test_a_newer_world_does_not_stop_a_gather_of_the_world_that_trained_the_step
 def test_a_rank_gone_from_the_job_ends_the_wait_at_once() -> None:
     collective = Collective(fakeredis.FakeRedis(), "figs", Rank(0, 2, 2), timeout=30)
     with pytest.raises(WorldChangedError):
-        collective.gather([1.0], 7, World(1, 0, 2), standing=lambda: False)
+        collective.gather([1.0], 7, World(1, 0, 2, ("w0", "w1")), standing=lambda: False)
 
 
 # ---------------------------------------------------------------- the job's side (one rank)

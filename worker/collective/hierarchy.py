@@ -254,7 +254,10 @@ class _HostCall:
     def leaders(self) -> World:
         """The hosts' leaders as a world of their own: host i is rank i."""
         return World(
-            self.world.version, self.hosts.index_of(self.world.rank), len(self.hosts.groups)
+            self.world.version,
+            self.hosts.index_of(self.world.rank),
+            len(self.hosts.groups),
+            tuple(self.world.member(group[0]) for group in self.hosts.groups),
         )
 
     # ------------------------------------------------------------ barrier and broadcast
@@ -394,17 +397,26 @@ class _HostCall:
             for kind in ("c", "r"):
                 if self.name(rank, kind) not in mine:
                     _unlink(self.name(rank, kind))
-        keys = self.owner.flat.keys
-        streams = [
-            keys.step_events(self.world.version, self.step, self.op + stage)
-            for stage in (LOCAL, HOSTS)
-        ]
-        with contextlib.suppress(redis.RedisError):  # a peer's notices, even if no call began
-            self.owner.flat.conn.unlink(*streams)
+        me = self.world.member(self.world.rank)
+        peers = [self.world.member(rank) for rank in self.group if rank != self.world.rank]
+        for writers in ([me], peers):  # its own notices, even if no call began; then a
+            # killed peer's: refused under per-worker credentials, they expire (TTL) there
+            self._unlink_streams(writers)
         for call in self.calls:
             if call.written:
                 with contextlib.suppress(redis.RedisError):  # else they expire (TTL)
                     self.owner.flat.conn.unlink(*call.written)
+
+    def _unlink_streams(self, writers: list[str]) -> None:
+        keys, version = self.owner.flat.keys, self.world.version
+        streams = [
+            keys.step_events(version, self.step, self.op + stage, writer)
+            for writer in writers
+            for stage in (LOCAL, HOSTS)
+        ]
+        with contextlib.suppress(redis.RedisError):
+            if streams:
+                self.owner.flat.conn.unlink(*streams)
 
 
 def _writable(buf: Any, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:

@@ -6,19 +6,31 @@ so that no Redis value exceeds `max_value_bytes`); rank r owns chunks r*P .. r*P
 (`worker/collective/layout.py`).
 
 1. scatter: every rank SETs each chunk it does not own at `grad(world, step, rank, chunk)`,
-   then adds a "scatter" notice (with a digest of its tensor layout) to the step's stream;
-2. reduce: rank r GETs its chunks from every other rank as their notices arrive, sums them in
-   float64 (also for float16/float32: one rounding at the end, not N), divides by N, casts back
-   to the tensor's dtype, SETs the result at `grad_reduced(world, step, chunk)` and notifies;
-3. gather: every rank GETs the other ranks' reduced chunks and assembles the result.
+   then adds a "scatter" notice (with a digest of its tensor layout) to its notice stream;
+2. reduce: rank r GETs its chunks from every other rank as their notices arrive, checks each
+   has the call's sizes and dtypes, sums them in float64 (also for float16/float32: one
+   rounding at the end, not N), divides by N, casts back to the tensor's dtype, SETs the
+   result at `grad_reduced(world, step, chunk)` and notifies;
+3. gather: every rank GETs the other ranks' reduced chunks, checks and assembles them.
+
+Every key a rank writes, its notice stream too, ends in `/<its worker>` (`Keys.by`), and a
+reader names the keys of rank r from the world's rank -> worker map (`World.members`: the
+WorldChanged's `ranks`), never from what a notice says. Each rank writes its own notice
+stream per call and reads only those of the ranks it waits for; a notice counts as the
+rank whose stream holds it, whatever its fields claim. With per-worker credentials a
+worker's Redis user may write only keys ending in its own name (`acl.rules(worker=W)`), so
+no rank can forge another's notice (an abort, tags pointing at its own keys) or overwrite
+its chunks: what a rank reads as r's was written by r. A blob of r's that does not unpack
+or has other sizes or dtypes than the call's fails the call at once with CorruptDataError
+naming r, its worker and the key.
 
 Bytes through the server for S payload bytes: in = (N-1)S scattered + S reduced = N*S;
 out = (N-1)S to the owners + (N-1)S gathered = 2(N-1)S; in + out = (3N-2)S, i.e. each
 rank's byte crosses the server (3N-2)/N times (a naive hub: every rank reads every other's
 whole vector, N*S in + N(N-1)S out). How the bytes are sent and fetched is `wire.py`.
 
-Waiting is one XREAD BLOCK over the step's notice stream and the job's journal at once, so
-a WorldChanged wakes the waiter, which raises `WorldChangedError`; the worker's view is also
+Waiting is one XREAD BLOCK over the other ranks' notice streams and the job's journal at
+once (N streams for N ranks, all in the job's slot), so a WorldChanged wakes the waiter, which raises `WorldChangedError`; the worker's view is also
 rechecked every `WAKE_S`. Every key has a PX TTL, and the keys of an operation are unlinked
 when this rank starts the operation after the next one: every operation here synchronises
 all ranks, so having finished operation i+1 proves that every rank has finished i.
@@ -26,8 +38,9 @@ all ranks, so having finished operation i+1 proves that every rank has finished 
 On Redis Cluster the chunk, reduced and broadcast keys carry a per-primary hash tag
 (`placement.py`: chunk i on primary i mod M), so a step's bytes are spread over every
 primary; each notice names the writer's tags (field `t`) and readers use them, so ranks
-need not agree on the slot map. The notice stream stays in the job's slot: it is XREAD
-together with the journal.
+need not agree on the slot map. Tags only place a key: its name still ends in the writer's
+own, so they cannot point a reader at another writer's key. The notice streams stay in the
+job's slot: they are XREAD together with the journal.
 
 A call's deadline (`timeout`, default $COHORT_COLLECTIVE_TIMEOUT or 60 s) counts the time
 Redis answers, not the time it is away: what the worker's `Link` counts as outage moves the
@@ -40,7 +53,8 @@ Before a call writes blobs it checks the memory budget the leader publishes
 the journal and inbox is refused before anything is written, and the refusing rank's
 "abort" notice ends the call on every other rank at once (`MemoryBudgetError`, naming
 maxmemory). A write Redis refuses for memory (OOM) ends the call the same way. A refused
-call's blobs are unlinked by the ranks that wrote them.
+call's blobs are unlinked by the ranks that wrote them. Only rank r can write its abort
+(in its own stream): another rank cannot end the call in r's name.
 
 A call is named by (world version, step, op): calling the same op twice for one step of one
 world mixes their notices. The coordinator starts a new world on every membership change, so
@@ -87,8 +101,10 @@ from cohort.worker.collective.wire import TTL_MS, Item, Wire
 
 # Users import CollectiveError, CollectiveTimeoutError (cohort/__init__.py) and Transport from here.
 from cohort.worker.errors import (
+    BlobError,
     CollectiveError,
     CollectiveTimeoutError,
+    CorruptDataError,
     MemoryBudgetError,
     WorldChangedError,
 )
@@ -128,6 +144,11 @@ class Participant(Protocol):
     @property
     def assignment(self) -> Assignment | None: ...
 
+    @property
+    def ranks(self) -> tuple[str, ...]:
+        """The worker holding each rank of the current world, in rank order."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class World:
@@ -136,11 +157,23 @@ class World:
     version: int
     rank: int
     size: int
+    members: tuple[str, ...] = ()
+    """The worker holding each rank, in rank order (the WorldChanged's `ranks`): every key
+    holding a rank's data is named for that worker, and only it may write there."""
 
     @property
     def others(self) -> set[int]:
         """The ranks of this world but this one."""
         return set(range(self.size)) - {self.rank}
+
+    def member(self, rank: int) -> str:
+        """The worker of `rank`: the writer of every key and notice of that rank's."""
+        if len(self.members) != self.size:
+            raise CollectiveError(
+                f"world {self.version} of {self.size} ranks names {len(self.members)} "
+                f"workers ({list(self.members)[:8]}): a call needs the worker of each rank"
+            )
+        return self.members[rank]
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,16 +211,43 @@ class _Chunking:
         """A chunk as it travelled, as float values again (int8 levels times their scales)."""
         return received(chunk, self.transport, what)
 
-    def check(self, got: Chunk, i: int, rank: int, what: str) -> Chunk:
-        """`got` decoded, if it has the sizes of chunk i; else CollectiveError naming `rank`."""
-        got = self.decoded(got, f"{what}: chunk {i} from rank {rank}")
-        want = {g: cut[i].stop - cut[i].start for g, cut in self.cuts.items()}
-        have = {g: a.size for g, a in got.items()}
+    def check(self, got: Chunk, i: int, source: Source, what: str) -> Chunk:
+        """`got` decoded, if it has the sizes and dtypes of chunk i; else CorruptDataError
+        naming the rank and key it came from."""
+        where = f"{what}: chunk {i} from {source.name}"
+        try:
+            got = self.decoded(got, where)
+        except CollectiveError as exc:
+            raise source.refused(str(exc)) from None
+        want = {g: (cut[i].stop - cut[i].start, self.arrives_as(g)) for g, cut in self.cuts.items()}
+        have = {g: (a.size, a.dtype.str) for g, a in got.items()}
         if have != want or any(a.ndim != 1 for a in got.values()):
-            raise CollectiveError(
-                f"{what}: chunk {i} from rank {rank} holds {have}, expected {want}"
-            )
+            raise source.refused(f"{where} holds {have}, expected {want} (size, dtype)")
         return got
+
+    def arrives_as(self, group: str) -> str:
+        """The dtype a vector of `group` has once a chunk of it is decoded: float32 values
+        travel as float16 under that transport, and come back as float32 from int8."""
+        return "<f2" if group == "<f4" and self.transport == "float16" else group
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where a blob of a call was read: the rank whose data it is, its worker, the key."""
+
+    rank: int
+    worker: str
+    key: str
+
+    @property
+    def name(self) -> str:
+        return f"rank {self.rank} (worker {self.worker!r}, key {self.key})"
+
+    def refused(self, why: str) -> CorruptDataError:
+        """The error for a blob of this source that failed verification for `why` (which
+        names the source)."""
+        message = f"{why}; rank {self.rank}'s data failed verification"
+        return CorruptDataError(message, self.rank, self.worker, self.key)
 
 
 @dataclass
@@ -202,9 +262,13 @@ class _Call:
     """When the call gives up (time.monotonic), if Redis never went away meanwhile."""
     timeout: float
     events: str
+    """This rank's own notice stream for the call (the others read it)."""
     outage: float = 0.0
     """The link's outage count when the call began: what it grew since extends the deadline."""
     positions: dict[str, str] = field(default_factory=dict)
+    streams: dict[str, int] = field(default_factory=dict)
+    """The notice stream of each other rank, and that rank: a notice counts as the rank
+    whose stream it is in, whatever its fields say."""
     notices: dict[str, dict[int, Notice]] = field(default_factory=dict)
     written: list[str] = field(default_factory=list)
     standing: Callable[[], bool] | None = None
@@ -217,23 +281,29 @@ class _Call:
             f"(rank {self.world.rank})"
         )
 
-    def part_key(self, rank: int, i: int, tags: tuple[str, ...]) -> str:
+    def part_key(self, rank: int, i: int, tags: tuple[str, ...]) -> Source:
         """Where rank `rank` scatters its part of chunk i, placed as `tags` say."""
-        return self.owner.keys.grad(
-            self.world.version, self.step, rank, i, placement.tag_of(tags, i)
+        worker = self.world.member(rank)
+        key = self.owner.keys.grad(
+            self.world.version, self.step, rank, i, worker, placement.tag_of(tags, i)
         )
+        return Source(rank, worker, key)
 
-    def reduced_key(self, i: int, tags: tuple[str, ...]) -> str:
-        """Where the owner of chunk i stores its mean, placed as `tags` say."""
-        return self.owner.keys.grad_reduced(
-            self.world.version, self.step, i, placement.tag_of(tags, i)
+    def reduced_key(self, rank: int, i: int, tags: tuple[str, ...]) -> Source:
+        """Where rank `rank`, the owner of chunk i, stores its mean, placed as `tags` say."""
+        worker = self.world.member(rank)
+        key = self.owner.keys.grad_reduced(
+            self.world.version, self.step, i, worker, placement.tag_of(tags, i)
         )
+        return Source(rank, worker, key)
 
-    def piece_key(self, i: int, tags: tuple[str, ...]) -> str:
+    def piece_key(self, root: int, i: int, tags: tuple[str, ...]) -> Source:
         """Where a broadcast's root stores piece i, placed as `tags` say."""
-        return self.owner.keys.grad_broadcast(
-            self.world.version, self.step, i, placement.tag_of(tags, i)
+        worker = self.world.member(root)
+        key = self.owner.keys.grad_broadcast(
+            self.world.version, self.step, i, worker, placement.tag_of(tags, i)
         )
+        return Source(root, worker, key)
 
     def remaining(self) -> float:
         """Seconds left before the deadline, not counting the time Redis was away."""
@@ -283,11 +353,21 @@ class _Call:
                 self._read(phase, pending)
 
     def tags(self, notice: Notice, rank: int) -> tuple[str, ...]:
-        """The chunk tags `rank` wrote with, as its notice names them."""
+        """The chunk tags `rank` wrote with, as its notice names them (they place its keys,
+        never name another writer's: each key ends in the name of the rank's worker)."""
         try:
             return placement.decode(notice.get(b"t"))
         except ValueError as exc:
-            raise CollectiveError(f"{self.what()}: rank {rank}'s notice: {exc}") from None
+            raise self.noticed(rank).refused(f"{self.what()}: {exc}") from None
+
+    def noticed(self, rank: int) -> Source:
+        """`rank`'s notice stream of this call, as the source of what a notice says."""
+        worker = self.world.member(rank)
+        return Source(
+            rank,
+            worker,
+            self.owner.keys.step_events(self.world.version, self.step, self.op, worker),
+        )
 
     def check_world(self) -> None:
         member = self.owner.worker
@@ -331,13 +411,15 @@ class _Call:
             if key == self.owner.keys.journal:
                 self.see_journal(rows)
                 continue
+            rank = self.streams.get(key)
+            if rank is None:
+                continue
             for _, fields in rows:
                 try:
-                    rank = int(fields[b"r"])
                     kind = text(fields[b"p"])
-                except (KeyError, ValueError, UnicodeDecodeError):
+                except (KeyError, UnicodeDecodeError):
                     continue
-                if kind == "abort" and rank != self.world.rank:
+                if kind == "abort":  # rank `rank` speaking for itself: only it writes there
                     why = text(fields.get(b"why", b"no reason given"))
                     raise MemoryBudgetError(f"{self.what()}: rank {rank} refused the step: {why}")
                 self.notices.setdefault(kind, {}).setdefault(rank, fields)
@@ -460,19 +542,18 @@ class Collective:
             call.notify("value", x=",".join(v.hex() for v in mine))
             got = {world.rank: mine}
             for rank, notice in call.arrivals("value", world.others):
-                said = text(notice.get(b"x", b""))
-                got[rank] = tuple(float.fromhex(part) for part in said.split(",") if part)
+                got[rank] = _values(notice, len(mine), call.noticed(rank), call.what())
             return [got[rank] for rank in range(world.size)]
 
         return self._run(call, gather)  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------ the machinery
     def world(self) -> World:
-        """(version, rank, size) of the worker's current world, read consistently."""
+        """(version, rank, size, members) of the worker's current world, read consistently."""
         member = self.worker
         while True:
             version = member.world_version
-            world = World(version, member.rank, member.world_size)
+            world = World(version, member.rank, member.world_size, tuple(member.ranks))
             if member.world_version == version:
                 return world
 
@@ -506,10 +587,11 @@ class Collective:
             world=world,
             deadline=time.monotonic() + timeout,
             timeout=timeout,
-            events=self.keys.step_events(world.version, step, op),
+            events=self.keys.step_events(world.version, step, op, world.member(world.rank)),
             outage=self.link.outage(),
             standing=standing,
         )
+        call.streams = {call.noticed(rank).key: rank for rank in sorted(world.others)}
         try:
             call.retry(self._cleanup, "deleting finished keys")
             recent: Any = call.retry(
@@ -520,7 +602,8 @@ class Collective:
             raise CollectiveError(f"{call.what()}: Redis failed: {exc}") from exc
         rows = entries(recent)
         call.see_journal(rows)
-        call.positions = {call.events: ZERO, self.keys.journal: rows[0].id if rows else ZERO}
+        call.positions = {stream: ZERO for stream in call.streams}
+        call.positions[self.keys.journal] = rows[0].id if rows else ZERO
         call.written.append(call.events)
         return call
 
@@ -610,14 +693,20 @@ class Collective:
             )
 
     def _fetch(
-        self, call: _Call, keys: list[str], each_bytes: int
+        self, call: _Call, sources: list[Source], each_bytes: int
     ) -> Iterator[dict[str, np.ndarray]]:
-        """The blobs at `keys`, unpacked, in order (`each_bytes`: the size of one, at most)."""
-        for key, raw in self.wire.fetch(keys, each_bytes, call.retry):
+        """The blobs of `sources`, unpacked, in order (`each_bytes`: the size of one, at
+        most); a blob that does not unpack is CorruptDataError naming its rank."""
+        keys = [source.key for source in sources]
+        got = self.wire.fetch(keys, each_bytes, call.retry)
+        for source, (key, raw) in zip(sources, got, strict=True):
             if raw is None:
                 call.check_world()
                 raise CollectiveError(f"{call.what()}: {key} is gone (expired or deleted)")
-            yield blobs.unpack(raw)
+            try:
+                yield blobs.unpack(raw)
+            except BlobError as exc:
+                raise source.refused(f"{call.what()}: {source.name}: {exc}") from None
 
     # ------------------------------------------------------------ allreduce
     def _allreduce(
@@ -648,7 +737,7 @@ class Collective:
         """1. SET each chunk this rank does not own for its owner, then notify "scatter"."""
         world, mine, what = call.world, plan.owned(call.world.rank), call.what()
         items = [
-            (call.part_key(world.rank, i, plan.tags), blobs.pack(plan.sent(i, flats, what)))
+            (call.part_key(world.rank, i, plan.tags).key, blobs.pack(plan.sent(i, flats, what)))
             for i in range(plan.count)
             if i not in mine
         ]
@@ -679,7 +768,9 @@ class Collective:
             travelling = transported(_typed(sums[i], plan.transport), plan.transport, what)
             for g, a in plan.decoded(travelling, what).items():
                 result[g][plan.cuts[g][i]] = a  # the owner keeps what the others decode
-            items.append((call.reduced_key(i, plan.tags), blobs.pack(travelling)))
+            items.append(
+                (call.reduced_key(call.world.rank, i, plan.tags).key, blobs.pack(travelling))
+            )
         del sums
         self._store(call, items)
         call.notify("reduced", t=placement.encode(plan.tags))
@@ -696,24 +787,24 @@ class Collective:
         call: _Call,
         plan: _Chunking,
         phase: str,
-        keys_of: Callable[[_Call, _Chunking, int, Notice], list[tuple[int, str]]],
+        keys_of: Callable[[_Call, _Chunking, int, Notice], list[tuple[int, Source]]],
     ) -> Iterator[tuple[int, Chunk]]:
         """(i, chunk i) from every other rank as its `phase` notice arrives: `keys_of` names
         the chunks a rank has for this one, and their keys. The chunks of every rank already
         there come in as few round trips as FETCH_BYTES allows."""
         for batch in call.arrived(phase, call.world.others):
             wanted = [
-                (rank, i, key)
+                (i, source)
                 for rank, notice in batch
-                for i, key in keys_of(call, plan, rank, notice)
+                for i, source in keys_of(call, plan, rank, notice)
             ]
-            chunks = self._fetch(call, [key for _, _, key in wanted], plan.chunk_bytes)
-            for (rank, i, _), chunk in zip(wanted, chunks, strict=True):
-                yield i, plan.check(chunk, i, rank, call.what())
+            chunks = self._fetch(call, [source for _, source in wanted], plan.chunk_bytes)
+            for (i, source), chunk in zip(wanted, chunks, strict=True):
+                yield i, plan.check(chunk, i, source, call.what())
 
     def _contributions(
         self, call: _Call, plan: _Chunking, rank: int, notice: Notice
-    ) -> list[tuple[int, str]]:
+    ) -> list[tuple[int, Source]]:
         """The keys of `rank`'s parts of the chunks this rank owns, after its scatter notice
         shows it passed the same layout and transport."""
         if text(notice.get(b"l", b"")) != plan.signature:
@@ -727,10 +818,10 @@ class Collective:
 
     def _reduced(
         self, call: _Call, plan: _Chunking, rank: int, notice: Notice
-    ) -> list[tuple[int, str]]:
+    ) -> list[tuple[int, Source]]:
         """The keys of the chunks `rank` reduced, as its notice tags them."""
         theirs = call.tags(notice, rank)
-        return [(i, call.reduced_key(i, theirs)) for i in plan.owned(rank)]
+        return [(i, call.reduced_key(rank, i, theirs)) for i in plan.owned(rank)]
 
     # ------------------------------------------------------------ broadcast
     def _broadcast(
@@ -759,7 +850,7 @@ class Collective:
         tags = self.placement.tags()
         self._check_budget(call, sum(np.asarray(a).nbytes for a in tensors.values()))
         pieces = [
-            (call.piece_key(i, tags), blobs.pack(group))
+            (call.piece_key(call.world.rank, i, tags).key, blobs.pack(group))
             for i, group in enumerate(self._groups(call, tensors))
         ]
         self._store(call, pieces)
@@ -770,9 +861,10 @@ class Collective:
         """The root's tensors, once its notice arrives: every piece in pipelined round trips."""
         _, notice = next(call.arrivals("sent", {root}))
         theirs = call.tags(notice, root)
-        keys = [call.piece_key(i, theirs) for i in range(int(notice.get(b"n", b"0")))]
+        count = _count(notice, call.noticed(root), call.what())
+        sources = [call.piece_key(root, i, theirs) for i in range(count)]
         result: dict[str, np.ndarray] = {}
-        for got in self._fetch(call, keys, self.max_value_bytes):
+        for got in self._fetch(call, sources, self.max_value_bytes):
             result.update(got)
         return result
 
@@ -804,3 +896,30 @@ def _typed(sums: Chunk, transport: Transport) -> Chunk:
         g: a if g == "<f4" and transport != "float32" else a.astype(g, copy=False)
         for g, a in sums.items()
     }
+
+
+def _count(notice: Notice, source: Source, what: str) -> int:
+    """The number of pieces a broadcast's root says it sent (field `n`)."""
+    said = notice.get(b"n", b"0")
+    try:
+        count = int(said)
+    except ValueError:
+        count = -1
+    if not 0 <= count <= 1_000_000:
+        raise source.refused(f"{what}: {source.name} says it sent {said[:32]!r} pieces")
+    return count
+
+
+def _values(notice: Notice, expected: int, source: Source, what: str) -> tuple[float, ...]:
+    """The numbers a rank gathered (field `x`: `float.hex` values, comma-separated), if it
+    sent as many as this rank did."""
+    said = notice.get(b"x", b"")
+    try:
+        values = tuple(float.fromhex(part) for part in text(said).split(",") if part)
+    except (ValueError, UnicodeDecodeError):
+        values = None
+    if values is None or len(values) != expected:
+        raise source.refused(
+            f"{what}: {source.name} sent {said[:64]!r}, not {expected} float.hex number(s)"
+        )
+    return values

@@ -49,6 +49,7 @@ from cohort.worker.errors import (
     NotAssignedError,
     Stopped,
     WaitTimeoutError,
+    WeightsRefusedError,
     WorkerError,
     WorldChangedError,
 )
@@ -450,7 +451,10 @@ class Elastic:
             now = self.worker.view
             return all(w in now.members and w not in now.gone for w in ranks)
 
-        world = World(given.world, given.rank, given.world_size)
+        members = next(  # whose notices to read: the workers of the step's world
+            (p.ranks for p in self.worker.view.plans if p.world_version == given.world), ranks
+        )
+        world = World(given.world, given.rank, given.world_size, members)
         call = calls.call_id(given.step, calls.FIGURES, count)
         rows = self.collective.gather(numbers, call, world, standing)
         columns = list(zip(*rows, strict=True))
@@ -694,6 +698,7 @@ class Elastic:
                 log.info("rank 0 loaded the state of step %d from %s", weights.step, weights.uri)
         try:
             self.state.broadcast(self.collective, assignment.start_step, assignment.world_version)
+            self._check_weights(assignment)
             self._joined_world(assignment)
         except WorldChangedError:
             return False
@@ -707,6 +712,26 @@ class Elastic:
         for callback in self._world_callbacks:
             callback(old, assignment.world_size)
         return True
+
+    def _check_weights(self, assignment: Assignment) -> None:
+        """A receiver takes rank 0's weights only if they have the digest the journal
+        recorded for the world's weights (when it recorded one): else it leaves the job and
+        raises WeightsRefusedError naming the sender, rather than train on them."""
+        assert self.state is not None
+        weights = assignment.weights
+        if assignment.rank == 0 or weights is None or weights.digest is None:
+            return
+        got = self.state.digest()
+        if got == weights.digest:
+            return
+        view = self.worker.view
+        ranks = next(
+            (p.ranks for p in view.plans if p.world_version == assignment.world_version), ()
+        )
+        refused = WeightsRefusedError(ranks[0] if ranks else "?", weights.step, got, weights.digest)
+        log.error("%s: %s", self.worker.id, refused)
+        self.worker.leave(reason=f"refused the weights of step {weights.step}: digest {got}")
+        raise refused
 
     def _joined_world(self, assignment: Assignment) -> None:
         """Every rank holds the world's state: what else a world needs (a process group)."""

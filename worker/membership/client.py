@@ -225,6 +225,11 @@ class Worker:
     def world_version(self) -> int:
         return self.view.world_version
 
+    @property
+    def ranks(self) -> tuple[str, ...]:
+        """The worker holding each rank of the current world, in rank order."""
+        return self.view.ranks
+
     def rank_hosts(self) -> tuple[str, ...]:
         """The host of each rank of the current world, as its Join's node named it."""
         return self.view.rank_hosts()
