@@ -86,6 +86,10 @@ class Refusals:
                 self.last = letter.inbox_id
             self._log(letter)
 
+    def pending(self, kind: str | None = None) -> int:
+        """Entries tallied and not journaled yet (of `kind`, if given)."""
+        return sum(n for row, n in self.counts.items() if kind is None or row[2] == kind)
+
     def due(self, now: float) -> bool:
         return bool(self.counts) and now - self.journaled_at >= EVERY
 

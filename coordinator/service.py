@@ -777,7 +777,12 @@ class Coordinator:
             "identity": self._trust is not None,
             "state_hash": state_hash(self.state),
             "at": self.clock.now(),
-            "counters": self.counters.__dict__,
+            "counters": {  # this process's, but the job's own refusals (journaled + tallied)
+                **self.counters.__dict__,
+                "forged": self.state.counters.forged + self.refusals.pending("forged"),
+                "dead_letters": self.state.counters.dead_letters + self.refusals.pending(),
+                "inbox_repairs": self.state.counters.inbox_repairs,
+            },
             "workers": {
                 w: {
                     "last_seen": seen.last_seen.get(w),
@@ -842,7 +847,8 @@ def _size(entry: Entry) -> int:
 
 
 class _Refused(DecodeError):
-    """An entry refused for a reason of `kind` (the tally's, `CommandsRefused`)."""
+    """Control flow inside the leader's read: an entry refused for a reason of `kind` (the
+    tally's, `CommandsRefused`), which becomes its dead letter; never raised to a caller."""
 
     def __init__(self, reason: str, kind: RefusalKind) -> None:
         super().__init__(reason)

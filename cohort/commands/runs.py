@@ -150,6 +150,11 @@ def replay(
                 "ok": report.ok,
                 "problems": report.problems,
                 "epochs": {e: vars(a) for e, a in report.epochs.items()},
+                "refused": [
+                    {"sender": who, "verified": proven, "kind": kind, "count": count}
+                    for (who, proven, kind), count in report.refused.most_common()
+                ],
+                "inbox_repairs": [r.model_dump(mode="json") for r in report.repairs],
             }
         click.echo(json.dumps(body, default=str))
     else:

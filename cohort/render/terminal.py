@@ -386,4 +386,26 @@ def audit_table(report: Any) -> None:
     console.print(table)
     for problem in report.problems:
         console.print(f"[red]{problem}[/]")
+    _refusals_table(report)
     console.print("[green]audit passed[/]" if report.ok else "[red]audit failed[/]")
+
+
+def _refusals_table(report: Any) -> None:
+    """What the leaders refused at the inbox, by sender, and each inbox repair: evidence of a
+    hostile or broken sender (it changes no training, so not the verdict)."""
+    if report.refused:
+        table = Table("refused from", "proven by", "kind", "entries", "bytes")
+        for (sender, verified, kind), count in report.refused.most_common():
+            proof = "its signature" if verified else "claimed"
+            size = report.refused_bytes[(sender, verified, kind)]
+            table.add_row(sender, proof, kind, str(count), str(size))
+        console.print(table)
+        console.print(
+            f"[yellow]{sum(report.refused.values())} inbox entries refused "
+            f"({report.forged} forged); the dead-letter stream keeps the latest[/]"
+        )
+    for fact in report.repairs:
+        by = f" (first by {fact.sender})" if fact.sender else ""
+        console.print(
+            f"[yellow]inbox repaired: {fact.trouble}, {fact.reason} at {fact.entry}{by}[/]"
+        )
