@@ -361,6 +361,10 @@ def _rotate(ctx: click.Context, job: str, grace: float, no_wait: bool) -> None:
     """Begin a rotation, print the new URLs, wait out the grace and finish it."""
     from cohort import acl
 
+    try:
+        acl.check_grace(grace)
+    except acl.AclError as exc:
+        fail(str(exc))
     conn = redis_client(ctx, "cohort-acl")
     with _refusals(f"rotating job {job!r}'s key"):
         rotation = acl.begin_rotation(conn, job, grace)
