@@ -418,6 +418,7 @@ def revoke(conn: Client, job: str, worker: str) -> int:
         )
     conn.sadd(keys.revoked, worker)  # first: whatever the worker still sends is refused
     on_every_node(conn, ["ACL", "DELUSER", name])  # Redis closes its connections too
+    conn.delete(keys.credential(worker))
     killed = 0
     for node in nodes(conn):
         with contextlib.suppress(redis.ResponseError):  # "No such user": DELUSER closed them
@@ -432,6 +433,7 @@ def retire(conn: Client, job: str, worker: str) -> None:
     name = identity.worker_user(job, worker)
     try:
         on_every_node(conn, ["ACL", "DELUSER", name])
+        conn.delete(Keys(job).credential(worker))  # a rotation's secret, if one was left
     except redis.ResponseError as exc:
         raise AclError(f"deleting user {name!r} failed ({exc})") from exc
 
