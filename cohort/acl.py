@@ -1,9 +1,11 @@
 """Redis ACL users for one job: coordinator, worker and viewer roles, and workers' own.
 
 docs/design.md's "Two streams" promise (a worker cannot forge a fact) is kept by Redis
-itself: the worker user may XADD to the inbox and touch its gradient/weights keys,
-read the journal, and nothing else. Only the coordinator user may FCALL the fenced
-functions that write the journal, cursor, snapshot and dead letters. The viewer reads.
+itself: the worker user may XADD to the inbox (and nothing else on it: a Redis 7 selector),
+touch its gradient/weights keys and read the journal, and nothing else. Only the
+coordinator user may FCALL the fenced functions that write the journal, cursor, snapshot
+and dead letters. The viewer reads. Every role may SELECT only the database it was made
+for (`+select|N`): its key patterns would name free keys in another.
 
 A worker speaks only for itself (issue 24, docs/identity.md) once it has its own
 credential: `issue` makes the job's identity key (`Keys.identity`, 32 random bytes, which
@@ -13,23 +15,33 @@ the viewer's skip every key whose name starts with `i` but the inbox) and a user
 HMAC-SHA256(job key, "cohort-worker:" + worker). The worker signs each command with it; the
 leader dead-letters any command that is unsigned, badly signed, signed by a revoked worker,
 or names another worker than its signer. `revoke` deletes the user on every node, kills its
-connections and adds it to the revoked set the leader reads every second.
+connections and adds it to the revoked set the leader reads every second; `unrevoke` takes
+it off that set again.
+
+`begin_rotation` replaces the job key without a restart (issue 33): the old key stays as
+`Keys.identity_previous` until the grace ends (PXAT), the leader verifies under either, each
+worker user takes both passwords, and each worker reads its new secret from
+`Keys.credential(worker)` (its own user alone may) and moves to it; `finish_rotation` leaves
+only the new passwords. `default_user_exposure` / `lock_default` deal with Redis's
+`default` user, which, open, makes every role pointless.
 
 What each mode protects against:
 - no ACLs: nothing; anyone who reaches Redis is every role (the demo, a private Redis).
 - role users: a worker cannot write or fake a fact, the cursor, the lease or dead letters,
-  read the inbox (so it cannot replay another's signed entry) or touch another job.
+  read, trim or delete the inbox (so it cannot replay another's signed entry), leave its
+  database, or touch another job.
 - per-worker credentials: on top, worker A cannot make worker B leave, fail, commit,
   diverge or stay alive; each such command is dead-lettered with the reason.
 
-What ACLs cannot do: a key is writable or not, whatever the arguments, so a worker may
-trim or delete the inbox (XADD ... MAXLEN 0 does it too). That loses unread commands of
-the job, never a fact: the journal, cursor and lease stay out of a worker's reach. And the
-collective's gradient and weights keys are shared by every worker: a worker can corrupt
-another's gradients (the digests in StepDone then disagree: WeightsDiverged), not forge its
-commands.
+What ACLs cannot do: a command is allowed on a key or not, whatever its arguments, so XADD's
+own MAXLEN/MINID may still trim the inbox and an explicit ID move its last ID forward; the
+leader repairs that. And the collective's gradient and weights keys are shared by every
+worker: a worker can corrupt another's gradients (the digests in StepDone then disagree:
+WeightsDiverged), not forge its commands.
 
-`rules` is pure (Redis 7 ACL syntax); `apply`, `issue`, `revoke` and `retire` talk to Redis.
+`rules` and the plans (`rotation_setusers`, `finish_setusers`, `default_exposure`) are pure
+(Redis 7 ACL syntax); `apply`, `issue`, `revoke`, `unrevoke`, `retire`, the rotation and
+`lock_default` talk to Redis.
 """
 
 from __future__ import annotations

@@ -199,3 +199,27 @@ def test_lock_default_with_a_password_keeps_it_on_behind_that_password(
     with pytest.raises(redis.AuthenticationError):
         redis.Redis(port=server.port).ping()
     assert redis.Redis(port=server.port, password="default-pw").ping()
+
+
+# ---------------------------------------------------------------- a rotation's keys
+
+
+def test_only_a_worker_s_own_user_reads_its_handed_out_secret_and_none_reads_the_previous_key(
+    server: LocalRedis, workers: list[redis.Redis], admin: redis.Redis
+) -> None:
+    admin.set(KEYS.identity_previous, b"k" * 32)
+    admin.set(KEYS.credential("a"), b"a's new secret")
+    admin.set(KEYS.credential("b"), b"b's new secret")
+    role, own = workers
+    viewer = as_user(server, acl.user(JOB, "viewer"), PASSWORDS["viewer"])
+    try:
+        assert own.get(KEYS.credential("a")) == b"a's new secret"
+        refused(own, "GET", KEYS.credential("b"))
+        refused(own, "SET", KEYS.credential("a"), "x")
+        for conn in (role, viewer):
+            refused(conn, "GET", KEYS.credential("a"))
+        for conn in (role, own, viewer):
+            refused(conn, "GET", KEYS.identity_previous)
+            refused(conn, "GET", KEYS.identity)
+    finally:
+        viewer.close()
