@@ -1,9 +1,11 @@
 """Redis ACL users for one job: coordinator, worker and viewer roles, and workers' own.
 
 docs/design.md's "Two streams" promise (a worker cannot forge a fact) is kept by Redis
-itself: the worker user may XADD to the inbox and touch its gradient/weights keys,
-read the journal, and nothing else. Only the coordinator user may FCALL the fenced
-functions that write the journal, cursor, snapshot and dead letters. The viewer reads.
+itself: the worker user may XADD to the inbox (and nothing else on it: a Redis 7 selector),
+touch its gradient/weights keys and read the journal, and nothing else. Only the
+coordinator user may FCALL the fenced functions that write the journal, cursor, snapshot
+and dead letters. The viewer reads. Every role may SELECT only the database it was made
+for (`+select|N`): its key patterns would name free keys in another.
 
 A worker speaks only for itself (issue 24, docs/identity.md) once it has its own
 credential: `issue` makes the job's identity key (`Keys.identity`, 32 random bytes, which
@@ -13,25 +15,35 @@ the viewer's skip every key whose name starts with `i` but the inbox) and a user
 HMAC-SHA256(job key, "cohort-worker:" + worker). The worker signs each command with it; the
 leader dead-letters any command that is unsigned, badly signed, signed by a revoked worker,
 or names another worker than its signer. `revoke` deletes the user on every node, kills its
-connections and adds it to the revoked set the leader reads every second.
+connections and adds it to the revoked set the leader reads every second; `unrevoke` takes
+it off that set again.
+
+`begin_rotation` replaces the job key without a restart (issue 33): the old key stays as
+`Keys.identity_previous` until the grace ends (PXAT), the leader verifies under either, each
+worker user takes both passwords, and each worker reads its new secret from
+`Keys.credential(worker)` (its own user alone may) and moves to it; `finish_rotation` leaves
+only the new passwords. `default_user_exposure` / `lock_default` deal with Redis's
+`default` user, which, open, makes every role pointless.
 
 What each mode protects against:
 - no ACLs: nothing; anyone who reaches Redis is every role (the demo, a private Redis).
 - role users: a worker cannot write or fake a fact, the cursor, the lease or dead letters,
-  read the inbox (so it cannot replay another's signed entry) or touch another job.
+  read, trim or delete the inbox (so it cannot replay another's signed entry), leave its
+  database, or touch another job.
 - per-worker credentials: on top, worker A cannot make worker B leave, fail, commit,
   diverge or stay alive; each such command is dead-lettered with the reason. Nor can A
   write B's collective notices, chunks, broadcast pieces or weights (Redis refuses).
 
-What ACLs cannot do: a key is writable or not, whatever the arguments, so a worker may
-trim or delete the inbox (XADD ... MAXLEN 0 does it too). That loses unread commands of
-the job, never a fact: the journal, cursor and lease stay out of a worker's reach. The
-collective's gradient and weights keys end in their writer's worker name (`Keys.by`): a
-worker's own user reads them all and writes only its own (issue 33), so it cannot forge
-another rank's notices or data; the shared worker role writes them all (no identity, no
-authentication).
+What ACLs cannot do: a command is allowed on a key or not, whatever its arguments, so XADD's
+own MAXLEN/MINID may still trim the inbox and an explicit ID move its last ID forward; the
+leader repairs that (coordinator/service.py). The collective's gradient and weights keys
+end in their writer's worker name (`Keys.by`): a worker's own user reads them all and
+writes only its own (issue 33), so it cannot forge another rank's notices or data; the
+shared worker role writes them all (no identity, no authentication).
 
-`rules` is pure (Redis 7 ACL syntax); `apply`, `issue`, `revoke` and `retire` talk to Redis.
+`rules` and the plans (`rotation_setusers`, `finish_setusers`, `default_exposure`) are pure
+(Redis 7 ACL syntax); `apply`, `issue`, `revoke`, `unrevoke`, `retire`, the rotation and
+`lock_default` talk to Redis.
 """
 
 from __future__ import annotations
@@ -41,7 +53,9 @@ import hashlib
 import os
 import re
 import secrets
+import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 from urllib.parse import quote, urlsplit
 
@@ -50,7 +64,7 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from cohort.errors import CohortError
 from cohort.events import identity
-from cohort.events.connection import Client
+from cohort.events.connection import Client, credentials
 from cohort.events.keys import Keys
 
 Role = Literal["coordinator", "worker", "viewer"]
@@ -59,10 +73,11 @@ PASSWORD_ENV = "COHORT_ACL_{role}_PASSWORD"
 MIN_VERSION = (7, 0)  # %R~ / %W~ key permissions
 
 # What redis-py sends on connect and for health checks, for every role. CLIENT SETNAME
-# names the connection (client_name); SELECT follows the URL's /db; a Cluster client asks
-# for the slot map when it connects and after a MOVED.
+# names the connection (client_name); a Cluster client asks for the slot map when it
+# connects and after a MOVED. SELECT is granted for the URL's /db only (`select_rule`):
+# key patterns hold in every database, so another database would be a fresh namespace.
 _CONNECTION = (
-    "+ping", "+hello", "+auth", "+client|setname", "+client|getname", "+select",
+    "+ping", "+hello", "+auth", "+client|setname", "+client|getname",
     # a cluster client's slot map and key positions (COMMAND, COMMAND GETKEYS): no data
     "+cluster|slots", "+cluster|shards", "+command",
 )  # fmt: skip
@@ -116,19 +131,22 @@ def rules(
     job: str,
     role: Role,
     redis_version: tuple[int, int] = MIN_VERSION,
+    *,
     worker: str | None = None,
+    db: int = 0,
 ) -> list[str]:
     """The ACL SETUSER rules of `role` for `job` (no user name, no password).
 
     Everything starts denied (`-@all`, no keys, no channels); each role is then granted
-    only the commands cohort's code paths issue and only its own job's key patterns.
-    `redis_version` adds the commands Redis 7.2 introduced (older servers reject them).
-    `worker` (worker role only) confines the collective's keys to that worker's own:
-    it reads every rank's, and writes only those whose name ends in `/<worker>`.
+    only the commands cohort's code paths issue and only its own job's key patterns, in
+    database `db` alone. `redis_version` adds the commands Redis 7.2 introduced (older
+    servers reject them). `worker` (worker role only) confines the collective's keys to
+    that worker's own: it reads every rank's, and writes only those whose name ends in
+    `/<worker>`.
     """
     keys = Keys(job)
     newer = redis_version >= (7, 2)
-    base = ["resetkeys", "resetchannels", "-@all", *_CONNECTION]
+    base = ["resetkeys", "resetchannels", "-@all", *_CONNECTION, select_rule(db)]
     if newer:
         base += _CONNECTION_7_2
     if role == "coordinator":
@@ -138,7 +156,7 @@ def rules(
         return [
             *base,
             *_WORKER,
-            f"%W~{keys.inbox}",
+            inbox_selector(keys),
             f"%R~{keys.journal}",
             f"%R~{keys.memory}",  # the gradient budget the leader publishes
             *_collective(keys, worker),
@@ -170,6 +188,28 @@ def _collective(keys: Keys, worker: str | None) -> list[str]:
     return [*(f"%R~{pattern}" for pattern in shared), *(f"%W~{pattern}" for pattern in mine)]
 
 
+def select_rule(db: int) -> str:
+    """SELECT of database `db` only (a Redis 7 first-argument rule): a role's key patterns
+    cannot follow it into another database, where every key name is free again."""
+    if db < 0:
+        raise AclError(f"database {db} is not a database number: use the URL's /DB (0 or more)")
+    return f"+select|{db}"
+
+
+def inbox_selector(keys: Keys) -> str:
+    """The inbox as the worker role sees it: XADD, nothing else (a Redis 7 selector, whose
+    permissions add to the user's own). Write access to the key itself would allow DEL,
+    UNLINK, XTRIM, XDEL, XSETID and RENAME of the inbox, and XLEN would read it."""
+    return f"(%W~{keys.inbox} +xadd)"
+
+
+def db_of(conn: Client) -> int:
+    """The database `conn` selects (a cluster has only 0)."""
+    if isinstance(conn, RedisCluster):
+        return 0
+    return int(conn.connection_pool.connection_kwargs.get("db") or 0)
+
+
 def password_hash(password: str) -> str:
     """The `#<sha256>` rule for `password`: the server never sees the password in clear."""
     return "#" + hashlib.sha256(password.encode()).hexdigest()
@@ -179,6 +219,7 @@ def setuser_commands(
     job: str,
     passwords: Mapping[Role, str],
     redis_version: tuple[int, int] = MIN_VERSION,
+    db: int = 0,
 ) -> list[list[str]]:
     """One `ACL SETUSER` argument list per role in `passwords`, in ROLES order.
 
@@ -199,7 +240,7 @@ def setuser_commands(
                 "reset",
                 "on",
                 password_hash(password),
-                *rules(job, role, redis_version),
+                *rules(job, role, redis_version, db=db),
             ]
         )
     return commands
@@ -281,12 +322,13 @@ def apply(
 ) -> list[str]:
     """Create or replace the users of `passwords`' roles on `conn`'s server; their names.
 
-    `conn` must be allowed ACL SETUSER (an admin). `redis_version` defaults to the server's.
+    `conn` must be allowed ACL SETUSER (an admin). `redis_version` defaults to the server's;
+    the users may SELECT only `conn`'s database.
     """
     version = server_version(conn) if redis_version is None else redis_version
     _check_version(version)
     names = []
-    for command in setuser_commands(job, passwords, version):
+    for command in setuser_commands(job, passwords, version, db_of(conn)):
         try:
             on_every_node(conn, command)
         except redis.ResponseError as exc:
@@ -314,7 +356,11 @@ def _explain(exc: redis.ResponseError, name: str) -> AclError:
 
 
 def worker_setuser(
-    job: str, worker: str, secret: str, redis_version: tuple[int, int] = MIN_VERSION
+    job: str,
+    worker: str,
+    secret: str,
+    redis_version: tuple[int, int] = MIN_VERSION,
+    db: int = 0,
 ) -> list[str]:
     """The `ACL SETUSER` arguments of `worker`'s own user: the worker role's rules with the
     collective's keys confined to its own for writing, its secret as the password."""
@@ -325,7 +371,8 @@ def worker_setuser(
         "reset",
         "on",
         password_hash(secret),
-        *rules(job, "worker", redis_version, worker),
+        *rules(job, "worker", redis_version, worker=worker, db=db),
+        f"%R~{Keys(job).credential(worker)}",  # its new secret while the job key rotates
     ]
 
 
@@ -377,7 +424,7 @@ def issue(
     if apply_users:
         _check_version(version)
         for worker, secret in secrets_of.items():
-            command = worker_setuser(job, worker, secret, version)
+            command = worker_setuser(job, worker, secret, version, db_of(conn))
             try:
                 on_every_node(conn, command)
             except redis.ResponseError as exc:
@@ -403,6 +450,7 @@ def revoke(conn: Client, job: str, worker: str) -> int:
         )
     conn.sadd(keys.revoked, worker)  # first: whatever the worker still sends is refused
     on_every_node(conn, ["ACL", "DELUSER", name])  # Redis closes its connections too
+    conn.delete(keys.credential(worker))
     killed = 0
     for node in nodes(conn):
         with contextlib.suppress(redis.ResponseError):  # "No such user": DELUSER closed them
@@ -417,6 +465,7 @@ def retire(conn: Client, job: str, worker: str) -> None:
     name = identity.worker_user(job, worker)
     try:
         on_every_node(conn, ["ACL", "DELUSER", name])
+        conn.delete(Keys(job).credential(worker))  # a rotation's secret, if one was left
     except redis.ResponseError as exc:
         raise AclError(f"deleting user {name!r} failed ({exc})") from exc
 
@@ -455,3 +504,250 @@ def _check_version(version: tuple[int, int]) -> None:
             f"Redis {version[0]}.{version[1]} has no per-key read/write ACLs (%R~, %W~); "
             "cohort's ACL users need Redis >= 7.0"
         )
+
+
+# ---------------------------------------------------------------- the default user
+
+DEFAULT_PASSWORD_ENV = "COHORT_ACL_DEFAULT_PASSWORD"
+Exposure = Literal["nopass", "password"]
+_BROAD = ("+@all", "allcommands", "allkeys", "~*", "%R~*", "%W~*", "%RW~*")
+
+
+def default_exposure(acl_list: Sequence[str]) -> Exposure | None:
+    """How open Redis's `default` user is, from `ACL LIST`'s lines: "nopass" (whoever reaches
+    Redis may run every command or read every key), "password" (whoever knows its password
+    may), None (off, or confined to a few commands and keys)."""
+    for line in acl_list:
+        tokens = line.split()
+        if tokens[:2] != ["user", "default"]:
+            continue
+        if "on" not in tokens or not any(t in _BROAD for t in tokens):
+            return None
+        if "nopass" in tokens:
+            return "nopass"
+        return "password" if any(t.startswith("#") for t in tokens) else None
+    return None
+
+
+def default_warning(exposure: Exposure, job: str) -> str:
+    """What to tell the operator about an open `default` user, and the commands to close it."""
+    lock = f"cohort acl --job {job} --apply --lock-default"
+    if exposure == "password":
+        return (
+            "cohort: note: Redis's `default` user may run every command on every key for "
+            "whoever knows its password (requirepass):\n"
+            "  keep that password away from workers and viewers (they get their own users), "
+            f"or turn `default` off with\n    {lock} --redis-url redis://ADMIN:PASS@HOST:PORT"
+        )
+    return (
+        "cohort: warning: Redis's `default` user is enabled without a password and may run "
+        "every command on every key:\n"
+        "  whoever reaches this Redis is an admin, so the job's role users protect nothing.\n"
+        "  Lock it, after giving the admin a user of its own:\n"
+        "    redis-cli ACL SETUSER admin on '>ADMIN_PASSWORD' '~*' '&*' '+@all'\n"
+        "    redis-cli --user admin --pass ADMIN_PASSWORD ACL SETUSER default off\n"
+        f"  or: {lock} --redis-url redis://admin:ADMIN_PASSWORD@HOST:PORT\n"
+        f"  or keep `default` with a password: {DEFAULT_PASSWORD_ENV}=PASS {lock}\n"
+        "  From then on cohort's admin URL (cohort acl, cohort run) must carry a user: "
+        "redis://admin:ADMIN_PASSWORD@HOST:PORT (or redis://default:PASS@HOST:PORT)."
+    )
+
+
+def default_user_exposure(conn: Client) -> Exposure | None:
+    """How open the `default` user of `conn`'s server is (None as well if ACL LIST is
+    refused: then `conn` is no admin, and whether `default` is open cannot be told)."""
+    try:
+        listed: Any = conn.acl_list()
+    except redis.ResponseError:
+        return None
+    return default_exposure([line.decode() if isinstance(line, bytes) else line for line in listed])
+
+
+def lock_default(conn: Client, password: str | None) -> str:
+    """Turn the `default` user off (or, with `password`, make it need that password) on
+    every node; the outcome in a sentence. Refuses to turn it off under an admin URL that logs
+    in as `default` itself: cohort could not connect as admin again."""
+    refusal = lock_refusal(credentials(conn)[0], password)
+    if refusal is not None:
+        raise DefaultUserError(refusal)
+    rules_ = ["on", "resetpass", password_hash(password)] if password else ["off"]
+    try:
+        on_every_node(conn, ["ACL", "SETUSER", "default", *rules_])
+    except redis.ResponseError as exc:
+        raise _explain(exc, "default") from exc
+    if password:
+        return (
+            f"locked the default user: it now needs the password from ${DEFAULT_PASSWORD_ENV}; "
+            "an admin URL without a user logs in as it: redis://default:PASS@HOST:PORT "
+            "(ACL SETUSER lives in memory: ACL SAVE, or requirepass in redis.conf, keeps it)"
+        )
+    return (
+        "locked the default user: it is off, so nobody logs in without a user of their own "
+        "(ACL SETUSER lives in memory: ACL SAVE, or `user default off` in the ACL file, keeps it)"
+    )
+
+
+def lock_refusal(admin_user: str | None, password: str | None) -> str | None:
+    """Why the `default` user may not be locked as asked from an admin URL logging in as
+    `admin_user`, or None: turned off, it would lock that URL out of Redis."""
+    if password is None and admin_user in (None, "default"):
+        return (
+            "--lock-default would turn off the `default` user, and this --redis-url logs in "
+            "as `default`: give the admin a user of its own first "
+            "(redis-cli ACL SETUSER admin on '>ADMIN_PASSWORD' '~*' '&*' '+@all') and pass "
+            f"--redis-url redis://admin:ADMIN_PASSWORD@HOST:PORT, or set {DEFAULT_PASSWORD_ENV} "
+            "to keep `default` with that password"
+        )
+    return None
+
+
+class DefaultUserError(AclError):
+    """The `default` user cannot be locked as asked; the message names the fix."""
+
+
+# ---------------------------------------------------------------- un-revoking
+
+
+def unrevoke(conn: Client, job: str, worker: str) -> None:
+    """Take `worker` off the revoked set: the leader accepts its signatures again from its
+    next refresh of the set (within a second). Its user is not re-created here (`issue`)."""
+    check_workers([worker])
+    keys = Keys(job)
+    if not conn.srem(keys.revoked, worker):
+        found: Any = conn.smembers(keys.revoked)
+        names = sorted(w.decode() if isinstance(w, bytes) else str(w) for w in found)
+        raise CredentialRefusedError(
+            f"worker {worker!r} is not revoked in job {job!r} (revoked: "
+            f"{', '.join(names) or 'none'}): nothing to un-revoke; check the name"
+        )
+
+
+# ---------------------------------------------------------------- rotating the job key
+
+MIN_GRACE = 10.0
+"""Seconds: a rotation's grace must leave running workers time to read their new secret
+(they look every few seconds) after the leader has read the new key (`SETTLE`)."""
+SETTLE = 3.0
+"""Seconds between writing the new key and handing out the new secrets: the leader reads
+the key every second, so it knows the new one before any worker signs with it."""
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """A rotation under way: the workers whose users take both passwords, their new secrets,
+    and when (server time, ms) the previous key vanishes."""
+
+    job: str
+    secrets: dict[str, str] = field(repr=False)
+    grace_ends_ms: int
+
+
+def rotation_setusers(
+    job: str,
+    workers: Sequence[str],
+    old_key: bytes,
+    new_key: bytes,
+    redis_version: tuple[int, int] = MIN_VERSION,
+    db: int = 0,
+) -> list[list[str]]:
+    """Each worker user as it is during the grace: its rules, its new secret's password and
+    its old one (a Redis user may hold several), so connections made with either log in."""
+    return [
+        [
+            *worker_setuser(job, w, identity.secret_of(new_key, w), redis_version, db),
+            password_hash(identity.secret_of(old_key, w)),
+        ]
+        for w in workers
+    ]
+
+
+def finish_setusers(job: str, workers: Sequence[str], key: bytes) -> list[list[str]]:
+    """Each worker user after the grace: the current key's password alone."""
+    return [
+        [
+            "ACL",
+            "SETUSER",
+            identity.worker_user(job, w),
+            "resetpass",
+            password_hash(identity.secret_of(key, w)),
+        ]
+        for w in workers
+    ]
+
+
+def check_grace(grace: float) -> int:
+    """`grace` in ms, if long enough for a running worker to move to its new secret."""
+    if not grace >= MIN_GRACE:
+        raise AclError(
+            f"--grace {grace:g} is too short: running workers need time to read their new "
+            f"secret; give at least {MIN_GRACE:g} seconds"
+        )
+    return int(grace * 1000)
+
+
+def issued_workers(conn: Client, job: str) -> list[str]:
+    """The workers of `job` that hold a credential: its users named cohort-<job>-w-*, on
+    any node."""
+    found: set[str] = set()
+    for node in nodes(conn):
+        listed: Any = node.acl_users()
+        for name in listed:
+            worker = identity.worker_of_user(
+                job, name.decode() if isinstance(name, bytes) else str(name)
+            )
+            if worker is not None:
+                found.add(worker)
+    return sorted(found)
+
+
+def begin_rotation(conn: Client, job: str, grace: float, settle: float = SETTLE) -> Rotation:
+    """Make a new job key, keep the old one as the previous key until the grace ends (it
+    vanishes by itself), let every worker's user log in with either secret and, `settle`
+    seconds later, hand each worker its new secret (`Keys.credential`). Refused while a
+    rotation's grace is still running."""
+    keys = Keys(job)
+    grace_ms = check_grace(grace)
+    old = job_key(conn, job, create=False)
+    left = int(conn.pttl(keys.identity_previous))
+    if left != -2:
+        raise CredentialRefusedError(
+            f"a rotation of job {job!r}'s key is under way (its grace ends in "
+            f"{max(left, 0) / 1000:.0f} s): end it first with "
+            f"cohort acl --job {job} --finish-rotation"
+        )
+    version = server_version(conn)
+    _check_version(version)
+    workers = issued_workers(conn, job)
+    new = secrets.token_bytes(identity.JOB_KEY_BYTES)
+    seconds, micros = conn.time()  # the server's clock: PXAT is judged by it
+    ends = int(seconds) * 1000 + int(micros) // 1000 + grace_ms
+    conn.set(keys.identity_previous, old, pxat=ends)  # first: both keys verify from now on
+    conn.set(keys.identity, new)
+    for command in rotation_setusers(job, workers, old, new, version, db_of(conn)):
+        try:
+            on_every_node(conn, command)
+        except redis.ResponseError as exc:
+            raise _explain(exc, command[2]) from exc
+    threading.Event().wait(settle)
+    secrets_of = {w: identity.secret_of(new, w) for w in workers}
+    for worker, secret in secrets_of.items():
+        conn.set(keys.credential(worker), secret, pxat=ends)
+    return Rotation(job, secrets_of, ends)
+
+
+def finish_rotation(conn: Client, job: str) -> list[str]:
+    """End a rotation's grace now (idempotent): the previous key goes, so the leader accepts
+    only the current key from its next refresh, every worker's user keeps only the current
+    secret's password, and the handed-out secrets go. Returns the workers."""
+    keys = Keys(job)
+    key = job_key(conn, job, create=False)
+    workers = issued_workers(conn, job)
+    conn.delete(keys.identity_previous)
+    for command in finish_setusers(job, workers, key):
+        try:
+            on_every_node(conn, command)
+        except redis.ResponseError as exc:
+            raise _explain(exc, command[2]) from exc
+    for worker in workers:
+        conn.delete(keys.credential(worker))
+    return workers

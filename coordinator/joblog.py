@@ -161,7 +161,10 @@ class RedisJobLog:
                 f"per-worker credentials; apply them again with "
                 f"cohort acl --job {self.keys.job} --role coordinator --apply"
             ) from exc
-        return Trust(bytes(job_key), frozenset(text(w) for w in revoked))
+        # read after the job key: `cohort acl --rotate` writes it before the new key
+        previous: Any = self.conn.get(self.keys.identity_previous)
+        workers = frozenset(text(w) for w in revoked)
+        return Trust(bytes(job_key), workers, bytes(previous) if previous else None)
 
     def publish_memory(self, ttl_ms: int) -> None:
         # The tightest primary: a step's chunks spread over all of them (docs/redis-ha.md).

@@ -234,8 +234,8 @@ class JobLog(Protocol):
         ...
 
     def trust(self) -> Trust | None:
-        """The job key and the revoked workers, or None if the job has no identity key
-        (then commands need no signature)."""
+        """The job key, the revoked workers and (during a rotation's grace) the previous key,
+        or None if the job has no identity key (then commands need no signature)."""
         ...
 
     def publish_memory(self, ttl_ms: int) -> None:

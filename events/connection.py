@@ -15,6 +15,7 @@ Three kinds of deployment, chosen by the URL's scheme, each through redis-py's o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -417,6 +418,33 @@ def credentials(conn: Client) -> tuple[str | None, str | None]:
         username if isinstance(username, str) else None,
         password if isinstance(password, str) else None,
     )
+
+
+def reauthenticate(conn: Client, username: str | None, password: str) -> None:
+    """Log `conn` in with `password` (AUTH on each server: the server refuses a password it
+    does not take), and every connection it makes or re-makes from now on. Sessions already
+    open stay logged in either way: Redis checks a password only at AUTH."""
+    if isinstance(conn, RedisCluster):
+        servers = [n.redis_connection for n in conn.get_nodes() if n.redis_connection is not None]
+        conn.nodes_manager.connection_kwargs["password"] = password
+    else:
+        servers = [conn]
+    auth = ("AUTH", username, password) if username else ("AUTH", password)
+    for server in servers:
+        server.execute_command(*auth)
+    for server in servers:
+        pool = server.connection_pool
+        pool.connection_kwargs["password"] = password
+        # redis-py keeps each connection's password for its reconnects: no public setter
+        with getattr(pool, "_lock", contextlib.nullcontext()):
+            pooled = [
+                *getattr(pool, "_available_connections", ()),
+                *getattr(pool, "_in_use_connections", ()),
+                *getattr(pool, "_connections", ()),  # BlockingConnectionPool
+            ]
+        for connection in pooled:
+            if connection is not None and hasattr(connection, "password"):
+                connection.password = password
 
 
 def is_cluster(conn: Client) -> bool:

@@ -102,10 +102,16 @@ def operator(job_key: bytes) -> Signer:
 
 @dataclass(frozen=True, slots=True)
 class Trust:
-    """What the leader checks signatures against: the job key and the revoked workers."""
+    """What the leader checks signatures against: the job key, the revoked workers and,
+    during a rotation's grace (`cohort acl --rotate`), the key before it."""
 
     job_key: bytes
     revoked: frozenset[str] = frozenset()
+    previous: bytes | None = None
+
+    def verifying_keys(self) -> tuple[bytes, ...]:
+        """The keys a signature may verify under: the current first."""
+        return (self.job_key,) if self.previous is None else (self.job_key, self.previous)
 
 
 def verify(trust: Trust, fields: dict[bytes, bytes]) -> str | None:
@@ -124,7 +130,8 @@ def verify(trust: Trust, fields: dict[bytes, bytes]) -> str | None:
         return f"entry signed by worker {worker!r} has no command field"
     if worker in trust.revoked:
         return f"worker {worker!r}'s credential is revoked"
-    if not hmac.compare_digest(sign(secret_of(trust.job_key, worker), raw), signature):
+    macs = (sign(secret_of(key, worker), raw) for key in trust.verifying_keys())
+    if not any(hmac.compare_digest(mac, signature) for mac in macs):
         return f"signature does not verify for worker {worker!r}"
     return None
 

@@ -89,6 +89,19 @@ class Keys:
         return f"{self.prefix}:identity"
 
     @property
+    def identity_previous(self) -> str:
+        """The job key before `cohort acl --rotate`, kept (with an expiry) for the rotation's
+        grace: the leader accepts signatures under either. Like the job key, its name starts
+        with 'i', so only coordinators read it."""
+        return f"{self.prefix}:identity:previous"
+
+    def credential(self, worker: str) -> str:
+        """`worker`'s new secret during a rotation's grace, readable by its own user alone: a
+        running worker moves to it without a restart. Its name starts with 'i' (the viewer's
+        patterns skip it)."""
+        return f"{self.prefix}:identity:credential:{worker}"
+
+    @property
     def revoked(self) -> str:
         """The set of workers whose credential `cohort acl --revoke` took back."""
         return f"{self.prefix}:revoked"

@@ -126,7 +126,7 @@ def test_rules_deny_everything_first_and_grant_only_the_job_s_patterns() -> None
         assert patterns and all("cohort:{acl}:" in p or "cohort:{acl/g*}:" in p for p in patterns)
     worker = acl.rules(JOB, "worker")
     assert "+fcall" not in worker and "+fcall_ro" not in worker
-    assert "%W~cohort:{acl}:inbox" in worker and "%R~cohort:{acl}:journal" in worker
+    assert "(%W~cohort:{acl}:inbox +xadd)" in worker and "%R~cohort:{acl}:journal" in worker
     assert "+waitaof" in acl.rules(JOB, "coordinator", (7, 2))
     assert "+waitaof" not in acl.rules(JOB, "coordinator", (7, 0))
 
@@ -215,8 +215,9 @@ def test_worker_cannot_touch_the_dead_letters_or_read_the_inbox(worker_conn: red
     refused(worker_conn, "XRANGE", KEYS.dead, "-", "+")
     refused(worker_conn, "XRANGE", KEYS.inbox, "-", "+")  # other workers' commands
     refused(worker_conn, "XREAD", "STREAMS", KEYS.inbox, "0-0")
-    # Not refusable: write access to the inbox key also allows DEL/XTRIM, and XADD's own
-    # MAXLEN trims (ACLs cannot restrict arguments). That loses unread commands, never facts.
+    # XADD alone on the inbox: test_acl_hardening.py refuses every other command on it. Not
+    # refusable: XADD's own MAXLEN/MINID trims and an explicit ID moves the stream's last ID
+    # (ACLs cannot restrict arguments); the leader repairs that (docs/identity.md).
 
 
 def test_worker_cannot_touch_another_job(worker_conn: redis.Redis) -> None:

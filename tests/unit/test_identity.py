@@ -92,3 +92,26 @@ def test_a_worker_s_own_user_names_it_and_no_other_user_does() -> None:
 def test_names_that_cannot_carry_a_credential_are_refused_naming_them(bad: str) -> None:
     with pytest.raises(identity.IdentityError, match=re.escape(repr(bad))):
         identity.check_worker(bad)
+
+
+# ---------------------------------------------------------------- a rotation's grace
+
+NEW_KEY = bytes(range(1, 33))
+
+
+def test_during_a_rotation_s_grace_either_key_verifies_and_after_it_only_the_new_one() -> None:
+    grace = Trust(NEW_KEY, previous=JOB_KEY)
+    after = Trust(NEW_KEY)
+    old_signed, new_signed = signed_by("a"), signed_by("a", job_key=NEW_KEY)
+    assert identity.verify(grace, old_signed) is None
+    assert identity.verify(grace, new_signed) is None
+    assert identity.verify(after, new_signed) is None
+    assert identity.verify(after, old_signed) == "signature does not verify for worker 'a'"
+
+
+def test_a_revoked_worker_is_refused_under_either_key_of_a_rotation() -> None:
+    grace = Trust(NEW_KEY, revoked=frozenset({"a"}), previous=JOB_KEY)
+    for key in (JOB_KEY, NEW_KEY):
+        assert identity.verify(grace, signed_by("a", job_key=key)) == (
+            "worker 'a''s credential is revoked"
+        )

@@ -58,6 +58,7 @@ from cohort.worker.errors import (
 )
 from cohort.worker.membership import view as views
 from cohort.worker.membership.advice import AdviceChannel
+from cohort.worker.membership.credential import CredentialRefresh
 from cohort.worker.membership.delivery import Delivery
 from cohort.worker.membership.following import JournalFollower
 from cohort.worker.membership.heartbeat import HeartbeatThread
@@ -167,6 +168,9 @@ class Worker:
             self._stop,
             self.log,
             heartbeat_interval,
+            chore=CredentialRefresh(
+                self.conn, self.job, lambda: self.signer, self._use_signer, self.log
+            ),
         )
         self._gpu = AdviceChannel(
             self._stamp,
@@ -198,6 +202,11 @@ class Worker:
             self.log,
             pending=self._heartbeat.joining,
         )
+
+    def _use_signer(self, signer: identity.Signer) -> None:
+        """Sign with `signer` from now on: the job key was rotated (membership/credential.py)."""
+        self.signer = signer
+        self.inbox.signer = signer
 
     def _node(self) -> Node:
         if self.node is None:

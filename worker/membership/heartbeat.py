@@ -33,6 +33,7 @@ class HeartbeatThread:
         stop: threading.Event,
         log: logging.Logger,
         interval: float | None = None,
+        chore: Callable[[], None] | None = None,
     ) -> None:
         self._send = send
         self._stamp = stamp
@@ -41,6 +42,8 @@ class HeartbeatThread:
         self._stop = stop
         self.log = log
         self.given_interval = interval
+        self._chore = chore
+        """Run on every turn (a credential refresh); it keeps its own pace."""
         self.joining = threading.Event()
         """A Join is sent and not answered yet: beat as a member would."""
         self.wake = threading.Event()
@@ -54,6 +57,7 @@ class HeartbeatThread:
             self.wake.clear()
             if self._stop.is_set():
                 return
+            self._run_chore()
             if time.monotonic() < last + self.interval():
                 continue  # woken early by a new config; wait out the (new) interval
             last = time.monotonic()
@@ -67,6 +71,14 @@ class HeartbeatThread:
                 return
             except Exception:
                 self.log.exception("worker %s could not send a heartbeat", self._stamp.worker)
+
+    def _run_chore(self) -> None:
+        if self._chore is None:
+            return
+        try:
+            self._chore()
+        except Exception:
+            self.log.exception("worker %s: a heartbeat chore failed", self._stamp.worker)
 
     def interval(self) -> float:
         """Seconds between beats: as given, else the job's config's, else the default."""
