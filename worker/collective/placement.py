@@ -9,8 +9,9 @@ changes. Chunk i's keys use the tag of primary i mod M.
 
 Correctness never depends on this choice: a writer names the tags it used in its notice,
 and readers build key names from the writer's tags (and the writer's worker name, which
-ends every key: a tag cannot point a reader at another writer's key), so ranks with different slot maps (a
-topology change mid-step) still find each other's chunks; redis-py follows MOVED/ASK to
+ends every key: a tag cannot point a reader at another writer's key), so ranks with
+different slot maps (a topology change mid-step) still find each other's chunks; redis-py
+follows MOVED/ASK to
 wherever a slot moved. Only speed depends on placement. On one server (or Sentinel) there
 are no tags and the key names are those of the job's prefix, as before.
 """

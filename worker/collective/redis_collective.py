@@ -30,10 +30,11 @@ rank's byte crosses the server (3N-2)/N times (a naive hub: every rank reads eve
 whole vector, N*S in + N(N-1)S out). How the bytes are sent and fetched is `wire.py`.
 
 Waiting is one XREAD BLOCK over the other ranks' notice streams and the job's journal at
-once (N streams for N ranks, all in the job's slot), so a WorldChanged wakes the waiter, which raises `WorldChangedError`; the worker's view is also
-rechecked every `WAKE_S`. Every key has a PX TTL, and the keys of an operation are unlinked
-when this rank starts the operation after the next one: every operation here synchronises
-all ranks, so having finished operation i+1 proves that every rank has finished i.
+once (N streams for N ranks, all in the job's slot), so a WorldChanged wakes the waiter,
+which raises `WorldChangedError`; the worker's view is also rechecked every `WAKE_S`. Every
+key has a PX TTL, and the keys of an operation are unlinked when this rank starts the
+operation after the next one: every operation here synchronises all ranks, so having
+finished operation i+1 proves that every rank has finished i.
 
 On Redis Cluster the chunk, reduced and broadcast keys carry a per-primary hash tag
 (`placement.py`: chunk i on primary i mod M), so a step's bytes are spread over every
