@@ -79,8 +79,12 @@ def test_a_worker_s_own_user_reads_every_collective_key_and_writes_only_its_own(
     written = [r[3:] for r in rules if r.startswith("%W~")]
     assert not [r for r in rules if r.startswith("~")]  # nothing both ways for every key
     assert {"cohort:{J}:grad:*", "cohort:{J/g*}:grad:*", "cohort:{J}:weights:*"} <= set(reads)
-    assert written == ["cohort:{J}:inbox", *KEYS.writable("a")]
-    assert acl.worker_setuser("J", "a", "secret")[6:] == rules
+    assert written == list(KEYS.writable("a"))  # the inbox: XADD only, by its own selector
+    assert "(%W~cohort:{J}:inbox +xadd)" in rules
+    assert acl.worker_setuser("J", "a", "secret")[6:] == [
+        *rules,
+        f"%R~{Keys('J').credential('a')}",  # its new secret while the job key rotates
+    ]
 
 
 def test_the_shared_worker_role_keeps_its_broad_patterns() -> None:
