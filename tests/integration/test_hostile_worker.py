@@ -1,0 +1,162 @@
+"""A hostile or buggy worker cannot stop the job, poison the model or erase the evidence
+(issue 33), on a real redis-server with per-worker credentials.
+
+Worker m holds a credential of its own, as any member of the job would, and uses it to
+attack while a and b train: an inbox entry an hour ahead, the largest ID a stream allows,
+entries of 50 MB and 10 MB, 20,000 unsigned heartbeats in b's name, a heartbeat signed with
+its own key in b's name, a forged abort in b's notice stream and writes to b's gradient
+keys. The job goes on: steps keep committing, a and b never fail or leave before the end,
+the coordinator stays up, the final weights are those of the same job without m, and the
+forgery is named in the dead letters, the journal, `cohort status` and the audit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from redis.exceptions import NoPermissionError
+
+from cohort import acl
+from cohort.coordinator.election import load_library
+from cohort.events import identity
+from cohort.events.codec import FIELD, encode
+from cohort.events.connection import RedisSettings, connect
+from cohort.events.keys import Keys
+from cohort.events.models import (
+    CommandsRefused,
+    Heartbeat,
+    InboxRepaired,
+    WorkerFailed,
+    WorkerLeft,
+)
+from cohort.localredis import LocalRedis
+from tests.integration.cluster import Cluster
+
+pytestmark = pytest.mark.redis_server
+
+JOB = "hostile"
+KEYS = Keys(JOB)
+PASSWORDS: dict[acl.Role, str] = {"coordinator": "c-secret", "worker": "w-secret", "viewer": "v"}
+STEPS = 400
+MAX_ID = f"{2**64 - 1}-{2**64 - 1}"
+
+
+def _cohort(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cohort", *args], capture_output=True, text=True, timeout=180,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )  # fmt: skip
+
+
+def _server_ms(conn: redis.Redis) -> int:
+    seconds, micros = conn.time()
+    return seconds * 1000 + micros // 1000
+
+
+def _train(server: LocalRedis, tmp: Path, attack: Any = None) -> tuple[list[str], Cluster]:
+    """a and b train STEPS steps on their own credentials (m holds one too); `attack(run,
+    m)` runs once they train, with m's own connection. The workers' final digests."""
+    admin = server.client()
+    acl.apply(admin, JOB, PASSWORDS)
+    secrets = acl.issue(admin, JOB, ("a", "b", "m"))
+    load_library(admin)
+    own = {w: acl.url_as(server.url, identity.worker_user(JOB, w), s) for w, s in secrets.items()}
+    coordinator_url = acl.role_url(server.url, JOB, "coordinator", PASSWORDS["coordinator"])
+    run = Cluster(url=coordinator_url, conn=admin, job=JOB, tmp=tmp)
+    m = connect(RedisSettings(url=own["m"], client_name="m"))
+    try:
+        leader = run.trainer_coordinator("c1", "--max-steps", str(STEPS), workers=2)
+        workers = {
+            w: run.python(w, "-m", "cohort", "--redis-url", own[w], "example-worker",
+                          "--job", JOB, "--id", w, "--pace", "0.05")
+            for w in ("a", "b")
+        }  # fmt: skip
+        run.until(lambda s: len(s.ranks) == 2 and s.last_committed >= 5, 90, "a and b train")
+        if attack is not None:
+            attack(run, m, secrets["m"])
+        for name, proc in workers.items():
+            assert run.finished(proc, 180) == 0, proc.output()[-3000:]
+            assert proc.summary()["finished"] == f"max_steps={STEPS} reached", name
+        assert run.finished(leader, 60) == 0, leader.output()[-3000:]
+        return [workers[w].summary()["weights_digest"] for w in ("a", "b")], run
+    finally:
+        m.close()
+        run.stop()
+
+
+def _attack(run: Cluster, m: redis.Redis, m_secret: str) -> None:
+    """Everything m's credential can try, each while the job trains."""
+    admin = run.conn
+    committed = run.pull().last_committed
+    # 1. an entry an hour ahead: once, the leader took its clock from it
+    m.xadd(KEYS.inbox, {"e": "x"}, id=f"{_server_ms(admin) + 3_600_000}-0")
+    run.until(lambda s: len(run.of_type(InboxRepaired)) >= 1, 30, "the first repair")
+    # 2. the largest ID a stream allows: every later XADD to the inbox failed
+    m.xadd(KEYS.inbox, {"e": "x"}, id=MAX_ID)
+    run.until(lambda s: len(run.of_type(InboxRepaired)) >= 2, 30, "the second repair")
+    # 3. a forged abort in b's notice stream, a write to b's gradient keys: Redis refuses
+    for refused in (
+        lambda: m.xadd(f"{KEYS.prefix}:grad:1:9:allreduce:events/b", {"p": "abort", "r": 1}),
+        lambda: m.set(KEYS.grad(1, committed + 3, 1, 0, "b"), b"\x00" * 64),
+        lambda: m.delete(KEYS.inbox),
+    ):
+        with pytest.raises(NoPermissionError):
+            refused()
+    # 5. huge entries, and a flood of unsigned heartbeats in b's name
+    m.xadd(KEYS.inbox, {"e": b"\x00" * (50 << 20)})
+    for _ in range(10):
+        m.xadd(KEYS.inbox, {"e": b"\x01" * (10 << 20)})
+    pipe = m.pipeline(transaction=False)
+    flood = encode(Heartbeat(at=0, job=JOB, worker="b", step=0, world=1))
+    for _ in range(20_000):
+        pipe.xadd(KEYS.inbox, {FIELD: flood})
+    pipe.execute()
+    # m's own key, speaking for b
+    forged = identity.Signer("m", m_secret).fields(
+        encode(Heartbeat(at=0, job=JOB, worker="b", step=0, world=1))
+    )
+    m.xadd(KEYS.inbox, forged)  # type: ignore[arg-type]
+    run.until(lambda s: s.counters.forged >= 20_003, 60, "the refusals journaled")
+    assert run.pull().last_committed > committed  # steps kept committing through it all
+
+
+def test_a_hostile_worker_cannot_stop_the_job_poison_it_or_erase_the_evidence(
+    server: LocalRedis, tmp_path: Path
+) -> None:
+    attacked, run = _train(server, tmp_path / "attacked", _attack)
+    admin = run.conn
+
+    assert len(set(attacked)) == 1
+    facts = [f for _, f in run.of_type(WorkerFailed)] + [
+        f for _, f in run.of_type(WorkerLeft) if f.reason != "done"
+    ]
+    assert facts == []  # a and b never failed, nor left before the end
+    repairs = [f for _, f in run.of_type(InboxRepaired)]
+    assert [r.trouble for r in repairs[:2]] == ["ahead", "ahead"]
+    assert repairs[0].ahead_s == pytest.approx(3600, abs=30)
+    rows = {(r.sender, r.verified): r for _, f in run.of_type(CommandsRefused) for r in f.refusals}
+    assert rows[("b", False)].kind == "forged"
+    assert sum(
+        r.count for _, f in run.of_type(CommandsRefused) for r in f.refusals
+        if (r.sender, r.verified) == ("b", False)
+    ) == 20_000  # fmt: skip
+    assert ("m", True) in rows  # its own signature proves who forged in b's name
+    assert int(admin.memory_usage(KEYS.dead) or 0) < 8 << 20  # 150 MB sent, a bounded record kept
+    status = json.loads(_cohort("--redis-url", server.url, "status", "--job", JOB, "--json").stdout)
+    assert status["state"]["counters"]["forged"] >= 20_003
+    audit = _cohort("--redis-url", server.url, "replay", "--job", JOB, "--audit")
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert "audit passed" in audit.stdout
+    assert "inbox repaired (ahead)" in audit.stdout
+    assert "m" in audit.stdout and "its signature" in audit.stdout
+
+    admin.flushall()  # the same job without m: the honest weights
+    clean, _ = _train(server, tmp_path / "clean")
+    assert attacked == clean
