@@ -174,7 +174,7 @@ class RedisJobLog:
                 info = server.info("memory")
             except redis.ResponseError:
                 return  # INFO refused: collectives write without a budget
-            found = budget.Memory(int(info.get("maxmemory", 0)), int(info.get("used_memory", 0)))
+            found = budget.Memory.of_info(info)
             if found.limited and (tightest is None or found.free < tightest.free):
                 tightest = found
         if tightest is None:

@@ -41,6 +41,14 @@ class Memory:
         """Bytes gradients may still take, headroom kept (negative: already over)."""
         return int(self.maxmemory * (1 - HEADROOM)) - self.used
 
+    @classmethod
+    def of_info(cls, info: dict[str, object]) -> Memory:
+        """The figures of INFO memory. Clients' buffers are left out of `used`: a worker's
+        55 MB write that Redis refuses sits in a query buffer for an instant, and counted,
+        it would refuse every step until the next figure (issue 33)."""
+        used = int(info.get("used_memory", 0)) - int(info.get("mem_clients_normal", 0))  # type: ignore[call-overload]
+        return cls(int(info.get("maxmemory", 0)), max(0, used))  # type: ignore[call-overload]
+
     def encode(self) -> bytes:
         return msgpack.packb({"max": self.maxmemory, "used": self.used})  # type: ignore[no-any-return]
 

@@ -26,3 +26,15 @@ def test_published_figures_round_trip_and_garbage_reads_as_none() -> None:
     assert Memory.decode(memory.encode()) == memory
     for raw in (None, b"", b"\xc1", b"\x92\x01\x02"):
         assert Memory.decode(raw) is None
+
+
+def test_clients_buffers_are_not_counted_as_used_memory() -> None:
+    """A worker's 55 MB write that Redis refuses sits in its query buffer for an instant:
+    counted, it would refuse every step until the leader's next figure (issue 33)."""
+    info = {"maxmemory": 100 << 20, "used_memory": 80 << 20, "mem_clients_normal": 56 << 20}
+
+    memory = Memory.of_info(info)
+
+    assert memory == Memory(100 << 20, 24 << 20)
+    assert refusal(memory, 10 << 20) is None
+    assert Memory.of_info({"maxmemory": 0, "used_memory": 5, "mem_clients_normal": 9}).used == 0
