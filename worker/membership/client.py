@@ -135,12 +135,12 @@ class Worker:
         self.keys = Keys(job)
         self.job = job
         self.wait_for_redis = start_wait(wait_for_redis)
-        self.signer = signer_of(conn, job, worker_id)
-        self.id = worker_id or (self.signer.worker if self.signer else default_worker_id())
+        signer = signer_of(conn, job, worker_id)
+        self.id = worker_id or (signer.worker if signer else default_worker_id())
         self.clock: Clock = clock or SystemClock()
         self.log = log or logging.getLogger("cohort.worker")
         self.link = Link(self.log, url_of(conn))
-        self.inbox = Inbox(conn, self.keys.inbox, self.signer)
+        self.inbox = Inbox(conn, self.keys.inbox, signer)  # its signer: the credential, if any
         self.journal = Journal(conn, self.keys.journal)
 
         self.stopping = threading.Event()
@@ -168,9 +168,7 @@ class Worker:
             self._stop,
             self.log,
             heartbeat_interval,
-            chore=CredentialRefresh(
-                self.conn, self.job, lambda: self.signer, self._use_signer, self.log
-            ),
+            chore=CredentialRefresh(self.conn, self.job, self.inbox, self.log),
         )
         self._gpu = AdviceChannel(
             self._stamp,
@@ -203,11 +201,6 @@ class Worker:
             pending=self._heartbeat.joining,
         )
 
-    def _use_signer(self, signer: identity.Signer) -> None:
-        """Sign with `signer` from now on: the job key was rotated (membership/credential.py)."""
-        self.signer = signer
-        self.inbox.signer = signer
-
     def _node(self) -> Node:
         if self.node is None:
             self.node = probed_node(self._gpu_probe, self.log)
@@ -235,8 +228,7 @@ class Worker:
         return self.view.world_version
 
     @property
-    def ranks(self) -> tuple[str, ...]:
-        """The worker holding each rank of the current world, in rank order."""
+    def ranks(self) -> tuple[str, ...]:  # the worker holding each rank of the world, in order
         return self.view.ranks
 
     def rank_hosts(self) -> tuple[str, ...]:

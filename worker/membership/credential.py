@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -19,6 +18,7 @@ import redis
 from cohort.events.connection import Client, credentials, reauthenticate
 from cohort.events.identity import Signer
 from cohort.events.keys import Keys
+from cohort.events.streams import Inbox
 
 POLL_EVERY = 2.0
 """Seconds between looks: a rotation's grace (at least 10 s) leaves room for several."""
@@ -28,24 +28,18 @@ class CredentialRefresh:
     """Called often (the heartbeat thread's every turn), looks every `every` seconds."""
 
     def __init__(
-        self,
-        conn: Client,
-        job: str,
-        signer: Callable[[], Signer | None],
-        switch: Callable[[Signer], None],
-        log: logging.Logger,
-        every: float = POLL_EVERY,
+        self, conn: Client, job: str, inbox: Inbox, log: logging.Logger, every: float = POLL_EVERY
     ) -> None:
         self.conn = conn
+        self.inbox = inbox
+        """Whose `signer` is the worker's credential, switched here when the key rotates."""
         self.keys = Keys(job)
-        self._signer = signer
-        self._switch = switch
         self.log = log
         self.every = every
         self._next = 0.0
 
     def __call__(self) -> None:
-        signer = self._signer()
+        signer = self.inbox.signer
         now = time.monotonic()
         if signer is None or now < self._next:
             return
@@ -58,7 +52,7 @@ class CredentialRefresh:
         except redis.RedisError as exc:  # its user does not take it (yet): keep the old one
             self.log.warning("worker %s could not log in with its new credential: %s", signer, exc)
             return
-        self._switch(Signer(signer.worker, secret))
+        self.inbox.signer = Signer(signer.worker, secret)
         self.log.info(
             "worker %s: job %r's key was rotated; it logs in and signs with its new credential",
             signer.worker,
