@@ -32,19 +32,28 @@ from typing import Any
 
 from bench.fleet import coordinator
 from bench.results import Section, verdict
+from cohort import acl
+from cohort.events import identity
 from cohort.localredis import LocalRedis, free_port
 from cohort.processes import stop_all
 
 BATCH = 64
-ROUTES = ("ddp", "gloo", "redis", "powersgd", "int8")
+SIGNED = "-signed"
+"""A route's suffix for its run with per-worker credentials (docs/identity.md): each rank
+its own Redis user, every command signed, the collective's keys confined to their writer."""
+ROUTES = ("ddp", "gloo", "redis", "powersgd", "int8", "gloo-signed", "redis-signed")
 """The peer, then ElasticJob through torch.distributed (gloo), through Redis, and through
-Redis with compressed gradients (PowerSGD rank 4, int8 blocks; docs/compression.md)."""
+Redis with compressed gradients (PowerSGD rank 4, int8 blocks; docs/compression.md); the
+first two also with per-worker credentials."""
 ROUTE_NAMES = {
     "gloo": "torch.distributed (gloo, DDP)",
     "redis": "Redis",
     "powersgd": "Redis, PowerSGD rank 4",
     "int8": "Redis, int8",
+    "gloo-signed": "torch.distributed (gloo, DDP), per-worker credentials",
+    "redis-signed": "Redis, per-worker credentials",
 }
+PASSWORDS = {"coordinator": "bench-coordinator", "worker": "bench-worker", "viewer": "bench-v"}
 TARGETS = {
     ("gloo", "1m"): 0.95,
     ("gloo", "25m"): 0.95,
@@ -135,7 +144,7 @@ def rank_program(args: argparse.Namespace) -> None:
     import cohort
 
     helpers = tuple(int(pid) for pid in args.helpers.split(",") if pid)
-    backend = "gloo" if args.route == "gloo" else None
+    backend = "gloo" if args.route.startswith("gloo") else None
     job = cohort.torch.ElasticJob(args.job, backend=backend, redis_url=args.redis_url)
     compression = args.route if args.route in ("powersgd", "int8") else None
     model, sgd = job.wrap(
@@ -207,13 +216,16 @@ class Run:
     helpers_ms: float
 
 
-def _ranks(argv: list[str], model: str, world: int, steps: int) -> Run:
-    """Start `world` ranks with `argv` and wait for them; the world is as fast as its
-    slowest rank."""
+def _ranks(
+    argv: list[str], model: str, world: int, steps: int, urls: list[str] | None = None
+) -> Run:
+    """Start `world` ranks with `argv` (and each its own of `urls`) and wait for them; the
+    world is as fast as its slowest rank."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    own = [["--redis-url", url] for url in urls] if urls else [[] for _ in range(world)]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "bench.throughput", "rank", *argv, "--rank", str(r)],
+            [sys.executable, "-m", "bench.throughput", "rank", *argv, *own[r], "--rank", str(r)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -248,17 +260,37 @@ def run(route: str, model: str, world: int, steps: int) -> Run:
         return _ranks([*common, "--port", str(free_port())], model, world, steps)
     with LocalRedis(appendonly=False) as server:
         job = f"tp-{model}-{world}-{route}"
+        url, urls = server.url, None
+        if route.endswith(SIGNED):
+            url, urls = _credentials(server, job, world)
         leader = coordinator(
-            server.url, job, "--min-workers", str(world), "--max-steps", str(steps),
+            url, job, "--min-workers", str(world), "--max-steps", str(steps),
             "--dataset-size", str(steps * world * BATCH), "--batch-size", str(BATCH),
         )  # fmt: skip
         assert leader.popen is not None and server.process is not None
         helpers = f"{leader.popen.pid},{server.process.pid}"
-        where = ["--job", job, "--redis-url", server.url, "--helpers", helpers]
+        where = ["--job", job, "--helpers", helpers]
+        where += ["--redis-url", server.url] if urls is None else []
         try:
-            return _ranks([*common, *where], model, world, steps)
+            return _ranks([*common, *where], model, world, steps, urls)
         finally:
             stop_all([leader])
+
+
+def _credentials(server: LocalRedis, job: str, world: int) -> tuple[str, list[str]]:
+    """The job's role users and a credential per rank (worker r0, r1, ...): the coordinator's
+    URL and each rank's own."""
+    admin = server.client()
+    try:
+        acl.apply(admin, job, PASSWORDS)  # type: ignore[arg-type]
+        secrets = acl.issue(admin, job, [f"r{r}" for r in range(world)])
+    finally:
+        admin.close()
+    own = [
+        acl.url_as(server.url, identity.worker_user(job, f"r{r}"), secrets[f"r{r}"])
+        for r in range(world)
+    ]
+    return acl.role_url(server.url, job, "coordinator", PASSWORDS["coordinator"]), own
 
 
 def cell(

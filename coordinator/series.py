@@ -17,6 +17,7 @@ from cohort.events.codec import decode_command
 from cohort.events.errors import DecodeError
 from cohort.events.models import (
     CheckpointSaved,
+    CommandsRefused,
     EvalReported,
     Fact,
     GpuAdviceCleared,
@@ -82,6 +83,7 @@ class Summary:
     rewinds: int = 0
     discarded_steps: int = 0
     dead_letters: int = 0
+    inbox_repairs: int = 0
     inbox_entries: int = 0
     inbox_skipped: int = 0
     final_world_size: int = 0
@@ -111,6 +113,9 @@ class ReportData:
     """The last TIMELINE_ROWS lines, runs of commits folded, every membership fact kept."""
     timeline_total: int = 0
     """Lines in the whole timeline."""
+    refused: tuple[tuple[str, bool, str, int, int], ...] = ()
+    """What the leaders refused at the inbox (CommandsRefused): (sender, proven by its
+    signature, kind, entries, bytes), most entries first."""
 
 
 # ---------------------------------------------------------------- extraction
@@ -156,6 +161,9 @@ def series(run: Run) -> ReportData:
         summary=_summary(facts, inbox, run),
         timeline=tuple(recent(timeline, TIMELINE_ROWS)),
         timeline_total=len(timeline),
+        refused=tuple(
+            (*row, count, facts.refused_bytes[row]) for row, count in facts.refused.most_common()
+        ),
     )
 
 
@@ -173,6 +181,8 @@ class _FactSeries:
     world_size: int = 0
     discarded: int = 0
     evals: dict[tuple[str, str], list[Point]] = field(default_factory=lambda: defaultdict(list))
+    refused: Counter[tuple[str, bool, str]] = field(default_factory=Counter)
+    refused_bytes: Counter[tuple[str, bool, str]] = field(default_factory=Counter)
 
     def add(self, entry_id: str, fact: Fact) -> None:
         at = fact.at
@@ -194,6 +204,10 @@ class _FactSeries:
             for name, value in fact.metrics.items():
                 if math.isfinite(value):
                     self.evals[(fact.worker, name)].append((at, value))
+        if isinstance(fact, CommandsRefused):
+            for row in fact.refusals:
+                self.refused[(row.sender, row.verified, row.kind)] += row.count
+                self.refused_bytes[(row.sender, row.verified, row.kind)] += row.bytes
         if isinstance(fact, WorldChanged):
             self.world_size = len(fact.ranks)
             self.active.append((at, float(len(fact.ranks))))
@@ -278,6 +292,7 @@ def _summary(facts: _FactSeries, inbox: _InboxSeries, run: Run) -> Summary:
         rewinds=counts["Rewound"],
         discarded_steps=facts.discarded,
         dead_letters=len(run.dead),
+        inbox_repairs=counts["InboxRepaired"],
         inbox_entries=len(run.inbox),
         inbox_skipped=inbox.skipped,
         final_world_size=facts.world_size,

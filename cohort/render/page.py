@@ -402,12 +402,31 @@ def _summary_table(data: ReportData) -> str:
         ("checkpoints saved", s.checkpoints),
         ("rewinds", s.rewinds),
         ("committed steps discarded by rewinds", s.discarded_steps),
-        ("dead letters", s.dead_letters),
+        ("dead letters (retained)", s.dead_letters),
+        ("inbox entries refused (journaled)", sum(r[3] for r in data.refused)),
+        ("of them forged", sum(r[3] for r in data.refused if r[2] == "forged")),
+        ("inbox repairs", s.inbox_repairs),
         ("inbox entries retained", s.inbox_entries),
         ("inbox entries not decodable (skipped)", s.inbox_skipped),
     )
     body = "".join(f'<tr><th>{_escaped(k)}</th><td class="num">{v}</td></tr>' for k, v in rows)
     return f'<table id="summary">{body}</table>'
+
+
+def _refused_table(data: ReportData) -> str:
+    """What the leaders refused at the inbox, by sender (empty: nothing was)."""
+    if not data.refused:
+        return ""
+    rows = "".join(
+        f"<tr><td>{_escaped(sender)}</td><td>{'its signature' if proven else 'claimed'}</td>"
+        f'<td>{_escaped(kind)}</td><td class="num">{count}</td><td class="num">{size}</td></tr>'
+        for sender, proven, kind, count, size in data.refused
+    )
+    return (
+        "<h2>Refused at the inbox</h2>"
+        '<table id="refused"><thead><tr><th>sender</th><th>proven by</th><th>kind</th>'
+        f"<th>entries</th><th>bytes</th></tr></thead><tbody>{rows}</tbody></table>"
+    )
 
 
 def _timeline_table(data: ReportData) -> str:
@@ -513,6 +532,7 @@ hover one for what happened.</p>
 {figures}
 <h2>Summary</h2>
 {_summary_table(data)}
+{_refused_table(data)}
 <h2>Timeline</h2>
 {_timeline_table(data)}
 <script>{SCRIPT}</script>

@@ -20,6 +20,7 @@ from cohort.coordinator.replay import Run, export
 from cohort.coordinator.series import MAX_POINTS, TIMELINE_ROWS, ReportData, Series, series
 from cohort.events.codec import FIELD, encode
 from cohort.events.models import (
+    CommandsRefused,
     DataPosition,
     Event,
     GpuAdviceCleared,
@@ -27,9 +28,11 @@ from cohort.events.models import (
     GpuDevice,
     GpuReading,
     Heartbeat,
+    InboxRepaired,
     JobConfig,
     JobConfigured,
     LeaderElected,
+    Refusal,
     Rewound,
     StepCommitted,
     StepDone,
@@ -493,3 +496,28 @@ def test_failures_at_one_instant_are_all_named_on_the_failures_lane() -> None:
     named = labels(render(series(s.run), "run"), "plot-events")
 
     assert len(named) == 1 and all(worker in named[0] for worker in WORKERS), named
+
+
+def test_what_the_leaders_refused_is_listed_by_sender_with_the_inbox_repairs() -> None:
+    s = Streams()
+    s.fact(JobConfigured(at=T0, job=JOB, config=JobConfig(min_workers=2)))
+    for at, count in ((T0 + 5, 30), (T0 + 10, 12)):
+        s.fact(
+            CommandsRefused(
+                at=at, job=JOB, first="1-0", last="2-0",
+                refusals=(
+                    Refusal(sender="b", kind="forged", count=count, bytes=100 * count),
+                    Refusal(sender="m", verified=True, kind="forged", count=1, bytes=90),
+                ),
+            )
+        )  # fmt: skip
+    s.fact(InboxRepaired(at=T0 + 6, job=JOB, trouble="ahead", entry="9-0", ahead_s=3600.0))
+
+    data = series(s.run)
+    page = render(data, "t")
+
+    assert data.refused == (("b", False, "forged", 42, 4200), ("m", True, "forged", 2, 180))
+    assert data.summary.inbox_repairs == 1
+    table = page[page.index('<table id="refused">') :]
+    assert "<td>b</td><td>claimed</td><td>forged</td>" in table
+    assert "<td>m</td><td>its signature</td>" in table

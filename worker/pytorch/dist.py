@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from cohort.events.connection import Client
-from cohort.events.keys import Keys
+from cohort.events.keys import Keys, by
 from cohort.worker.errors import (
     RemovedError,
     RendezvousError,
@@ -81,9 +81,12 @@ def _unpin(obj: Any) -> None:
     ctypes.pythonapi.Py_DecRef(ctypes.py_object(obj))
 
 
-def store_key(job: str, world: int) -> str:
-    """Where rank 0 of `world` publishes its TCPStore's host:port (a stream of one entry)."""
-    return f"{Keys(job).prefix}:tcpstore:{world}"
+def store_key(job: str, world: int, writer: str) -> str:
+    """Where rank 0 of `world`, worker `writer`, publishes its TCPStore's host:port (a stream
+    of one entry). Among the collective's keys, named for its writer: under per-worker
+    credentials nobody else can write it, so no worker can send the ranks to a store of its
+    own (docs/identity.md)."""
+    return by(f"{Keys(job).prefix}:grad:tcpstore:{world}", writer)
 
 
 def default_host() -> str:
@@ -295,7 +298,7 @@ class ElasticProcessGroup:
         assignment = view.assignment
         assert assignment is not None
         version, rank = assignment.world_version, assignment.rank
-        key = store_key(self.job, version)
+        key = store_key(self.job, version, view.ranks[0])
         wait = timedelta(seconds=self.timeout)
         if rank == 0:
             try:
