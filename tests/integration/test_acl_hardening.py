@@ -88,8 +88,8 @@ def test_a_worker_may_xadd_to_the_inbox_and_nothing_else_on_it(
         for command in (
             ("DEL", inbox), ("UNLINK", inbox), ("XTRIM", inbox, "MAXLEN", 0),
             ("XDEL", inbox, entry), ("XSETID", inbox, "9999999999999-0"),
-            ("RENAME", inbox, KEYS.grad(1, 0, 0, 0)), ("RENAME", KEYS.grad(1, 0, 0, 0), inbox),
-            ("COPY", KEYS.grad(1, 0, 0, 0), inbox), ("PEXPIRE", inbox, 1), ("EXPIRE", inbox, 1),
+            ("RENAME", inbox, KEYS.grad(1, 0, 0, 0, "a")), ("RENAME", KEYS.grad(1, 0, 0, 0, "a"), inbox),
+            ("COPY", KEYS.grad(1, 0, 0, 0, "a"), inbox), ("PEXPIRE", inbox, 1), ("EXPIRE", inbox, 1),
             ("XLEN", inbox), ("XRANGE", inbox, "-", "+"), ("XREVRANGE", inbox, "+", "-"),
             ("XREAD", "STREAMS", inbox, "0-0"), ("SET", inbox, "x"), ("GET", inbox),
             ("EXISTS", inbox), ("XINFO", "STREAM", inbox), ("TYPE", inbox),
@@ -116,7 +116,7 @@ def test_every_role_selects_its_own_database_and_no_other(server: LocalRedis, db
                 for other in {0, 1, 2} - {db}:
                     refused(conn, "SELECT", other)
                 refused(conn, "SWAPDB", db, 1 - min(db, 1))
-                grad = KEYS.grad(1, 0, 0, 0)
+                grad = KEYS.grad(1, 0, 0, 0, "a")
                 refused(conn, "MOVE", grad, 1)
                 refused(conn, "COPY", grad, grad, "DB", 1)
             finally:
@@ -131,7 +131,7 @@ def test_every_role_selects_its_own_database_and_no_other(server: LocalRedis, db
 def test_a_worker_in_its_database_cannot_write_into_another(
     workers: list[redis.Redis], admin: redis.Redis
 ) -> None:
-    grad = KEYS.grad(1, 0, 0, 0)
+    grad = KEYS.grad(1, 0, 0, 0, "a")
     for conn in workers:
         assert conn.set(grad, b"blob", px=60_000)
         refused(conn, "SELECT", 1)
