@@ -69,13 +69,13 @@ class Cluster:
         """`cohort *args` against this job's Redis."""
         return self.python(name, "-m", "cohort", "--redis-url", self.url, *args)
 
-    def python(self, name: str, *args: str) -> Process:
-        """`python *args`, run from the project's root, its output in `tmp/name.log`;
-        `stop` ends it."""
+    def python(self, name: str, *args: str, env: dict[str, str] | None = None) -> Process:
+        """`python *args`, run from the project's root (with `env` added to the
+        environment), its output in `tmp/name.log`; `stop` ends it."""
         log = self.tmp / f"{name}.log"
         argv = [sys.executable, *args]
         handle = log.open("wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         popen = subprocess.Popen(
             argv, stdout=handle, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
             cwd=ROOT,

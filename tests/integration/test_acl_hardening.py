@@ -84,12 +84,12 @@ def test_a_worker_may_xadd_to_the_inbox_and_nothing_else_on_it(
 ) -> None:
     for conn in workers:
         entry = Inbox(conn, KEYS.inbox).send(Join(at=0, job=JOB, worker="a"), maxlen=1000)
-        inbox = KEYS.inbox
+        inbox, grad = KEYS.inbox, KEYS.grad(1, 0, 0, 0, "a")
         for command in (
             ("DEL", inbox), ("UNLINK", inbox), ("XTRIM", inbox, "MAXLEN", 0),
             ("XDEL", inbox, entry), ("XSETID", inbox, "9999999999999-0"),
-            ("RENAME", inbox, KEYS.grad(1, 0, 0, 0, "a")), ("RENAME", KEYS.grad(1, 0, 0, 0, "a"), inbox),
-            ("COPY", KEYS.grad(1, 0, 0, 0, "a"), inbox), ("PEXPIRE", inbox, 1), ("EXPIRE", inbox, 1),
+            ("RENAME", inbox, grad), ("RENAME", grad, inbox),
+            ("COPY", grad, inbox), ("PEXPIRE", inbox, 1), ("EXPIRE", inbox, 1),
             ("XLEN", inbox), ("XRANGE", inbox, "-", "+"), ("XREVRANGE", inbox, "+", "-"),
             ("XREAD", "STREAMS", inbox, "0-0"), ("SET", inbox, "x"), ("GET", inbox),
             ("EXISTS", inbox), ("XINFO", "STREAM", inbox), ("TYPE", inbox),

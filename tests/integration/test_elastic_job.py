@@ -26,8 +26,13 @@ if os.environ.get("CI") == "true":
 else:
     torch = pytest.importorskip("torch")
 
+from cohort import acl  # noqa: E402
 from cohort.coordinator.audit import audit, committed_batches  # noqa: E402
-from cohort.localredis import free_port  # noqa: E402
+from cohort.events import identity  # noqa: E402
+from cohort.localredis import (
+    LocalRedis,  # noqa: E402
+    free_port,  # noqa: E402
+)
 from tests.integration.cluster import ROOT, Cluster, Process  # noqa: E402
 from tests.integration.gloo import join_gloo, leave_gloo, load_example  # noqa: E402
 
@@ -58,10 +63,13 @@ def ddp_rank(rank: int, port: int, batches_file: Path, out: Path) -> None:
     leave_gloo()
 
 
-def twin(cluster: Cluster, name: str, epochs: int = EPOCHS, *more: str) -> Process:
+def twin(
+    cluster: Cluster, name: str, epochs: int = EPOCHS, *more: str, url: str | None = None
+) -> Process:
+    """examples/elastic_train.py as `name`; `url`: its own $COHORT_REDIS_URL."""
     return cluster.python(
         name, str(ROOT / "examples" / "elastic_train.py"), "--save", str(cluster.saved(name)),
-        "--epochs", str(epochs), *more,
+        "--epochs", str(epochs), *more, env={"COHORT_REDIS_URL": url} if url else None,
     )  # fmt: skip
 
 
@@ -125,6 +133,44 @@ def test_two_twins_end_with_the_parameters_of_ddp_over_gloo(
     )
     assert max(diffs) <= TOLERANCE
     assert cluster.state.counters.left == 2 and not cluster.state.members  # both left cleanly
+
+
+@pytest.mark.parametrize("route", ["redis", "gloo"])
+def test_twins_on_their_own_credentials_train_with_nothing_refused(
+    server: LocalRedis, tmp_path: Path, route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-worker credentials (docs/identity.md) on both routes: every command signed, the
+    collective's keys (and the gloo route's store address) written under each rank's own
+    name, and Redis refuses none of what the twins do."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    if route == "gloo":
+        monkeypatch.setenv("COHORT_TORCH_BACKEND", "gloo")
+    admin = server.client()
+    job = "own"
+    monkeypatch.setenv("COHORT_JOB", job)
+    passwords: dict[acl.Role, str] = {"coordinator": "c", "worker": "w", "viewer": "v"}
+    acl.apply(admin, job, passwords)
+    secrets = acl.issue(admin, job, ["w0", "w1"])
+    admin.acl_log_reset()
+    url = acl.role_url(server.url, job, "coordinator", passwords["coordinator"])
+    cluster = Cluster(url=url, conn=admin, job=job, tmp=tmp_path)
+    try:
+        coordinator = cluster.coordinator(
+            "c1", "--min-workers", "2", "--dataset-size", "1024", "--batch-size", str(BATCH),
+            "--epochs", "1",
+        )  # fmt: skip
+        own = {
+            w: acl.url_as(server.url, identity.worker_user(job, w), s) for w, s in secrets.items()
+        }
+        procs = [twin(cluster, w, 1, url=own[w]) for w in ("w0", "w1")]
+        for proc in (*procs, coordinator):
+            assert cluster.finished(proc, 180) == 0, proc.output()[-3000:]
+        assert max_abs_diff(load(cluster.saved("w0")), load(cluster.saved("w1"))) == 0
+        assert admin.acl_log() == []
+        assert cluster.pull().finished == "epochs=1 finished"
+    finally:
+        cluster.stop()
+        admin.close()
 
 
 @pytest.mark.parametrize("route", ["redis", "gloo"])
