@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,7 @@ def _server_ms(conn: redis.Redis) -> int:
 def _train(server: LocalRedis, tmp: Path, attack: Any = None) -> tuple[list[str], Cluster]:
     """a and b train STEPS steps on their own credentials (m holds one too); `attack(run,
     m)` runs once they train, with m's own connection. The workers' final digests."""
+    tmp.mkdir()
     admin = server.client()
     acl.apply(admin, JOB, PASSWORDS)
     secrets = acl.issue(admin, JOB, ("a", "b", "m"))
@@ -135,7 +137,7 @@ def test_a_hostile_worker_cannot_stop_the_job_poison_it_or_erase_the_evidence(
 
     assert len(set(attacked)) == 1
     facts = [f for _, f in run.of_type(WorkerFailed)] + [
-        f for _, f in run.of_type(WorkerLeft) if f.reason != "done"
+        f for _, f in run.of_type(WorkerLeft) if f.reason not in ("done", "finished")
     ]
     assert facts == []  # a and b never failed, nor left before the end
     repairs = [f for _, f in run.of_type(InboxRepaired)]
@@ -150,12 +152,13 @@ def test_a_hostile_worker_cannot_stop_the_job_poison_it_or_erase_the_evidence(
     assert ("m", True) in rows  # its own signature proves who forged in b's name
     assert int(admin.memory_usage(KEYS.dead) or 0) < 8 << 20  # 150 MB sent, a bounded record kept
     status = json.loads(_cohort("--redis-url", server.url, "status", "--job", JOB, "--json").stdout)
-    assert status["state"]["counters"]["forged"] >= 20_003
+    assert status["counters"]["forged"] >= 20_003
     audit = _cohort("--redis-url", server.url, "replay", "--job", JOB, "--audit")
     assert audit.returncode == 0, audit.stdout + audit.stderr
-    assert "audit passed" in audit.stdout
-    assert "inbox repaired (ahead)" in audit.stdout
-    assert "m" in audit.stdout and "its signature" in audit.stdout
+    said = " ".join(audit.stdout.split())  # as the terminal's width wrapped it
+    assert "audit passed" in said
+    assert "inbox repaired: ahead" in said
+    assert re.search(r"│ m\s+│ its signature\s+│ forged", audit.stdout)
 
     admin.flushall()  # the same job without m: the honest weights
     clean, _ = _train(server, tmp_path / "clean")

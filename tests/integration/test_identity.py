@@ -356,8 +356,8 @@ def test_cohort_acl_worker_prints_a_url_whose_worker_signs_as_itself(job: Job) -
         from cohort.worker.membership.client import Worker
 
         worker = Worker(conn, JOB)  # no id given: its credential's
-        assert worker.id == "d" and worker.signer is not None
-        assert worker.signer.secret == identity.secret_of(job.admin.get(KEYS.identity), "d")
+        assert worker.id == "d" and worker.inbox.signer is not None
+        assert worker.inbox.signer.secret == identity.secret_of(job.admin.get(KEYS.identity), "d")
     finally:
         conn.close()
 

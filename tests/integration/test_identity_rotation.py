@@ -138,7 +138,7 @@ def test_a_rotation_during_training_loses_no_step_and_after_the_grace_the_old_ke
         new_key: Any = admin.get(KEYS.identity)
         assert new_key != old_key and admin.exists(KEYS.identity_previous) == 0
         for name in ("a", "b"):  # each moved to its new secret without a restart
-            signer = jobs[name].worker.signer
+            signer = jobs[name].worker.inbox.signer
             assert signer is not None and signer.secret == identity.secret_of(new_key, name)
         # the old passwords log in no more; every worker connection made from now on uses
         # the new one: cut them all and training goes on
