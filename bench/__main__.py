@@ -57,6 +57,9 @@ FULL: dict[str, Callable[[], Section]] = {
     "order": lambda: order.measure((60_000, 1_000_000, 10_000_000), 5),
     "loader": lambda: loader.run(200, 100, 5, 3),
     "throughput": lambda: throughput.measure((2, 4), ("1m", "25m"), 3),
+    "throughput-signed": lambda: throughput.measure(
+        (2, 4), ("1m",), 3, routes=throughput.SIGNED_ROUTES, key="throughput-signed"
+    ),
     "figures": lambda: figures.measure(5, 100),
     "chaos": lambda: chaos.measure(10),
 }
@@ -78,6 +81,9 @@ QUICK: dict[str, Callable[[], Section]] = {
     "order": lambda: order.measure((60_000, 1_000_000), 3),
     "loader": lambda: loader.run(40, 100, 5, 1),
     "throughput": lambda: throughput.measure((2,), ("1m",), 1, steps=10),
+    "throughput-signed": lambda: throughput.measure(
+        (2,), ("1m",), 1, steps=10, routes=throughput.SIGNED_ROUTES, key="throughput-signed"
+    ),
     "figures": lambda: figures.measure(1, 20),
     "chaos": lambda: chaos.measure(0.5),
 }

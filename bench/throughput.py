@@ -53,6 +53,8 @@ ROUTE_NAMES = {
     "gloo-signed": "torch.distributed (gloo, DDP), per-worker credentials",
     "redis-signed": "Redis, per-worker credentials",
 }
+SIGNED_ROUTES = ("gloo", "redis", "gloo-signed", "redis-signed")
+"""The routes the section with per-worker credentials compares, in the same rounds."""
 PASSWORDS = {"coordinator": "bench-coordinator", "worker": "bench-worker", "viewer": "bench-v"}
 TARGETS = {
     ("gloo", "1m"): 0.95,
@@ -311,7 +313,10 @@ def measure(
     runs: int,
     steps: int | None = None,
     routes: tuple[str, ...] = ("gloo", "redis"),
+    key: str = "throughput",
 ) -> Section:
+    """`runs` rounds of every cell; `key` names the section (a second one of another set of
+    routes keeps the first)."""
     _check(ranks, models, runs, steps, routes)
     command = (
         f"python -m bench.throughput --ranks {','.join(map(str, ranks))} "
@@ -329,15 +334,23 @@ def measure(
                 "steps": steps or MODELS[model].steps,
                 "rounds": [{route: asdict(got) for route, got in r.items()} for r in rounds],
             }
-    return summary(raw, command)
+    return summary(raw, command, key)
 
 
-def summary(raw: dict[str, Any], command: str) -> Section:
+SIGNED_TITLE = (
+    "Training throughput with per-worker credentials (authenticated collective traffic), "
+    "against the same routes without and plain DDP, same run"
+)
+
+
+def summary(raw: dict[str, Any], command: str, key: str = "throughput") -> Section:
     """The section of measured `raw` cells ({"model/ranks": {"steps", "rounds"}}): a row
     per cell and route, medians of the rounds, and a line for each missed target."""
     section = Section(
-        key="throughput",
-        title="Training throughput: ElasticJob against plain DDP (gloo), same run",
+        key=key,
+        title="Training throughput: ElasticJob against plain DDP (gloo), same run"
+        if key == "throughput"
+        else SIGNED_TITLE,
         command=command,
         header=["model", "ranks", "timed steps", "ElasticJob's gradients", "DDP samples/s",
                 "ElasticJob samples/s", "ratio", "target", "",
