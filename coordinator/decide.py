@@ -58,6 +58,7 @@ from cohort.events.models import (
     CheckpointWritten,
     Command,
     DataPosition,
+    DataRefused,
     Dataset,
     DatasetDeclared,
     EpochDone,
@@ -190,6 +191,8 @@ def _during_training(plan: _DecisionPlan, seen: Liveness, command: Command) -> N
             _evaluated(plan, command)
         case RegisterWorkload():
             _workload(plan, command)
+        case DataRefused():
+            _refused_data(plan, seen, command)
         case EpochDone() | TransfersWaiting():
             pass  # observed only
 
@@ -315,6 +318,24 @@ def _leave(plan: _DecisionPlan, command: Leave) -> None:
         return
     plan.emit(WorkerLeft, worker=command.worker, reason=reason)
     _new_world(plan, f"{command.worker} left")
+
+
+def _refused_data(plan: _DecisionPlan, seen: Liveness, command: DataRefused) -> None:
+    """A rank's collective data failed verification where another rank of its world read
+    it. Any rank may say so, so it takes a majority of the accused's peers (one of one in
+    a world of two) to remove it: a WorkerLeft saying why, and a new world without it."""
+    state = plan.state
+    accused = command.accused
+    if command.world != state.world_version or accused == command.worker:
+        return
+    if accused not in state.ranks or command.worker not in state.ranks:
+        return
+    accusers = sorted(seen.refused.get((command.world, accused), set()) & set(state.ranks))
+    if 2 * len(accusers) <= len(state.ranks) - 1:
+        return
+    why = f"its data for step {command.step} failed verification by {_bounded_list(accusers)}"
+    plan.emit(WorkerLeft, worker=accused, reason=f"removed: {why} ({command.reason})"[:1024])
+    _new_world(plan, f"{accused} removed: {why}")
 
 
 def _gpu(plan: _DecisionPlan, reading: GpuReading) -> None:

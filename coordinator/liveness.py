@@ -18,6 +18,7 @@ from statistics import median
 
 from cohort.events.models import (
     Command,
+    DataRefused,
     GpuReading,
     Heartbeat,
     Join,
@@ -26,6 +27,7 @@ from cohort.events.models import (
 )
 
 KEEP_STEPS = 256  # step reports and times older than this many steps are dropped
+KEEP_REFUSALS = 1024  # (world, accused) pairs whose refusals are kept, the oldest dropped
 
 
 class Liveness:
@@ -41,6 +43,8 @@ class Liveness:
         """Each worker's figures (`job.record`) as its latest report that had any said them."""
         self.gpus: dict[str, GpuReading] = {}
         self.transfers: dict[str, TransfersWaiting] = {}
+        self.refused: dict[tuple[int, str], set[str]] = {}
+        """(world, accused) -> the ranks that refused its data (DataRefused)."""
         self.commands = 0
 
     def observe(self, command: Command, received_at: float) -> None:
@@ -68,6 +72,10 @@ class Liveness:
                 self.transfers[worker] = command
             case Join():
                 self.progress.pop(worker, None)
+            case DataRefused():
+                self.refused.setdefault((command.world, command.accused), set()).add(worker)
+                while len(self.refused) > KEEP_REFUSALS:
+                    del self.refused[next(iter(self.refused))]
 
     def _progress(self, worker: str, world: int, step: int) -> None:
         old_world, old_step = self.progress.get(worker, (-1, -1))

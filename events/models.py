@@ -268,6 +268,20 @@ class Leave(Event):
     reason: Text = ""
 
 
+class DataRefused(Event):
+    """What `accused` wrote for a collective of `step` in world `world` failed verification
+    where `worker` read it (worker/collective's CorruptDataError: a blob that does not
+    unpack, or of other sizes or dtypes than the call's). The leader removes a rank that a
+    majority of its world's other ranks refuse (docs/identity.md)."""
+
+    type: Literal["DataRefused"] = "DataRefused"
+    worker: WorkerId
+    accused: WorkerId
+    world: Count
+    step: Count
+    reason: Text = ""
+
+
 class EvalDone(Event):
     """An evaluator evaluated the weights after `step` (a checkpoint's): its `metrics`."""
 
@@ -342,7 +356,8 @@ Command = Annotated[
     | Resume
     | EvalDone
     | RegisterWorkload
-    | TransfersWaiting,
+    | TransfersWaiting
+    | DataRefused,
     Field(discriminator="type"),
 ]
 

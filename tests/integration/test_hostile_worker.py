@@ -163,3 +163,54 @@ def test_a_hostile_worker_cannot_stop_the_job_poison_it_or_erase_the_evidence(
     admin.flushall()  # the same job without m: the honest weights
     clean, _ = _train(server, tmp_path / "clean")
     assert attacked == clean
+
+
+# A rank whose every chunk is 12 zero bytes, under its own name: what its own credential
+# allows, and what its peers must refuse and be rid of.
+MALFORMED = """
+import sys
+from cohort.worker.collective import redis_collective
+
+def store(self, call, items):
+    return real(self, call, [(key, [b"\\\\x00" * 12]) for key, _ in items])
+
+real = redis_collective.Collective._store
+redis_collective.Collective._store = store
+from cohort.cli import main
+sys.exit(main())
+"""
+
+
+def test_a_rank_that_writes_malformed_data_is_named_and_removed_and_the_others_train_on(
+    server: LocalRedis, tmp_path: Path
+) -> None:
+    admin = server.client()
+    acl.apply(admin, JOB, PASSWORDS)
+    secrets = acl.issue(admin, JOB, ("a", "b", "c"))
+    own = {w: acl.url_as(server.url, identity.worker_user(JOB, w), s) for w, s in secrets.items()}
+    coordinator_url = acl.role_url(server.url, JOB, "coordinator", PASSWORDS["coordinator"])
+    run = Cluster(url=coordinator_url, conn=admin, job=JOB, tmp=tmp_path)
+    try:
+        leader = run.trainer_coordinator("c1", "--max-steps", "60", workers=3)
+        argv = ("example-worker", "--job", JOB, "--pace", "0.05")
+        honest = {
+            w: run.python(w, "-m", "cohort", "--redis-url", own[w], *argv, "--id", w)
+            for w in ("a", "b")
+        }
+        hostile = run.python("c", "-c", MALFORMED, "--redis-url", own["c"], *argv, "--id", "c")
+        for name, proc in honest.items():
+            assert run.finished(proc, 180) == 0, proc.output()[-3000:]
+            assert proc.summary()["finished"] == "max_steps=60 reached", name
+        assert run.finished(leader, 60) == 0, leader.output()[-3000:]
+        run.finished(hostile, 60)
+        left = [f for _, f in run.of_type(WorkerLeft) if f.worker == "c"]
+        assert left and left[0].reason.startswith("removed: its data for step")
+        assert "failed verification by a, b" in left[0].reason
+        assert not run.of_type(WorkerFailed)
+        others = [f for _, f in run.of_type(WorkerLeft) if f.worker != "c"]
+        assert all(f.reason in ("done", "finished") for f in others)  # only at the end
+        assert len({honest[w].summary()["weights_digest"] for w in ("a", "b")}) == 1
+        assert "CorruptDataError" in honest["a"].output() or "refused" in honest["a"].output()
+    finally:
+        run.stop()
+        admin.close()

@@ -452,6 +452,9 @@ class Collective:
         self.wire = Wire(conn)
         link = getattr(worker, "link", None)
         self.link: Link = link if isinstance(link, Link) else Link(LOG, url_of(conn))
+        self.on_corrupt: Callable[[CorruptDataError], None] | None = None
+        """Called with a CorruptDataError before it is raised: the worker's loop names the
+        writer to the leader and waits for the world without it (worker/loop/elastic.py)."""
 
     # ------------------------------------------------------------ public
     def allreduce(
@@ -639,6 +642,10 @@ class Collective:
             return body()
         except MemoryBudgetError:
             self._withdraw(call)
+            raise
+        except CorruptDataError as exc:
+            if self.on_corrupt is not None:
+                self.on_corrupt(exc)
             raise
         except redis.RedisError as exc:
             raise CollectiveError(f"{call.what()}: Redis failed: {exc}") from exc

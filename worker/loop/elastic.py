@@ -38,12 +38,13 @@ from cohort.events import deal
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.errors import InvalidValueError
 from cohort.events.keys import check_job
-from cohort.events.models import Dataset, Metrics, Node
+from cohort.events.models import DataRefused, Dataset, Metrics, Node
 from cohort.events.order import Order
 from cohort.events.shards import Range
 from cohort.worker.collective import calls
 from cohort.worker.collective.redis_collective import Collective, World
 from cohort.worker.errors import (
+    CorruptDataError,
     Finished,
     JoinRefusedError,
     NotAssignedError,
@@ -242,6 +243,7 @@ class Elastic:
         self.collective = Collective(
             self.conn, job, self.worker, timeout=collective_timeout, ride_out=ride_out
         )
+        self.collective.on_corrupt = self._refused_data
         self.digest_every = digest_every
         self._reset_walk()
         if signals:
@@ -712,6 +714,19 @@ class Elastic:
         for callback in self._world_callbacks:
             callback(old, assignment.world_size)
         return True
+
+    def _refused_data(self, exc: CorruptDataError) -> None:
+        """A rank's data failed verification where this rank read it: name its writer to the
+        leader (DataRefused), which removes a rank a majority of its peers refuse, and wait
+        for the next world; the step is then retried in it (WorldChangedError). If no world
+        follows within the collective's timeout, the error stands."""
+        world = self.worker.world_version
+        step = self.current.step if self.current is not None else self.worker.next_step
+        log.error("%s: %s; refused, and said so to the leader", self.worker.id, exc)
+        why = str(exc)[:1000]
+        self.worker.send(DataRefused, accused=exc.worker, world=world, step=step, reason=why)
+        if self.worker.wait_for_change(world, self.collective.timeout):
+            raise WorldChangedError(step, self.worker.assignment) from exc
 
     def _check_weights(self, assignment: Assignment) -> None:
         """A receiver takes rank 0's weights only if they have the digest the journal
