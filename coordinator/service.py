@@ -474,7 +474,7 @@ class Coordinator:
             reason = identity.claims(command.worker, signer)
             if reason is not None:
                 forged = ForgedCommandError(reason, _raw_of(entry), event_type=command.type)
-                forged.signer = signer  # type: ignore[attr-defined] - proven by its MAC
+                forged.signer = signer  # proven by its MAC
                 raise forged
         return command
 
@@ -857,7 +857,7 @@ class _Refused(DecodeError):
 
 def _letter(entry: Entry, exc: DecodeError) -> DeadLetter:
     """The bounded dead letter of an entry refused with `exc`."""
-    signer = getattr(exc, "signer", None)
+    signer = exc.signer if isinstance(exc, ForgedCommandError) else None
     kind: RefusalKind = "forged" if isinstance(exc, ForgedCommandError) else "malformed"
     if isinstance(exc, _Refused):
         kind = exc.kind

@@ -59,6 +59,10 @@ class ForgedCommandError(DecodeError):
     """An inbox entry whose signature does not prove it speaks for the worker it names
     (events/identity.py): unsigned, badly signed, revoked, or another worker's command."""
 
+    signer: str | None = None
+    """The worker whose signature the entry carried, when it verified (it spoke for another):
+    the sender its dead letter names as proven."""
+
 
 class SettingsError(EventsError):
     """A connection setting (URL, environment variable) is unusable."""
