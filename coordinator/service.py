@@ -84,6 +84,9 @@ MAX_ENTRY_BYTES = 1 << 20
 """An inbox entry larger than this (its fields' bytes) is dead-lettered undecoded: every
 command cohort sends is far smaller (a Join with 10,000 file ranges is ~100 KB)."""
 MAX_SEQ = 2**64 - 1
+TROUBLE_EVERY = 5.0
+"""Seconds between InboxRepaired facts: a worker that runs the inbox ahead every turn gets
+it repaired every turn, and journaled once per this, so it cannot grow the journal fast."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +208,8 @@ class Coordinator:
         self.refusals = Refusals()
         self._trouble: InboxRepaired | None = None  # found by housekeeping, not journaled yet
         self._reported: set[str] = set()  # inbox entries an InboxRepaired named
+        self._troubled_at = -1e18  # server time of the last InboxRepaired journaled
+        self._unjournaled: list[InboxRepaired] = []  # found since, waiting for TROUBLE_EVERY
         self._marks: InboxMarks | None = None  # the inbox's marks at the last look
 
     @classmethod
@@ -388,7 +393,7 @@ class Coordinator:
                     command = self._command_of(entry)
                 except DecodeError:
                     continue
-                seen.observe(command, entry.ms / 1000)
+                seen.observe(command, min(entry.ms / 1000, now))  # no ID is later than now
         since = min(cursor_ms / 1000, now) if self.cursor != ZERO else now
         seen.grace(list(self.state.members), since)
 
@@ -490,7 +495,10 @@ class Coordinator:
                 sender = (command.worker, False)
                 turn.dead.append(DeadLetter.of(entry_id, why, b"", "undecidable", sender))
         if turn.drained and self._down_since is None:  # after an outage: see `_back` first
-            turn.facts.extend(self.core.tick(turn.read_at))
+            try:
+                turn.facts.extend(self.core.tick(turn.read_at))
+            except Exception:  # noqa: BLE001 - a bug of ours: logged, and time is judged again
+                log.exception("could not judge silence as of %.3f", turn.read_at)
         self._note_trouble(turn)
         if self.refusals.due(turn.read_at):
             turn.tallied = True
@@ -498,25 +506,34 @@ class Coordinator:
 
     def _note_trouble(self, turn: Turn) -> None:
         """An inbox out of order (this turn's read) or losing entries (housekeeping's look)
-        is journaled once per entry that shows it, then repaired once saved."""
-        trouble, self._trouble = self._trouble, None
+        is repaired once the turn is saved, every time, and journaled once per entry that
+        shows it, at most once per TROUBLE_EVERY s (the first waits; the rest are counted)."""
+        found, self._trouble = self._trouble, None
         if turn.ahead is not None:
-            ahead = turn.ahead
-            trouble = InboxRepaired(
+            found = InboxRepaired(
                 at=turn.read_at,
                 job=self.settings.job,
                 trouble="ahead",
-                entry=ahead.id,
-                ahead_s=min(max(0.0, ahead.ms / 1000 - turn.read_at), 1e10),
-                sender=claimed_sender(ahead),
+                entry=turn.ahead.id,
+                ahead_s=min(max(0.0, turn.ahead.ms / 1000 - turn.read_at), 1e10),
+                sender=claimed_sender(turn.ahead),
                 reason="an inbox entry's ID ran ahead of the server's clock",
             )
-        if trouble is None:
-            return
-        turn.repair = True
-        if trouble.entry not in self._reported:
-            self._reported.add(trouble.entry)
-            self._note(turn, trouble)
+        if found is not None:
+            turn.repair = True
+            if found.entry not in self._reported:
+                if len(self._reported) >= 1024:
+                    self._reported.clear()
+                self._reported.add(found.entry)
+                self._unjournaled.append(found)
+        if self._unjournaled and turn.read_at - self._troubled_at >= TROUBLE_EVERY:
+            first, more = self._unjournaled[0], len(self._unjournaled) - 1
+            if more:
+                why = f"{first.reason}; and {more} more troubles since, repaired alike"
+                first = first.model_copy(update={"reason": why[:1024]})
+            self._unjournaled.clear()
+            self._troubled_at = turn.read_at
+            self._note(turn, first)
 
     def _note(self, turn: Turn, fact: Fact) -> None:
         """A fact the leader journals as evidence, not as a decision about a command."""

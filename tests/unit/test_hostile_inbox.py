@@ -209,3 +209,19 @@ def test_a_refusal_tally_beyond_its_rows_is_summed_as_other() -> None:
     assert fact.refusals[-1] == Refusal(sender="other", kind="forged", count=10)
     assert (fact.first, fact.last) == ("1-0", f"1-{refusals.MAX_REFUSAL_ROWS + 9}")
     assert sum(r.count for r in fact.refusals) == len(letters)
+
+
+def test_an_inbox_run_ahead_every_turn_is_repaired_every_turn_and_journaled_every_5_s() -> None:
+    """A worker that XADDs far ahead every half second cannot grow the journal that fast:
+    each is repaired at once, the first journaled, the rest counted in the next fact."""
+    setup = Signed()
+    leader = training(setup)
+    for _ in range(20):
+        setup.log.send_at(f"{now_ms(setup) + HOUR_MS}-0", {FIELD: b"x"})
+        run_for(leader, setup, 0.5, beating=("a", "b"))
+
+    repaired = facts_of(setup, InboxRepaired)
+    assert 2 <= len(repaired) <= 3  # 10 s of it
+    assert "more troubles since, repaired alike" in repaired[1].reason
+    assert max(int(e.id.split("-")[0]) for e in setup.log.inbox) <= now_ms(setup) + 1000
+    assert not facts_of(setup, WorkerFailed)
