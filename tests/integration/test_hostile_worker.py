@@ -93,6 +93,11 @@ def _train(server: LocalRedis, tmp: Path, attack: Any = None) -> tuple[list[str]
         run.stop()
 
 
+def _inbox_in_order(admin: redis.Redis) -> bool:
+    newest: Any = admin.xrevrange(KEYS.inbox, count=1)
+    return not newest or int(newest[0][0].split(b"-")[0]) <= _server_ms(admin) + 1000
+
+
 def _attack(run: Cluster, m: redis.Redis, m_secret: str) -> None:
     """Everything m's credential can try, each while the job trains."""
     admin = run.conn
@@ -100,6 +105,7 @@ def _attack(run: Cluster, m: redis.Redis, m_secret: str) -> None:
     # 1. an entry an hour ahead: once, the leader took its clock from it
     m.xadd(KEYS.inbox, {"e": "x"}, id=f"{_server_ms(admin) + 3_600_000}-0")
     run.until(lambda s: len(run.of_type(InboxRepaired)) >= 1, 30, "the first repair")
+    run.until(lambda s: _inbox_in_order(admin), 30, "the inbox moved behind the clock")
     # 2. the largest ID a stream allows: every later XADD to the inbox failed
     m.xadd(KEYS.inbox, {"e": "x"}, id=MAX_ID)
     run.until(lambda s: len(run.of_type(InboxRepaired)) >= 2, 30, "the second repair")
