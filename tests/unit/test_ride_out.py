@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -76,17 +77,24 @@ def test_ride_out_comes_from_the_environment_and_bad_values_are_named() -> None:
             ride_out_of(env={"COHORT_RIDE_OUT": bad})
 
 
+def answering(*answers: str | Exception) -> Callable[[], str]:
+    """An operation that raises or returns each of `answers` in turn."""
+    left = iter(answers)
+
+    def op() -> str:
+        answer = next(left)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    return op
+
+
 def test_a_write_refused_for_memory_waits_when_asked_and_is_said_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     link = Link(logging.getLogger("test.full"), "redis://r:1/0")
-    answers = iter([redis.OutOfMemoryError("full"), redis.OutOfMemoryError("full"), "id"])
-
-    def op() -> str:
-        answer = next(answers)
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
+    op = answering(redis.OutOfMemoryError("full"), redis.OutOfMemoryError("full"), "id")
 
     with caplog.at_level(logging.WARNING, logger="test.full"):
         got = with_retry(op, threading.Event(), link, "sending Heartbeat", wait_for_memory=True)
@@ -105,13 +113,7 @@ def test_an_append_to_a_stream_whose_ids_ran_out_waits_for_the_repair_and_is_sai
     (issue 33): the worker's command waits, it is neither dropped nor fatal."""
     link = Link(logging.getLogger("test.jammed"), "redis://r:1/0")
     exhausted = "The stream has exhausted the last possible ID, unable to add more items"
-    answers = iter([redis.ResponseError(exhausted), redis.ResponseError(exhausted), "id"])
-
-    def op() -> str:
-        answer = next(answers)
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
+    op = answering(redis.ResponseError(exhausted), redis.ResponseError(exhausted), "id")
 
     with caplog.at_level(logging.WARNING, logger="test.jammed"):
         got = with_retry(op, threading.Event(), link, "sending Heartbeat", cap=0.01)
