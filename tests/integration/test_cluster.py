@@ -281,7 +281,7 @@ def test_a_worker_s_own_credential_lives_on_every_node_signs_and_is_revoked_on_e
     own = connect(RedisSettings(url=acl.url_as(redis_cluster.url, name, secret)))
     try:
         worker = Worker(own, job)
-        assert worker.id == "w1" and worker.signer == identity.Signer("w1", secret)
+        assert worker.id == "w1" and worker.inbox.signer == identity.Signer("w1", secret)
         worker.inbox.send(Join(at=0, job=job, worker="w1"))
         [(_, fields)] = conn.xrange(Keys(job).inbox)
         assert fields[identity.SIGNER] == b"w1"
