@@ -18,6 +18,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters  # noq
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc  # noqa: E402
 
 from cohort.worker.pytorch.torchrun import handler as torchrun  # noqa: E402
+from cohort.worker.pytorch.torchrun import plugin  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
@@ -27,11 +28,14 @@ def params(endpoint: str = "redis://127.0.0.1:1/0", run_id: str = "job", **conf:
     return RendezvousParameters("cohort", endpoint, run_id, 1, 4, **conf)
 
 
-def test_pyproject_declares_the_torchrun_entry_point_and_it_gives_the_creator() -> None:
+def test_pyproject_declares_the_torchrun_entry_point_and_it_gives_the_creator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     target = project["entry-points"]["torchrun.handlers"]["cohort"]
-    assert target == "cohort.worker.pytorch.torchrun.handler:entry_point"
-    assert torchrun.entry_point() is torchrun.create_handler
+    assert target == "cohort.worker.pytorch.torchrun.plugin:entry_point"
+    monkeypatch.setattr(torchrun, "create_handler", lambda p: ("handler for", p.run_id))
+    assert plugin.entry_point()(params(run_id="j")) == ("handler for", "j")
 
 
 @pytest.mark.parametrize(
