@@ -135,6 +135,15 @@ class Keys:
         """A stream of 'key written' notices of `group`, which blocked getters XREAD."""
         return f"{self.prefix}:c10d-events:{group}"
 
+    def c10d_queue(self, group: str, field: str) -> str:
+        """A list: the c10d store's queue `field` of `group` (`queue_push`/`queue_pop`); a
+        group holds no '/', so GROUP/FIELD names one queue only."""
+        return f"{self.prefix}:c10d-queue:{group}/{field}"
+
+    def c10d_queues(self, group: str) -> str:
+        """The set of queue fields `group` has had, so the group's queues are deleted with it."""
+        return f"{self.prefix}:c10d-queues:{group}"
+
     @property
     def patterns(self) -> tuple[str, str]:
         """SCAN patterns that match every key of this job, in its own slot and spread."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -61,3 +62,23 @@ def processes_mentioning(text: str, parent: int | None = None) -> list[str]:
         if text in cmdline and (parent is None or ppid == parent):
             found.append(f"{pid}: {cmdline}")
     return found
+
+
+def entry_point_path(tmp: Path, root: Path) -> Path:
+    """A directory holding `root`'s pyproject.toml entry points as `cohort-elastic`'s
+    metadata: ahead of site-packages on PYTHONPATH, a subprocess finds this checkout's entry
+    points, not those of whatever copy is installed."""
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    info = tmp / "meta" / f"cohort_elastic-{project['version']}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: cohort-elastic\nVersion: {project['version']}\n"
+    )
+    groups = project["entry-points"]
+    (info / "entry_points.txt").write_text(
+        "".join(
+            f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in points.items())
+            for group, points in groups.items()
+        )
+    )
+    return info.parent

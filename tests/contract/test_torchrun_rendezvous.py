@@ -246,16 +246,21 @@ def test_store_delete_key_and_num_keys(store: RedisStore) -> None:
 
 
 def test_store_drop_deletes_whole_groups_only(store: RedisStore, conn: redis.Redis) -> None:
-    store.set(f"torch.rendezvous.{JOB}.0/x", "old")
-    store.set(f"torch.rendezvous.{JOB}.1/x", "new")
+    old, new = f"torch.rendezvous.{JOB}.0", f"torch.rendezvous.{JOB}.1"
+    store.set(f"{old}/x", "old")
+    store.queue_push(f"{old}/q", "old")
+    store.set(f"{new}/x", "new")
+    store.queue_push(f"{new}/q", "new")
     dropped = store.drop(lambda group: group.endswith(".0"))
-    assert dropped == [f"torch.rendezvous.{JOB}.0"]
-    assert store.groups() == [f"torch.rendezvous.{JOB}.1"]
+    assert dropped == [old]
+    assert store.groups() == [new]
     assert not conn.exists(
-        Keys(JOB).c10d(f"torch.rendezvous.{JOB}.0"),
-        Keys(JOB).c10d_events(f"torch.rendezvous.{JOB}.0"),
+        Keys(JOB).c10d(old),
+        Keys(JOB).c10d_events(old),
+        Keys(JOB).c10d_queue(old, "q"),
+        Keys(JOB).c10d_queues(old),
     )
-    assert store.get(f"torch.rendezvous.{JOB}.1/x") == b"new"
+    assert store.get(f"{new}/x") == b"new" and store.queue_pop(f"{new}/q") == b"new"
 
 
 # ---------------------------------------------------------------- the journal's drop

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,31 +25,13 @@ import pytest
 
 from cohort.events.models import WorkerFailed, WorkerJoined, WorkerLeft
 from cohort.localredis import LocalRedis
-from tests.helpers import wait_until
+from tests.helpers import entry_point_path, wait_until
 from tests.integration.cluster import ROOT, Cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis_server]
 torch = pytest.importorskip("torch")
 
 SCRIPT = Path(__file__).with_name("torchrun_ddp.py")
-
-
-def entry_point_path(tmp: Path) -> Path:
-    """A directory holding pyproject.toml's entry points as `cohort-elastic`'s metadata."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    info = tmp / "meta" / f"cohort_elastic-{project['version']}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: cohort-elastic\nVersion: {project['version']}\n"
-    )
-    groups = project["entry-points"]
-    (info / "entry_points.txt").write_text(
-        "".join(
-            f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in points.items())
-            for group, points in groups.items()
-        )
-    )
-    return info.parent
 
 
 @dataclass
@@ -107,7 +88,7 @@ def nodes(server: LocalRedis, tmp_path: Path) -> Iterator[list[Node]]:
 def start_node(made: list[Node], url: str, job: str, tmp: Path, name: str) -> Node:
     meta = tmp / "meta"
     if not meta.exists():
-        entry_point_path(tmp)
+        entry_point_path(tmp, ROOT)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(meta), str(ROOT), os.environ.get("PYTHONPATH", "")]),

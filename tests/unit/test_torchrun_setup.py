@@ -1,9 +1,13 @@
-"""`torchrun --rdzv-backend=cohort` before any rendezvous: the entry point, bad settings
-refused in one line naming the value, agent ids, and the journal's record of gone agents."""
+"""`torchrun --rdzv-backend=cohort` before any rendezvous: the entry point (registered
+whichever cohort module a process imports first), bad settings refused in one line naming
+the value, agent ids, and the journal's record of gone agents."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -11,6 +15,7 @@ import pytest
 
 from cohort.events import models as m
 from cohort.worker.membership import view as views
+from tests.helpers import entry_point_path
 
 torch = pytest.importorskip("torch")
 
@@ -18,6 +23,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters  # noq
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc  # noqa: E402
 
 from cohort.worker.pytorch.torchrun import handler as torchrun  # noqa: E402
+from cohort.worker.pytorch.torchrun import plugin  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
@@ -27,11 +33,51 @@ def params(endpoint: str = "redis://127.0.0.1:1/0", run_id: str = "job", **conf:
     return RendezvousParameters("cohort", endpoint, run_id, 1, 4, **conf)
 
 
-def test_pyproject_declares_the_torchrun_entry_point_and_it_gives_the_creator() -> None:
+def test_pyproject_declares_the_torchrun_entry_point_and_it_gives_the_creator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     target = project["entry-points"]["torchrun.handlers"]["cohort"]
-    assert target == "cohort.worker.pytorch.torchrun.handler:entry_point"
-    assert torchrun.entry_point() is torchrun.create_handler
+    assert target == "cohort.worker.pytorch.torchrun.plugin:entry_point"
+    monkeypatch.setattr(torchrun, "create_handler", lambda p: ("handler for", p.run_id))
+    assert plugin.entry_point()(params(run_id="j")) == ("handler for", "j")
+
+
+# Imports the module named first, then asks torch's registry for the cohort backend: our
+# handler, reached, ends the process with exit code 2 for want of a Redis on port 1.
+FIRST_IMPORT = """
+import importlib, sys
+importlib.import_module(sys.argv[1])
+from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+get_rendezvous_handler(RendezvousParameters("cohort", "redis://127.0.0.1:1/0", "job", 1, 1))
+"""
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        "cohort.worker.pytorch.torchrun.rendezvous_backend",
+        "cohort.worker.pytorch.torchrun.handler",
+        "cohort.worker.pytorch.torchrun.c10d_store",
+        "cohort.torch",
+    ],
+)
+def test_the_backend_is_registered_whichever_cohort_module_is_imported_first(
+    first: str, tmp_path: Path
+) -> None:
+    meta = entry_point_path(tmp_path, ROOT)  # this checkout's entry points, not an install's
+    path = os.pathsep.join(p for p in (str(meta), os.environ.get("PYTHONPATH", "")) if p)
+    ran = subprocess.run(
+        [sys.executable, "-c", FIRST_IMPORT, first],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "registering out of tree plugin" not in ran.stderr, ran.stderr
+    assert ran.returncode == 2, ran.stderr
+    assert "torchrun --rdzv-backend=cohort: cannot reach Redis" in ran.stderr
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """`torchrun --rdzv-backend=cohort`: torchrun's rendezvous on the job's Redis and journal.
 
 torch >= 2.6 loads rendezvous backends from the `torchrun.handlers` entry-point group;
-ours (`entry_point`) gives `create_handler`, which builds torch's own
+ours (`plugin.entry_point`, also importable from here, where installs made before it moved
+still name it until reinstalled) gives `create_handler`, which builds torch's own
 `DynamicRendezvousHandler` over three pieces of cohort:
 
 - the rendezvous state in Redis (`RedisRendezvousBackend`, compare-and-set with a fencing
@@ -53,6 +54,7 @@ from cohort.events.keys import check_job
 from cohort.worker.errors import Stopped, WorkerError
 from cohort.worker.membership.client import Worker
 from cohort.worker.pytorch.torchrun.c10d_store import RedisStore
+from cohort.worker.pytorch.torchrun.plugin import entry_point as entry_point
 from cohort.worker.pytorch.torchrun.rendezvous_backend import RedisRendezvousBackend
 
 log = logging.getLogger("cohort.torchrun")
@@ -68,12 +70,6 @@ _NOT_ID = re.compile(r"[^A-Za-z0-9._:@-]")
 
 class SetupError(WorkerError):
     """torchrun was started with settings this backend cannot use (the message says which)."""
-
-
-def entry_point() -> Callable[[RendezvousParameters], CohortRendezvousHandler]:
-    """What the `torchrun.handlers` entry point `cohort` names: torch calls it for the
-    function that creates the handler from torchrun's `--rdzv-*` options."""
-    return create_handler
 
 
 def create_handler(params: RendezvousParameters) -> CohortRendezvousHandler:
