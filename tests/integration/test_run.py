@@ -104,7 +104,11 @@ def test_losing_a_node_leaves_the_other_to_finish_with_its_coordinator_leading(
     assert watch.state.leader == "a-coordinator-0"
     b = Launch(*common, "--node", "b", "-n", "2", SCRIPT, "0.03", cwd=tmp_path)
     further = watch.state.last_committed + 3
-    wait_until(lambda: training(watch, 4, further), 60, message="a's and b's ranks training")
+
+    def all_four_hold_the_weights() -> bool:  # a step committed in the four ranks' world
+        return training(watch, 4, further) and watch.state.holders == set(watch.state.ranks)
+
+    wait_until(all_four_hold_the_weights, 60, message="a's and b's ranks training")
     a_processes = a.children()
     assert len(a_processes) >= 4 and len(b.children()) >= 3
     seen = len(watch.facts)
