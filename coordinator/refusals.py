@@ -5,8 +5,9 @@ Every dead letter goes to the capped dead-letter stream with a bounded record
 process counters die with it, so the leader also tallies them here and journals the
 tally (`CommandsRefused`) every `EVERY` seconds while there is one: the evidence of a
 flood of forgeries outlives the flood, the stream's cap and a leader change, and
-`cohort replay --audit` lists it. Log lines are rate-limited per sender the same way:
-the first `LINES` of a window, then one line saying how many more there were.
+`cohort replay --audit` lists it. Log lines are rate-limited per proven sender (and once
+for all unproven ones, whose claimed names cost nothing to vary): the first `LINES` of a
+window, then one line saying how many more there were.
 
 Pure but for the injected time; the service feeds it what each saved turn dead-lettered.
 """
@@ -34,6 +35,8 @@ WINDOW = 60.0
 """Seconds of a logging window."""
 OTHER = "other"
 UNKNOWN = "unknown"
+UNPROVEN = "senders no signature proved"
+"""Who the log's allowance of unproven dead letters is counted for, all names together."""
 
 log = logging.getLogger("cohort.coordinator")
 
@@ -128,10 +131,12 @@ class Refusals:
         return Refusal(sender=sender, verified=verified, kind=kind, count=count, bytes=size)  # type: ignore[arg-type]
 
     def _log(self, letter: DeadLetter) -> None:
-        if self.logged[letter.sender] >= LINES:
-            self.quiet[letter.sender] += 1
+        # a claimed name costs nothing to vary: unproven senders share one allowance
+        key = letter.sender if letter.verified else UNPROVEN
+        if self.logged[key] >= LINES:
+            self.quiet[key] += 1
             return
-        self.logged[letter.sender] += 1
+        self.logged[key] += 1
         who = letter.sender if letter.verified else f"{letter.sender} (claimed)"
         log.warning(
             "dead letter %s from %s, %d bytes: %s%s",
@@ -140,7 +145,7 @@ class Refusals:
             letter.size,
             letter.reason,
             " (more from this sender this minute are counted, not logged)"
-            if self.logged[letter.sender] == LINES
+            if self.logged[key] == LINES
             else "",
         )
 

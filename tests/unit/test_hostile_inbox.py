@@ -152,7 +152,7 @@ def test_dead_letters_are_logged_a_few_per_sender_then_counted(
 
     lines = [r.getMessage() for r in caplog.records if "dead letter" in r.getMessage()]
     assert len([line for line in lines if line.startswith("dead letter ")]) == refusals.LINES
-    assert f"{100 - refusals.LINES} more dead letters from b" in lines[-1]
+    assert f"{100 - refusals.LINES} more dead letters from {refusals.UNPROVEN}" in lines[-1]
 
 
 def test_an_oversized_entry_is_dead_lettered_undecoded_as_a_bounded_record() -> None:
