@@ -211,6 +211,7 @@ class Coordinator:
         self._troubled_at = -1e18  # server time of the last InboxRepaired journaled
         self._unjournaled: list[InboxRepaired] = []  # found since, waiting for TROUBLE_EVERY
         self._marks: InboxMarks | None = None  # the inbox's marks at the last look
+        self._marks_refused: str | None = None  # why Redis refused the look, once said
 
     @classmethod
     def on_redis(
@@ -641,8 +642,15 @@ class Coordinator:
             self.token = None
             self._resync()
             return
-        except redis.ResponseError as exc:  # a server without XSETID (fakeredis), say
-            log.error("could not repair the inbox of job %r: %s", self.settings.job, exc)
+        except redis.ResponseError as exc:  # no XSETID (fakeredis), an older coordinator user
+            log.error(
+                "could not repair the inbox of job %r (%s): until it is, commands wait "
+                "behind the entry ahead; on Redis >= 7 apply the coordinator role again "
+                "(cohort acl --job %s --role coordinator --apply)",
+                self.settings.job,
+                exc,
+                self.settings.job,
+            )
             return
         log.warning(
             "inbox of job %r repaired: %d unread entries moved behind the server's clock, "
@@ -659,7 +667,19 @@ class Coordinator:
     def _look_at_inbox(self) -> None:
         """Find unread entries someone else deleted: the inbox gone, recreated below the
         cursor, trimmed past it or XDELed (`stores.InboxMarks.lost`)."""
-        marks, before = self.joblog.inbox_marks(self.cursor), self._marks
+        try:
+            marks, before = self.joblog.inbox_marks(self.cursor), self._marks
+        except redis.ResponseError as exc:  # e.g. a coordinator user applied by an older cohort
+            if self._marks_refused is None:
+                log.error(
+                    "cannot look at the inbox of job %r for lost entries (%s): apply the "
+                    "coordinator role again (cohort acl --job %s --role coordinator --apply)",
+                    self.settings.job,
+                    exc,
+                    self.settings.job,
+                )
+            self._marks_refused = str(exc)
+            return
         self._marks = marks
         if marks is None:
             why = "the inbox was deleted" if before is not None else None

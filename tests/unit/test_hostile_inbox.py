@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import redis
 
 from cohort.coordinator import decide, refusals
 from cohort.coordinator.service import MAX_ENTRY_BYTES, Coordinator
@@ -225,3 +226,22 @@ def test_an_inbox_run_ahead_every_turn_is_repaired_every_turn_and_journaled_ever
     assert "more troubles since, repaired alike" in repaired[1].reason
     assert max(int(e.id.split("-")[0]) for e in setup.log.inbox) <= now_ms(setup) + 1000
     assert not facts_of(setup, WorkerFailed)
+
+
+def test_a_leader_whose_user_may_not_look_at_the_inbox_says_how_to_fix_it_and_leads_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A coordinator user applied by an older cohort lacks XINFO: said once, never fatal."""
+    setup = Signed()
+    leader = training(setup)
+
+    def refused(cursor: str) -> None:
+        raise redis.exceptions.NoPermissionError("NOPERM this user has no permissions")
+
+    monkeypatch.setattr(setup.log, "inbox_marks", refused)
+    with caplog.at_level(logging.ERROR, logger="cohort.coordinator"):
+        run_for(leader, setup, 5, beating=("a", "b"))
+
+    said = [r.getMessage() for r in caplog.records if "look at the inbox" in r.getMessage()]
+    assert len(said) == 1 and "--role coordinator --apply" in said[0]
+    assert leader.leading and not facts_of(setup, WorkerFailed)
