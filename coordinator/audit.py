@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from cohort.coordinator.fold import evolve
+from cohort.coordinator.refusals import Totals
 from cohort.coordinator.state import JobState
 from cohort.events.deal import batch, merge
 from cohort.events.models import (
@@ -66,16 +67,11 @@ class Audit:
     problems: list[str] = field(default_factory=list)
     rewinds: list[tuple[int, int, str]] = field(default_factory=list)
     """(from_step, to_step, source) of each rewind: steps after to_step left the lineage."""
-    refused: Counter[tuple[str, bool, str]] = field(default_factory=Counter)
-    """Inbox entries the leaders dead-lettered, by (sender, verified, kind): evidence of a
-    hostile or broken sender, listed beside the verdict (they change no training)."""
-    refused_bytes: Counter[tuple[str, bool, str]] = field(default_factory=Counter)
+    refused: Totals = field(default_factory=Totals)
+    """Inbox entries the leaders dead-lettered, by sender and kind: evidence of a hostile or
+    broken sender, listed beside the verdict (they change no training)."""
     repairs: list[InboxRepaired] = field(default_factory=list)
     """Every time a leader put the inbox back in order."""
-
-    @property
-    def forged(self) -> int:
-        return sum(n for (_, _, kind), n in self.refused.items() if kind == "forged")
 
     @property
     def discarded(self) -> int:
@@ -239,9 +235,7 @@ def _follow(
             report.rewinds.append((fact.from_step, fact.to_step, fact.source))
             lineage.rewind(fact.to_step)
         case CommandsRefused():
-            for row in fact.refusals:
-                report.refused[(row.sender, row.verified, row.kind)] += row.count
-                report.refused_bytes[(row.sender, row.verified, row.kind)] += row.bytes
+            report.refused.add(fact)
         case InboxRepaired():
             report.repairs.append(fact)
     return []

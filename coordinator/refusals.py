@@ -24,7 +24,7 @@ import msgpack
 from cohort.coordinator.stores import DeadLetter
 from cohort.events import identity
 from cohort.events.codec import FIELD
-from cohort.events.models import MAX_REFUSAL_ROWS, CommandsRefused, Refusal  # noqa: F401 - MAX_REFUSAL_ROWS: the tally's bound
+from cohort.events.models import MAX_REFUSAL_ROWS, CommandsRefused, Refusal
 from cohort.events.streams import Entry, id_after
 
 EVERY = 5.0
@@ -60,6 +60,33 @@ def claimed_sender(entry: Entry) -> str:
         return UNKNOWN
     worker = body.get("worker") if isinstance(body, dict) else None
     return worker if isinstance(worker, str) and identity.WORKER_NAME.fullmatch(worker) else UNKNOWN
+
+
+@dataclass
+class Totals:
+    """Refused entries and their bytes by (sender, verified, kind), summed over a journal's
+    CommandsRefused facts: what `cohort replay --audit` and `cohort report` list."""
+
+    counts: Counter[Row] = field(default_factory=Counter)
+    sizes: Counter[Row] = field(default_factory=Counter)
+
+    def add(self, fact: CommandsRefused) -> None:
+        for refusal in fact.refusals:
+            row = (refusal.sender, refusal.verified, refusal.kind)
+            self.counts[row] += refusal.count
+            self.sizes[row] += refusal.bytes
+
+    def rows(self) -> tuple[tuple[str, bool, str, int, int], ...]:
+        """(sender, proven by its signature, kind, entries, bytes), most entries first."""
+        return tuple((*row, count, self.sizes[row]) for row, count in self.counts.most_common())
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def forged(self) -> int:
+        return sum(n for (_, _, kind), n in self.counts.items() if kind == "forged")
 
 
 @dataclass

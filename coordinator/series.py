@@ -11,6 +11,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cohort.coordinator.refusals import Totals
 from cohort.coordinator.replay import Run
 from cohort.coordinator.timeline import Folder, Line, recent
 from cohort.events.codec import decode_command
@@ -161,9 +162,7 @@ def series(run: Run) -> ReportData:
         summary=_summary(facts, inbox, run),
         timeline=tuple(recent(timeline, TIMELINE_ROWS)),
         timeline_total=len(timeline),
-        refused=tuple(
-            (*row, count, facts.refused_bytes[row]) for row, count in facts.refused.most_common()
-        ),
+        refused=facts.refused.rows(),
     )
 
 
@@ -181,8 +180,7 @@ class _FactSeries:
     world_size: int = 0
     discarded: int = 0
     evals: dict[tuple[str, str], list[Point]] = field(default_factory=lambda: defaultdict(list))
-    refused: Counter[tuple[str, bool, str]] = field(default_factory=Counter)
-    refused_bytes: Counter[tuple[str, bool, str]] = field(default_factory=Counter)
+    refused: Totals = field(default_factory=Totals)
 
     def add(self, entry_id: str, fact: Fact) -> None:
         at = fact.at
@@ -205,9 +203,7 @@ class _FactSeries:
                 if math.isfinite(value):
                     self.evals[(fact.worker, name)].append((at, value))
         if isinstance(fact, CommandsRefused):
-            for row in fact.refusals:
-                self.refused[(row.sender, row.verified, row.kind)] += row.count
-                self.refused_bytes[(row.sender, row.verified, row.kind)] += row.bytes
+            self.refused.add(fact)
         if isinstance(fact, WorldChanged):
             self.world_size = len(fact.ranks)
             self.active.append((at, float(len(fact.ranks))))

@@ -151,8 +151,8 @@ def replay(
                 "problems": report.problems,
                 "epochs": {e: vars(a) for e, a in report.epochs.items()},
                 "refused": [
-                    {"sender": who, "verified": proven, "kind": kind, "count": count}
-                    for (who, proven, kind), count in report.refused.most_common()
+                    {"sender": who, "verified": proven, "kind": kind, "count": n}
+                    for who, proven, kind, n, _ in report.refused.rows()
                 ],
                 "inbox_repairs": [r.model_dump(mode="json") for r in report.repairs],
             }

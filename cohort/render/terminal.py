@@ -393,16 +393,15 @@ def audit_table(report: Any) -> None:
 def _refusals_table(report: Any) -> None:
     """What the leaders refused at the inbox, by sender, and each inbox repair: evidence of a
     hostile or broken sender (it changes no training, so not the verdict)."""
-    if report.refused:
+    if report.refused.total:
         table = Table("refused from", "proven by", "kind", "entries", "bytes")
-        for (sender, verified, kind), count in report.refused.most_common():
+        for sender, verified, kind, count, size in report.refused.rows():
             proof = "its signature" if verified else "claimed"
-            size = report.refused_bytes[(sender, verified, kind)]
             table.add_row(sender, proof, kind, str(count), str(size))
         console.print(table)
         console.print(
-            f"[yellow]{sum(report.refused.values())} inbox entries refused "
-            f"({report.forged} forged); the dead-letter stream keeps the latest[/]"
+            f"[yellow]{report.refused.total} inbox entries refused "
+            f"({report.refused.forged} forged); the dead-letter stream keeps the latest[/]"
         )
     for fact in report.repairs:
         by = f" (first by {fact.sender})" if fact.sender else ""
