@@ -8,6 +8,15 @@ import pytest
 from cohort.localredis import LocalCluster, LocalRedis
 from tests.helpers import require_redis_server
 from tests.integration.cluster import Cluster
+from tests.integration.launch import Launch
+
+
+@pytest.fixture(autouse=True)
+def _no_launch_outlives_its_test() -> Iterator[None]:
+    """A test that fails before its `cohort run` exits leaves no launcher behind (seen once:
+    a timed-out wait left a paused job's launcher and coordinator running)."""
+    yield
+    Launch.end_all()
 
 
 @pytest.fixture

@@ -3,8 +3,10 @@ journal and the processes it started."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -19,7 +21,11 @@ from tests.helpers import processes_mentioning, wait_until
 
 
 class Launch:
-    """A `cohort run` process started as a user would, its output collected as it comes."""
+    """A `cohort run` process started as a user would, its output collected as it comes.
+    Every one started is ended after its test (`end_all`, the integration conftest), a test
+    that failed before its launcher exited included."""
+
+    started: list[Launch] = []
 
     def __init__(self, *args: str, cwd: Path) -> None:
         env = {k: v for k, v in os.environ.items() if k not in ("COHORT_REDIS_URL", "COHORT_JOB")}
@@ -36,6 +42,18 @@ class Launch:
         self.seen: set[int] = set()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        Launch.started.append(self)
+
+    @classmethod
+    def end_all(cls) -> None:
+        """SIGKILL the process group of every launch still running (its reaper then ends
+        what the launcher started), and forget them."""
+        for launch in cls.started:
+            if launch.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(launch.popen.pid, signal.SIGKILL)
+                launch.popen.wait(30)
+        cls.started.clear()
 
     def _read(self) -> None:
         assert self.popen.stdout is not None
