@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from cohort.events.errors import EventsError, InvalidValueError
 
+ENV_JOB = "COHORT_JOB"
+"""The environment variable that names the job where no flag does."""
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 

@@ -337,3 +337,66 @@ def test_an_open_round_below_min_nodes_loses_its_deadline(conn: redis.Redis) -> 
     holder = _holder(conn, {agent_id(peer)}, me, min_nodes=2)
     holder.sync()
     assert holder.state.deadline is None and not holder.state.complete
+
+
+# ---------------------------------------------------------------- a run after a closed one
+
+
+def _closed(*live: _NodeDesc, heartbeat: datetime | None = None) -> _RendezvousState:
+    state = _complete_round(*live)
+    state.closed = True
+    state.last_heartbeats = {node: heartbeat or datetime.now(UTC) for node in live}
+    return state
+
+
+def test_a_rendezvous_closed_by_a_finished_run_reopens_one_round_on(conn: redis.Redis) -> None:
+    me = _node(1)
+    state = _closed()  # every agent of the last run took itself out as it shut down
+    state.participants = {_node(2): 0}
+    _write(conn, state)
+    holder = _holder(conn, set(), me)
+    assert holder.reopen() is True
+    again = _holder(conn, set(), _node(3))
+    again.sync()  # what every other agent of the new run reads
+    assert not again.state.closed and again.state.round == 4
+    assert again.state.participants == {} and not again.state.complete
+
+
+def test_a_closed_rendezvous_with_live_agents_stays_closed(conn: redis.Redis) -> None:
+    peer = _node(2)
+    _write(conn, _closed(peer))  # an agent of the last run still keeps alive
+    holder = _holder(conn, set(), _node(1))
+    assert holder.reopen() is False
+    _holder(conn, set(), _node(3)).sync()
+    assert RedisRendezvousBackend(conn, JOB).get_state() is not None
+    assert pickle.loads(RedisRendezvousBackend(conn, JOB).get_state()[0]).closed  # type: ignore[index]
+
+
+def test_a_killed_agents_keep_alive_keeps_it_closed_only_until_it_expires_or_is_gone(
+    conn: redis.Redis,
+) -> None:
+    dead = _node(2)
+    _write(conn, _closed(dead, heartbeat=datetime.now(UTC) - timedelta(seconds=16)))
+    assert _holder(conn, set(), _node(1)).reopen() is True  # 5 s x 3 keep-alives missed
+    _write(conn, _closed(dead))
+    assert _holder(conn, {agent_id(dead)}, _node(3)).reopen() is True  # the journal failed it
+
+
+def test_two_new_agents_reopening_at_once_agree_on_one_new_run(conn: redis.Redis) -> None:
+    _write(conn, _closed())
+    a, b = _holder(conn, set(), _node(1)), _holder(conn, set(), _node(2))
+    a.sync(), b.sync()  # both read the closed state
+    assert a.reopen() and b.reopen()
+    assert a.state.round == b.state.round == 4
+
+
+def test_an_agent_shutting_down_takes_its_keep_alive_out_of_the_closed_state(
+    conn: redis.Redis,
+) -> None:
+    me, peer = _node(1), _node(2)
+    _write(conn, _closed(me, peer))
+    mine = _holder(conn, set(), me)
+    mine.depart()
+    assert _holder(conn, set(), _node(3)).reopen() is False  # the peer is still ending
+    _holder(conn, set(), peer).depart()
+    assert _holder(conn, set(), _node(3)).reopen() is True

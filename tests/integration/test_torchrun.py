@@ -101,8 +101,9 @@ def start_node(made: list[Node], url: str, job: str, tmp: Path, name: str) -> No
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1:3", "--nproc-per-node=1",
         "--rdzv-backend=cohort", f"--rdzv-endpoint={url}", f"--rdzv-id={job}",
-        # torch's own keep-alive check would drop a lost node after 90 s: the journal must
-        "--rdzv-conf=last_call_timeout=2,keep_alive_interval=30", "--max-restarts=10",
+        # torch's own keep-alive check would drop a lost node after 90 s: the journal must;
+        # no last_call_timeout: the backend's default must give the fast restart
+        "--rdzv-conf=keep_alive_interval=30", "--max-restarts=10",
         "--monitor-interval=0.1",
         str(SCRIPT),
     ]  # fmt: skip
@@ -185,6 +186,13 @@ def test_torchrun_job_survives_lost_nodes_grows_and_passes_the_audit(
         )  # fmt: skip
         assert shown.returncode == 0, (args, shown.stderr)
     assert b.agent in (tmp_path / "report.html").read_text()
+
+    # A new run on the finished run's id starts cleanly (c10d's store dies with its run;
+    # ours stays in Redis, closed), trains its steps and ends.
+    d = start_node(nodes, cluster.url, cluster.job, tmp_path, "d")
+    wait("a new run on the same id trains", lambda: d.trains(1, d.started))
+    wait("the new run ends", lambda: d.popen.poll() is not None)
+    assert d.popen.returncode == 0, d.out.read_text()[-3000:]
     print(
         f"\nb resumed {resumed_alone - killed:.1f} s after a (rank 0) was lost, "
         f"c trained {grown:.1f} s after it started, "

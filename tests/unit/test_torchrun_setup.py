@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import tomllib
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,8 @@ def test_the_backend_is_registered_whichever_cohort_module_is_imported_first(
         (params(endpoint="http://redis-host:6379"), "'http://redis-host:6379'"),
         (params(endpoint="redis://host:99999/0"), "bad port"),
         (params(run_id="my job!"), "'my job!'"),
+        (params(run_id="none"), "no job id: torchrun's --rdzv-id is 'none'"),
+        (params(endpoint="foo://h:1"), "(set --rdzv-endpoint or $COHORT_REDIS_URL)"),
         (params(last_call_timeout="soon"), "last_call_timeout='soon'"),
         (params(keep_alive_interval="0"), "keep_alive_interval='0'"),
         (params(read_timeout="1.5"), "read_timeout='1.5'"),
@@ -101,6 +104,39 @@ def test_bad_settings_end_torchrun_with_one_line_naming_the_value(
     err = capsys.readouterr().err
     assert err.startswith("torchrun --rdzv-backend=cohort: ") and named in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_no_run_id_takes_the_job_from_the_environment() -> None:
+    assert torchrun.job_of("mnist", {"COHORT_JOB": "other"}) == "mnist"
+    assert torchrun.job_of("none", {"PET_RDZV_ID": "a", "COHORT_JOB": "b"}) == "a"
+    assert torchrun.job_of("none", {"PET_RDZV_ID": "none", "COHORT_JOB": "b"}) == "b"
+    assert torchrun.job_of("", {"COHORT_JOB": "b"}) == "b"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "env", "url"),
+    [
+        ("", {}, None),  # RedisSettings: $COHORT_REDIS_URL, else the local default
+        ("redis://h:7/2", {}, "redis://h:7/2"),
+        ("10.0.0.5:16391", {}, "redis://10.0.0.5:16391/0"),  # as accelerate launch builds it
+        (" 10.0.0.5:16391 ", {}, "redis://10.0.0.5:16391/0"),
+        ("10.0.0.5:16391", {"COHORT_REDIS_URL": "rediss://u:p@10.0.0.5:16391/3"},
+         "rediss://u:p@10.0.0.5:16391/3"),  # the same server: its credentials come along
+        ("10.0.0.5:6379", {"COHORT_REDIS_URL": "redis://10.0.0.5/0"}, "redis://10.0.0.5/0"),
+        ("10.0.0.6:16391", {"COHORT_REDIS_URL": "redis://u:p@10.0.0.5:16391/3"},
+         "redis://10.0.0.6:16391/0"),  # another server: the command line wins
+    ],
+)  # fmt: skip
+def test_the_endpoint_may_be_a_url_or_host_port(
+    endpoint: str, env: dict[str, str], url: str | None
+) -> None:
+    assert torchrun.endpoint_url(endpoint, env) == url
+
+
+def test_last_call_defaults_to_two_seconds_other_timeouts_to_torchs() -> None:
+    assert torchrun._seconds(params(), "last_call") == timedelta(seconds=2)
+    assert torchrun._seconds(params(last_call_timeout="30"), "last_call") == timedelta(seconds=30)
+    assert torchrun._seconds(params(), "join") is None
 
 
 def test_an_old_torch_is_refused_saying_which_version_is_needed(

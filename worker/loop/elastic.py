@@ -37,7 +37,7 @@ from pydantic import TypeAdapter, ValidationError
 from cohort.events import deal
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.errors import InvalidValueError
-from cohort.events.keys import check_job
+from cohort.events.keys import ENV_JOB, check_job
 from cohort.events.models import DataRefused, Dataset, Metrics, Node
 from cohort.events.order import Order
 from cohort.events.shards import Range
@@ -65,7 +65,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cohort.elastic")
 POLL = 0.5
-JOB_ENV = "COHORT_JOB"
 LOCAL_RANK_ENV = "COHORT_LOCAL_RANK"
 LOG_LEVEL_ENV = "COHORT_LOG_LEVEL"
 LOST_LOG_EVERY = 10.0
@@ -187,10 +186,10 @@ def speak() -> None:
 
 def _job_name(job: str | None) -> str:
     """`job`, else $COHORT_JOB, checked; WorkerError if neither names one."""
-    job = job or os.environ.get(JOB_ENV)
+    job = job or os.environ.get(ENV_JOB)
     if not job:
         raise WorkerError(
-            f"no job name: pass one (ElasticJob('mnist')) or set ${JOB_ENV}, the name "
+            f"no job name: pass one (ElasticJob('mnist')) or set ${ENV_JOB}, the name "
             "the job's coordinators were started with"
         )
     return check_job(job)

@@ -30,13 +30,17 @@ line naming the value, exit code 2.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
 import re
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import torch
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousParameters
@@ -46,11 +50,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
     _BackendRendezvousStateHolder,
     _NodeDesc,
+    _RendezvousState,
 )
 
-from cohort.events.connection import UNAVAILABLE, Client, RedisSettings, connect
+from cohort.events.connection import ENV_URL, UNAVAILABLE, Client, RedisSettings, connect
 from cohort.events.errors import EventsError
-from cohort.events.keys import check_job
+from cohort.events.keys import ENV_JOB, check_job
 from cohort.worker.errors import Stopped, WorkerError
 from cohort.worker.membership.client import Worker
 from cohort.worker.pytorch.torchrun.c10d_store import RedisStore
@@ -65,6 +70,14 @@ MIN_TORCH = (2, 6)
 LEAVE_TIMEOUT_S = 5.0
 STORE_TIMEOUT_S = 60
 """How long a store `get` waits for its key (c10d's `read_timeout`)."""
+DEFAULT_TIMEOUTS_S = {"last_call": 2}
+"""Our defaults for torch's rendezvous timeouts, where they differ from torch's. last_call:
+how long a round that has its minimum of nodes waits for more. torch's 30 s is all of a
+restart's wait on c10d, where a lost node is only noticed by its own timeouts; here the
+journal has already dropped it, so the survivors' round waits 2 s for a replacement."""
+REOPEN_POLL_S = 1.0
+NO_ID = "none"
+"""torchrun's --rdzv-id when none is given."""
 _NOT_ID = re.compile(r"[^A-Za-z0-9._:@-]")
 
 
@@ -102,14 +115,13 @@ def build(params: RendezvousParameters) -> CohortRendezvousHandler:
             f"needs torch >= {'.'.join(map(str, MIN_TORCH))} (it loads rendezvous backends "
             f"from the torchrun.handlers entry points); this is torch {torch.__version__}"
         )
+    job = job_of(params.run_id, os.environ)
     try:
-        job = check_job(params.run_id)
+        settings = RedisSettings.resolve(
+            endpoint_url(params.endpoint, os.environ), client_name=f"torchrun-{job}"
+        )
     except EventsError as exc:
-        raise SetupError(f"--rdzv-id: {exc}") from None
-    try:
-        settings = RedisSettings.resolve(params.endpoint or None, client_name=f"torchrun-{job}")
-    except EventsError as exc:
-        raise SetupError(f"--rdzv-endpoint: {exc}") from None
+        raise SetupError(f"--rdzv-endpoint: {in_torchrun_words(str(exc))}") from None
     timeouts = RendezvousTimeout(
         *(_seconds(params, name) for name in ("join", "last_call", "close", "heartbeat"))
     )
@@ -134,6 +146,45 @@ def build(params: RendezvousParameters) -> CohortRendezvousHandler:
     return CohortRendezvousHandler(node, rdzv, store, holder, membership, conn)
 
 
+def job_of(run_id: str, env: Mapping[str, str]) -> str:
+    """The cohort job: torchrun's run id, else (torchrun's default 'none', which
+    `accelerate launch` leaves) $PET_RDZV_ID or $COHORT_JOB; SetupError if none names one."""
+    named = "" if run_id in ("", NO_ID) else run_id
+    chosen = named or env.get("PET_RDZV_ID", "").replace(NO_ID, "") or env.get(ENV_JOB, "")
+    if not chosen:
+        raise SetupError(
+            f"no job id: torchrun's --rdzv-id is {run_id or NO_ID!r}, which every run without "
+            f"one would share; pass --rdzv-id=J, or set {ENV_JOB}=J (accelerate launch passes "
+            "no id)"
+        )
+    try:
+        return check_job(chosen)
+    except EventsError as exc:
+        raise SetupError(f"--rdzv-id: {exc}") from None
+
+
+def endpoint_url(endpoint: str, env: Mapping[str, str]) -> str | None:
+    """The Redis URL --rdzv-endpoint names: a URL as given; a bare HOST:PORT (the form
+    `accelerate launch` builds) as redis://HOST:PORT/0, or as $COHORT_REDIS_URL when that
+    names the same server (so its user, password and TLS come along); none: $COHORT_REDIS_URL
+    or the local default."""
+    endpoint = endpoint.strip()
+    if not endpoint or "://" in endpoint:
+        return endpoint or None
+    configured = env.get(ENV_URL, "")
+    if configured:
+        with contextlib.suppress(EventsError, ValueError):
+            parts = urlsplit(configured)
+            if f"{parts.hostname}:{parts.port or 6379}" == endpoint:
+                return configured
+    return f"redis://{endpoint}/0"
+
+
+def in_torchrun_words(message: str) -> str:
+    """A cohort settings message with cohort's own flag named as torchrun's."""
+    return message.replace("--redis-url", "--rdzv-endpoint")
+
+
 def _whole(params: RendezvousParameters, key: str, default: int) -> int:
     value = params.get(key, default)
     try:
@@ -147,7 +198,10 @@ def _whole(params: RendezvousParameters, key: str, default: int) -> int:
 
 def _seconds(params: RendezvousParameters, name: str) -> timedelta | None:
     key = f"{name}_timeout"
-    return None if params.get(key) is None else timedelta(seconds=_whole(params, key, 1))
+    default = DEFAULT_TIMEOUTS_S.get(name)
+    if params.get(key) is None and default is None:
+        return None  # torch's default
+    return timedelta(seconds=_whole(params, key, default or 1))
 
 
 class AgentMembership:
@@ -218,6 +272,43 @@ class JournalStateHolder(_BackendRendezvousStateHolder):
         self.drop(self._gone())
         return has_set
 
+    def reopen(self) -> bool:
+        """Whether the rendezvous is open to this agent, starting a new run if it was
+        closed by a finished one: a closed state none of whose agents keeps alive any more
+        (each takes itself out as it shuts down; one killed expires, or the journal drops
+        it) becomes a fresh state one round on, so no key of the old run's rounds is read
+        as the new run's. False: the closing run still has live agents."""
+        self.sync()
+        for _ in range(3):
+            state = self.state
+            if not state.closed:
+                return True
+            if state.last_heartbeats:
+                return False
+            fresh = _RendezvousState()
+            fresh.round = state.round + 1
+            self._state = fresh
+            self.mark_dirty()
+            self.sync()  # a lost race reads the state another new agent wrote
+            log.info(
+                "rendezvous %r was closed by a finished run: this run starts at round %d",
+                self._settings.run_id,
+                self.state.round,
+            )
+        return not self.state.closed
+
+    def depart(self) -> None:
+        """Take this agent's keep-alive out of a closed state, so that once every agent has
+        shut down a new run on the same id starts at once (see `reopen`)."""
+        for _ in range(3):
+            self.sync()
+            if not self.state.closed or self._me not in self.state.last_heartbeats:
+                return
+            del self.state.last_heartbeats[self._me]
+            self.mark_dirty()
+            if self.sync():
+                return
+
     def drop(self, gone: frozenset[str]) -> None:
         """Take the nodes whose agents are `gone` out of the state (not this one)."""
         state = self.state
@@ -273,12 +364,43 @@ class CohortRendezvousHandler(DynamicRendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         self.membership.ensure_joined()
+        if self._round < 0:
+            self._await_open()
         self._fresh_bootstrap()
         info = super().next_rendezvous()
         self._round = self.holder.state.round
         self.holder.lost = {(r, node) for r, node in self.holder.lost if r >= self._round}
         self._drop_old_rounds()
         return info
+
+    def _await_open(self) -> None:
+        """Wait until the rendezvous is open, for as long as a dead agent's keep-alive
+        takes to expire: a closed one whose agents keep alive past that belongs to a run
+        still ending, and this agent exits with one line saying what to do."""
+        expiry = self.settings.keep_alive_interval * (self.settings.keep_alive_max_attempt + 1)
+        deadline = time.monotonic() + expiry.total_seconds()
+        warned = False
+        while not self.holder.reopen():
+            live = ", ".join(sorted(agent_id(n) for n in self.holder.state.last_heartbeats))
+            if time.monotonic() > deadline:
+                print(
+                    f"torchrun --rdzv-backend={BACKEND}: --rdzv-id={self.settings.run_id} "
+                    f"was closed by a run that is still ending (its agents {live} keep "
+                    "alive); start again once they exit, or with a new --rdzv-id "
+                    f"(`cohort reset --job {self.settings.run_id}` clears the old run)",
+                    file=sys.stderr,
+                )
+                raise SystemExit(2)
+            if not warned:
+                log.warning(
+                    "--rdzv-id=%s was closed by the last run; waiting up to %g s for its "
+                    "agents (%s) to exit",
+                    self.settings.run_id,
+                    expiry.total_seconds(),
+                    live,
+                )
+                warned = True
+            time.sleep(REOPEN_POLL_S)
 
     def num_nodes_waiting(self) -> int:
         """Agents waiting to join, plus participants of this agent's round that the journal
@@ -288,6 +410,10 @@ class CohortRendezvousHandler(DynamicRendezvousHandler):
 
     def shutdown(self) -> bool:
         closed = super().shutdown()
+        try:
+            self.holder.depart()
+        except Exception as exc:  # the keep-alive expires anyway
+            log.warning("could not take this agent out of the closed rendezvous: %s", exc)
         self.membership.leave()
         return closed
 
