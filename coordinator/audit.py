@@ -23,13 +23,17 @@ from cohort.coordinator.refusals import Totals
 from cohort.coordinator.state import JobState
 from cohort.events.deal import batch, merge
 from cohort.events.models import (
+    AGENT_SUCCEEDED,
     CheckpointSaved,
     CommandsRefused,
     EpochFinished,
     Fact,
     InboxRepaired,
+    RendezvousRound,
     Rewound,
     StepCommitted,
+    WorkerFailed,
+    WorkerLeft,
     WorldChanged,
 )
 from cohort.events.order import Order
@@ -61,6 +65,50 @@ class EpochAudit:
         return not self.duplicates and not self.missing
 
 
+LAUNCHER_COVERS = (
+    "membership only: the agents' joins, failures, leaves and rendezvous rounds; the "
+    "workers trained with torch.distributed, which journals no steps, data or weights, so "
+    "exactly-once data and the weights' lineage are not audited"
+)
+
+
+@dataclass
+class LauncherAudit:
+    """A torchrun job's record: rounds and how each agent of its last run ended."""
+
+    rounds: int = 0
+    runs: int = 0
+    ended: dict[str, str] = field(default_factory=dict)
+    """agent -> how it left the last run: its Leave reason, or "failed" (silent)"""
+    running: list[str] = field(default_factory=list)
+    """Agents still members at the journal's end."""
+    covers: str = LAUNCHER_COVERS
+
+    @property
+    def restarts(self) -> int:
+        return self.rounds - self.runs
+
+    def follow(self, fact: Fact, before: JobState) -> None:
+        member = before.members.get(getattr(fact, "worker", ""))
+        match fact:
+            case RendezvousRound():
+                self.rounds += 1
+                if evolve(before, fact).counters.runs > before.counters.runs:
+                    self.runs += 1
+                    self.ended = {}
+            case WorkerLeft() if member is not None and member.role == "agent":
+                self.ended[fact.worker] = fact.reason
+            case WorkerFailed() if member is not None and member.role == "agent":
+                self.ended[fact.worker] = f"failed: silent {fact.timeout:g} s"
+
+    def problems(self) -> list[str]:
+        """A run that ended with no agent whose workers succeeded."""
+        if self.running or not self.ended or AGENT_SUCCEEDED in self.ended.values():
+            return []
+        how = "; ".join(f"{agent}: {reason}" for agent, reason in sorted(self.ended.items()))
+        return [f"the last torchrun run ended with no agent whose workers succeeded ({how})"]
+
+
 @dataclass
 class Audit:
     epochs: dict[int, EpochAudit] = field(default_factory=dict)
@@ -72,6 +120,8 @@ class Audit:
     broken sender, listed beside the verdict (they change no training)."""
     repairs: list[InboxRepaired] = field(default_factory=list)
     """Every time a leader put the inbox back in order."""
+    launcher: LauncherAudit | None = None
+    """A torchrun job's record (None for a job cohort trains): what the audit covers."""
 
     @property
     def discarded(self) -> int:
@@ -209,12 +259,18 @@ def audit(
     commit.
     """
     report = Audit()
-    lineage = _Lineage()
+    lineage, launcher = _Lineage(), LauncherAudit()
     state = JobState() if start is None else start
     for fact, before, batches in committed_batches(facts, start):
         report.problems.extend(_follow(lineage, report, fact, before, batches))
+        launcher.follow(fact, before)
         state = evolve(before, fact)
     _audit_epochs(report, lineage, state, order_of)
+    agents = [w for w, m in state.members.items() if m.role == "agent"]
+    if not state.started and (agents or launcher.rounds or launcher.ended):
+        launcher.running = sorted(agents)
+        report.launcher = launcher
+        report.problems.extend(launcher.problems())
     return report
 
 

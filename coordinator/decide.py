@@ -38,6 +38,8 @@ The rules (docs/design.md "Membership", "Data shards and the epoch order"):
   world; its EvalDone of a committed step → EvalReported (also after the end).
 - RegisterWorkload of a member, new or changed → WorkloadRegistered; TransfersWaiting is
   telemetry (observed only).
+- RoundStarted of an agent member (torchrun's), of a round after the last journaled →
+  RendezvousRound: the launcher's rounds, each a restart of every worker but a run's first.
 - GpuReading of a member: the GPU rules (journaled in the config) with hysteresis and
   priorities → GpuAdviceCleared / GpuAdviceIssued (coordinator/gpu_rules.py).
 """
@@ -77,8 +79,10 @@ from cohort.events.models import (
     LeaderElected,
     Leave,
     RegisterWorkload,
+    RendezvousRound,
     Resume,
     Rewound,
+    RoundStarted,
     StepCommitted,
     StepDone,
     StragglerCleared,
@@ -187,14 +191,24 @@ def _during_training(plan: _DecisionPlan, seen: Liveness, command: Command) -> N
             _checkpoint_written(plan, command)
         case Resume():
             _resume(plan, command)
-        case EvalDone():
-            _evaluated(plan, command)
-        case RegisterWorkload():
-            _workload(plan, command)
+        case EvalDone() | RegisterWorkload() | RoundStarted():
+            _reported(plan, command)
         case DataRefused():
             _refused_data(plan, seen, command)
         case EpochDone() | TransfersWaiting():
             pass  # observed only
+
+
+def _reported(plan: _DecisionPlan, command: EvalDone | RegisterWorkload | RoundStarted) -> None:
+    """What a member reports of itself that the journal keeps as reported: an evaluation, a
+    GPU workload, a launcher's round."""
+    match command:
+        case EvalDone():
+            _evaluated(plan, command)
+        case RegisterWorkload():
+            _workload(plan, command)
+        case RoundStarted():
+            _round_started(plan, command)
 
 
 def _join(plan: _DecisionPlan, command: Join) -> None:
@@ -231,6 +245,15 @@ def _workload(plan: _DecisionPlan, command: RegisterWorkload) -> None:
     if member is None or command.workload in member.workloads:
         return
     plan.emit(WorkloadRegistered, worker=command.worker, workload=command.workload)
+
+
+def _round_started(plan: _DecisionPlan, command: RoundStarted) -> None:
+    """A launcher's round is journaled once, as the first of its agents reports it; a
+    trainer cannot report rounds, and a report of an older round is late."""
+    member, last = plan.state.members.get(command.worker), plan.state.rendezvous
+    if member is None or member.role != "agent" or (last and command.round <= last.round):
+        return
+    plan.emit(RendezvousRound, worker=command.worker, round=command.round, agents=command.agents)
 
 
 def _evaluated(plan: _DecisionPlan, command: EvalDone) -> None:

@@ -26,6 +26,7 @@ from cohort.events.models import (
     JobFinished,
     JoinRefused,
     LeaderElected,
+    RendezvousRound,
     Rewound,
     StepCommitted,
     StragglerCleared,
@@ -184,6 +185,10 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:  # noqa: C901 - 
             return _workloads(state, fact)
         case EvalReported():
             return {"evals": (*state.evals, fact)[-KEEP_EVALS:]}
+        case RendezvousRound():
+            last = state.rendezvous
+            run = last is None or not any(a in state.members for a in last.agents)
+            return {"rendezvous": fact, "counters": _count(state.counters, rounds=1, runs=int(run))}
         case JobFinished():
             return {"finished": fact.reason or "finished", "paused": True}
         case CommandsRefused():

@@ -220,6 +220,32 @@ def _position(body: dict[str, Any]) -> str:
     return f"(epoch {body['epoch']}, {left} samples left)"
 
 
+def launcher_view(state: JobState) -> dict[str, Any] | None:
+    """What a launcher's job (torchrun's agents as members) is doing: its agents now, the
+    latest rendezvous round, and how many rounds, runs and restarts; None for a job whose
+    members train cohort's steps."""
+    agents = sorted(w for w, m in state.members.items() if m.role == "agent")
+    latest, counters = state.rendezvous, state.counters
+    if not agents and latest is None:
+        return None
+    return {
+        "agents": agents,
+        "round": None if latest is None else latest.round,
+        "round_agents": [] if latest is None else list(latest.agents),
+        "rounds": counters.rounds,
+        "runs": counters.runs,
+        "restarts": counters.rounds - counters.runs,
+    }
+
+
+def _phase(state: JobState, launcher: dict[str, Any] | None) -> str:
+    if state.finished:
+        return "finished"
+    if launcher is not None and not state.started:
+        return "running" if launcher["agents"] else "ended"
+    return "paused" if state.paused else "running"
+
+
 def view(state: JobState) -> dict[str, Any]:
     """The state as plain data, for `--json` and for people."""
     body = dump(state)
@@ -228,7 +254,8 @@ def view(state: JobState) -> dict[str, Any]:
     body["world_size"] = len(state.ranks)
     body["next_step"] = state.next_step
     body["chief"] = state.chief
-    body["phase"] = "finished" if state.finished else "paused" if state.paused else "running"
+    body["launcher"] = launcher_view(state)
+    body["phase"] = _phase(state, body["launcher"])
     body["paused"] = state.paused and not state.finished  # a finished job waits for nothing
     for worker, member in body["members"].items():
         member["rank"] = state.rank_of(worker)

@@ -24,6 +24,7 @@ from cohort.events.models import (
     EvalReported,
     JobConfig,
     Node,
+    RendezvousRound,
     Role,
     Weights,
     Workload,
@@ -77,6 +78,11 @@ class Counters:
     that does not prove their worker."""
     forged: int = 0
     inbox_repairs: int = 0
+    rounds: int = 0
+    """Rendezvous rounds of a launcher's agents (torchrun's) journaled; `runs` of them began
+    a run (none of the last round's agents a member any more), each other one restarted
+    every worker."""
+    runs: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +127,8 @@ class JobState:
     checkpoint's, or the initial ones)."""
     finished: str | None = None
     """Why the job ended (its JobFinished's reason); None while it has steps to go."""
+    rendezvous: RendezvousRound | None = None
+    """A torchrun job's latest rendezvous round: its number and agents in rank order."""
     evals: tuple[EvalReported, ...] = ()
     """The last KEEP_EVALS evaluations the evaluators reported, oldest first."""
     commits: tuple[tuple[int, float], ...] = ()

@@ -118,6 +118,10 @@ class Dataset(BaseModel):
 
 
 Role = Literal["trainer", "agent", "evaluator"]
+AGENT_SUCCEEDED = "torchrun agent shut down: its workers succeeded"
+"""The `Leave` reason of an agent whose workers all finished: what a launcher job's audit
+counts as a run that ended well (any other reason, or WorkerFailed, is an agent that did
+not)."""
 MetricName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,63}$")]
 Metrics = Annotated[
     dict[MetricName, Annotated[float, Field(allow_inf_nan=True)]], Field(max_length=64)
@@ -291,6 +295,17 @@ class EvalDone(Event):
     metrics: Metrics
 
 
+class RoundStarted(Event):
+    """A launcher's agent (torchrun's) started its workers in rendezvous round `round`, with
+    the `agents` of that round in rank order. A round after a run's first restarted every
+    worker of the job."""
+
+    type: Literal["RoundStarted"] = "RoundStarted"
+    worker: WorkerId
+    round: Count
+    agents: Annotated[tuple[WorkerId, ...], Field(min_length=1, max_length=4096)]
+
+
 CheckpointUri = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
@@ -357,7 +372,8 @@ Command = Annotated[
     | EvalDone
     | RegisterWorkload
     | TransfersWaiting
-    | DataRefused,
+    | DataRefused
+    | RoundStarted,
     Field(discriminator="type"),
 ]
 
@@ -706,6 +722,16 @@ class EvalReported(Event):
     metrics: Metrics
 
 
+class RendezvousRound(Event):
+    """The launcher's agents started rendezvous round `round`: `agents` in rank order, as
+    `worker` (the first of them to say so) reported it. Journaled once per round."""
+
+    type: Literal["RendezvousRound"] = "RendezvousRound"
+    worker: WorkerId
+    round: Count
+    agents: tuple[WorkerId, ...]
+
+
 class JobFinished(Event):
     """The job reached its length (`reason`): `step` is its last, `digest` the final weights.
     Nothing trains after it; workers end with the final weights and leave."""
@@ -850,6 +876,7 @@ Fact = Annotated[
     | WeightsLost
     | Rewound
     | EvalReported
+    | RendezvousRound
     | WorkloadRegistered
     | JobFinished
     | CommandsRefused
@@ -859,21 +886,3 @@ Fact = Annotated[
 
 COMMANDS: TypeAdapter[Command] = TypeAdapter(Command)
 FACTS: TypeAdapter[Fact] = TypeAdapter(Fact)
-
-COMMAND_TYPES = frozenset(
-    m.model_fields["type"].default
-    for m in (
-        Join,
-        Heartbeat,
-        StepDone,
-        EpochDone,
-        GpuReading,
-        WeightsLoaded,
-        Leave,
-        CheckpointWritten,
-        Resume,
-        EvalDone,
-        RegisterWorkload,
-        TransfersWaiting,
-    )
-)

@@ -155,6 +155,7 @@ def replay(
                     for who, proven, kind, n, _ in report.refused.rows()
                 ],
                 "inbox_repairs": [r.model_dump(mode="json") for r in report.repairs],
+                "launcher": None if report.launcher is None else launcher_json(report.launcher),
             }
         click.echo(json.dumps(body, default=str))
     else:
@@ -166,6 +167,18 @@ def replay(
             audit_table(report)
     if report is not None and not report.ok:
         sys.exit(Exit.DATA)
+
+
+def launcher_json(launcher: Any) -> dict[str, Any]:
+    """A torchrun job's audit record, for --json."""
+    return {
+        "covers": launcher.covers,
+        "rounds": launcher.rounds,
+        "runs": launcher.runs,
+        "restarts": launcher.restarts,
+        "running": launcher.running,
+        "ended": launcher.ended,
+    }
 
 
 def _is_stream_id(value: str) -> bool:

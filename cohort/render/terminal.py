@@ -31,10 +31,13 @@ _PHASES = {
     "running": "[green]running[/]",
     "paused": "[yellow]paused[/]",
     "finished": "[blue]finished[/]",
+    "ended": "[blue]ended[/]",
 }
 
 
 def _summary_lines(body: dict[str, Any]) -> list[str]:
+    if body.get("launcher") and not body["started"]:
+        return _launcher_lines(body)
     counters = body["counters"]
     return [
         f"[bold]job[/] {body['job'] or '?'}  [bold]leader[/] {_leader(body)} "
@@ -49,6 +52,31 @@ def _summary_lines(body: dict[str, Any]) -> list[str]:
         *_progress_lines(body),
         *_lineage_lines(body),
         *_waiting_lines(body),
+    ]
+
+
+def _launcher_lines(body: dict[str, Any]) -> list[str]:
+    """A torchrun job: its agents and rounds, in place of cohort's world and steps, which
+    such a job has none of (its workers train with torch.distributed)."""
+    launcher, counters = body["launcher"], body["counters"]
+    agents = launcher["agents"]
+    now = f"{len(agents)} agent(s) in the job" if agents else "no agent in the job now"
+    latest = (
+        f"round {launcher['round']} with {len(launcher['round_agents'])} agent(s) "
+        f"({', '.join(launcher['round_agents'])})"
+        if launcher["round"] is not None
+        else "no round started yet"
+    )
+    return [
+        f"[bold]job[/] {body['job'] or '?'} (torchrun)  [bold]leader[/] {_leader(body)} "
+        f"(epoch {body['leader_epoch']})  {now}  {_PHASES[body['phase']]}",
+        f"[bold]latest[/] {latest}",
+        f"rounds {launcher['rounds']}  runs {launcher['runs']}  restarts "
+        f"{launcher['restarts']} (each restarted every worker)  joined {counters['joined']}  "
+        f"left {counters['left']}  failed {counters['failed']}  facts {body['facts']}  "
+        f"state hash {body['state_hash']}",
+        "[dim]the workers train with torch.distributed: cohort journals the agents, not "
+        "their steps or data[/]",
     ]
 
 
@@ -372,6 +400,17 @@ def status_table(body: dict[str, Any]) -> None:
 
 
 def audit_table(report: Any) -> None:
+    if report.launcher is not None:
+        _launcher_audit(report.launcher)
+    else:
+        _epochs_table(report)
+    for problem in report.problems:
+        console.print(f"[red]{problem}[/]")
+    _refusals_table(report)
+    console.print("[green]audit passed[/]" if report.ok else "[red]audit failed[/]")
+
+
+def _epochs_table(report: Any) -> None:
     table = Table("epoch", "finished", "steps", "samples used", "duplicated", "missing", "ok")
     for epoch, entry in sorted(report.epochs.items()):
         table.add_row(
@@ -384,10 +423,21 @@ def audit_table(report: Any) -> None:
             "[green]ok[/]" if entry.ok else "[red]FAIL[/]",
         )
     console.print(table)
-    for problem in report.problems:
-        console.print(f"[red]{problem}[/]")
-    _refusals_table(report)
-    console.print("[green]audit passed[/]" if report.ok else "[red]audit failed[/]")
+
+
+def _launcher_audit(launcher: Any) -> None:
+    """A torchrun job's audit: what it covers, its rounds, how each agent of the last run
+    ended."""
+    console.print(f"[bold]torchrun job[/]: the audit covers {launcher.covers}")
+    console.print(
+        f"rounds {launcher.rounds}  runs {launcher.runs}  restarts {launcher.restarts}  "
+        f"agents running {len(launcher.running)}"
+    )
+    if launcher.ended:
+        table = Table("agent of the last run", "ended")
+        for agent, how in sorted(launcher.ended.items()):
+            table.add_row(agent, how)
+        console.print(table)
 
 
 def _refusals_table(report: Any) -> None:

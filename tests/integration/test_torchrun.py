@@ -177,15 +177,26 @@ def test_torchrun_job_survives_lost_nodes_grows_and_passes_the_audit(
         capture_output=True, text=True, cwd=ROOT, timeout=60,
     )  # fmt: skip
     assert audit.returncode == 0, audit.stderr
-    assert json.loads(audit.stdout)["audit"]["ok"] is True
+    audited = json.loads(audit.stdout)["audit"]
+    assert audited["ok"] is True and "membership only" in audited["launcher"]["covers"]
+    ended = audited["launcher"]["ended"]
+    assert sorted(how.split(":")[0] for how in ended.values()) == [
+        "failed", "failed", "torchrun agent shut down",
+    ], ended  # fmt: skip
+    shown = {}
     for args in (("status", "--json"), ("report", "-o", str(tmp_path / "report.html"))):
-        shown = subprocess.run(
+        ran = subprocess.run(
             [sys.executable, "-m", "cohort", "--redis-url", cluster.url, args[0], "--job",
              cluster.job, *args[1:]],
             capture_output=True, text=True, cwd=ROOT, timeout=60,
         )  # fmt: skip
-        assert shown.returncode == 0, (args, shown.stderr)
+        assert ran.returncode == 0, (args, ran.stderr)
+        shown[args[0]] = ran.stdout
     assert b.agent in (tmp_path / "report.html").read_text()
+    launcher = json.loads(shown["status"])["launcher"]
+    # rounds: a+b, b alone, b+c, b alone (more if a restart raced a join): one run
+    assert launcher["runs"] == 1 and launcher["restarts"] >= 3, launcher
+    assert launcher["agents"] == [] and json.loads(shown["status"])["phase"] == "ended"
 
     # A new run on the finished run's id starts cleanly (c10d's store dies with its run;
     # ours stays in Redis, closed), trains its steps and ends.
@@ -193,6 +204,9 @@ def test_torchrun_job_survives_lost_nodes_grows_and_passes_the_audit(
     wait("a new run on the same id trains", lambda: d.trains(1, d.started))
     wait("the new run ends", lambda: d.popen.poll() is not None)
     assert d.popen.returncode == 0, d.out.read_text()[-3000:]
+    cluster.until(
+        lambda s: s.counters.runs == 2 and not s.members, 30, "the rerun journaled as a 2nd run"
+    )
     print(
         f"\nb resumed {resumed_alone - killed:.1f} s after a (rank 0) was lost, "
         f"c trained {grown:.1f} s after it started, "

@@ -185,3 +185,12 @@ def test_the_view_remembers_who_failed_or_left_until_they_join_again() -> None:
     assert view.gone == {"a", "b"} and view.members == {"c"}
     again = views.evolve(view, fact(m.WorkerJoined, worker="a"))
     assert again.gone == {"b"} and again.members == {"a", "c"}
+
+
+def test_an_agent_leaves_saying_how_its_workers_ended() -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    failed = ChildFailedError.__new__(ChildFailedError)  # its constructor wants real failures
+    assert torchrun.leave_reason(failed).endswith("its workers failed past --max-restarts")
+    assert torchrun.leave_reason(SystemExit(2)) == "torchrun agent shut down: SystemExit: 2"
+    assert torchrun.leave_reason(RuntimeError("a\nb")).endswith("RuntimeError: a")

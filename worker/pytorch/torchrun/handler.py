@@ -56,6 +56,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from cohort.events.connection import ENV_URL, UNAVAILABLE, Client, RedisSettings, connect
 from cohort.events.errors import EventsError
 from cohort.events.keys import ENV_JOB, check_job
+from cohort.events.models import AGENT_SUCCEEDED, RoundStarted
 from cohort.worker.errors import Stopped, WorkerError
 from cohort.worker.membership.client import Worker
 from cohort.worker.pytorch.torchrun.c10d_store import RedisStore
@@ -185,6 +186,14 @@ def in_torchrun_words(message: str) -> str:
     return message.replace("--redis-url", "--rdzv-endpoint")
 
 
+def leave_reason(ending: BaseException) -> str:
+    """The Leave reason of an agent shutting down while `ending` is raised."""
+    if type(ending).__name__ == "ChildFailedError":
+        return "torchrun agent shut down: its workers failed past --max-restarts"
+    first = str(ending).splitlines()[0] if str(ending) else ""
+    return f"torchrun agent shut down: {type(ending).__name__}: {first}"[:1024]
+
+
 def _whole(params: RendezvousParameters, key: str, default: int) -> int:
     value = params.get(key, default)
     try:
@@ -213,6 +222,8 @@ class AgentMembership:
         self.worker = worker
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._round: tuple[int, list[str]] | None = None
+        """The round this agent's workers run in, and its agents in rank order."""
 
     def ensure_joined(self) -> None:
         """Join unless a member or joining (again, after the journal removed this agent)."""
@@ -228,6 +239,7 @@ class AgentMembership:
     def _join(self) -> None:
         try:
             self.worker.join(stop=self._stop)
+            self._report()
         except Stopped:
             pass
         except WorkerError as exc:
@@ -238,11 +250,27 @@ class AgentMembership:
     def gone(self) -> frozenset[str]:
         return self.worker.view.gone
 
-    def leave(self) -> None:
+    def started(self, round_: int, agents: list[str]) -> None:
+        """Report the round this agent's workers start in (RoundStarted), once a member;
+        a round started before the Join was answered is reported as it is."""
+        self._round = (round_, agents)
+        if self.worker.view.member:
+            self._report()
+
+    def _report(self) -> None:
+        if self._round is None:
+            return
+        round_, agents = self._round
+        try:
+            self.worker.send(RoundStarted, round=round_, agents=tuple(agents))
+        except WorkerError as exc:  # the other agents report it too
+            log.warning("agent %s could not report round %d: %s", self.worker.id, round_, exc)
+
+    def leave(self, reason: str) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(LEAVE_TIMEOUT_S)
-        self.worker.leave(reason="torchrun agent shut down", timeout=LEAVE_TIMEOUT_S)
+        self.worker.leave(reason=reason, timeout=LEAVE_TIMEOUT_S)
 
 
 class JournalStateHolder(_BackendRendezvousStateHolder):
@@ -369,6 +397,8 @@ class CohortRendezvousHandler(DynamicRendezvousHandler):
         self._fresh_bootstrap()
         info = super().next_rendezvous()
         self._round = self.holder.state.round
+        ranked = sorted(self.holder.state.participants.items(), key=lambda item: item[1])
+        self.membership.started(self._round, [agent_id(node) for node, _ in ranked])
         self.holder.lost = {(r, node) for r, node in self.holder.lost if r >= self._round}
         self._drop_old_rounds()
         return info
@@ -409,12 +439,16 @@ class CohortRendezvousHandler(DynamicRendezvousHandler):
         return waiting + sum(1 for r, _ in self.holder.lost if r == self._round)
 
     def shutdown(self) -> bool:
+        """Close the rendezvous, take this agent out of it and leave the job, saying how its
+        workers ended: torchrun calls this from a `finally`, where the exception under way
+        (ChildFailedError: the workers failed past --max-restarts) is still current."""
+        ending = sys.exc_info()[1]
         closed = super().shutdown()
         try:
             self.holder.depart()
         except Exception as exc:  # the keep-alive expires anyway
             log.warning("could not take this agent out of the closed rendezvous: %s", exc)
-        self.membership.leave()
+        self.membership.leave(AGENT_SUCCEEDED if ending is None else leave_reason(ending))
         return closed
 
     def _fresh_bootstrap(self) -> None:
