@@ -166,3 +166,12 @@ def test_outside_the_repository_only_cohort_imports_and_it_exposes_the_api(tmp_p
     assert result.returncode == 0, result.stdout + result.stderr
     exported = set(result.stdout.split())
     assert {"Worker", "Collective", "RedisSettings", "connect", "WorldChangedError"} <= exported
+
+
+@pytest.mark.parametrize("folder", ["bench", "examples", "tests/integration"])
+def test_no_folder_torchrun_runs_scripts_from_shadows_the_standard_library(folder: str) -> None:
+    """torchrun runs a script with the script's folder first on sys.path: a module there named
+    like one of the standard library's (bench/profile.py once) replaces it for every import
+    of it, torch's own included (torch._dynamo imports cProfile, which imports profile)."""
+    shadows = [p.name for p in (ROOT / folder).glob("*.py") if p.stem in sys.stdlib_module_names]
+    assert shadows == []

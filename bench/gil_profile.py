@@ -7,7 +7,7 @@ adds to a step, where the model is too small for its step to hide it. Prints the
 of those samples per thread and per function (inclusive), cohort's and torch's glue.
 
     pip install py-spy
-    python -m bench.profile [--route gloo|redis] [--steps 2500] [--seconds 25]
+    python -m bench.gil_profile [--route gloo|redis] [--steps 2500] [--seconds 25]
 """
 
 from __future__ import annotations
