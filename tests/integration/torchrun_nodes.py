@@ -60,15 +60,24 @@ class Node:
         return int(self.lines()[-1]["rank"])
 
     def kill(self) -> float:
-        """SIGKILL the agent and its worker: the node is gone. torchrun starts each worker in
-        a session of its own, so the worker is killed by its pid, not with the agent's
-        process group. Returns when."""
+        """SIGKILL the agent and its worker: the node is gone. Returns when."""
+        at = self.send(signal.SIGKILL)
+        self.popen.wait(10)
+        return at
+
+    def hang(self) -> float:
+        """SIGSTOP the agent and its worker: the node hangs, its connections open, as a
+        machine cut off the network. Returns when."""
+        return self.send(signal.SIGSTOP)
+
+    def send(self, sig: int) -> float:
+        """Send `sig` to the agent's process group and to its latest worker: torchrun starts
+        each worker in a session of its own, out of the agent's group. Returns when."""
         worker = self.lines()[-1]["pid"]
         at = time.time()
-        os.killpg(self.popen.pid, signal.SIGKILL)
+        os.killpg(self.popen.pid, sig)
         with contextlib.suppress(ProcessLookupError):
-            os.kill(worker, signal.SIGKILL)
-        self.popen.wait(10)
+            os.kill(worker, sig)
         return at
 
     def stop(self) -> None:
@@ -97,16 +106,19 @@ class Nodes:
         self.cluster = cluster
         self.made: list[Node] = []
 
-    def start(self, name: str, argv: list[str], env: Mapping[str, str] | None = None) -> Node:
+    def start(
+        self, name: str, argv: list[str], env: Mapping[str, str | None] | None = None
+    ) -> Node:
         """Run `argv` in a session of its own from the test's temp dir, its workers logging
-        to `name`.jsonl there, with `env` added to the environment."""
+        to `name`.jsonl there, with `env` added to the environment (None: taken out)."""
         tmp = self.cluster.tmp
         meta = tmp / "meta"
         if not meta.exists():
             entry_point_path(tmp, ROOT)
         path = os.pathsep.join([str(meta), str(ROOT), os.environ.get("PYTHONPATH", "")])
-        full = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1",
-                "TRAIN_LOG": str(tmp / f"{name}.jsonl"), **(env or {})}  # fmt: skip
+        added = {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1",
+                 "TRAIN_LOG": str(tmp / f"{name}.jsonl"), **(env or {})}  # fmt: skip
+        full = {k: v for k, v in {**os.environ, **added}.items() if v is not None}
         out = tmp / f"{name}.out"
         with out.open("wb") as handle:
             popen = subprocess.Popen(
