@@ -19,7 +19,7 @@ import pytest
 
 from tests.helpers import require_package
 from tests.integration.cluster import Cluster
-from tests.integration.torchrun_nodes import Node, Nodes, audited, cohort, journaled, torchrun
+from tests.integration.torchrun_nodes import Node, Nodes, audited, cohort, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis_server]
 
@@ -77,20 +77,25 @@ def lose_rank_zero(
 
 
 def check_the_run(cluster: Cluster, lost: Sequence[Node], survivors: Sequence[Node]) -> None:
-    """The journal has every node's agent joining, the lost ones failing and the survivors
-    leaving; `cohort replay --audit` finds nothing wrong and `cohort status` reads the job."""
+    """`cohort replay --audit` finds nothing wrong and reads every node's agent joining, the
+    lost ones failing and the survivors leaving; `cohort status` counts as many."""
     cluster.until(lambda s: not s.members, 30, "every agent left or failed in the journal")
-    joined, failed, left = journaled(cluster)
+    timeline = audited(cluster)["timeline"]
 
-    def of(nodes: Sequence[Node], workers: list[str]) -> list[str]:
-        return sorted(w for w in workers if w.endswith(tuple(n.agent for n in nodes)))
+    def named(kind: str, nodes: Sequence[Node] = (*lost, *survivors)) -> list[str]:
+        agents = tuple(n.agent for n in nodes)
+        return sorted(
+            f["worker"] for f in timeline if f["type"] == kind and f["worker"].endswith(agents)
+        )
 
-    everyone = [*lost, *survivors]
-    assert len(of(everyone, joined)) == len(everyone), joined
-    assert of(everyone, failed) == of(lost, joined), (joined, failed)
-    assert of(everyone, left) == of(survivors, joined), (joined, left)
-    audited(cluster)
-    json.loads(cohort(cluster, "status", "--json"))
+    assert len(named("WorkerJoined")) == len(lost) + len(survivors), timeline
+    assert named("WorkerFailed") == named("WorkerJoined", lost), timeline
+    assert named("WorkerLeft") == named("WorkerJoined", survivors), timeline
+    status = json.loads(cohort(cluster, "status", "--json"))
+    assert status["job"] == cluster.job and not status["members"], status
+    counted = {kind: len([f for f in timeline if f["type"] == f"Worker{kind.title()}"])
+               for kind in ("joined", "failed", "left")}  # fmt: skip
+    assert {k: status["counters"][k] for k in counted} == counted, status["counters"]
 
 
 def lightning(nodes: Nodes, name: str, checkpoints: Path, steps: int, *args: str) -> Node:

@@ -175,7 +175,8 @@ def cohort(cluster: Cluster, *args: str) -> str:
 
 
 def audited(cluster: Cluster) -> dict[str, Any]:
-    """`cohort replay --audit --json` of the job, which must find nothing wrong."""
-    audit: dict[str, Any] = json.loads(cohort(cluster, "replay", "--audit", "--json", "--quiet"))
-    assert audit["audit"]["ok"] is True, audit
+    """`cohort replay --audit --json --timeline` of the job, which must find nothing wrong:
+    its state, its verdict and its facts (`timeline`: type, entry id and the fact's fields)."""
+    audit: dict[str, Any] = json.loads(cohort(cluster, "replay", "--audit", "--json", "--timeline"))
+    assert audit["audit"]["ok"] is True, audit["audit"]
     return audit
