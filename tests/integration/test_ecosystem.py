@@ -5,7 +5,8 @@ coordinator` (heartbeat timeout 2 s, no `--rdzv-conf`): of two nodes, the one wh
 is rank 0 (its agent hosts the workers' store) is SIGKILLed, agent and worker, mid-run; the
 other resumes from the run's checkpoint within the heartbeat timeout + 10 s, measured from
 the kill to its first step alone, and finishes; the journal, `cohort replay --audit` and
-`cohort status` read the run; a new run on the same id finishes too.
+`cohort status` read the run; a new run on the same id finishes too. A Lightning node that
+hangs instead (SIGSTOP) costs no more once SIGTERM has its default action back.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis_server]
 HERE = Path(__file__).parent
 HEARTBEAT_TIMEOUT_S = 2.0
 RECOVERY_S = HEARTBEAT_TIMEOUT_S + 10
-"""The bound on the time from a node's SIGKILL to the survivor's first step alone."""
+"""The bound on the time from a node's loss to the survivor's first step alone."""
 SAVED_EVERY = 5
 """Both scripts checkpoint every 5 steps."""
 
