@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import time
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import TypeVar
 
 import pytest
@@ -45,6 +47,19 @@ def require_redis_server() -> str:
             pytest.fail(f"{reason}; CI must run the real-server tests")
         pytest.skip(reason)
     return binary
+
+
+def require_package(name: str) -> ModuleType:
+    """The module `name`; without it, skip locally but fail where COHORT_REQUIRE_ECOSYSTEM=1
+    (.ci/run installs the `ecosystem` extra and sets it), where a skip would hide that
+    Lightning or Accelerate no longer runs on cohort."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        reason = f"{name} is not installed (pip install -e '.[ecosystem]'): {exc}"
+        if os.environ.get("COHORT_REQUIRE_ECOSYSTEM") == "1":
+            pytest.fail(f"{reason}; COHORT_REQUIRE_ECOSYSTEM=1 asks for these tests")
+        pytest.skip(reason)
 
 
 def processes_mentioning(text: str, parent: int | None = None) -> list[str]:

@@ -9,6 +9,7 @@ from cohort.localredis import LocalCluster, LocalRedis
 from tests.helpers import require_redis_server
 from tests.integration.cluster import Cluster
 from tests.integration.launch import Launch
+from tests.integration.torchrun_nodes import Nodes
 
 
 @pytest.fixture(autouse=True)
@@ -33,6 +34,14 @@ def cluster(server: LocalRedis, tmp_path: Path) -> Iterator[Cluster]:
     job = Cluster(url=server.url, conn=server.client(), job="itest", tmp=tmp_path)
     yield job
     job.stop()
+
+
+@pytest.fixture
+def nodes(cluster: Cluster) -> Iterator[Nodes]:
+    """torchrun nodes on `cluster`'s job; whatever is left of them dies with the test."""
+    made = Nodes(cluster)
+    yield made
+    made.stop()
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,14 @@ def test_ci_checks_lint_format_and_types_in_a_fresh_venv_before_the_tests() -> N
     assert [line for line in lines if line in order] == order
 
 
+def test_ci_installs_lightning_and_accelerate_and_fails_their_tests_instead_of_skipping() -> None:
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert "python -m pip install -q -e '.[dev,ecosystem]'" in ci
+    assert "export COHORT_REQUIRE_ECOSYSTEM=1" in ci
+    extra = _pyproject()["project"]["optional-dependencies"]["ecosystem"]
+    assert {re.split(r"[<>=!~ ]", spec)[0] for spec in extra} == {"lightning", "accelerate"}
+
+
 def test_readme_installs_the_cpu_build_of_torch_before_the_torch_extra() -> None:
     """The extra alone pulls a CUDA build (GBs) on a machine without a GPU."""
     readme = (ROOT / "README.md").read_text()

@@ -125,6 +125,11 @@ def test_no_run_id_takes_the_job_from_the_environment() -> None:
         ("10.0.0.5:6379", {"COHORT_REDIS_URL": "redis://10.0.0.5/0"}, "redis://10.0.0.5/0"),
         ("10.0.0.6:16391", {"COHORT_REDIS_URL": "redis://u:p@10.0.0.5:16391/3"},
          "redis://10.0.0.6:16391/0"),  # another server: the command line wins
+        ("redis-host", {}, "redis://redis-host/0"),
+        ("fd00::5:6379", {}, "redis://[fd00::5]:6379/0"),  # accelerate launch's IPv6 form
+        ("[fd00::5]:6379", {}, "redis://[fd00::5]:6379/0"),
+        ("fd00::5:6379", {"COHORT_REDIS_URL": "redis://u:p@[fd00::5]/1"},
+         "redis://u:p@[fd00::5]/1"),
     ],
 )  # fmt: skip
 def test_the_endpoint_may_be_a_url_or_host_port(

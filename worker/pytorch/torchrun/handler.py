@@ -172,13 +172,18 @@ def endpoint_url(endpoint: str, env: Mapping[str, str]) -> str | None:
     endpoint = endpoint.strip()
     if not endpoint or "://" in endpoint:
         return endpoint or None
+    host, colon, port = endpoint.rpartition(":")  # the last colon, as torch's c10d parses it
+    if not colon:
+        host, port = endpoint, ""
+    host = host.removeprefix("[").removesuffix("]")  # accelerate writes IPv6 bare: fd00::5:6379
     configured = env.get(ENV_URL, "")
     if configured:
         with contextlib.suppress(EventsError, ValueError):
             parts = urlsplit(configured)
-            if f"{parts.hostname}:{parts.port or 6379}" == endpoint:
+            if (parts.hostname, parts.port or 6379) == (host.lower(), int(port or 6379)):
                 return configured
-    return f"redis://{endpoint}/0"
+    netloc = f"[{host}]" if ":" in host else host
+    return f"redis://{netloc}{colon}{port}/0"
 
 
 def in_torchrun_words(message: str) -> str:
