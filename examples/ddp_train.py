@@ -20,12 +20,16 @@ from torch.nn.parallel import DistributedDataParallel
 FEATURES, HIDDEN = 16, 64
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--checkpoint", help="resume from and save to this file")
     parser.add_argument("--every", type=int, default=50, help="steps between checkpoints")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = arguments()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -33,15 +37,15 @@ def main() -> None:
         torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 1)
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    step = torch.zeros(1, dtype=torch.int64)
+    resume = torch.zeros(1, dtype=torch.int64)
     if rank == 0 and args.checkpoint and os.path.exists(args.checkpoint):
         saved = torch.load(args.checkpoint, weights_only=True)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
-        step[0] = saved["step"]
-    dist.broadcast(step, src=0)  # every rank resumes where rank 0 does ...
+        resume[0] = saved["step"]
+    dist.broadcast(resume, src=0)  # every rank resumes where rank 0 does ...
     ddp = DistributedDataParallel(model)  # ... with rank 0's weights (DDP broadcasts them)
-    step = int(step)
+    step = int(resume.item())
     gen = torch.Generator().manual_seed(1000 * step + rank)
     loss = torch.tensor(float("nan"))
     while step < args.steps:
