@@ -30,7 +30,7 @@ from cohort.events.connection import RedisSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"
-EXAMPLES = ("example", "example-torchrun", "example-managed-redis")
+EXAMPLES = ("example", "example-torchrun", "example-managed-redis", "example-tls")
 KUBECTL = shutil.which("kubectl")
 SCHEMA = ROOT / "tests" / "fixtures" / "kubernetes" / "pytorchjob-v1.schema.json"
 OLDEST_KUBERNETES = "1.29.0"  # backoffLimitPerIndex and FailIndex, on by default since
@@ -172,7 +172,7 @@ def test_every_object_is_valid_for_kubernetes(example: str) -> None:
         for version in versions:
             validate.validate(doc, version, strict=True)
         checked.append(doc["kind"])
-    assert {"ConfigMap", "Deployment", "Job"} <= set(checked) or "StatefulSet" in checked
+    assert {"ConfigMap", "Deployment", "Service"} <= set(checked)  # at least the coordinators
 
 
 @needs_kubectl
@@ -242,7 +242,8 @@ def test_each_pod_connects_as_its_role_with_the_secrets_password(example: str) -
             continue
         env = environment(container, docs)
         role = expected[container["name"]]
-        url = RedisSettings.resolve(None, env=env).url
+        plain = {k: v for k, v in env.items() if not k.startswith("COHORT_REDIS_TLS_")}
+        url = RedisSettings.resolve(None, env=plain).url  # the CA's file is the cluster's
         address = config_map(docs)["redis-address"]
         scheme = config_map(docs)["redis-scheme"]
         job = config_map(docs)["job"]
@@ -435,3 +436,26 @@ def test_the_acl_script_refuses_to_write_users_without_their_passwords(tmp_path:
     )
     assert done.returncode != 0 and "COHORT_REDIS_ADDRESS" in done.stderr
     assert not (tmp_path / "a").exists()
+
+
+@needs_kubectl
+def test_with_tls_redis_serves_only_tls_and_every_client_verifies_it_with_the_ca() -> None:
+    docs = rendered("example-tls")
+    assert config_map(docs)["redis-scheme"] == "rediss"
+    clients = 0
+    for doc, container in containers(docs):
+        spec = pod_specs(doc)[0]
+        secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+        mounts = {m["mountPath"]: secrets.get(m["name"]) for m in container.get("volumeMounts", [])}
+        if container["name"] == "redis":
+            command = container["command"]
+            flags = dict(zip(command[2::2], command[3::2], strict=True))
+            assert flags["--port"] == "0" and flags["--tls-port"] == "6379"
+            for key in ("--tls-cert-file", "--tls-key-file", "--tls-ca-cert-file"):
+                assert mounts[str(Path(flags[key]).parent)] == "cohort-redis-tls"
+            assert "--tls" in container["readinessProbe"]["exec"]["command"][-1]
+        elif container["name"] != "acl":
+            ca = environment(container, docs)["COHORT_REDIS_TLS_CA"]
+            assert mounts[str(Path(ca).parent)] == "cohort-redis-tls", container["name"]
+            clients += 1
+    assert clients == 2  # the coordinators and the training Job
