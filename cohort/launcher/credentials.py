@@ -28,8 +28,15 @@ class Credentials:
 
     @staticmethod
     def needed(conn: Client, job: str, asked: bool) -> bool:
-        """Asked for (`--worker-credentials`), or the job signs its commands already."""
-        return asked or bool(conn.exists(Keys(job).identity))
+        """Asked for (`--worker-credentials`), or the job signs its commands already. A
+        user that may not even look at the job key (the worker role of `cohort acl`) could
+        not issue credentials either: its ranks connect as that user, unsigned."""
+        if asked:
+            return True
+        try:
+            return bool(conn.exists(Keys(job).identity))
+        except redis.exceptions.NoPermissionError:
+            return False
 
     def url_for(self, worker: str) -> str:
         """`worker`'s own Redis URL, its user created on every node (acl.AclError if the
