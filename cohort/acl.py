@@ -67,8 +67,10 @@ from cohort.events import identity
 from cohort.events.connection import Client, credentials
 from cohort.events.keys import Keys
 
-Role = Literal["coordinator", "worker", "viewer"]
+Role = Literal["coordinator", "worker", "viewer", "torchrun"]
 ROLES: tuple[Role, ...] = get_args(Role)
+DEFAULT_ROLES: tuple[Role, ...] = ("coordinator", "worker", "viewer")
+"""What `cohort acl` makes unless asked (--role): a torchrun job's agents need `torchrun`."""
 PASSWORD_ENV = "COHORT_ACL_{role}_PASSWORD"
 MIN_VERSION = (7, 0)  # %R~ / %W~ key permissions
 
@@ -103,6 +105,18 @@ _WORKER = (
     "+xread", "+xrange", "+xrevrange", "+xlen",  # the journal and notice streams
     "+set", "+get", "+unlink", "+del", "+pexpire", "+exists",  # grad / weights blobs
     "+time",
+)  # fmt: skip
+
+# torchrun's agents (--rdzv-backend=cohort): each a member of the job as a worker is, but
+# with no collective, plus torch's rendezvous state and the agents' c10d store. Both are
+# Lua scripts over hashes, lists, sets and streams (worker/pytorch/torchrun), whose
+# redis.call()s Redis checks against the caller's ACL too.
+_TORCHRUN = (
+    "+xadd", "+xread", "+xrange", "+xrevrange", "+xlen", "+time",  # membership
+    "+evalsha", "+eval", "+script|load",  # the state's compare-and-set, the store's writes
+    "+hget", "+hmget", "+hset", "+hincrby", "+hdel", "+hlen", "+hkeys",
+    "+rpush", "+lpop", "+llen", "+sadd", "+srem", "+smembers",
+    "+exists", "+pexpire", "+del", "+unlink",
 )  # fmt: skip
 
 # Read commands that take no key would show other jobs' key names: key patterns
@@ -160,6 +174,15 @@ def rules(
             f"%R~{keys.journal}",
             f"%R~{keys.memory}",  # the gradient budget the leader publishes
             *_collective(keys, worker),
+        ]
+    if role == "torchrun":
+        return [
+            *base,
+            *_TORCHRUN,
+            inbox_selector(keys),
+            f"%R~{keys.journal}",
+            f"~{keys.rendezvous}",
+            f"~{keys.c10d_groups}*",  # the store's groups, hashes, events and queues
         ]
     if role == "viewer":
         return [

@@ -24,8 +24,9 @@ _ALONE = ("--revoke", "--unrevoke", "--rotate", "--finish-rotation")
     "--role",
     "roles",
     multiple=True,
-    type=click.Choice(["coordinator", "worker", "viewer"]),
-    help="Only this role (repeatable). Default: all three.",
+    type=click.Choice(["coordinator", "worker", "viewer", "torchrun"]),
+    help="Only this role (repeatable). Default: coordinator, worker and viewer; torchrun is "
+    "for a torchrun job's agents (--rdzv-backend=cohort).",
 )
 @click.option(
     "--worker",
@@ -114,14 +115,15 @@ def acl_cmd(
 ) -> None:
     """Redis ACL users for JOB: coordinator, worker (XADD to the inbox, journal read,
     gradients only: it cannot forge a fact) and viewer (read-only, for status, replay and
-    report), each confined to the --redis-url's database.
+    report), each confined to the --redis-url's database; with --role torchrun, the user of
+    a torchrun job's agents (membership as a worker's, the rendezvous and its store).
 
     \b
     Prints `ACL SETUSER` lines for redis-cli on stdout, and each role's URL on stderr:
       cohort acl --job J | redis-cli -u ADMIN_URL
     or creates the users itself with --apply. Passwords come from
     $COHORT_ACL_COORDINATOR_PASSWORD, $COHORT_ACL_WORKER_PASSWORD and
-    $COHORT_ACL_VIEWER_PASSWORD, else are generated and shown once: store them now.
+    $COHORT_ACL_VIEWER_PASSWORD (and _TORCHRUN_), else are generated and shown once: store them now.
     Applying again replaces each user's password and rules. After --apply, an open
     `default` user (no password, every command) is warned about: --lock-default closes it.
 
@@ -207,7 +209,7 @@ def _roles(
     once)."""
     from cohort import acl
 
-    chosen: list[acl.Role] = [r for r in acl.ROLES if not roles or r in roles]
+    chosen: list[acl.Role] = [r for r in acl.ROLES if r in (roles or acl.DEFAULT_ROLES)]
     passwords, generated = acl.passwords(chosen)
     admin = redis_settings(ctx, "cohort-acl")
     try:

@@ -10,7 +10,11 @@ import json
 from pathlib import Path
 
 import pytest
+from redis.exceptions import NoPermissionError
 
+from cohort import acl
+from cohort.events.connection import RedisSettings, connect
+from cohort.events.keys import Keys
 from tests.integration.cluster import Cluster
 from tests.integration.torchrun_nodes import Node, Nodes, audited, cohort, journaled, torchrun
 
@@ -94,3 +98,23 @@ def test_torchrun_job_survives_lost_nodes_grows_and_passes_the_audit(
         f"c trained {grown:.1f} s after it started, "
         f"b resumed {resumed_again - killed_c:.1f} s after c was lost"
     )
+
+
+def test_agents_run_as_the_torchrun_user_of_cohort_acl(cluster: Cluster, nodes: Nodes) -> None:
+    """`cohort acl --role torchrun`'s user is all an agent needs (its membership, the
+    rendezvous state, the agents' store), with the URL in $COHORT_REDIS_URL and no endpoint,
+    as deploy/kubernetes runs it; and it may not touch the job's other keys."""
+    acl.apply(cluster.conn, cluster.job, {"torchrun": "t-pw"})
+    url = acl.url_as(cluster.url, acl.user(cluster.job, "torchrun"), "t-pw")
+    cluster.coordinator("c1", "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2")
+    argv = [a for a in torchrun(cluster, SCRIPT, "--nnodes=1") if "--rdzv-endpoint" not in a]
+    a = nodes.start("a", [*argv[:-1], "--rdzv-endpoint=", argv[-1]], {
+        "COHORT_REDIS_URL": url, "TRAIN_STEPS": "20",
+    })  # fmt: skip
+    nodes.wait("a trains as the torchrun user", lambda: a.trains(1, 0))
+    nodes.finished(a)
+    cluster.until(lambda s: s.counters.rounds == 1 and not s.members, 30, "a's round and leave")
+    assert "cannot" not in a.out.read_text() and "NOPERM" not in a.out.read_text()
+    agent = connect(RedisSettings(url=url))
+    with pytest.raises(NoPermissionError):
+        agent.get(Keys(cluster.job).leader)
