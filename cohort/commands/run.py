@@ -205,9 +205,10 @@ def gpu_count(nvml: Any = None) -> int:
 def _check_shared_redis(
     ctx: click.Context, job: str, node: str, given: JobSettings, wait: float
 ) -> None:
-    """On a Redis shared with other nodes: it answers (else exit 3), the job has not
-    finished, its journaled settings agree with the ones given, and no other launcher runs
-    ranks under this node's name (else exit 2)."""
+    """On a Redis shared with other nodes: it answers (else exit 3), its journaled settings
+    agree with the ones given, and no other launcher runs ranks under this node's name (else
+    exit 2). A job that finished has nothing left for this node: it exits 0 saying so, as a
+    late worker does (a scheduler that started it late must not count it failed)."""
     from cohort.coordinator.errors import ConfigConflictError
     from cohort.coordinator.replay import JournalWatch
     from cohort.events.keys import Keys
@@ -218,10 +219,12 @@ def _check_shared_redis(
     watch.pull(0)
     state = watch.state
     if state.finished is not None:
-        fail(
+        click.echo(
             f"job {job!r} finished at step {state.last_committed} ({state.finished}): nothing "
-            f"to run; `cohort reset --job {job}` to run the name again"
+            f"to run on node {node!r}; `cohort reset --job {job}` to run the name again",
+            err=True,
         )
+        ctx.exit(0)
     config, names = given.config()
     conflict = ConfigConflictError.between(job, state.config, config, names)
     if conflict is not None:

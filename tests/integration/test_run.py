@@ -21,7 +21,7 @@ import pytest
 
 from cohort.errors import Exit
 from cohort.events.keys import Keys
-from cohort.events.models import LeaderElected, WorkerFailed
+from cohort.events.models import LeaderElected, WorkerFailed, WorkerJoined
 from cohort.localredis import LocalRedis
 from tests.helpers import wait_until
 from tests.integration.cluster import Cluster
@@ -277,3 +277,22 @@ def test_a_second_launcher_under_a_node_name_in_use_is_refused(
     assert "node name 'n' is in use" in second.output
     first.popen.send_signal(signal.SIGINT)
     assert first.wait(60) == Exit.INTERRUPTED
+
+
+def test_a_launcher_started_after_the_job_finished_exits_0_saying_so(
+    server: LocalRedis, tmp_path: Path
+) -> None:
+    """A scheduler may start a node late (a replacement pod): the job is done, which is no
+    failure of that node's, so it must not be counted (or retried) as one."""
+    common = ("--redis-url", server.url, "--job", "late", *FAST, "--max-steps", "3")
+    first = Launch(*common, "--node", "a", "-n", "1", SCRIPT, cwd=tmp_path)
+    assert first.wait(120) == 0, first.output
+    late = Launch(*common, "--node", "b", "-n", "1", SCRIPT, cwd=tmp_path)
+    assert late.wait(60) == 0, late.output
+    assert "job 'late' finished at step 2" in late.output and "nothing to run on node 'b'" in (
+        late.output
+    )
+    watch = first.journal()
+    watch.pull(0)
+    joined = [f.worker for _, f in watch.facts if isinstance(f, WorkerJoined)]
+    assert joined and not [w for w in joined if w.startswith("b-")], joined  # b started nothing
