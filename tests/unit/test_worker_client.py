@@ -426,6 +426,18 @@ def test_a_worker_does_not_join_a_finished_job_and_says_how_to_run_it_again(
     assert leader.commands("Join") == []
 
 
+def test_a_join_still_unanswered_when_the_job_finishes_is_refused_by_the_end(
+    leader, make_worker, pool
+) -> None:
+    """The coordinators end with the job and may never read a Join sent just before: the
+    JobFinished in the journal is the answer (else the worker waited for ever)."""
+    joining = pool.submit(make_worker().join, 5)
+    leader.expect("Join")
+    leader.say(fact(m.JobFinished, step=9, epoch=0, reason="max_steps=10 reached"))
+    with pytest.raises(JoinRefusedError, match=r"finished at step .*\(max_steps=10 reached\)"):
+        joining.result(timeout=5)
+
+
 def test_a_step_reported_without_waiting_goes_out_before_the_leave_after_it(
     server, leader, make_worker, pool
 ) -> None:

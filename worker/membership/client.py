@@ -62,7 +62,7 @@ from cohort.worker.membership.credential import CredentialRefresh
 from cohort.worker.membership.delivery import Delivery
 from cohort.worker.membership.following import JournalFollower
 from cohort.worker.membership.heartbeat import HeartbeatThread
-from cohort.worker.membership.joining import JoinRequest
+from cohort.worker.membership.joining import JoinRequest, refusal
 from cohort.worker.membership.retry import AnyOf, Halt, Link, url_of
 from cohort.worker.membership.signals import ShutdownSignals
 from cohort.worker.membership.stamp import Stamp
@@ -328,9 +328,9 @@ class Worker:
 
     def _accepted(self, before: View, answered: View) -> None:
         """Raise JoinRefusedError if the answer to the Join sent at `before` is a refusal."""
-        if answered.refusals > before.refusals:
+        if (refused := refusal(before, answered, self.job)) is not None:
             self.stop()
-            raise JoinRefusedError(self.id, answered.refused or "no reason given")
+            raise JoinRefusedError(self.id, refused)
         self.log.info("worker %s joined job %r on Redis %s", self.id, self.job, where(self.conn))
 
     def _start(self, deadline: float | None, halt: Halt, stop: threading.Event) -> None:

@@ -15,7 +15,7 @@ import time
 
 from cohort.events.connection import UNAVAILABLE, Client, reach
 from cohort.events.errors import RedisUnavailableError
-from cohort.events.models import Command, Join, Leave
+from cohort.events.models import Command, Join, Leave, finished_refusal
 from cohort.worker.errors import JoinTimeoutError, RedisUnreachableError, Stopped, WaitTimeoutError
 from cohort.worker.membership.delivery import Delivery
 from cohort.worker.membership.following import JournalFollower
@@ -124,5 +124,17 @@ class JoinRequest:
 
 
 def _answered(before: View, now: View) -> bool:
-    """The coordinator answered the Join sent at `before`: a WorkerJoined or a JoinRefused."""
-    return now.joins > before.joins or now.refusals > before.refusals
+    """The coordinator answered the Join sent at `before`: a WorkerJoined or a JoinRefused,
+    or the job finished first (its coordinators may end with it, leaving the Join unread)."""
+    finished = now.finished is not None and not now.member
+    return now.joins > before.joins or now.refusals > before.refusals or finished
+
+
+def refusal(before: View, answered: View, job: str) -> str | None:
+    """Why the Join sent at `before` was refused by the time of `answered` (a JoinRefused,
+    or the job finished without it), or None: it was accepted."""
+    if answered.refusals > before.refusals:
+        return answered.refused or "no reason given"
+    if answered.finished is not None and not answered.member:
+        return finished_refusal(job, answered.last_committed, answered.finished)
+    return None
