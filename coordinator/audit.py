@@ -88,12 +88,12 @@ class LauncherAudit:
     def restarts(self) -> int:
         return self.rounds - self.runs
 
-    def follow(self, fact: Fact, before: JobState) -> None:
+    def follow(self, fact: Fact, before: JobState, after: JobState) -> None:
         member = before.members.get(getattr(fact, "worker", ""))
         match fact:
             case RendezvousRound():
                 self.rounds += 1
-                if evolve(before, fact).counters.runs > before.counters.runs:
+                if after.counters.runs > before.counters.runs:
                     self.runs += 1
                     self.ended = {}
             case WorkerLeft() if member is not None and member.role == "agent":
@@ -263,8 +263,8 @@ def audit(
     state = JobState() if start is None else start
     for fact, before, batches in committed_batches(facts, start):
         report.problems.extend(_follow(lineage, report, fact, before, batches))
-        launcher.follow(fact, before)
         state = evolve(before, fact)
+        launcher.follow(fact, before, state)
     _audit_epochs(report, lineage, state, order_of)
     agents = [w for w, m in state.members.items() if m.role == "agent"]
     if not state.started and (agents or launcher.rounds or launcher.ended):

@@ -26,6 +26,17 @@ def _silence(job: Job, survivors: tuple[str, ...], seconds: float = 6.0) -> None
         job.advance(1.0)
 
 
+def _b_restarts_after_a_is_lost() -> Job:
+    """Agents a and b start round 0; a falls silent and fails; b's workers restart alone in
+    round 1."""
+    job = Job(heartbeat_timeout=5.0)
+    _agent(job, "a", "b")
+    _round(job, "a", 0, "a", "b")
+    _silence(job, ("b",))
+    _round(job, "b", 1, "b")
+    return job
+
+
 def test_a_round_is_journaled_once_as_its_first_agent_reports_it() -> None:
     job = Job(heartbeat_timeout=5.0)
     _agent(job, "a", "b")
@@ -81,11 +92,7 @@ def test_the_audit_says_it_covers_membership_and_fails_a_run_whose_agents_all_fa
 
 
 def test_the_audit_passes_a_run_an_agent_finished_and_says_how_each_ended() -> None:
-    job = Job(heartbeat_timeout=5.0)
-    _agent(job, "a", "b")
-    _round(job, "a", 0, "a", "b")
-    _silence(job, ("b",))
-    _round(job, "b", 1, "b")
+    job = _b_restarts_after_a_is_lost()
     job.leave("b", reason=AGENT_SUCCEEDED)
     report = audit(job.journal)
     assert report.ok, report.problems
@@ -113,11 +120,7 @@ def test_a_run_whose_agents_left_with_failed_workers_fails_the_audit() -> None:
 def test_status_and_the_audit_print_the_agents_rounds_and_what_the_audit_covers() -> None:
     from cohort.render import terminal
 
-    job = Job(heartbeat_timeout=5.0)
-    _agent(job, "a", "b")
-    _round(job, "a", 0, "a", "b")
-    _silence(job, ("b",))
-    _round(job, "b", 1, "b")
+    job = _b_restarts_after_a_is_lost()
     with terminal.console.capture() as shown:
         terminal.status_table(view(job.state))
         terminal.audit_table(audit(job.journal))
