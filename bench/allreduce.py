@@ -24,7 +24,7 @@ import queue
 import socket
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from typing import Any
@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import redis
 
+from bench.netsim import Host, enter
 from bench.results import Section, verdict
 from cohort.events.connection import RedisSettings, connect
 from cohort.localredis import LocalRedis
@@ -42,6 +43,8 @@ from cohort.worker.collective.tensors import pack
 from cohort.worker.collective.wire import TTL_MS, set_command
 
 MIB = 1024 * 1024
+Places = Sequence[Host] | None
+"""The simulated host of each rank (bench/netsim.py), or None: all on this machine."""
 
 
 @dataclass
@@ -107,12 +110,25 @@ def _rank(
     conn.close()
 
 
-def run_ranks(target: Callable[..., None], args: list[tuple[Any, ...]]) -> dict[int, Any]:
-    """One spawned process per rank, `target(*args[rank], out)`; what each put on `out` as
-    (rank, *report), by rank."""
+def _placed(host: Host, target: Callable[..., None], *args: Any) -> None:
+    """`target(*args)` on a simulated host (bench/netsim.py)."""
+    enter(host)
+    target(*args)
+
+
+def run_ranks(
+    target: Callable[..., None], args: list[tuple[Any, ...]], places: Places = None
+) -> dict[int, Any]:
+    """One spawned process per rank, `target(*args[rank], out)` (on host `places[rank]` if
+    given); what each put on `out` as (rank, *report), by rank."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(*a, out)) for a in args]
+    procs = [
+        ctx.Process(target=target, args=(*a, out))
+        if places is None
+        else ctx.Process(target=_placed, args=(places[r], target, *a, out))
+        for r, a in enumerate(args)
+    ]
     for p in procs:
         p.start()
     reports: dict[int, Any] = {}
@@ -153,12 +169,13 @@ def time_allreduce(
     runs: int,
     transport: Transport = "float32",
     hosts: tuple[str, ...] | None = None,
+    places: Places = None,
 ) -> tuple[float, float]:
     """Median over runs of the slowest rank's allreduce time (s); the result's max error
     relative to the largest magnitude of the exact mean. With `hosts` (one per rank), the
-    hierarchical allreduce over them."""
+    hierarchical allreduce over them; with `places`, each rank on its simulated host."""
     args = [(url, n, r, size, runs, transport, hosts) for r in range(n)]
-    per_rank = run_ranks(_rank, args)
+    per_rank = run_ranks(_rank, args, places)
     return slowest_median({r: times for r, (times, _) in per_rank.items()}), per_rank[0][1]
 
 
@@ -189,11 +206,11 @@ def raw_throughput(url: str, size: int, runs: int) -> dict[str, float]:
     return {k: size / statistics.median(v) for k, v in timings.items()}
 
 
-def _gloo_rank(port: int, n: int, rank: int, size: int, runs: int, out: Any) -> None:
+def _gloo_rank(address: str, n: int, rank: int, size: int, runs: int, out: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=n)
     tensor = torch.randn(size // 4)
     times = []
     for _ in range(runs + 1):
@@ -205,12 +222,17 @@ def _gloo_rank(port: int, n: int, rank: int, size: int, runs: int, out: Any) -> 
     dist.destroy_process_group()
 
 
-def time_gloo(n: int, size: int, runs: int) -> float:
-    """Median over runs of the slowest rank's gloo all_reduce time (s) of `size` bytes."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    per_rank = run_ranks(_gloo_rank, [(port, n, r, size, runs) for r in range(n)])
+def time_gloo(n: int, size: int, runs: int, places: Places = None) -> float:
+    """Median over runs of the slowest rank's gloo all_reduce time (s) of `size` bytes (each
+    rank on its simulated host, with `places`: rank 0's hosts the rendezvous)."""
+    if places is None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{sock.getsockname()[1]}"
+    else:
+        address = f"{places[0].address}:29500"  # a fresh host: every port is free
+    args = [(address, n, r, size, runs) for r in range(n)]
+    per_rank = run_ranks(_gloo_rank, args, places)
     return slowest_median({r: times for r, (times,) in per_rank.items()})
 
 

@@ -34,7 +34,15 @@ from typing import Any
 
 import numpy as np
 
-from bench.allreduce import MIB, Fixed, run_ranks, slowest_median, time_gloo, torch_available
+from bench.allreduce import (
+    MIB,
+    Fixed,
+    Places,
+    run_ranks,
+    slowest_median,
+    time_gloo,
+    torch_available,
+)
 from bench.hierarchy import through
 from bench.results import Section, verdict
 from cohort.events.connection import RedisSettings, connect
@@ -150,16 +158,20 @@ def errors(results: list[dict[str, np.ndarray]], layers: int, dim: int, n: int) 
     return {"first": math.sqrt(first / norm_first), "summed": math.sqrt(summed / norm_summed)}
 
 
-def time_method(url: str, n: int, layers: int, dim: int, runs: int, method: str) -> dict[str, Any]:
+def time_method(
+    url: str, n: int, layers: int, dim: int, runs: int, method: str, places: Places = None
+) -> dict[str, Any]:
     """One cell: median of the slowest rank's seconds, the Redis part of it, the errors,
-    and the bytes written to / moved through Redis per averaging."""
+    and the bytes written to / moved through Redis per averaging (each rank on its
+    simulated host, with `places`)."""
     conn = connect(RedisSettings(url=url))
     before = through(conn)
     # one BLAS thread per rank, as one torch thread: ranks share the cores
     saved = os.environ.get(BLAS_THREADS)
     os.environ[BLAS_THREADS] = "1"  # read by each spawned rank's numpy as it loads
     try:
-        per_rank = run_ranks(_rank, [(url, n, r, layers, dim, runs, method) for r in range(n)])
+        args = [(url, n, r, layers, dim, runs, method) for r in range(n)]
+        per_rank = run_ranks(_rank, args, places)
     finally:
         if saved is None:
             del os.environ[BLAS_THREADS]

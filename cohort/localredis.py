@@ -93,6 +93,8 @@ class LocalRedis:
         tls: TlsFiles | None = None,
         data_dir: Path | None = None,
         own_session: bool = False,
+        host: str = HOST,
+        launcher: Sequence[str] = (),
     ) -> None:
         self.appendonly = appendonly
         self.appendfsync = appendfsync
@@ -110,6 +112,11 @@ class LocalRedis:
         self.own_session = own_session
         """Start the server in a session of its own: a Ctrl-C meant for its parent does not
         reach it (the parent then stops it when its own clients are done)."""
+        self.host = host
+        """The address the server binds and clients reach it at."""
+        self.launcher = tuple(launcher)
+        """A command the server is started through, e.g. `ip netns exec NS` (bench/netsim.py:
+        a server on a simulated host); it must exec the server, so that signals reach it."""
         self.embedded = False
         self.port = 0
         self.dir: Path | None = None
@@ -187,7 +194,7 @@ class LocalRedis:
 
     @property
     def url(self) -> str:
-        return f"{'rediss' if self.tls else 'redis'}://{HOST}:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://{self.host}:{self.port}/0"
 
     def settings(self, **kw: Any) -> RedisSettings:
         """Connection settings for this server (with the TLS files in TLS mode)."""
@@ -231,9 +238,10 @@ class LocalRedis:
     def _argv(self, port: int) -> list[str]:
         assert self.binary is not None and self.dir is not None
         return [
+            *self.launcher,
             self.binary,
             "--port", str(port),
-            "--bind", HOST,
+            "--bind", self.host,
             "--dir", str(self.dir),
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
@@ -397,11 +405,19 @@ class LocalCluster:
         start_timeout: float = 60.0,
         appendfsync: str = "everysec",
         appendonly: bool = True,
+        places: Sequence[tuple[str, Sequence[str]]] = (),
+        extra_args: Sequence[str] = (),
     ) -> None:
-        if primaries < 3:
-            raise LocalRedisError(f"Redis Cluster needs at least 3 primaries, not {primaries}")
+        if primaries < 1 or (primaries < 3 and replicas):
+            raise LocalRedisError(
+                f"a Redis Cluster of {primaries} primaries with {replicas} replicas each: "
+                "give at least 1 primary, and at least 3 where they have replicas"
+            )
+        count = primaries * (1 + replicas)
+        if places and len(places) != count:
+            raise LocalRedisError(f"{len(places)} places for {count} nodes")
         self.binary = binary or find_redis_server()
-        self.cli = cli or _find_redis_cli(self.binary)
+        self.cli = cli or find_redis_cli(self.binary)
         self.nodes = [
             _ClusterNode(
                 node_timeout_ms,
@@ -409,8 +425,11 @@ class LocalCluster:
                 appendonly=appendonly,
                 appendfsync=appendfsync,
                 start_timeout=start_timeout,
+                host=host,
+                launcher=launcher,
+                extra_args=extra_args,
             )
-            for _ in range(primaries * (1 + replicas))
+            for host, launcher in (places or [(HOST, ())] * count)
         ]
         self.primaries = primaries
         self.replicas = replicas
@@ -427,10 +446,14 @@ class LocalCluster:
         try:
             for node in self.nodes:
                 node.start()
+            if self.primaries < 3:
+                self._assign_slots()
+                self.wait_ok()
+                return self
             create = subprocess.run(
                 [
                     self.cli, "--cluster", "create",
-                    *(f"{HOST}:{node.port}" for node in self.nodes),
+                    *(f"{node.host}:{node.port}" for node in self.nodes),
                     "--cluster-replicas", str(self.replicas),
                     "--cluster-yes",
                 ],
@@ -462,7 +485,7 @@ class LocalCluster:
             for node in self.nodes:
                 if not node.alive():
                     continue
-                probe = redis.Redis(host=HOST, port=node.port, socket_timeout=1.0)
+                probe = redis.Redis(host=node.host, port=node.port, socket_timeout=1.0)
                 try:
                     info = probe.cluster("INFO")
                     replication = probe.info("replication")
@@ -487,6 +510,21 @@ class LocalCluster:
             pause.wait(0.1)
         raise LocalRedisError(f"cluster not ok within its timeout (last: {last})")
 
+    def _assign_slots(self) -> None:
+        """A cluster too small for `redis-cli --cluster create` (1 or 2 primaries, no
+        replicas): each node takes an even share of the slots, and the first meets the rest."""
+        share = -(-16384 // self.primaries)
+        for i, node in enumerate(self.nodes):
+            probe = redis.Redis(host=node.host, port=node.port, socket_timeout=5.0)
+            try:
+                probe.execute_command(
+                    "CLUSTER", "ADDSLOTSRANGE", i * share, min(16384, (i + 1) * share) - 1
+                )
+                if i:
+                    probe.execute_command("CLUSTER", "MEET", self.nodes[0].host, self.nodes[0].port)
+            finally:
+                probe.close()
+
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
@@ -494,7 +532,7 @@ class LocalCluster:
     @property
     def url(self) -> str:
         """redis+cluster:// naming every node as a startup node."""
-        return "redis+cluster://" + ",".join(f"{HOST}:{node.port}" for node in self.nodes)
+        return "redis+cluster://" + ",".join(f"{node.host}:{node.port}" for node in self.nodes)
 
     def settings(self, **kw: Any) -> RedisSettings:
         return RedisSettings(url=self.url, **kw)
@@ -507,7 +545,7 @@ class LocalCluster:
         out = {}
         for node in self.nodes:
             if node.alive():
-                probe = redis.Redis(host=HOST, port=node.port, socket_timeout=1.0)
+                probe = redis.Redis(host=node.host, port=node.port, socket_timeout=1.0)
                 try:
                     out[node.port] = str(probe.info("replication")["role"])
                 finally:
@@ -569,7 +607,7 @@ class LocalSentinel(LocalRedis):
         return host, int(found[1])
 
 
-def _find_redis_cli(server: str | None) -> str | None:
+def find_redis_cli(server: str | None) -> str | None:
     """redis-cli next to `server`, else the first on PATH."""
     if server is not None:
         sibling = Path(server).with_name("redis-cli")

@@ -97,3 +97,16 @@ def entry_point_path(tmp: Path, root: Path) -> Path:
         )
     )
     return info.parent
+
+
+def require_netsim() -> None:
+    """Skip (with bench.netsim's one line) where network namespaces cannot be made; fail
+    instead where COHORT_REQUIRE_NETSIM=1 (.ci/run sets it when it runs as root)."""
+    from bench import netsim
+
+    reason = netsim.available()
+    if reason is None:
+        return
+    if os.environ.get("COHORT_REQUIRE_NETSIM") == "1":
+        pytest.fail(f"{reason}; COHORT_REQUIRE_NETSIM=1 asks for the simulated-network tests")
+    pytest.skip(reason)
