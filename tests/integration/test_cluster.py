@@ -189,6 +189,31 @@ def test_allreduce_across_the_primaries_equals_the_numpy_mean(
     assert len(held) == 3 and all(held.values()), f"chunks not on every primary: {held}"
 
 
+def test_four_ranks_put_an_even_share_of_a_steps_bytes_on_each_of_three_primaries(
+    redis_cluster: LocalCluster, conn: RedisCluster
+) -> None:
+    """One chunk per rank would put 2 of 4 ranks' chunks on one primary (i mod 3): half the
+    bytes on one of three servers. Each rank's part (1 MiB) is cut into 3 pieces on a
+    cluster, so every primary holds a third of the scattered and reduced bytes."""
+    n = 4
+    inputs = [{"g": np.full(2**20, float(r), dtype="<f4")} for r in range(n)]  # 4 MiB each
+    held: dict[str, int] = {}
+
+    def body(collective: Collective, rank: int) -> Any:
+        out = collective.allreduce(inputs[rank], step=1, timeout=60)
+        collective.barrier(step=2, timeout=60)
+        if rank == 0:
+            for name, server in primaries(conn):
+                keys = server.keys("cohort:{coll/*}:grad:1:1:*")
+                held[name] = sum(int(server.strlen(k)) for k in keys)  # type: ignore[arg-type]
+        return out
+
+    results = _ranks(redis_cluster.url, n, body)
+    for out in results:
+        np.testing.assert_array_equal(out["g"], np.full(2**20, 1.5, dtype="<f4"))
+    assert len(held) == 3 and min(held.values()) > 0.95 * max(held.values()), held
+
+
 def test_a_training_job_on_the_cluster_survives_a_sigkilled_worker(
     redis_cluster: LocalCluster, conn: RedisCluster, tmp_path: Path
 ) -> None:

@@ -27,6 +27,10 @@ from cohort.events.errors import InvalidValueError
 from cohort.events.keys import Keys
 
 _TAG = re.compile(r"g[0-9]{1,7}")
+SPREAD = 6
+"""Pieces per rank on a cluster: an even share on 1, 2, 3 or 6 primaries, whatever N is."""
+MIN_PIECE_BYTES = 256 * 1024
+"""Below this, one more round trip costs more than an even spread saves."""
 SEARCH_LIMIT = 1_000_000
 """Tags tried per primary before giving up (a primary owning no slot has none)."""
 
@@ -39,6 +43,18 @@ class Placement:
         self.keys = keys
         self._primaries: tuple[str, ...] = ()
         self._tags: tuple[str, ...] = ()
+
+    def pieces(self, part_bytes: int, needed: int) -> int:
+        """Chunks each rank's part of an allreduce is cut into. On one server: `needed`
+        (what the value size limit asks). On a cluster: at least SPREAD, or 3 or 2 where
+        fewer pieces of MIN_PIECE_BYTES fit, so that a step's chunks fall evenly on the
+        primaries (one chunk per rank on M primaries leaves one primary ceil(N/M) of them:
+        with 4 ranks on 3 primaries, half the bytes on one). Only the kind of server and
+        the sizes decide it, and every rank of a job shares those."""
+        if not isinstance(self.conn, RedisCluster):
+            return needed
+        fits = part_bytes // MIN_PIECE_BYTES
+        return max(needed, next(d for d in (SPREAD, 3, 2, 1) if d <= max(1, fits)))
 
     def tags(self) -> tuple[str, ...]:
         """One tag per primary (name order); () on a single server."""

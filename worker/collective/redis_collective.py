@@ -734,7 +734,8 @@ class Collective:
     ) -> _Chunking:
         """Cut the vectors into N*P chunks, P per rank, so no value exceeds max_value_bytes."""
         total = sum(f.nbytes for f in flats.values())
-        per_rank = blobs.pieces(-(-total // call.world.size), self.max_value_bytes)
+        part = -(-total // call.world.size)
+        per_rank = self.placement.pieces(part, blobs.pieces(part, self.max_value_bytes))
         k = call.world.size * per_rank
         cuts = bounds(layout.sizes(), k, alignment(transport))
         return _Chunking(
