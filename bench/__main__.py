@@ -62,6 +62,9 @@ FULL: dict[str, Callable[[], Section]] = {
     "throughput-signed": lambda: throughput.measure(
         (2, 4), ("1m",), 3, routes=throughput.SIGNED_ROUTES, key="throughput-signed"
     ),
+    "throughput-netsim": lambda: throughput.measure(
+        (4,), ("1m", "25m"), 3, key="throughput-netsim", mbit=1000
+    ),
     "figures": lambda: figures.measure(5, 100),
     "chaos": lambda: chaos.measure(10),
 }
@@ -86,6 +89,9 @@ QUICK: dict[str, Callable[[], Section]] = {
     "throughput": lambda: throughput.measure((2,), ("1m",), 1, steps=10),
     "throughput-signed": lambda: throughput.measure(
         (2,), ("1m",), 1, steps=10, routes=throughput.SIGNED_ROUTES, key="throughput-signed"
+    ),
+    "throughput-netsim": lambda: throughput.measure(
+        (2,), ("1m",), 1, steps=10, key="throughput-netsim", mbit=1000
     ),
     "figures": lambda: figures.measure(1, 20),
     "chaos": lambda: chaos.measure(0.5),

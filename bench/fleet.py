@@ -11,7 +11,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from cohort.coordinator.replay import JournalWatch
@@ -24,10 +24,12 @@ from cohort.events.streams import Journal
 from cohort.processes import Proc
 
 
-def spawn(url: str, name: str, *args: str) -> Proc:
-    """`python -m cohort ARGS` against `url`, started, its output in a temp log file."""
+def spawn(url: str, name: str, *args: str, launcher: Sequence[str] = ()) -> Proc:
+    """`python -m cohort ARGS` against `url`, started (through `launcher`, e.g. onto a
+    simulated host), its output in a temp log file."""
     log = Path(tempfile.mkstemp(prefix=f"cohort-bench-{name}-", suffix=".log")[1])
-    proc = Proc(name, [sys.executable, "-m", "cohort", "--redis-url", url, *args], log)
+    argv = [*launcher, sys.executable, "-m", "cohort", "--redis-url", url, *args]
+    proc = Proc(name, argv, log)
     proc.start()
     return proc
 
@@ -35,11 +37,12 @@ def spawn(url: str, name: str, *args: str) -> Proc:
 FLEET_DATASET = 10_000_000
 
 
-def coordinator(url: str, job: str, *flags: str) -> Proc:
+def coordinator(url: str, job: str, *flags: str, launcher: Sequence[str] = ()) -> Proc:
     """A `cohort coordinator` process (AOF-less bench server: --allow-volatile)."""
     if "--dataset-size" not in flags:  # the simulated workers declare no dataset
         flags = (*flags, "--dataset-size", str(FLEET_DATASET))
-    return spawn(url, job, "coordinator", "--job", job, "--allow-volatile", *flags)
+    args = ("coordinator", "--job", job, "--allow-volatile", *flags)
+    return spawn(url, job, *args, launcher=launcher)
 
 
 def enable_identity(conn: Client, job: str) -> bytes:

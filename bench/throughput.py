@@ -25,11 +25,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from bench import netsim
 from bench.fleet import coordinator
 from bench.results import Section, verdict
 from cohort import acl
@@ -186,7 +188,7 @@ def _ddp(args: argparse.Namespace, model: Any, data: Any, loader: Any) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     store = dist.TCPStore(
-        "127.0.0.1", args.port, args.world, args.rank == 0, timeout=timedelta(seconds=120)
+        args.store_host, args.port, args.world, args.rank == 0, timeout=timedelta(seconds=120)
     )
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
     ddp = DistributedDataParallel(model)
@@ -209,6 +211,28 @@ def _ddp(args: argparse.Namespace, model: Any, data: Any, loader: Any) -> None:
 
 
 @dataclass(frozen=True)
+class Sites:
+    """Where a run's processes go on a simulated network (bench/netsim.py): Redis and the
+    coordinator on one host, each rank on its own."""
+
+    net: netsim.Network
+    server: netsim.Host
+    ranks: tuple[netsim.Host, ...]
+
+    def env(self, rank: int) -> dict[str, str]:
+        """What a rank's torch.distributed needs to use its host's address."""
+        return {
+            "GLOO_SOCKET_IFNAME": netsim.INTERFACE,
+            "COHORT_DIST_HOST": self.ranks[rank].address,
+        }
+
+    @classmethod
+    def make(cls, net: netsim.Network, mbit: int, world: int) -> Sites:
+        ranks = tuple(net.host(f"r{r}", mbit) for r in range(world))
+        return cls(net, net.host("redis", mbit), ranks)
+
+
+@dataclass(frozen=True)
 class Run:
     """One run of a route: samples per second, and CPU milliseconds per timed step of
     every rank together and of the coordinator and Redis."""
@@ -219,22 +243,40 @@ class Run:
 
 
 def _ranks(
-    argv: list[str], model: str, world: int, steps: int, urls: list[str] | None = None
+    argv: list[str],
+    model: str,
+    world: int,
+    steps: int,
+    urls: list[str] | None = None,
+    sites: Sites | None = None,
 ) -> Run:
-    """Start `world` ranks with `argv` (and each its own of `urls`) and wait for them; the
-    world is as fast as its slowest rank."""
+    """Start `world` ranks with `argv` (and each its own of `urls`; each on its host of
+    `sites`) and wait for them; the world is as fast as its slowest rank."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     own = [["--redis-url", url] for url in urls] if urls else [[] for _ in range(world)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "bench.throughput", "rank", *argv, *own[r], "--rank", str(r)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
+    procs = []
+    for r in range(world):
+        program = [
+            sys.executable,
+            "-m",
+            "bench.throughput",
+            "rank",
+            *argv,
+            *own[r],
+            "--rank",
+            str(r),
+        ]
+        if sites is not None:
+            program = sites.ranks[r].argv(program)
+        procs.append(
+            subprocess.Popen(
+                program,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env if sites is None else {**env, **sites.env(r)},
+            )
         )
-        for r in range(world)
-    ]
     spans = []
     for rank, proc in enumerate(procs):
         out, err = proc.communicate(timeout=900)
@@ -255,12 +297,22 @@ def _ranks(
     )
 
 
-def run(route: str, model: str, world: int, steps: int) -> Run:
-    """One run of `route` (ddp, gloo or redis)."""
+def _server(sites: Sites | None) -> AbstractContextManager[LocalRedis]:
+    """The run's Redis: on its host of `sites`, else on this machine."""
+    if sites is None:
+        return LocalRedis(appendonly=False)
+    return nullcontext(sites.net.redis(sites.server))
+
+
+def run(route: str, model: str, world: int, steps: int, sites: Sites | None = None) -> Run:
+    """One run of `route` (ddp, gloo or redis), on the hosts of `sites` if given."""
     common = ["--model", model, "--world", str(world), "--steps", str(steps), "--route", route]
     if route == "ddp":
-        return _ranks([*common, "--port", str(free_port())], model, world, steps)
-    with LocalRedis(appendonly=False) as server:
+        store = ["--store-host", sites.ranks[0].address] if sites else []
+        argv = [*common, "--port", str(free_port()), *store]
+        return _ranks(argv, model, world, steps, sites=sites)
+    launcher = sites.server.launcher if sites else ()
+    with _server(sites) as server:
         job = f"tp-{model}-{world}-{route}"
         url, urls = server.url, None
         if route.endswith(SIGNED):
@@ -268,15 +320,18 @@ def run(route: str, model: str, world: int, steps: int) -> Run:
         leader = coordinator(
             url, job, "--min-workers", str(world), "--max-steps", str(steps),
             "--dataset-size", str(steps * world * BATCH), "--batch-size", str(BATCH),
+            launcher=launcher,
         )  # fmt: skip
         assert leader.popen is not None and server.process is not None
         helpers = f"{leader.popen.pid},{server.process.pid}"
         where = ["--job", job, "--helpers", helpers]
         where += ["--redis-url", server.url] if urls is None else []
         try:
-            return _ranks([*common, *where], model, world, steps, urls)
+            return _ranks([*common, *where], model, world, steps, urls, sites)
         finally:
             stop_all([leader])
+            if sites is not None:
+                server.stop()
 
 
 def _credentials(server: LocalRedis, job: str, world: int) -> tuple[str, list[str]]:
@@ -296,15 +351,31 @@ def _credentials(server: LocalRedis, job: str, world: int) -> tuple[str, list[st
 
 
 def cell(
-    model: str, world: int, steps: int, runs: int, routes: tuple[str, ...]
+    model: str,
+    world: int,
+    steps: int,
+    runs: int,
+    routes: tuple[str, ...],
+    sites: Sites | None = None,
 ) -> list[dict[str, Run]]:
     """`runs` rounds, each every route once (DDP among them), the order rotating."""
     order = ("ddp", *routes)
     rounds = []
     for i in range(runs):
         turn = order[i % len(order) :] + order[: i % len(order)]
-        rounds.append({route: run(route, model, world, steps) for route in turn})
+        rounds.append({route: run(route, model, world, steps, sites) for route in turn})
     return rounds
+
+
+def _measured(
+    model: str, world: int, steps: int, runs: int, routes: tuple[str, ...], mbit: int | None
+) -> list[dict[str, Run]]:
+    """A cell's rounds: on this machine, or (`mbit`) each process on a simulated host whose
+    link has that rate."""
+    if mbit is None:
+        return cell(model, world, steps, runs, routes)
+    with netsim.Network() as net:
+        return cell(model, world, steps, runs, routes, Sites.make(net, mbit, world))
 
 
 def measure(
@@ -314,10 +385,13 @@ def measure(
     steps: int | None = None,
     routes: tuple[str, ...] = ("gloo", "redis"),
     key: str = "throughput",
+    mbit: int | None = None,
 ) -> Section:
     """`runs` rounds of every cell; `key` names the section (a second one of another set of
-    routes keeps the first)."""
+    routes keeps the first); `mbit`: across simulated hosts with links of that rate."""
     _check(ranks, models, runs, steps, routes)
+    if mbit is not None and any(r.endswith(SIGNED) for r in routes):
+        raise ValueError("--mbit runs the routes without per-worker credentials only")
     command = (
         f"python -m bench.throughput --ranks {','.join(map(str, ranks))} "
         f"--models {','.join(models)} --runs {runs}"
@@ -326,15 +400,17 @@ def measure(
         command += f" --steps {steps}"
     if routes != ("gloo", "redis"):
         command += f" --routes {','.join(routes)}"
+    if mbit is not None:
+        command += f" --mbit {mbit}"
     raw: dict[str, Any] = {}
     for model in models:
         for world in ranks:
-            rounds = cell(model, world, steps or MODELS[model].steps, runs, routes)
+            rounds = _measured(model, world, steps or MODELS[model].steps, runs, routes, mbit)
             raw[f"{model}/{world}"] = {
                 "steps": steps or MODELS[model].steps,
                 "rounds": [{route: asdict(got) for route, got in r.items()} for r in rounds],
             }
-    return summary(raw, command, key)
+    return summary(raw, command, key, mbit)
 
 
 SIGNED_TITLE = (
@@ -354,14 +430,33 @@ SIGNED_NOTE = (
 )
 
 
-def summary(raw: dict[str, Any], command: str, key: str = "throughput") -> Section:
+def _title(key: str, mbit: int | None) -> str:
+    if mbit is not None:
+        return (
+            f"Training throughput across a simulated network ({mbit:,} Mbit/s links, every "
+            "rank and Redis a host of its own): ElasticJob against plain DDP, same run"
+        )
+    if key == "throughput":
+        return "Training throughput: ElasticJob against plain DDP (gloo), same run"
+    return SIGNED_TITLE
+
+
+NETSIM_NOTE = (
+    "Here every rank, and Redis with the coordinator, is a host of its own (bench/netsim.py: "
+    "a network namespace whose link is shaped to {mbit:,} Mbit/s each way), gloo and DDP "
+    "use the hosts' addresses; the processes still share this machine's 2 cores, so the CPU "
+    "column's bound still applies beside the links'."
+)
+
+
+def summary(
+    raw: dict[str, Any], command: str, key: str = "throughput", mbit: int | None = None
+) -> Section:
     """The section of measured `raw` cells ({"model/ranks": {"steps", "rounds"}}): a row
     per cell and route, medians of the rounds, and a line for each missed target."""
     section = Section(
         key=key,
-        title="Training throughput: ElasticJob against plain DDP (gloo), same run"
-        if key == "throughput"
-        else SIGNED_TITLE,
+        title=_title(key, mbit),
         command=command,
         header=["model", "ranks", "timed steps", "ElasticJob's gradients", "DDP samples/s",
                 "ElasticJob samples/s", "ratio", "target", "",
@@ -370,18 +465,23 @@ def summary(raw: dict[str, Any], command: str, key: str = "throughput") -> Secti
     )  # fmt: skip
     misses: list[str] = []
     for name, measured in raw.items():
-        rows, missed = _cell_rows(name, measured)
+        # the targets are loopback's; across a network every figure is reported
+        rows, missed = _cell_rows(name, measured, TARGETS if mbit is None else {})
         section.rows += rows
         misses += missed
     section.notes = _notes(raw)
-    if key != "throughput":
+    if mbit is not None:
+        section.notes.append(NETSIM_NOTE.format(mbit=mbit))
+    elif key != "throughput":
         section.notes.append(SIGNED_NOTE)
     if misses:
         section.notes.append("Missed: " + "; ".join(misses) + ".")
     return section
 
 
-def _cell_rows(name: str, measured: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
+def _cell_rows(
+    name: str, measured: dict[str, Any], targets: dict[tuple[str, str], float]
+) -> tuple[list[list[str]], list[str]]:
     """One cell's row per ElasticJob route (medians of its rounds against DDP), and a line
     for each route that missed its target."""
     model, world = name.split("/")
@@ -394,7 +494,7 @@ def _cell_rows(name: str, measured: dict[str, Any]) -> tuple[list[list[str]], li
         ratio = statistics.median(r[route].samples_s / r["ddp"].samples_s for r in rounds)
         cpu = _median(rounds, route, lambda r: r.cpu_ms)
         helpers = _median(rounds, route, lambda r: r.helpers_ms)
-        target = TARGETS.get((route, model))
+        target = targets.get((route, model))
         rows.append(
             [
                 model, world, str(measured["steps"] - MODELS[model].warmup),
@@ -480,6 +580,7 @@ def main() -> None:
         parser.add_argument("--steps", type=int, required=True)
         parser.add_argument("--route", choices=ROUTES, required=True)
         parser.add_argument("--port", type=int, default=0)
+        parser.add_argument("--store-host", default="127.0.0.1", help="DDP's TCPStore host")
         parser.add_argument("--job", default="")
         parser.add_argument("--redis-url", default=None)
         parser.add_argument("--helpers", default="", help="pids of the coordinator and Redis")
@@ -493,6 +594,7 @@ def main() -> None:
     parser.add_argument(
         "--steps", type=int, default=None, help="steps per run (default: the model's own)"
     )
+    parser.add_argument("--mbit", type=int, default=None, help="across simulated hosts")
     args = parser.parse_args()
     try:
         section = measure(
@@ -501,9 +603,13 @@ def main() -> None:
             args.runs,
             args.steps,
             tuple(args.routes.split(",")),
+            key="throughput-netsim" if args.mbit else "throughput",
+            mbit=args.mbit,
         )
     except ValueError as exc:
         parser.error(str(exc))
+    except netsim.NetsimError as exc:
+        parser.exit(1, f"{exc}\n")
     print(section.markdown())
 
 

@@ -427,6 +427,29 @@ def test_chunks_of_ranks_already_there_come_in_one_round_trip_up_to_fetch_bytes(
         np.testing.assert_allclose(got["w"], want, rtol=1e-6)
 
 
+def test_large_shares_are_scattered_owner_by_owner_each_notified_as_its_chunks_land(
+    connect_more: Callable[[], redis.Redis],
+) -> None:
+    """4 ranks, 4 MiB each (1 MiB per owner): every rank notifies each owner on its own,
+    from the next rank on (so owners read while the others still write), and the mean is
+    exact. Below STAGGER_BYTES one notice covers every owner, as before."""
+    probe = connect_more()
+    big = [{"g": np.random.default_rng(r).standard_normal(2**20).astype("<f4")} for r in range(4)]
+    results = _ok(run_ranks(connect_more, _members(4), lambda c, m: c.allreduce(big[m.rank], 5)))
+    want = np.mean([b["g"].astype(np.float64) for b in big], axis=0)
+    for got in results:
+        np.testing.assert_allclose(got["g"], want, rtol=1e-6, atol=1e-7)
+    for r in range(4):
+        stream = KEYS.step_events(1, 5, "allreduce", f"w{r}")
+        phases = [f[b"p"].decode() for _, f in probe.xrange(stream)]  # type: ignore[union-attr]
+        scatters = [p for p in phases if p.startswith("scatter")]
+        assert scatters == [f"scatter/{(r + k) % 4}" for k in (1, 2, 3)], phases
+
+    _ok(run_ranks(connect_more, _members(4), lambda c, m: c.allreduce(_tensors(m.rank, "<f4"), 6)))
+    small = [f[b"p"] for f in _notices(probe, 6)]
+    assert small.count(b"scatter") == 4 and not any(p.startswith(b"scatter/") for p in small)
+
+
 def test_broadcast_receivers_get_every_piece_in_one_round_trip(
     connect_more: Callable[[], redis.Redis], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -156,3 +156,26 @@ def test_the_quick_netsim_bench_sets_every_method_beside_its_link_limit(tmp_path
 
 def _pid_of(netns: str) -> int:
     return int(netns[len(netsim.PREFIX) :].split("-")[0])
+
+
+def test_the_quick_throughput_bench_trains_each_route_with_every_process_on_its_own_host(
+    tmp_path: Path,
+) -> None:
+    """DDP and both ElasticJob routes train every step with ranks, Redis and the coordinator
+    on hosts of their own: gloo and the gloo route find each other by the hosts' addresses."""
+    if os.environ.get("CI") != "true":
+        pytest.importorskip("torch")
+    out = tmp_path / "B.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--only", "throughput-netsim", "--out",
+         str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    page = out.read_text()
+    assert "across a simulated network (1,000 Mbit/s links" in page
+    assert "--mbit 1000" in page
+    (section,) = json.loads(out.with_suffix(".json").read_text())
+    (round_,) = section["raw"]["1m/2"]["rounds"]
+    assert set(round_) == {"ddp", "gloo", "redis"}
+    assert all(run["samples_s"] > 0 for run in round_.values())

@@ -7,6 +7,8 @@ so that no Redis value exceeds `max_value_bytes`); rank r owns chunks r*P .. r*P
 
 1. scatter: every rank SETs each chunk it does not own at `grad(world, step, rank, chunk)`,
    then adds a "scatter" notice (with a digest of its tensor layout) to its notice stream;
+   where an owner's share is 1 MiB or more, owner by owner from the next rank on, with a
+   "scatter/<owner>" notice after each owner's chunks (`STAGGER_BYTES`);
 2. reduce: rank r GETs its chunks from every other rank as their notices arrive, checks each
    has the call's sizes and dtypes, sums them in float64 (also for float16/float32: one
    rounding at the end, not N), divides by N, casts back to the tensor's dtype, SETs the
@@ -121,6 +123,12 @@ DEFAULT_TIMEOUT = 60.0
 WAKE_S = 0.25
 """How often a blocked waiter rechecks the worker's view (the journal wakes it at once)."""
 JOURNAL_LOOKBACK = 16
+STAGGER_BYTES = 1024 * 1024
+"""An owner's share of a call (its chunks from one rank) from which the scatter is
+staggered: each owner notified as soon as its chunks are written, so that the server sends
+chunks to owners while it still receives others' (its link busy both ways at once, where
+one notice after all the writes leaves it idle one way, then the other). Below, a round
+trip per owner costs more than the overlap gains."""
 """Journal entries checked at call start for a WorldChanged the worker has not folded yet."""
 _NEVER = threading.Event()
 """The stop event of every retry here: never set, a call ends at its deadline instead."""
@@ -202,6 +210,25 @@ class _Chunking:
 
     def owned(self, rank: int) -> range:
         return range(rank * self.per_rank, (rank + 1) * self.per_rank)
+
+    @property
+    def staggered(self) -> bool:
+        """Whether each owner's share is large enough to be notified on its own."""
+        return self.per_rank * self.chunk_bytes >= STAGGER_BYTES
+
+    def scatter_phase(self, owner: int) -> str:
+        """The notice that tells `owner` a rank's parts of its chunks are written."""
+        return f"scatter/{owner}" if self.staggered else "scatter"
+
+    def scatters(self, rank: int) -> list[tuple[str, list[int]]]:
+        """What `rank` scatters, in order: (notice, the chunks it covers). Staggered, owner
+        by owner from the next rank on (so no two ranks start on the same owner); else all
+        at once."""
+        size = self.count // self.per_rank
+        if not self.staggered:
+            return [("scatter", [i for i in range(self.count) if i not in self.owned(rank)])]
+        owners = [(rank + k) % size for k in range(1, size)]
+        return [(self.scatter_phase(o), list(self.owned(o))) for o in owners]
 
     def sent(self, i: int, vectors: Mapping[str, np.ndarray], what: str) -> Chunk:
         """Chunk i of `vectors` as it travels (float32 rounded to float16, or int8 blocks,
@@ -743,15 +770,19 @@ class Collective:
         )
 
     def _scatter(self, call: _Call, plan: _Chunking, flats: dict[str, np.ndarray]) -> None:
-        """1. SET each chunk this rank does not own for its owner, then notify "scatter"."""
-        world, mine, what = call.world, plan.owned(call.world.rank), call.what()
-        items = [
-            (call.part_key(world.rank, i, plan.tags).key, blobs.pack(plan.sent(i, flats, what)))
-            for i in range(plan.count)
-            if i not in mine
-        ]
-        self._store(call, items)
-        call.notify("scatter", l=plan.signature, t=placement.encode(plan.tags))
+        """1. SET each chunk this rank does not own for its owner, then notify "scatter";
+        staggered (large shares): owner by owner from the next rank on, each notified as
+        soon as its chunks are written ("scatter/<owner>"), so that owners read while the
+        others still write."""
+        world, what = call.world, call.what()
+        tags = placement.encode(plan.tags)
+        for phase, owned in plan.scatters(world.rank):
+            items = [
+                (call.part_key(world.rank, i, plan.tags).key, blobs.pack(plan.sent(i, flats, what)))
+                for i in owned
+            ]
+            self._store(call, items)
+            call.notify(phase, l=plan.signature, t=tags)
 
     def _reduce(
         self, call: _Call, plan: _Chunking, flats: dict[str, np.ndarray]
@@ -766,7 +797,8 @@ class Collective:
             }
             for i in mine
         }
-        for i, chunk in self._receive(call, plan, "scatter", self._contributions):
+        phase = plan.scatter_phase(call.world.rank)
+        for i, chunk in self._receive(call, plan, phase, self._contributions):
             for g, a in chunk.items():
                 sums[i][g] += a
         result = {g: np.empty(size, dtype=g) for g, size in plan.layout.sizes().items()}
