@@ -33,7 +33,7 @@ def test_with_many_servers_and_few_hosts_a_hosts_own_link_is_the_busiest() -> No
 def cell(method: str, seconds: float, limit: float, link: str = "the server's link, out",
          mib: int = 64) -> dict[str, Any]:  # fmt: skip
     return {"mbit": 1000, "ranks": 4, "mib": mib, "method": method, "s": seconds,
-            "limit_s": limit, "link": link}  # fmt: skip
+            "limit_s": limit, "link": link, "cores": 1.0}  # fmt: skip
 
 
 def test_each_cell_is_held_to_its_own_targets_against_cells_of_the_same_run() -> None:
