@@ -92,6 +92,14 @@ class Stream:
         reply: Any = self.conn.xread({self.key: after}, count=count, block=max(block_ms, 1))
         return read_reply(reply).get(self.key, [])
 
+    def reader(self) -> StreamReader | None:
+        """`tail` on a connection of its own, for one thread that follows the stream; None
+        on Redis Cluster (a key's server is found per command there)."""
+        pool = getattr(self.conn, "connection_pool", None)
+        if is_cluster(self.conn) or pool is None:
+            return None
+        return StreamReader(self.key, pool)
+
     def pages(
         self,
         after: str = ZERO,
@@ -153,6 +161,54 @@ class Inbox(Stream):
         if is_cluster(self.conn) or pool is None:
             return None
         return InboxWire(self, pool)
+
+
+class StreamReader:
+    """XREAD BLOCK of one stream on a connection taken from `pool` and kept, for the one
+    thread that follows the stream (a worker's journal tail): a read per journal entry
+    without the client's per-command pool and retry bookkeeping, which cost more than the
+    read. A failure drops the connection and is raised as the client raises it."""
+
+    def __init__(self, key: str, pool: Any) -> None:
+        self.key = key
+        self.pool = pool
+        self._connection: Any = None
+
+    def tail(self, after: str, block_ms: int, count: int = 512) -> list[Entry]:
+        """`Stream.tail`: entries after `after`, waiting up to `block_ms` for the first."""
+        block = max(block_ms, 1)
+        try:
+            if self._connection is None:
+                self._connection = self.pool.get_connection()
+            self._connection.send_command(
+                "XREAD", "COUNT", count, "BLOCK", block, "STREAMS", self.key, after
+            )
+            reply = self._connection.read_response()
+        except BaseException:
+            self.close(drop=True)
+            raise
+        return _raw_entries(reply)
+
+    def close(self, drop: bool = False) -> None:
+        """Give the connection back to its pool (`drop`: closed first)."""
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        if drop:
+            connection.disconnect()
+        self.pool.release(connection)
+
+
+def _raw_entries(reply: Any) -> list[Entry]:
+    """One stream's XREAD reply as the server sent it (RESP2: [[key, rows]], RESP3: {key:
+    rows}; nil after the block time), each row [id, [field, value, ...]], as entries."""
+    if not reply:
+        return []
+    [rows] = reply.values() if isinstance(reply, dict) else [pair[1] for pair in reply]
+    with gc_paused():
+        return [
+            Entry(text(i), dict(zip(f[::2], f[1::2], strict=True)) if f else {}) for i, f in rows
+        ]
 
 
 class InboxWire:

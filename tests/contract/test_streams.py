@@ -125,6 +125,20 @@ def test_a_wire_whose_reply_is_an_error_says_it_did_not_land(conn: redis.Redis) 
     wire.close()
 
 
+def test_a_reader_tails_as_the_stream_does_on_a_connection_of_its_own(conn: redis.Redis) -> None:
+    journal = Journal(conn, KEYS.journal)
+    reader = journal.reader()
+    assert reader is not None
+    assert reader.tail(ZERO, 1) == []  # nothing after the block time
+    ids = fill(journal, 5)
+    got = reader.tail(ZERO, 100, count=3)
+    assert got == journal.tail(ZERO, 100, count=3)
+    assert [e.id for e in got] == ids[:3]
+    assert [e.id for e in reader.tail(ids[2], 100)] == ids[3:]
+    assert reader.tail(ids[-1], 1) == []
+    reader.close()
+
+
 def test_tail_waits_for_an_entry_written_after_it_started(conn: redis.Redis) -> None:
     journal = Journal(conn, KEYS.journal)
     before = fill(journal, 2)[-1]
