@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -32,15 +33,28 @@ class ServerClock:
     """Redis's own clock (TIME): the clock that stamps stream entry IDs.
 
     The coordinator judges silence against it, so workers' and coordinators' clocks never
-    matter; intervals still come from this host's monotonic clock.
+    matter; intervals still come from this host's monotonic clock. TIME is read at most
+    every `resync` seconds and carried forward by the monotonic clock in between (which
+    drifts from it by microseconds over that): a leader's turn comes once per command
+    batch, several per training step, and a round trip per turn was a third of its work.
     """
 
-    def __init__(self, conn: Client) -> None:
+    def __init__(
+        self, conn: Client, resync: float = 0.25, monotonic: Callable[[], float] = time.monotonic
+    ) -> None:
         self.conn = conn
+        self.resync = resync
+        self._monotonic = monotonic
+        self._read: tuple[float, float] | None = None
+        """(monotonic, server) seconds at the last TIME."""
 
     def now(self) -> float:
-        seconds, micros = self.conn.time()
-        return seconds + micros / 1e6
+        mono = self._monotonic()
+        read = self._read
+        if read is None or not 0 <= mono - read[0] < self.resync:
+            seconds, micros = self.conn.time()
+            read = self._read = (mono, seconds + micros / 1e6)
+        return read[1] + (mono - read[0])
 
     def monotonic(self) -> float:
         return time.monotonic()

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from cohort.events.codec import FIELD, decode_fact, decode_facts, encode, gc_paused
-from cohort.events.connection import Client, text
+from cohort.events.connection import Client, is_cluster, text
 from cohort.events.errors import DecodeError
 from cohort.events.identity import Signer
 from cohort.events.models import Command, Fact, LeaderElected
@@ -92,6 +92,14 @@ class Stream:
         reply: Any = self.conn.xread({self.key: after}, count=count, block=max(block_ms, 1))
         return read_reply(reply).get(self.key, [])
 
+    def reader(self) -> StreamReader | None:
+        """`tail` on a connection of its own, for one thread that follows the stream; None
+        on Redis Cluster (a key's server is found per command there)."""
+        pool = getattr(self.conn, "connection_pool", None)
+        if is_cluster(self.conn) or pool is None:
+            return None
+        return StreamReader(self.key, pool)
+
     def pages(
         self,
         after: str = ZERO,
@@ -138,11 +146,121 @@ class Inbox(Stream):
         self.signer = signer
 
     def send(self, command: Command, maxlen: int | None = None) -> str:
-        raw = encode(command)
-        if self.signer is None:
-            return self.append_raw(raw, maxlen=maxlen)
-        fields: Any = self.signer.fields(raw)
+        fields: Any = self.fields(command)
         return text(self.conn.xadd(self.key, fields, maxlen=maxlen, approximate=True))
+
+    def fields(self, command: Command) -> dict[bytes, bytes]:
+        """The entry's fields for `command`: its bytes, and with a signer its signature."""
+        raw = encode(command)
+        return {FIELD: raw} if self.signer is None else self.signer.fields(raw)
+
+    def wire(self) -> InboxWire | None:
+        """A connection of its own that writes commands without waiting for each reply;
+        None on Redis Cluster (a key's server is found per command there)."""
+        pool = getattr(self.conn, "connection_pool", None)
+        if is_cluster(self.conn) or pool is None:
+            return None
+        return InboxWire(self, pool)
+
+
+class StreamReader:
+    """XREAD BLOCK of one stream on a connection taken from `pool` and kept, for the one
+    thread that follows the stream (a worker's journal tail): a read per journal entry
+    without the client's per-command pool and retry bookkeeping, which cost more than the
+    read. A failure drops the connection and is raised as the client raises it."""
+
+    def __init__(self, key: str, pool: Any) -> None:
+        self.key = key
+        self.pool = pool
+        self._connection: Any = None
+
+    def tail(self, after: str, block_ms: int, count: int = 512) -> list[Entry]:
+        """`Stream.tail`: entries after `after`, waiting up to `block_ms` for the first."""
+        block = max(block_ms, 1)
+        try:
+            if self._connection is None:
+                self._connection = self.pool.get_connection()
+            self._connection.send_command(
+                "XREAD", "COUNT", count, "BLOCK", block, "STREAMS", self.key, after
+            )
+            reply = self._connection.read_response()
+        except BaseException:
+            self.close(drop=True)
+            raise
+        return _raw_entries(reply)
+
+    def close(self, drop: bool = False) -> None:
+        """Give the connection back to its pool (`drop`: closed first)."""
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        if drop:
+            connection.disconnect()
+        self.pool.release(connection)
+
+
+def _raw_entries(reply: Any) -> list[Entry]:
+    """One stream's XREAD reply as the server sent it (RESP2: [[key, rows]], RESP3: {key:
+    rows}; nil after the block time), each row [id, [field, value, ...]], as entries."""
+    if not reply:
+        return []
+    [rows] = reply.values() if isinstance(reply, dict) else [pair[1] for pair in reply]
+    with gc_paused():
+        return [
+            Entry(text(i), dict(zip(f[::2], f[1::2], strict=True)) if f else {}) for i, f in rows
+        ]
+
+
+class InboxWire:
+    """XADDs to one inbox on a connection taken from `pool` and kept: `write` sends one and
+    returns at once, `landed` reads its reply later (by then it has nearly always come).
+    What the caller may not rely on (a failure, a reply that does not come in time) the
+    wire says with False, and drops the connection: the caller sends the command again
+    the retrying way (an XADD that landed after all is then in the inbox twice, as after
+    any lost reply)."""
+
+    def __init__(self, inbox: Inbox, pool: Any) -> None:
+        self.inbox = inbox
+        self.pool = pool
+        self._connection: Any = None
+
+    def write(self, command: Command) -> bool:
+        """Send `command`'s XADD without reading its reply; False if it could not be sent."""
+        fields = self.inbox.fields(command)
+        try:
+            if self._connection is None:
+                self._connection = self.pool.get_connection()
+            self._connection.send_command("XADD", self.inbox.key, "*", *_flat(fields))
+        except Exception:  # noqa: BLE001 - any failure: the caller retries its way
+            self.close(drop=True)
+            return False
+        return True
+
+    def landed(self, wait: float) -> bool:
+        """Whether the XADD written last was appended, its reply read within `wait` s."""
+        connection = self._connection
+        try:
+            if connection is None or not connection.can_read(timeout=wait):
+                raise TimeoutError(f"no reply within {wait} s")
+            connection.read_response()  # raises the error Redis answered with
+        except Exception:  # noqa: BLE001 - refused, lost or late: the caller retries its way
+            self.close(drop=True)
+            return False
+        return True
+
+    def close(self, drop: bool = False) -> None:
+        """Give the connection back to its pool (`drop`: closed first, since a reply may
+        still be on its way on it)."""
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        if drop:
+            connection.disconnect()
+        self.pool.release(connection)
+
+
+def _flat(fields: dict[bytes, bytes]) -> list[bytes]:
+    return [item for pair in fields.items() for item in pair]
 
 
 class Journal(Stream):

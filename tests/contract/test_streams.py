@@ -98,6 +98,47 @@ def test_inbox_send_stores_a_decodable_command(conn: redis.Redis) -> None:
     assert decode_command(entry.raw or b"") == command
 
 
+def test_a_wire_writes_commands_now_and_reads_each_reply_later(conn: redis.Redis) -> None:
+    inbox = Inbox(conn, KEYS.inbox)
+    wire = inbox.wire()
+    assert wire is not None
+    commands = [
+        Join(at=1_700_000_000.0, job=JOB, worker=f"w{i}", host="h", pid=i) for i in range(3)
+    ]
+    for command in commands:
+        assert wire.write(command)
+        assert wire.landed(5.0)
+    assert [decode_command(e.raw or b"") for e in inbox.range()] == commands
+    wire.close()
+
+
+def test_a_wire_whose_reply_is_an_error_says_it_did_not_land(conn: redis.Redis) -> None:
+    conn.set(KEYS.inbox, b"not a stream")  # XADD answers WRONGTYPE
+    wire = Inbox(conn, KEYS.inbox).wire()
+    assert wire is not None
+    assert wire.write(Join(at=1_700_000_000.0, job=JOB, worker="w1", host="h", pid=1))
+    assert not wire.landed(5.0)
+    conn.delete(KEYS.inbox)
+    assert wire.write(Join(at=1_700_000_000.0, job=JOB, worker="w2", host="h", pid=2))
+    assert wire.landed(5.0)  # a new connection from the pool
+    assert len(Inbox(conn, KEYS.inbox).range()) == 1
+    wire.close()
+
+
+def test_a_reader_tails_as_the_stream_does_on_a_connection_of_its_own(conn: redis.Redis) -> None:
+    journal = Journal(conn, KEYS.journal)
+    reader = journal.reader()
+    assert reader is not None
+    assert reader.tail(ZERO, 1) == []  # nothing after the block time
+    ids = fill(journal, 5)
+    got = reader.tail(ZERO, 100, count=3)
+    assert got == journal.tail(ZERO, 100, count=3)
+    assert [e.id for e in got] == ids[:3]
+    assert [e.id for e in reader.tail(ids[2], 100)] == ids[3:]
+    assert reader.tail(ids[-1], 1) == []
+    reader.close()
+
+
 def test_tail_waits_for_an_entry_written_after_it_started(conn: redis.Redis) -> None:
     journal = Journal(conn, KEYS.journal)
     before = fill(journal, 2)[-1]

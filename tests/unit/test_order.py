@@ -57,6 +57,44 @@ def test_samples_of_ranges_are_their_positions_in_order(
     assert order.samples(ranges).tolist() == [order[p] for p in expanded]
 
 
+parts_of = st.lists(
+    st.lists(st.tuples(st.integers(0, 4000), st.integers(0, 70)), max_size=4), max_size=40
+)
+
+
+@settings(deadline=None)
+@given(size=st.integers(4071, 6000), seed=seeds, epoch=epochs, parts=parts_of)
+def test_many_batches_mapped_at_once_give_each_index_s_sample(
+    size: int, seed: int, epoch: int, parts: list[list[tuple[int, int]]]
+) -> None:
+    """`samples_of` (one vectorised pass over many batches, as the loader maps the steps
+    ahead) gives every position the sample the per-index network gives it."""
+    batches = [[(start, start + length) for start, length in part] for part in parts]
+    for order in (Order.shuffled(size, seed, epoch), Order.identity(size)):
+        got = order.samples_of(batches)
+        assert len(got) == len(batches)
+        for part, samples in zip(batches, got, strict=True):
+            assert samples.tolist() == [order[p] for a, b in part for p in range(a, b)]
+
+
+@settings(deadline=None, max_examples=30)
+@given(seed=seeds, epoch=epochs, files=st.lists(st.integers(1, 100), min_size=1, max_size=12))
+def test_many_batches_of_a_dataset_of_files_mapped_at_once_give_each_index_s_sample(
+    seed: int, epoch: int, files: list[int]
+) -> None:
+    size = sum(files)
+    order = Order.of(size, tuple(files), seed, epoch)
+    batches = [((a, min(a + 64, size)),) for a in range(0, size, 64)]
+    each = order.take(np.arange(size)).tolist()  # FileOrder's per-index path is this one
+    for part, samples in zip(batches, order.samples_of(batches), strict=True):
+        assert samples.tolist() == [each[p] for a, b in part for p in range(a, b)]
+
+
+def test_no_batches_map_to_no_samples() -> None:
+    assert Order.shuffled(100, 1, 2).samples_of([]) == []
+    assert [s.tolist() for s in Order.shuffled(100, 1, 2).samples_of([(), ()])] == [[], []]
+
+
 @given(size=st.integers(50, 100_000), seed=seeds, epoch=epochs)
 def test_orders_differ_across_epochs_and_seeds(size: int, seed: int, epoch: int) -> None:
     first = Order.shuffled(size, seed, epoch).take(np.arange(50))

@@ -97,3 +97,81 @@ def test_a_stopped_delivery_drops_the_rest_and_waiters_are_told() -> None:
     assert delivered == []
     with pytest.raises(Stopped):
         outbox.post(done(2))
+
+
+class FakeWire:
+    """A wire that records what it wrote; `refuse` writes fail, `lose` replies never land."""
+
+    def __init__(self) -> None:
+        self.written: list[int] = []
+        self.landed_: list[int] = []
+        self.refuse = False
+        self.lose = False
+        self.closed = 0
+
+    def write(self, command: m.Command) -> bool:
+        if self.refuse:
+            return False
+        self.written.append(step_of(command))
+        return True
+
+    def landed(self, wait: float) -> bool:
+        if self.lose:
+            return False
+        self.landed_.append(self.written[-1])
+        return True
+
+    def close(self, drop: bool = False) -> None:
+        self.closed += 1
+
+
+def test_with_a_wire_the_poster_writes_each_command_and_the_next_post_reads_its_reply() -> None:
+    delivered: list[int] = []
+    wire = FakeWire()
+    outbox = Outbox(lambda c: delivered.append(step_of(c)), "test-outbox", wire)
+    for step in range(5):
+        outbox.post(done(step))
+        assert wire.landed_ == list(range(step))  # the one before, read as this one goes
+    outbox.flush()
+    assert wire.written == wire.landed_ == list(range(5))
+    assert delivered == []  # no thread was needed
+    outbox.close()
+    assert wire.closed == 1
+
+
+def test_a_command_that_did_not_land_is_sent_again_before_any_later_one() -> None:
+    delivered: list[int] = []
+    wire = FakeWire()
+    outbox = Outbox(lambda c: delivered.append(step_of(c)), "test-outbox", wire)
+    outbox.post(done(0))
+    wire.lose = True
+    outbox.post(done(1))  # 0's reply does not come: 0 goes to the retrying thread, then 1
+    outbox.post(done(2))
+    outbox.flush()
+    assert wire.written[0] == 0 and wire.landed_ == []
+    assert delivered == [0, 1, 2]  # the lost one first, then the rest, in order
+    outbox.close()
+
+
+def test_while_the_thread_has_commands_the_wire_waits_so_nothing_overtakes_them() -> None:
+    gate = threading.Event()
+    sent: list[int] = []
+
+    def deliver(command: m.Command) -> None:
+        gate.wait(10)
+        sent.append(step_of(command))
+
+    wire = FakeWire()
+    wire.refuse = True
+    outbox = Outbox(deliver, "test-outbox", wire)
+    outbox.post(done(0))  # the wire refuses: to the thread, which is held
+    wire.refuse = False
+    outbox.post(done(1))  # 0 still pending: 1 queues behind it, not on the wire
+    assert wire.written == []
+    gate.set()
+    outbox.flush()
+    assert sent == [0, 1]
+    outbox.post(done(2))  # the thread caught up: the wire again
+    outbox.flush()
+    assert wire.written == [2] and sent == [0, 1]
+    outbox.close()

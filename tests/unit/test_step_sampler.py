@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from cohort.events import deal
 from cohort.events import models as m
 from cohort.events.shards import Shard
+from cohort.worker.membership import view as views
 from cohort.worker.membership.view import View, fold
 from cohort.worker.pytorch.loader import StepSampler
 
@@ -81,3 +83,31 @@ def test_a_worker_outside_the_world_samples_nothing() -> None:
         ),
     ]  # fmt: skip
     assert list(sampler(facts)) == []
+
+
+def test_the_steps_ahead_mapped_at_once_are_each_micro_batch_s_own_samples() -> None:
+    """The sampler maps a growing window of steps through the order in one pass: every
+    micro-batch gets the samples the per-index order gives its positions, tagged in order,
+    across windows, a start inside a step and an epoch's ragged end."""
+    config = m.JobConfig(dataset_size=5000, batch_size=7, global_batch=20, seed=3)
+    shards = (Shard(ranges=((0, 2500),)), Shard(ranges=((2500, 5000),)))
+    facts = [
+        fact(m.JobConfigured, config=config),
+        fact(
+            m.WorldChanged, version=2, start_step=10, epoch=1, ranks=("me", "peer"),
+            shards=shards,
+        ),
+    ]  # fmt: skip
+    steps = sampler(facts)
+    steps.start = (11, 1)
+    got = [list(b) for b in steps]
+    order = config.order(1)
+    expected, tags = [], []
+    view = steps.worker.view
+    for step in range(11, 10 + 250):
+        for index, part in enumerate(deal.micro_batches(config, views.batch(view, step))):
+            if (step, index) >= (11, 1):
+                expected.append([order[p] for a, b in part for p in range(a, b)])
+                tags.append((2, step, index))
+    assert got == expected
+    assert list(steps.tags) == tags

@@ -42,7 +42,7 @@ class Delivery:
         self._outbox = self._new_outbox()
 
     def _new_outbox(self) -> Outbox:
-        return Outbox(self._deliver, name=self.name)
+        return Outbox(self._deliver, name=self.name, wire=self.inbox.wire())
 
     def _deliver(
         self, command: Command, deadline: float | None = None, stop: Halt | None = None

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from cohort.events.errors import DecodeError
 from cohort.events.models import Fact
-from cohort.events.streams import ZERO, Entry, Journal, elects
+from cohort.events.streams import ZERO, Entry, Journal, StreamReader, elects
 from cohort.worker.errors import RemovedError, Stopped
 from cohort.worker.membership import view as views
 from cohort.worker.membership.retry import Halt, Link, with_retry
@@ -81,10 +81,18 @@ class JournalFollower:
 
     def run(self) -> None:
         """The tail thread: follow the journal (XREAD BLOCK) until `stop` is set."""
+        reader = self.journal.reader()  # a connection of its own (not on Redis Cluster)
+        try:
+            self._follow(reader or self.journal)
+        finally:
+            if reader is not None:
+                reader.close()
+
+    def _follow(self, reader: Journal | StreamReader) -> None:
         while not self._stop.is_set():
             try:
                 rows = with_retry(
-                    lambda: self.journal.tail(self._position, TAIL_BLOCK_MS),
+                    lambda: reader.tail(self._position, TAIL_BLOCK_MS),
                     self._stop,
                     self.link,
                     "following the journal",

@@ -1,10 +1,15 @@
 """Commands a worker sends without waiting for Redis's answer, delivered in order.
 
-A training step reports itself (StepDone) and goes on with the next step's work; one
-thread delivers what was posted, one command after another in the order posted, with the
-retrying delivery a blocking send uses. A command that must not overtake them (a Leave
-after the last step, say) is sent after `flush()`: once it returns, everything posted
-before it is in the inbox.
+A training step reports itself (StepDone) and goes on with the next step's work. With a
+wire (events/streams.py `InboxWire`) the poster writes the command itself and returns:
+its reply is read at the next post or flush, by when it has nearly always arrived (a step
+later), so a step costs one write and one read, not a thread's wake-up and Redis's round
+trip in it. Without one, or once the wire fails (an outage, a refusal, a reply late by
+`LAND_WAIT`), one thread delivers what was posted, one command after another in the order
+posted, with the retrying delivery a blocking send uses; the wire is used again once that
+thread has caught up. At most one command is on the wire: nothing overtakes it. A command
+that must not overtake them (a Leave after the last step, say) is sent after `flush()`:
+once it returns, everything posted before it is in the inbox.
 """
 
 from __future__ import annotations
@@ -12,18 +17,38 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 from cohort.events.models import Command
 from cohort.worker.errors import Stopped, WorkerError
 
+LAND_WAIT = 2.0
+"""Seconds the next post waits for the reply of the command on the wire before sending it
+again the retrying way (a reply comes in well under a millisecond from a Redis that runs)."""
+
+
+class Wire(Protocol):
+    """Writes a command now and reads its reply later (events/streams.py `InboxWire`)."""
+
+    def write(self, command: Command) -> bool: ...
+
+    def landed(self, wait: float) -> bool: ...
+
+    def close(self, drop: bool = False) -> None: ...
+
 
 class Outbox:
     """Posted commands on their way to the inbox, in order; `deliver` sends one (retrying
-    until it is acknowledged, or raising Stopped)."""
+    until it is acknowledged, or raising Stopped), `wire` (if any) without waiting."""
 
-    def __init__(self, deliver: Callable[[Command], object], name: str) -> None:
+    def __init__(
+        self, deliver: Callable[[Command], object], name: str, wire: Wire | None = None
+    ) -> None:
         self._deliver = deliver
         self._name = name
+        self._wire = wire
+        self._flying: Command | None = None
+        """Written on the wire, its reply not read yet (then nothing is pending)."""
         self._pending: deque[Command] = deque()
         self._posted = 0
         self._delivered = 0
@@ -36,16 +61,39 @@ class Outbox:
         """Queue `command` and return at once. Raises what ended delivery, if it ended."""
         with self._cond:
             self._raise_if_ended()
-            self._pending.append(command)
             self._posted += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
+            self._land()
+            wire = self._wire
+            if wire is not None and not self._pending and wire.write(command):
+                self._flying = command
+                return
+            self._queue(command)
+
+    def _land(self) -> None:
+        """Read the reply of the command on the wire; if it did not land, it goes first
+        to the thread (nothing is pending meanwhile: every post lands the one before)."""
+        command, self._flying = self._flying, None
+        if command is None:
+            return
+        assert self._wire is not None
+        if self._wire.landed(LAND_WAIT):
+            self._delivered += 1
             self._cond.notify_all()
+        else:
+            self._queue(command)
+
+    def _queue(self, command: Command) -> None:
+        """`command` to the thread's queue (started on first use)."""
+        self._pending.append(command)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
 
     def flush(self) -> None:
         """Return once every command posted before this call is delivered."""
         with self._cond:
+            self._land()
             until = self._posted
             while self._delivered < until and self._failure is None and not self._closed:
                 self._cond.wait()
@@ -58,6 +106,9 @@ class Outbox:
             self._closed = True
             self._cond.notify_all()
             thread = self._thread
+            self._flying = None
+            if self._wire is not None:
+                self._wire.close(drop=True)  # a reply may be on its way: not for a later one
         if thread is not None and thread is not threading.current_thread():
             thread.join()
 
