@@ -123,6 +123,8 @@ class Decision(NamedTuple):
 class _DecisionPlan:
     """Facts of one decision, each folded as it is emitted."""
 
+    __slots__ = ("state", "now", "facts")  # one per command decided: the leader's hot path
+
     def __init__(self, state: JobState, now: float) -> None:
         self.state = state
         self.now = now
@@ -177,12 +179,12 @@ def decide(state: JobState, seen: Liveness, command: Command, now: float) -> Dec
 def _during_training(plan: _DecisionPlan, seen: Liveness, command: Command) -> None:
     """The rule for `command` while the job runs: one branch per command type."""
     match command:
+        case StepDone() | Heartbeat():  # first: nearly every command is one of these
+            _maybe_commit(plan, seen)
         case Join():
             _join(plan, command)
         case WeightsLoaded():
             _synced(plan, command)
-        case StepDone() | Heartbeat():
-            _maybe_commit(plan, seen)
         case Leave():
             _leave(plan, command)
         case GpuReading():
