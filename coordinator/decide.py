@@ -561,6 +561,8 @@ def _pace(plan: _DecisionPlan) -> None:
             min_workers=config.min_workers,
         )
         state = plan.state  # paused now; ready workers may make up the numbers at once
+    if active + len(state.members) < config.min_workers:
+        return  # too few even if every member were ready (skips a look at each member)
     ready = state.with_status("ready")
     unranked = [m.worker for m in state.with_status("active") if m.worker not in state.ranks]
     if active + len(unranked) + len(ready) < config.min_workers:
