@@ -55,7 +55,7 @@ from cohort.coordinator.state import JobState, state_hash
 from cohort.coordinator.stores import DeadLetter, InboxMarks, JobLog, Lease, epoch_of
 from cohort.events import identity
 from cohort.events.clock import Clock, ServerClock
-from cohort.events.codec import decode_commands, encode
+from cohort.events.codec import decode_commands, encode, gc_paused
 from cohort.events.connection import UNAVAILABLE, Client
 from cohort.events.errors import DecodeError, ForgedCommandError
 from cohort.events.keys import Keys
@@ -412,9 +412,10 @@ class Coordinator:
         """One leader turn: load, decide, save, account."""
         if not self._renew_if_due():
             return
-        turn = self._load()
-        self._decide(turn)
-        self._save(turn)
+        with gc_paused():  # a batch of commands lives one turn: collecting mid-turn only
+            turn = self._load()  # promotes them, and sets off full collections of the heap
+            self._decide(turn)
+            self._save(turn)
         self._account(turn)
         if turn.repair and turn.saved:
             self._repair(turn.limit)
@@ -430,8 +431,8 @@ class Coordinator:
         newest = asked_at + self.settings.block_ms / 1000  # no honest entry is newer
         limit_ms = int((newest + SKEW) * 1000)
         turn = Turn(drained=len(entries) < batch, limit=f"{limit_ms}-{MAX_SEQ}")
-        for index, entry in enumerate(entries):
-            if entry.ms > limit_ms:
+        for index, entry in enumerate(entries if entries and entries[-1].ms > limit_ms else ()):
+            if entry.ms > limit_ms:  # (IDs only grow: none is ahead if the last is not)
                 turn.ahead, turn.drained, entries = entry, False, entries[:index]
                 break
         turn.cursor = entries[-1].id if entries else None
@@ -441,7 +442,7 @@ class Coordinator:
                 turn.dead.append(_letter(entry, command))
                 turn.forged += isinstance(command, ForgedCommandError)
             else:
-                turn.commands.append((min(entry.ms / 1000, newest), command, entry.id))
+                turn.commands.append((min(id_ms(entry.id) / 1000, newest), command, entry.id))
         return turn
 
     def _refresh_trust(self, force: bool = False) -> None:
@@ -894,7 +895,7 @@ def _raw_of(entry: Entry) -> bytes:
 
 
 def _size(entry: Entry) -> int:
-    return sum(len(name) + len(value) for name, value in entry.fields.items())
+    return sum(map(len, entry.fields)) + sum(map(len, entry.fields.values()))
 
 
 class _Refused(DecodeError):
