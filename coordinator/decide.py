@@ -143,7 +143,21 @@ class _DecisionPlan:
         return self.state.config
 
     def decision(self) -> Decision:
-        return Decision(tuple(self.facts), self.state)
+        if self.facts:
+            return Decision(tuple(self.facts), self.state)
+        return _unchanged(self.state)
+
+
+_UNCHANGED = [Decision((), JobState())]
+
+
+def _unchanged(state: JobState) -> Decision:
+    """No facts, and `state` as it was: one object per state, not one per command (nearly
+    every command decides nothing, and the state changes about once a step)."""
+    last = _UNCHANGED[0]
+    if last.state is not state:
+        last = _UNCHANGED[0] = Decision((), state)
+    return last
 
 
 # ---------------------------------------------------------------- leadership
@@ -167,7 +181,7 @@ def take_over(
 def decide(state: JobState, seen: Liveness, command: Command, now: float) -> Decision:
     """Facts that follow from `command` (already observed into `seen`)."""
     plan = _DecisionPlan(state, now)
-    if not state.configured:
+    if state.config is None:  # (not configured)
         return plan.decision()
     if state.finished:
         _after_end(plan, command)
