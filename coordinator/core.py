@@ -55,7 +55,8 @@ class Core:
 
     def _adopt(self, decision: decide.Decision) -> tuple[Fact, ...]:
         self.state = decision.state
-        self._forget_departed(decision.facts)
+        if decision.facts:  # (most commands decide nothing)
+            self._forget_departed(decision.facts)
         return decision.facts
 
     # ------------------------------------------------------------ the journal's answer

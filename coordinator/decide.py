@@ -123,6 +123,8 @@ class Decision(NamedTuple):
 class _DecisionPlan:
     """Facts of one decision, each folded as it is emitted."""
 
+    __slots__ = ("state", "now", "facts")  # one per command decided: the leader's hot path
+
     def __init__(self, state: JobState, now: float) -> None:
         self.state = state
         self.now = now
@@ -141,7 +143,21 @@ class _DecisionPlan:
         return self.state.config
 
     def decision(self) -> Decision:
-        return Decision(tuple(self.facts), self.state)
+        if self.facts:
+            return Decision(tuple(self.facts), self.state)
+        return _unchanged(self.state)
+
+
+_UNCHANGED = [Decision((), JobState())]
+
+
+def _unchanged(state: JobState) -> Decision:
+    """No facts, and `state` as it was: one object per state, not one per command (nearly
+    every command decides nothing, and the state changes about once a step)."""
+    last = _UNCHANGED[0]
+    if last.state is not state:
+        last = _UNCHANGED[0] = Decision((), state)
+    return last
 
 
 # ---------------------------------------------------------------- leadership
@@ -165,7 +181,7 @@ def take_over(
 def decide(state: JobState, seen: Liveness, command: Command, now: float) -> Decision:
     """Facts that follow from `command` (already observed into `seen`)."""
     plan = _DecisionPlan(state, now)
-    if not state.configured:
+    if state.config is None:  # (not configured)
         return plan.decision()
     if state.finished:
         _after_end(plan, command)
@@ -177,12 +193,12 @@ def decide(state: JobState, seen: Liveness, command: Command, now: float) -> Dec
 def _during_training(plan: _DecisionPlan, seen: Liveness, command: Command) -> None:
     """The rule for `command` while the job runs: one branch per command type."""
     match command:
+        case StepDone() | Heartbeat():  # first: nearly every command is one of these
+            _maybe_commit(plan, seen)
         case Join():
             _join(plan, command)
         case WeightsLoaded():
             _synced(plan, command)
-        case StepDone() | Heartbeat():
-            _maybe_commit(plan, seen)
         case Leave():
             _leave(plan, command)
         case GpuReading():
@@ -559,6 +575,8 @@ def _pace(plan: _DecisionPlan) -> None:
             min_workers=config.min_workers,
         )
         state = plan.state  # paused now; ready workers may make up the numbers at once
+    if active + len(state.members) < config.min_workers:
+        return  # too few even if every member were ready (skips a look at each member)
     ready = state.with_status("ready")
     unranked = [m.worker for m in state.with_status("active") if m.worker not in state.ranks]
     if active + len(unranked) + len(ready) < config.min_workers:

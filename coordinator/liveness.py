@@ -95,15 +95,16 @@ class Liveness:
         done = self.reported.get((world, step))
         return bool(done) and not done.isdisjoint(ranks)  # type: ignore[union-attr]
 
-    def step_time_ratio(self, worker: str, step: int) -> tuple[float, float] | None:
-        """(worker's time, the median of everyone's) for `step`, if both are known."""
+    def timed(self, step: int) -> tuple[dict[str, float], float] | None:
+        """Each worker's time for `step` and the median of them all, if two or more reported
+        one (the median is computed once per step, until another report of it comes)."""
         times = self.step_times.get(step)
-        if not times or worker not in times or len(times) < 2:
+        if not times or len(times) < 2:
             return None
         middle = self._medians.get(step)
         if middle is None:
             middle = self._medians[step] = median(times.values())
-        return times[worker], middle
+        return times, middle
 
     def digest_groups(self, ranks: tuple[str, ...], step: int) -> dict[str, tuple[str, ...]]:
         """Digest -> the ranks that reported it for `step` (ranks that sent none are left out)."""

@@ -55,7 +55,7 @@ from cohort.coordinator.state import JobState, state_hash
 from cohort.coordinator.stores import DeadLetter, InboxMarks, JobLog, Lease, epoch_of
 from cohort.events import identity
 from cohort.events.clock import Clock, ServerClock
-from cohort.events.codec import decode_command, encode
+from cohort.events.codec import decode_commands, encode, gc_paused
 from cohort.events.connection import UNAVAILABLE, Client
 from cohort.events.errors import DecodeError, ForgedCommandError
 from cohort.events.keys import Keys
@@ -389,21 +389,20 @@ class Coordinator:
         start = f"{max(0, cursor_ms - int((window + 1) * 1000))}-0"
         seen = self.core.seen
         if self.cursor != ZERO:
-            for entry in self._inbox_between(start, self.cursor):
-                try:
-                    command = self._command_of(entry)
-                except DecodeError:
-                    continue
-                seen.observe(command, min(entry.ms / 1000, now))  # no ID is later than now
+            for page in self._inbox_between(start, self.cursor):
+                for entry, command in zip(page, self._commands_of(page), strict=True):
+                    if not isinstance(command, DecodeError):  # no ID is later than now:
+                        seen.observe(command, min(entry.ms / 1000, now))
         since = min(cursor_ms / 1000, now) if self.cursor != ZERO else now
         seen.grace(list(self.state.members), since)
 
-    def _inbox_between(self, after: str, until: str) -> Iterator[Entry]:
+    def _inbox_between(self, after: str, until: str) -> Iterator[list[Entry]]:
         """Inbox entries with after < ID <= until, a page at a time: all of them, since a
         worker's latest sign of life is the one that counts."""
         while True:
             page = self.joblog.commands_between(after, until, count=WINDOW_PAGE)
-            yield from page
+            if page:
+                yield page
             if len(page) < WINDOW_PAGE:
                 return
             after = page[-1].id
@@ -413,9 +412,10 @@ class Coordinator:
         """One leader turn: load, decide, save, account."""
         if not self._renew_if_due():
             return
-        turn = self._load()
-        self._decide(turn)
-        self._save(turn)
+        with gc_paused():  # a batch of commands lives one turn: collecting mid-turn only
+            turn = self._load()  # promotes them, and sets off full collections of the heap
+            self._decide(turn)
+            self._save(turn)
         self._account(turn)
         if turn.repair and turn.saved:
             self._repair(turn.limit)
@@ -431,20 +431,18 @@ class Coordinator:
         newest = asked_at + self.settings.block_ms / 1000  # no honest entry is newer
         limit_ms = int((newest + SKEW) * 1000)
         turn = Turn(drained=len(entries) < batch, limit=f"{limit_ms}-{MAX_SEQ}")
-        for index, entry in enumerate(entries):
-            if entry.ms > limit_ms:
+        for index, entry in enumerate(entries if entries and entries[-1].ms > limit_ms else ()):
+            if entry.ms > limit_ms:  # (IDs only grow: none is ahead if the last is not)
                 turn.ahead, turn.drained, entries = entry, False, entries[:index]
                 break
         turn.cursor = entries[-1].id if entries else None
         turn.read_at = max(asked_at, min(entries[-1].ms / 1000, newest)) if entries else asked_at
-        for entry in entries:
-            try:
-                command = self._command_of(entry)
-            except DecodeError as exc:
-                turn.dead.append(_letter(entry, exc))
-                turn.forged += isinstance(exc, ForgedCommandError)
-                continue
-            turn.commands.append((min(entry.ms / 1000, newest), command, entry.id))
+        for entry, command in zip(entries, self._commands_of(entries), strict=True):
+            if isinstance(command, DecodeError):
+                turn.dead.append(_letter(entry, command))
+                turn.forged += isinstance(command, ForgedCommandError)
+            else:
+                turn.commands.append((min(id_ms(entry.id) / 1000, newest), command, entry.id))
         return turn
 
     def _refresh_trust(self, force: bool = False) -> None:
@@ -454,11 +452,22 @@ class Coordinator:
             self._trust = self.joblog.trust()
             self._trusted_at = now
 
-    def _command_of(self, entry: Entry) -> Command:
-        """The entry's command, if valid, for this job and (in identity mode) for its signer."""
+    def _commands_of(self, entries: Sequence[Entry]) -> list[Command | DecodeError]:
+        """Each entry's command if valid, for this job and (in identity mode) for its signer,
+        else why not: the checks of one entry at a time, in the same order, with the
+        decoding done for the whole batch at once (`codec.decode_commands`)."""
+        admitted = [self._admitted(entry) for entry in entries]
+        decoded = iter(decode_commands([raw for raw in admitted if isinstance(raw, bytes)]))
+        return [
+            raw if isinstance(raw, DecodeError) else self._claimed(entry, next(decoded))
+            for entry, raw in zip(entries, admitted, strict=True)
+        ]
+
+    def _admitted(self, entry: Entry) -> bytes | DecodeError:
+        """The entry's command bytes, if its size and (in identity mode) signature pass."""
         size = _size(entry)
         if size > MAX_ENTRY_BYTES:
-            raise _Refused(
+            return _Refused(
                 f"entry of {size} bytes is over the leader's limit of {MAX_ENTRY_BYTES} "
                 "(no command is that large); dead-lettered undecoded",
                 "oversized",
@@ -467,21 +476,27 @@ class Coordinator:
         if trust is not None:
             reason = identity.verify(trust, entry.fields)
             if reason is not None:
-                raise ForgedCommandError(reason, _raw_of(entry))
-        command = decode_command(entry.raw if entry.raw is not None else _no_field(entry))
+                return ForgedCommandError(reason, _raw_of(entry))
+        raw = entry.raw
+        return _no_field(entry) if raw is None else raw
+
+    def _claimed(self, entry: Entry, command: Command | DecodeError) -> Command | DecodeError:
+        """The decoded command, if it is for this job and (in identity mode) its signer."""
+        if isinstance(command, DecodeError):
+            return command
         if command.job != self.settings.job:
-            raise _Refused(
+            return _Refused(
                 f"command is for job {command.job!r} "
                 f"but sits in the inbox of {self.settings.job!r}",
                 "foreign",
             )
-        if trust is not None:
+        if self._trust is not None:
             signer = entry.fields[identity.SIGNER].decode()
             reason = identity.claims(command.worker, signer)
             if reason is not None:
                 forged = ForgedCommandError(reason, _raw_of(entry), event_type=command.type)
                 forged.signer = signer  # proven by its MAC
-                raise forged
+                return forged
         return command
 
     def _decide(self, turn: Turn) -> None:
@@ -880,7 +895,7 @@ def _raw_of(entry: Entry) -> bytes:
 
 
 def _size(entry: Entry) -> int:
-    return sum(len(name) + len(value) for name, value in entry.fields.items())
+    return sum(map(len, entry.fields)) + sum(map(len, entry.fields.values()))
 
 
 class _Refused(DecodeError):
@@ -903,6 +918,6 @@ def _letter(entry: Entry, exc: DecodeError) -> DeadLetter:
     return DeadLetter.of(entry.id, exc.reason, raw, kind, sender, _size(entry))
 
 
-def _no_field(entry: Entry) -> bytes:
+def _no_field(entry: Entry) -> DecodeError:
     names = sorted(k.decode(errors="replace") for k in entry.fields)[:8]
-    raise DecodeError(f"entry has no 'e' field (fields: {names})")
+    return DecodeError(f"entry has no 'e' field (fields: {names})")

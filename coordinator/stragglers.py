@@ -16,30 +16,29 @@ from cohort.coordinator.state import JobState
 from cohort.events.models import JobConfig
 
 
-def _streak(seen: Liveness, worker: str, last_step: int, steps: int, factor: float) -> bool | None:
-    """True if slow in each of the last `steps` steps, False if fast in each, None if mixed."""
-    verdicts = set()
-    for step in range(last_step - steps + 1, last_step + 1):
-        pair = seen.step_time_ratio(worker, step)
-        if pair is None:
-            return None
-        mine, middle = pair
-        verdicts.add(mine > factor * middle and mine > 0)
-        if len(verdicts) > 1:
-            return None
-    return verdicts.pop() if verdicts else None
+def _slow(mine: float | None, middle: float, factor: float) -> bool | None:
+    """Whether a time is over the bound (None: the rank reported no time for that step)."""
+    return None if mine is None else mine > factor * middle and mine > 0
 
 
 def changes(
     state: JobState, seen: Liveness, step: int, config: JobConfig
 ) -> Iterator[tuple[str, bool, float, float]]:
-    """(worker, now_straggling, its time, median) for each rank whose flag should flip at `step`."""
+    """(worker, now_straggling, its time, median) for each rank whose flag should flip at `step`.
+
+    Each step's times and median are looked up once for the whole world, and a rank whose
+    time at `step` agrees with its flag is passed over at once: a streak that flips the flag
+    ends with a step that disagrees with it (one commit looks at every rank)."""
+    window = [seen.timed(s) for s in range(step - config.straggler_steps + 1, step + 1)]
+    if not window or any(timed is None for timed in window):
+        return  # a step of the window with fewer than two times: no rank has a streak
+    steps = [timed for timed in window if timed is not None]
+    factor = config.straggler_factor
+    times, middle = steps[-1]
     for worker in state.ranks:
         member = state.members.get(worker)
-        if member is None:
+        slow = _slow(times.get(worker), middle, factor)
+        if member is None or slow is None or slow == member.straggler:
             continue
-        slow = _streak(seen, worker, step, config.straggler_steps, config.straggler_factor)
-        if slow is None or slow == member.straggler:
-            continue
-        mine, middle = seen.step_time_ratio(worker, step) or (0.0, 0.0)
-        yield worker, slow, mine, middle
+        if all(_slow(other.get(worker), median, factor) is slow for other, median in steps):
+            yield worker, slow, times[worker], middle

@@ -387,11 +387,15 @@ def leftover(
 
 
 def exhausted(config: JobConfig, shards: Sequence[Shard], base_step: int, next_step: int) -> bool:
-    """True when no rank has a position left for `next_step`."""
-    total = shards[0].size if config.placement == "strided" and shards else None
-    if total is None:
-        total = sum(s.size for s in shards)
-    return used(config, shards, base_step, next_step) >= total
+    """True when no rank has a position left for `next_step` (`used` reached every position).
+
+    Rank by rank, stopping at the first with positions left: the leader asks after every
+    commit, and mid-epoch the first rank answers."""
+    done = max(0, next_step - base_step)
+    steps = counts(config, len(shards))
+    if config.placement == "strided":
+        return not shards or done * sum(steps) >= shards[0].size
+    return all(done * count >= shard.size for count, shard in zip(steps, shards, strict=True))
 
 
 def micro_batches(config: JobConfig, ranges: Sequence[Range]) -> tuple[tuple[Range, ...], ...]:

@@ -14,6 +14,7 @@ from cohort.events.codec import (
     MAX_FACT_BYTES,
     MAX_MAP_LEN,
     decode_command,
+    decode_commands,
     decode_fact,
     decode_facts,
     encode,
@@ -223,6 +224,42 @@ def test_a_batch_accepts_and_rejects_exactly_what_decoding_one_at_a_time_does(ra
         assert (caught.value.index, caught.value.reason) == (1, exc.reason)
     else:
         assert decode_facts([GOOD, raw, GOOD]) == [decode_fact(GOOD), alone, decode_fact(GOOD)]
+
+
+BEAT = encode(Heartbeat(at=1.0, job="j", worker="w", step=3, world=1))
+BEAT_BODY = msgpack.unpackb(BEAT)
+NEAR_BEATS = st.builds(  # a field dropped, changed in type or value, or one too many
+    lambda key, value, drop: {
+        **{k: v for k, v in BEAT_BODY.items() if not (drop and k == key)},
+        **({} if drop else {key: value}),
+    },
+    st.sampled_from([*BEAT_BODY, "extra", "v"]),
+    st.none()
+    | st.integers(-3, 2**64 - 1)
+    | st.text(max_size=4)
+    | st.sampled_from(["StepDone", "Join", "../w", "1.5", "j"])
+    | st.floats()
+    | st.booleans(),
+    st.booleans(),
+)
+
+
+def _outcome(decoded: object) -> object:
+    return decoded.reason if isinstance(decoded, DecodeError) else decoded
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.binary(max_size=64) | NEAR_BEATS.map(msgpack.packb) | st.just(BEAT), max_size=6))
+def test_commands_decoded_as_a_batch_are_what_each_decodes_to_alone(raws: list[bytes]) -> None:
+    """The leader's batch door accepts and refuses, with the same reasons, exactly what
+    `decode_command` does one entry at a time."""
+    alone = []
+    for raw in raws:
+        try:
+            alone.append(decode_command(raw))
+        except DecodeError as exc:
+            alone.append(exc.reason)
+    assert [_outcome(d) for d in decode_commands(raws)] == alone
 
 
 @pytest.mark.parametrize(

@@ -65,6 +65,26 @@ def test_each_placement_deals_every_position_once_in_shares_that_differ_by_one(
         assert abs(shard.size - exact) <= 1  # each rank runs out of data at the same step
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    placement=st.sampled_from(["contiguous", "strided"]),
+    sizes=st.lists(st.integers(1, 40), max_size=5),
+    global_batch=st.one_of(st.none(), st.integers(1, 40)),
+    base_step=st.integers(0, 3),
+    next_step=st.integers(0, 30),
+)
+def test_an_epoch_is_exhausted_exactly_when_its_steps_used_every_position(
+    placement: str, sizes: list[int], global_batch: int | None, base_step: int, next_step: int
+) -> None:
+    config = JobConfig(placement=placement, batch_size=4, global_batch=global_batch)
+    shards = [Shard(ranges=((0, size),)) for size in sizes]
+    if placement == "strided":
+        shards = shards[:1] * len(shards)
+    total = shards[0].size if placement == "strided" and shards else sum(s.size for s in shards)
+    used = deal.used(config, shards, base_step, next_step)
+    assert deal.exhausted(config, shards, base_step, next_step) == (used >= total)
+
+
 # ---------------------------------------------------------------- strided
 
 
