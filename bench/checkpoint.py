@@ -172,8 +172,9 @@ def _recover_once(server: LocalRedis, tmp: Path) -> float:
     flags += " --heartbeat-timeout 2 --checkpoint-every 20"
     procs = [coordinator(url, job, *flags.split(), "--checkpoint-uri", str(tmp / "ckpt"))]
     try:
-        first = [_trainer(url, job, name) for name in "ab"]
-        procs += first
+        for name in "ab":  # one by one: those started are stopped if one fails
+            procs.append(_trainer(url, job, name))
+        first = procs[1:]
         fleet = Fleet(server.client(), job, 0)
         fleet.until(
             lambda s: bool(s.checkpoints) and s.last_committed > s.checkpoints[-1].step + 3,
@@ -183,7 +184,8 @@ def _recover_once(server: LocalRedis, tmp: Path) -> float:
         for proc in first:
             proc.signal(signal.SIGKILL)
         killed_at = time.time()
-        procs += [_trainer(url, job, name) for name in "cd"]
+        for name in "cd":
+            procs.append(_trainer(url, job, name))
         seen = len(fleet.watch.facts)
         fleet.until(
             lambda s: _after_rewind(fleet.watch.facts[seen:]) is not None,

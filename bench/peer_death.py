@@ -19,7 +19,6 @@ The time is from the kill to the first step any worker finishes after it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -38,6 +37,7 @@ from cohort.events.keys import Keys
 from cohort.events.models import StepCommitted
 from cohort.events.streams import Journal
 from cohort.localredis import LocalRedis
+from cohort.processes import end, kill_tree
 
 TIMEOUT_S = 2.0
 LIMIT_S = 120.0  # give up on a resume after this long
@@ -58,12 +58,7 @@ def _cohort_once(run: int) -> float:
                           "--steps", "100000", "--pace", "0.05", "--gpu-interval", "0")
                 )  # fmt: skip
             watch = JournalWatch(Journal(conn, Keys(job).journal))
-            deadline = time.monotonic() + 60
-            while len(watch.state.ranks) < 2 or watch.state.last_committed < 20:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("cohort: the two workers never trained together")
-                watch.pull(block_ms=200)
-            world = watch.state.world_version
+            world = _together(watch)
             killed_at = time.time()
             procs[2].signal(signal.SIGKILL)
             deadline = time.monotonic() + LIMIT_S
@@ -76,6 +71,22 @@ def _cohort_once(run: int) -> float:
         finally:
             for proc in procs:
                 proc.stop()
+
+
+def _together(watch: JournalWatch, steps: int = 20) -> int:
+    """Wait for `steps` steps committed by a world of both workers; that world's version.
+    (Steps count in that world only: under load one worker may train alone for 20 steps
+    before the other joins, and a kill before the newcomer holds the weights loses them.)"""
+    deadline = time.monotonic() + 60
+    together = 0
+    while together < steps:
+        if time.monotonic() > deadline:
+            raise TimeoutError("cohort: the two workers never trained together")
+        for fact in watch.pull(block_ms=200):
+            state = watch.state
+            if isinstance(fact, StepCommitted) and fact.world == state.world_version:
+                together += len(state.ranks) == 2
+    return watch.state.world_version
 
 
 def _free_port() -> int:
@@ -127,12 +138,15 @@ def _agents(kill: str, backend: str, endpoint: str) -> float:
         lost = 0 if kill == "host" else 1
         victim = int(_lines(logs[lost])[-1]["pid"])
         killed_at = time.time()
-        if kill != "worker":  # the agent too: a lost node (its worker has a session of its own)
-            os.killpg(agents[lost].pid, signal.SIGKILL)
-        os.kill(victim, signal.SIGKILL)
+        if kill == "worker":
+            os.kill(victim, signal.SIGKILL)
+        else:  # a lost node: the agent and its worker, which has a session of its own
+            kill_tree(agents[lost].pid)
         return _back_after(logs, victim, killed_at, agents[1 - lost])
     finally:
-        _stop(agents, logs)
+        # every agent with every worker it started: torchrun starts each worker in a
+        # session of its own, which SIGKILL to the agent's process group does not reach
+        end(agents, sig=0)
 
 
 def _agent(i: int, log: Path, tmp: Path, backend: str, endpoint: str) -> subprocess.Popen[bytes]:
@@ -186,18 +200,6 @@ def _back_after(
         if time.monotonic() > deadline:
             return float("inf")
         time.sleep(0.05)
-
-
-def _stop(agents: list[subprocess.Popen[bytes]], logs: list[Path]) -> None:
-    """Every agent's session, and every worker they logged."""
-    # torchrun puts its workers in sessions of their own: kill each one it logged too
-    for agent in agents:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(agent.pid, signal.SIGKILL)
-        agent.wait()
-    for pid in {int(x["pid"]) for log in logs for x in _lines(log)}:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 def _shown(seconds: float) -> str:
