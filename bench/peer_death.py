@@ -208,7 +208,22 @@ def _shown(seconds: float) -> str:
     return f"> {LIMIT_S:.0f}" if seconds == float("inf") else f"{seconds:.2f}"
 
 
-def measure(runs: int = 3) -> Section:
+CASES = {
+    "c10d:worker": "torchrun: every worker restarted (worker SIGKILLed)",
+    "c10d:agent": "torchrun: agent 2 + its worker SIGKILLed (a node lost)",
+    "c10d:host": "torchrun: agent 1, the c10d store host, + worker SIGKILLed",
+    "cohort:worker": "torchrun on cohort: worker SIGKILLed",
+    "cohort:agent": "torchrun on cohort: agent 2 + its worker (a node lost)",
+    "cohort:host": "torchrun on cohort: agent 1 + its worker (no store host)",
+}
+"""The torchrun runs, "backend:kill" (see `_torchrun_once`), each with its row's label."""
+
+
+def measure(runs: int = 3, cases: tuple[str, ...] = tuple(CASES)) -> Section:
+    """`runs` runs of cohort and of each of the torchrun `cases` (keys of CASES)."""
+    unknown = set(cases) - set(CASES)
+    if unknown:
+        raise ValueError(f"unknown case(s) {sorted(unknown)}; choose from {', '.join(CASES)}")
     cohort = [_cohort_once(r) for r in range(runs)]
     rows: list[tuple[str, list[float]]] = [("cohort: survivors resume (worker SIGKILLed)", cohort)]
     try:
@@ -216,27 +231,17 @@ def measure(runs: int = 3) -> Section:
     except ImportError:
         torchrun: dict[str, list[float]] = {}
     else:
-        torchrun = {
-            f"{backend}:{kill}": [_torchrun_once(kill, backend) for _ in range(runs)]
-            for backend in ("c10d", "cohort")
-            for kill in ("worker", "agent", "host")
-        }
-        rows += [
-            ("torchrun: every worker restarted (worker SIGKILLed)", torchrun["c10d:worker"]),
-            ("torchrun: agent 2 + its worker SIGKILLed (a node lost)", torchrun["c10d:agent"]),
-            (
-                "torchrun: agent 1, the c10d store host, + worker SIGKILLed",
-                torchrun["c10d:host"],
-            ),
-            ("torchrun on cohort: worker SIGKILLed", torchrun["cohort:worker"]),
-            ("torchrun on cohort: agent 2 + its worker (a node lost)", torchrun["cohort:agent"]),
-            ("torchrun on cohort: agent 1 + its worker (no store host)", torchrun["cohort:host"]),
-        ]
+        torchrun = {}
+        for case in cases:
+            backend, kill = case.split(":")
+            torchrun[case] = [_torchrun_once(kill, backend) for _ in range(runs)]
+            rows.append((CASES[case], torchrun[case]))
     mine = statistics.median(cohort)
     section = Section(
         key="peer_death",
         title="Peer death: SIGKILL to survivors training again, cohort vs torchrun",
-        command=f"python -m bench.peer_death --runs {runs}",
+        command=f"python -m bench.peer_death --runs {runs}"
+        + ("" if set(cases) == set(CASES) else f" --cases {','.join(cases)}"),
         header=["what", "median s", "runs, s", "x cohort", "target (cohort)", ""],
     )
     for i, (what, times) in enumerate(rows):
@@ -272,8 +277,11 @@ def measure(runs: int = 3) -> Section:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--cases", default=",".join(CASES), help="the torchrun runs, comma-separated"
+    )
     args = parser.parse_args()
-    print(measure(args.runs).markdown())
+    print(measure(args.runs, tuple(c for c in args.cases.split(",") if c)).markdown())
 
 
 if __name__ == "__main__":

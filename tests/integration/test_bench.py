@@ -172,3 +172,139 @@ def test_a_peer_death_run_that_fails_midway_leaves_no_torchrun_worker_running(
     argv = [sys.executable, "-m", "tests.integration.failing_peer_death"]
     result = quick_bench.run(argv, timeout=300)
     assert result.returncode != 0 and "induced failure" in result.stderr, result.stderr[-3000:]
+
+
+def test_the_quick_control_plane_replay_and_soak_sections_measure_what_they_name(
+    tmp_path: Path, quick_bench: QuickBench
+) -> None:
+    """The four sections that need no torch, in one run (they share its start-up)."""
+    got = _measured(quick_bench.quick("ingest,replay,soak,soak-signed"), tmp_path)
+    assert set(got) == {"ingest", "replay", "soak", "soak-signed"}
+    ingest = got["ingest"]
+    assert ingest["command"] == (
+        "python -m bench.control_plane --commands 20000 --workers 200 --runs 1"
+    )
+    assert ingest["raw"]["ingest"][0] > 0 and ingest["raw"]["xrange"][0] > 0
+    assert ingest["raw"]["facts"] > 0
+    replay = got["replay"]
+    assert replay["command"] == "python -m bench.replay --facts 50000 --runs 1"
+    stages = {"zero", "read", "peer", "cli", "snapshot", "fold", "unpack", "validate"}
+    assert replay["raw"]["facts"] == 50_000 and set(replay["raw"]["seconds"]) == stages
+    assert all(t > 0 for t in replay["raw"]["seconds"].values())
+    assert all(len(times) == 1 for times in replay["raw"]["runs"].values())
+    for key, flag in (("soak", ""), ("soak-signed", " --signed")):
+        soak = got[key]
+        assert soak["command"] == f"python -m bench.soak --workers 1000 --seconds 5{flag}"
+        raw = soak["raw"]
+        assert raw["steps"] > 0 and raw["batches"] > 0 and raw["seconds"] >= 5
+        assert 0 < raw["lag_p50_s"] <= raw["lag_p99_s"]
+        assert raw["cpu_share"] > 0 and raw["rss_peak_mb"] > 0
+
+
+@pytest.mark.slow
+def test_the_quick_peer_death_run_times_both_sides_back_to_training(
+    tmp_path: Path, quick_bench: QuickBench
+) -> None:
+    """cohort's survivor, torchrun on its c10d store (a worker killed) and torchrun on cohort
+    (the agent hosting nothing, killed with its worker): each run measured a time."""
+    _needs_torch()
+    (section,) = _measured(quick_bench.quick("peer_death"), tmp_path).values()
+    assert section["command"] == (
+        "python -m bench.peer_death --runs 1 --cases c10d:worker,cohort:host"
+    )
+    (cohort,) = section["raw"]["cohort"]
+    assert cohort > 0
+    torchrun = section["raw"]["torchrun"]
+    assert set(torchrun) == {"c10d:worker", "cohort:host"}
+    # a time, or inf (not back within the limit), never nan: neither run loses the job
+    assert all(len(times) == 1 and times[0] > 0 for times in torchrun.values())
+
+
+@pytest.mark.slow
+def test_the_quick_goodput_run_kills_and_replaces_a_worker_on_each_side(
+    tmp_path: Path, quick_bench: QuickBench
+) -> None:
+    _needs_torch()
+    (section,) = _measured(quick_bench.quick("goodput"), tmp_path).values()
+    assert section["command"] == (
+        "python -m bench.goodput --failure-free 5 --every 8 --kills 1 --checkpoint-every 100"
+        " --runs 1"
+    )
+    ((cohort,), (torchrun,)) = section["raw"]["cohort"], section["raw"]["torchrun"]
+    for run in (cohort, torchrun):
+        assert run["failure_free"] > 0 and run["seconds"] >= 8 and len(run["outages"]) == 1
+    assert cohort["counted"] > 0 and cohort["goodput"] > 0  # cohort's survivor never stops
+
+
+@pytest.mark.slow
+def test_the_quick_launched_run_heals_under_each_launcher(
+    tmp_path: Path, quick_bench: QuickBench
+) -> None:
+    """`cohort run` and torchrun --standalone (as shipped and with its store fix), a rank
+    SIGKILLed under each."""
+    _needs_torch()
+    (section,) = _measured(quick_bench.quick("launched"), tmp_path).values()
+    assert section["command"] == (
+        "python -m bench.launched --ranks 2 --failure-free 5 --every 8 --kills 1"
+        " --checkpoint-every 100"
+    )
+    assert set(section["raw"]) == {"cohort", "torchrun", "torchrun_unshared_store"}
+    for side in section["raw"].values():
+        assert side["failure_free"] > 0 and side["seconds"] >= 8
+        assert len(side["training_again"]) == len(side["redone"]) == 1
+    assert section["raw"]["cohort"]["counted"] > 0
+
+
+def test_the_quick_allreduce_and_cluster_runs_time_each_transport_and_server(
+    tmp_path: Path, quick_bench: QuickBench
+) -> None:
+    """Through one server in each transport (and gloo, with torch); one server against a
+    3-primary cluster."""
+    got = _measured(quick_bench.quick("allreduce,cluster"), tmp_path)
+    allreduce, cluster = got["allreduce"], got["cluster"]
+    assert allreduce["command"] == "python -m bench.allreduce --sizes 1 --ranks 2 --runs 3"
+    assert set(allreduce["raw"]["server_rate"]) == {"1"}
+    cells = {c["transport"]: c for c in allreduce["raw"]["cells"]}
+    assert set(cells) == {"float32", "float16"}
+    for cell in cells.values():
+        assert cell["ranks"] == 2 and cell["mib"] == 1
+        assert cell["cohort_s"] > 0 and cell["bound_s"] > 0
+    assert cells["float32"]["error"] < 1e-6 and cells["float16"]["error"] < 1e-2
+    assert cluster["command"] == "python -m bench.cluster --sizes 16 --ranks 3 --runs 3"
+    times = cluster["raw"]["3x16MiB"]
+    assert times["one_s"] > 0 and times["three_s"] > 0
+    assert cluster["raw"]["rate_bytes_per_s"]["16"] > 0
+
+
+def test_the_quick_checkpoint_and_loader_runs_price_each_way_against_its_peer(
+    tmp_path: Path, quick_bench: QuickBench
+) -> None:
+    _needs_torch()
+    got = _measured(quick_bench.quick("checkpoint,loader"), tmp_path)
+    checkpoint, loader = got["checkpoint"], got["loader"]
+    assert checkpoint["command"] == "python -m bench.checkpoint --runs 1"
+    raw = checkpoint["raw"]
+    assert all(raw["numpy"][k] > 0 for k in ("cohort_path", "peer", "background", "bytes"))
+    assert all(raw["torch"][k] > 0 for k in ("params", "step", "cohort_path", "bytes"))
+    (recovery,) = raw["recovery_s"]
+    assert recovery > 0
+    assert loader["command"] == (
+        "python -m bench.loader --steps 40 --decode 100 --compute 5 --runs 1"
+    )
+    assert loader["raw"]["steps"] == 40
+    assert set(loader["raw"]["wait_s"]) == {"plain", "per step", "cohort"}
+    assert all(len(w) == 1 and w[0] >= 0 for w in loader["raw"]["wait_s"].values())
+
+
+def test_the_quick_signed_throughput_run_trains_each_route_with_credentials(
+    tmp_path: Path, quick_bench: QuickBench
+) -> None:
+    """Every rank with a credential of its own and signed commands, beside the unsigned
+    routes in the same round."""
+    _needs_torch()
+    (section,) = _measured(quick_bench.quick("throughput-signed"), tmp_path).values()
+    assert section["command"].startswith("python -m bench.throughput --ranks 2 --models 1m")
+    assert section["raw"]["1m/2"]["steps"] == 10
+    (round_,) = section["raw"]["1m/2"]["rounds"]
+    assert set(round_) == {"ddp", "gloo", "redis", "gloo-signed", "redis-signed"}
+    assert all(run["samples_s"] > 0 and run["cpu_ms"] > 0 for run in round_.values())
