@@ -65,7 +65,8 @@ class QuickBench:
     """When the last run began, in clock ticks since boot (as a process's start time)."""
 
     def quick(self, sections: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-        """`python -m bench --quick --only SECTIONS --out TMP/B.md`, then `nothing_left`."""
+        """`python -m bench --quick --only SECTIONS`, its page written in `tmp` with the raw
+        JSON beside it, then `nothing_left`."""
         out = self.tmp / "B.md"
         argv = [sys.executable, "-m", "bench", "--quick", "--only", sections, "--out", str(out)]
         return self.run(argv, timeout)
