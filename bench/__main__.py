@@ -83,12 +83,13 @@ QUICK: dict[str, Callable[[], Section]] = {
     "compress": lambda: compress.measure((2,), 4, 256, 2, steps=60),
     "cluster": lambda: cluster.measure((16,), (3,), 3),
     "netsim": lambda: network.measure((1000,), (4,), (1,), 1),
-    "checkpoint": lambda: checkpoint.measure(1),
+    "checkpoint": lambda: checkpoint.measure(1, steps=2),
     "order": lambda: order.measure((60_000, 1_000_000), 3),
     "loader": lambda: loader.run(40, 100, 5, 1),
     "throughput": lambda: throughput.measure((2,), ("1m",), 1, steps=10),
+    # the unsigned routes run in the quick "throughput" already
     "throughput-signed": lambda: throughput.measure(
-        (2,), ("1m",), 1, steps=10, routes=throughput.SIGNED_ROUTES, key="throughput-signed"
+        (2,), ("1m",), 1, steps=10, routes=("gloo-signed", "redis-signed"), key="throughput-signed"
     ),
     "throughput-netsim": lambda: throughput.measure(
         (2,), ("1m",), 1, steps=10, key="throughput-netsim", mbit=1000
