@@ -75,7 +75,7 @@ QUICK: dict[str, Callable[[], Section]] = {
     "soak-signed": lambda: soak.measure(1000, 5, signed=True),
     "overhead": lambda: overhead.measure((8, 64), 20),
     "failover": lambda: failover.measure(2),
-    "peer_death": lambda: peer_death.measure(1, ("c10d:worker", "cohort:host")),
+    "peer_death": lambda: peer_death.measure(1, ("cohort:host",)),
     "goodput": lambda: goodput.measure(5, 8, 1, 100),
     "launched": lambda: launched.measure(2, 5, 8, 1, 100),
     "allreduce": lambda: allreduce.measure((1,), (2,), 3),
@@ -87,9 +87,8 @@ QUICK: dict[str, Callable[[], Section]] = {
     "order": lambda: order.measure((60_000, 1_000_000), 3),
     "loader": lambda: loader.run(40, 100, 5, 1),
     "throughput": lambda: throughput.measure((2,), ("1m",), 1, steps=10),
-    # the unsigned routes run in the quick "throughput" already
     "throughput-signed": lambda: throughput.measure(
-        (2,), ("1m",), 1, steps=10, routes=("gloo-signed", "redis-signed"), key="throughput-signed"
+        (2,), ("1m",), 1, steps=10, routes=throughput.SIGNED_ROUTES, key="throughput-signed"
     ),
     "throughput-netsim": lambda: throughput.measure(
         (2,), ("1m",), 1, steps=10, key="throughput-netsim", mbit=1000

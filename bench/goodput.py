@@ -537,9 +537,13 @@ def _raw(run: Run) -> dict[str, Any]:
 
 
 def _ratio(mine: list[Run], peer: list[Run], figure: Callable[[Run], float]) -> str:
-    return (
-        f"{statistics.median(figure(m) / figure(p) for m, p in zip(mine, peer, strict=True)):.2f}"
-    )
+    """The median of the runs' ratios; inf for a run whose torchrun figure is not above 0
+    (no step counted while its workers restarted: it raised ZeroDivisionError)."""
+    ratios = [
+        figure(m) / figure(p) if figure(p) > 0 else float("inf")
+        for m, p in zip(mine, peer, strict=True)
+    ]
+    return f"{statistics.median(ratios):.2f}"
 
 
 def _row(what: str, runs: list[Run], target: str, met: str) -> list[Any]:

@@ -205,19 +205,17 @@ def test_the_quick_control_plane_replay_and_soak_sections_measure_what_they_name
 def test_the_quick_peer_death_run_times_both_sides_back_to_training(
     tmp_path: Path, quick_bench: QuickBench
 ) -> None:
-    """cohort's survivor, torchrun on its c10d store (a worker killed) and torchrun on cohort
-    (the agent hosting nothing, killed with its worker): each run measured a time."""
+    """cohort's survivor and torchrun on cohort (agent 1, hosting nothing, lost with its
+    worker): each measured a time. The quick run leaves torchrun's own c10d store to the
+    test above, which runs it up to its kill (each torchrun case takes about a minute)."""
     _needs_torch()
     (section,) = _measured(quick_bench.quick("peer_death"), tmp_path).values()
-    assert section["command"] == (
-        "python -m bench.peer_death --runs 1 --cases c10d:worker,cohort:host"
-    )
+    assert section["command"] == "python -m bench.peer_death --runs 1 --cases cohort:host"
     (cohort,) = section["raw"]["cohort"]
     assert cohort > 0
     torchrun = section["raw"]["torchrun"]
-    assert set(torchrun) == {"c10d:worker", "cohort:host"}
-    # a time, or inf (not back within the limit), never nan: neither run loses the job
-    assert all(len(times) == 1 and times[0] > 0 for times in torchrun.values())
+    # a time, or inf (not back within the limit), never nan: no store host, no job lost
+    assert set(torchrun) == {"cohort:host"} and torchrun["cohort:host"][0] > 0
 
 
 @pytest.mark.slow
@@ -297,19 +295,18 @@ def test_the_quick_checkpoint_and_loader_runs_price_each_way_against_its_peer(
     assert all(len(w) == 1 and w[0] >= 0 for w in loader["raw"]["wait_s"].values())
 
 
-@pytest.mark.slow
 def test_the_quick_signed_throughput_run_trains_each_route_with_credentials(
     tmp_path: Path, quick_bench: QuickBench
 ) -> None:
-    """Every rank with a credential of its own and signed commands, beside DDP in the same
-    round (the quick run leaves the unsigned routes to the quick "throughput")."""
+    """Every rank with a credential of its own and signed commands, beside the unsigned
+    routes and DDP in the same round."""
     _needs_torch()
     (section,) = _measured(quick_bench.quick("throughput-signed"), tmp_path).values()
     assert section["command"] == (
         "python -m bench.throughput --ranks 2 --models 1m --runs 1 --steps 10"
-        " --routes gloo-signed,redis-signed"
+        " --routes gloo,redis,gloo-signed,redis-signed"
     )
     assert section["raw"]["1m/2"]["steps"] == 10
     (round_,) = section["raw"]["1m/2"]["rounds"]
-    assert set(round_) == {"ddp", "gloo-signed", "redis-signed"}
+    assert set(round_) == {"ddp", "gloo", "redis", "gloo-signed", "redis-signed"}
     assert all(run["samples_s"] > 0 and run["cpu_ms"] > 0 for run in round_.values())

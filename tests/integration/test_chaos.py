@@ -185,5 +185,5 @@ def test_the_chaos_benchmark_keeps_every_invariant_for_half_a_minute(
     (section,) = json.loads((tmp_path / "B.json").read_text())
     assert section["command"] == "python -m bench.chaos --minutes 0.5"
     raw = section["raw"]
-    assert raw["ok"] and raw["lost"] == 0 and raw["twice"] == 0 and raw["steps"] > 0
+    assert raw["ok"] and not raw["lost"] and not raw["twice"] and raw["steps"] > 0
     assert raw["chaos_s"] > 0 and sum(raw["faults"].values()) > 0
