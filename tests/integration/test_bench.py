@@ -201,7 +201,6 @@ def test_the_quick_control_plane_replay_and_soak_sections_measure_what_they_name
         assert raw["cpu_share"] > 0 and raw["rss_peak_mb"] > 0
 
 
-@pytest.mark.slow
 def test_the_quick_peer_death_run_times_both_sides_back_to_training(
     tmp_path: Path, quick_bench: QuickBench
 ) -> None:
@@ -218,7 +217,6 @@ def test_the_quick_peer_death_run_times_both_sides_back_to_training(
     assert set(torchrun) == {"cohort:host"} and torchrun["cohort:host"][0] > 0
 
 
-@pytest.mark.slow
 def test_the_quick_goodput_run_kills_and_replaces_a_worker_on_each_side(
     tmp_path: Path, quick_bench: QuickBench
 ) -> None:
