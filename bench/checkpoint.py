@@ -97,9 +97,9 @@ def _numpy_cost(tmp: Path, runs: int) -> dict[str, float]:
     }
 
 
-def _torch_cost(tmp: Path, runs: int) -> dict[str, float]:
-    """What one checkpoint costs a run of STEPS training steps, end to end: cohort's copy on
-    the loop's path, then its background write competing with the steps (waited for at the
+def _torch_cost(tmp: Path, runs: int, steps_per_run: int) -> dict[str, float]:
+    """What one checkpoint costs a run of `steps_per_run` training steps, end to end: cohort's
+    copy on the loop's path, then its background write competing with the steps (waited for at the
     end, if it outlasts them), against a blocking `torch.save` before the same steps. Once
     with CPU steps, once with steps that leave the CPU idle as long (as a GPU's would)."""
     import torch
@@ -116,7 +116,7 @@ def _torch_cost(tmp: Path, runs: int) -> dict[str, float]:
 
     def runs_of(step: Any) -> dict[str, float]:
         def steps() -> None:
-            for _ in range(STEPS):
+            for _ in range(steps_per_run):
                 step()
 
         def cohort_way() -> None:
@@ -132,7 +132,7 @@ def _torch_cost(tmp: Path, runs: int) -> dict[str, float]:
 
         quiet = _median_time(steps, runs)
         return {
-            "step": quiet / STEPS,
+            "step": quiet / steps_per_run,
             "cohort": _median_time(cohort_way, runs) - quiet,
             "peer": _median_time(peer, runs) - quiet,
         }
@@ -151,6 +151,7 @@ def _torch_cost(tmp: Path, runs: int) -> dict[str, float]:
         "cohort_path": _median_time(copy, runs),
         "background": _median_time(lambda: write(blob), runs),
         "bytes": (tmp / "x.ckpt").stat().st_size,
+        "steps": steps_per_run,
     }
 
 
@@ -172,8 +173,9 @@ def _recover_once(server: LocalRedis, tmp: Path) -> float:
     flags += " --heartbeat-timeout 2 --checkpoint-every 20"
     procs = [coordinator(url, job, *flags.split(), "--checkpoint-uri", str(tmp / "ckpt"))]
     try:
-        first = [_trainer(url, job, name) for name in "ab"]
-        procs += first
+        for name in "ab":  # one by one: those started are stopped if one fails
+            procs.append(_trainer(url, job, name))
+        first = procs[1:]
         fleet = Fleet(server.client(), job, 0)
         fleet.until(
             lambda s: bool(s.checkpoints) and s.last_committed > s.checkpoints[-1].step + 3,
@@ -183,7 +185,8 @@ def _recover_once(server: LocalRedis, tmp: Path) -> float:
         for proc in first:
             proc.signal(signal.SIGKILL)
         killed_at = time.time()
-        procs += [_trainer(url, job, name) for name in "cd"]
+        for name in "cd":
+            procs.append(_trainer(url, job, name))
         seen = len(fleet.watch.facts)
         fleet.until(
             lambda s: _after_rewind(fleet.watch.facts[seen:]) is not None,
@@ -212,15 +215,17 @@ def _after_rewind(facts: list[tuple[str, Any]]) -> str | None:
     return None
 
 
-def measure(runs: int = 3) -> Section:
+def measure(runs: int = 3, steps: int = STEPS) -> Section:
+    """`steps`: the training steps a torch checkpoint's cost is measured over."""
     with tempfile.TemporaryDirectory(prefix="cohort-bench-ckpt-") as tmp:
         numpy_cost = _numpy_cost(Path(tmp), runs)
-        torch_cost = _torch_cost(Path(tmp), runs)
+        torch_cost = _torch_cost(Path(tmp), runs, steps)
     recovery = _recovery(runs)
     section = Section(
         key="checkpoint",
         title="Checkpoints: cost on the training loop, and recovery after losing every worker",
-        command=f"python -m bench.checkpoint --runs {runs}",
+        command=f"python -m bench.checkpoint --runs {runs}"
+        + (f" --steps {steps}" if steps != STEPS else ""),
         header=["what", "cohort", "peer (same run)", "ratio"],
     )
     section.rows += _numpy_rows(numpy_cost)
@@ -237,7 +242,7 @@ def measure(runs: int = 3) -> Section:
         "The loop's path is the copy of the state (for torch, `cohort.torch.state_blob`: model, "
         "optimizer and RNG state as one no-pickle blob); the header, the sha256 and the file "
         "are written by a background thread while training goes on. The torch rows time "
-        f"{STEPS} training steps with one checkpoint against the same steps without: the "
+        f"{steps} training steps with one checkpoint against the same steps without: the "
         "background thread competes with training for this machine's 2 cores (torch uses "
         "both), which a machine with a GPU or spare cores does not see. The peer blocks the "
         "steps for the whole save, as a torchrun script's rank 0 does.",
@@ -275,13 +280,14 @@ def _torch_rows(t: dict[str, float]) -> list[list[str]]:
     return [
         [
             f"torch, {t['params'] / 1e6:.1f}M parameters + momentum ({t['bytes'] / 1e6:.0f} MB "
-            f"file): one checkpoint's cost to {STEPS} CPU training steps, s (peer: torch.save)",
+            f"file): one checkpoint's cost to {t['steps']:g} CPU training steps, s "
+            "(peer: torch.save)",
             f"{t['cohort']:.3f}",
             f"{t['peer']:.3f}",
             f"{t['cohort'] / t['peer']:.2f}",
         ],
         [
-            f"torch: the same with {STEPS} steps that leave the CPU idle (as on a GPU), s",
+            f"torch: the same with {t['steps']:g} steps that leave the CPU idle (as on a GPU), s",
             f"{t['gpu_cohort']:.3f}",
             f"{t['gpu_peer']:.3f}",
             f"{t['gpu_cohort'] / t['gpu_peer']:.2f}",
@@ -303,8 +309,11 @@ def _torch_rows(t: dict[str, float]) -> list[list[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--steps", type=int, default=STEPS, help="training steps a torch checkpoint is priced over"
+    )
     args = parser.parse_args()
-    print(measure(args.runs).markdown())
+    print(measure(args.runs, args.steps).markdown())
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import time
 from bench.fleet import coordinator
 from bench.results import Section
 from cohort.localredis import LocalRedis
-from cohort.processes import stop_all
+from cohort.processes import end, stop_all
 
 PHASES = ("plain", "record", "mean")
 BATCH = 32
@@ -87,15 +87,17 @@ def run(route: str, rounds: int, phase: int) -> dict[str, float]:
             sys.executable, "-m", "bench.figures", "rank", "--route", route, "--job", job,
             "--redis-url", server.url, "--rounds", str(rounds), "--phase", str(phase),
         ]  # fmt: skip
+        procs: list[subprocess.Popen[str]] = []
         try:
-            procs = [
-                subprocess.Popen(
-                    [*argv, "--rank", str(r)], stdout=subprocess.PIPE, text=True, env=env
+            for r in range(2):
+                procs.append(
+                    subprocess.Popen(
+                        [*argv, "--rank", str(r)], stdout=subprocess.PIPE, text=True, env=env
+                    )
                 )
-                for r in range(2)
-            ]
             outs = [proc.communicate(timeout=900)[0] for proc in procs]
         finally:
+            end(procs, sig=0)  # a rank still running when another failed
             stop_all([leader])
     if any(proc.returncode for proc in procs):
         raise RuntimeError(f"a rank failed: {[p.returncode for p in procs]}")

@@ -24,7 +24,7 @@ from pathlib import Path
 from bench.fleet import coordinator
 from bench.throughput import BATCH
 from cohort.localredis import LocalRedis
-from cohort.processes import stop_all
+from cohort.processes import end, stop_all
 
 WORLD = 2
 
@@ -40,14 +40,15 @@ def profile(route: str, steps: int, seconds: int) -> Path:
         )  # fmt: skip
         argv = ["--model", "1m", "--world", str(WORLD), "--steps", str(steps),
                 "--route", route, "--job", job, "--redis-url", server.url]  # fmt: skip
-        ranks = [
-            subprocess.Popen(
-                [sys.executable, "-m", "bench.throughput", "rank", *argv, "--rank", str(r)],
-                stdout=subprocess.DEVNULL,
-            )
-            for r in range(WORLD)
-        ]
+        ranks: list[subprocess.Popen[bytes]] = []
         try:
+            for r in range(WORLD):
+                ranks.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "bench.throughput", "rank", *argv, "--rank", str(r)],
+                        stdout=subprocess.DEVNULL,
+                    )
+                )
             time.sleep(8)  # imports, the world forming, the first steps: not profiled
             subprocess.run(
                 ["py-spy", "record", "-p", str(ranks[0].pid), "-r", "200", "-f", "raw",
@@ -55,9 +56,7 @@ def profile(route: str, steps: int, seconds: int) -> Path:
                 check=True, capture_output=True,
             )  # fmt: skip
         finally:
-            for rank in ranks:
-                rank.kill()
-                rank.wait()
+            end(ranks, sig=0)
             stop_all([leader])
     return out
 

@@ -54,7 +54,7 @@ from cohort.events.keys import Keys
 from cohort.events.models import StepCommitted
 from cohort.events.streams import Journal
 from cohort.localredis import LocalRedis
-from cohort.processes import Proc
+from cohort.processes import Proc, children, end, stop_all
 
 MODEL = "1m"
 BATCH = 64  # per rank and micro-batch
@@ -245,7 +245,8 @@ def _cohort(failure_free: float, every: float, kills: int) -> Run:
                     commits.append(fact.at)
 
         try:
-            procs = [rank() for _ in range(WORLD)]
+            for _ in range(WORLD):
+                procs.append(rank())  # one by one: those started are stopped if one fails
             _until(
                 lambda: len(watch.state.ranks) == WORLD and len(commits) >= WARMUP_STEPS,
                 180, "cohort: two ranks training", pull,
@@ -254,8 +255,7 @@ def _cohort(failure_free: float, every: float, kills: int) -> Run:
                             lambda i: _replace(procs, i, rank), counted=committed_between,
                             outage=_first_after)  # fmt: skip
         finally:
-            for proc in [*procs, lead]:
-                proc.stop()
+            stop_all([*procs, lead])
 
 
 def _replace(procs: list[Proc], i: int, start: Callable[[], Proc]) -> None:
@@ -356,7 +356,8 @@ def _torchrun(failure_free: float, every: float, kills: int, checkpoint_every: i
                        progress.outage)  # fmt: skip
         return replace(run, failed_starts=_failed_starts(tmp))
     finally:
-        _stop_agents(agents)
+        # each agent with every worker it started (in a session of its own), SIGKILLed
+        end(agents, sig=0)
 
 
 class _StepLogs:
@@ -419,17 +420,6 @@ def _kill_worker(agent: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _stop_agents(agents: list[subprocess.Popen[bytes]]) -> None:
-    """Every agent's session, then any worker left in a session of its own."""
-    for agent in agents:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(agent.pid, signal.SIGKILL)
-        agent.wait()
-    for pid in _stray_workers():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
 def _failed_starts(folder: Path) -> int:
     """Workers the agents saw fail with an exit code of their own (not our SIGKILL)."""
     codes = []
@@ -444,27 +434,13 @@ def _python_path() -> str:
     return os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            found += [int(c) for c in (task / "children").read_text().split()]
-    return found
-
-
 def _worker_pid(agent: int) -> int | None:
     """The agent's training worker: its child process running torchrun-rank."""
-    for child in _children(agent):
+    for child in children(agent):
         with contextlib.suppress(OSError):
             if b"torchrun-rank" in Path(f"/proc/{child}/cmdline").read_bytes():
                 return child
     return None
-
-
-def _stray_workers() -> list[int]:
-    """Workers torchrun started in sessions of their own (left if an agent died first)."""
-    out = subprocess.run(["pgrep", "-f", "bench.goodput torchrun-rank"], capture_output=True)
-    return [int(p) for p in out.stdout.split()]
 
 
 # ---------------------------------------------------------------- the section
@@ -561,9 +537,13 @@ def _raw(run: Run) -> dict[str, Any]:
 
 
 def _ratio(mine: list[Run], peer: list[Run], figure: Callable[[Run], float]) -> str:
-    return (
-        f"{statistics.median(figure(m) / figure(p) for m, p in zip(mine, peer, strict=True)):.2f}"
-    )
+    """The median of the runs' ratios; inf for a run whose torchrun figure is not above 0
+    (no step counted while its workers restarted: it raised ZeroDivisionError)."""
+    ratios = [
+        figure(m) / figure(p) if figure(p) > 0 else float("inf")
+        for m, p in zip(mine, peer, strict=True)
+    ]
+    return f"{statistics.median(ratios):.2f}"
 
 
 def _row(what: str, runs: list[Run], target: str, met: str) -> list[Any]:

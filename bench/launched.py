@@ -55,7 +55,6 @@ from bench.goodput import (
     TIMEOUT_S,
     WARMUP_STEPS,
     Run,
-    _children,
     _failed_starts,
     _periods,
     _python_path,
@@ -70,6 +69,7 @@ from cohort.events.connection import RedisSettings, connect
 from cohort.events.keys import Keys
 from cohort.events.models import StepCommitted
 from cohort.events.streams import Journal
+from cohort.processes import children, end
 
 JOB = "launched"
 
@@ -91,7 +91,7 @@ def _env() -> dict[str, str]:
 def _oldest(parent: int, marker: bytes) -> int | None:
     """The child of `parent` running `marker` that started first (None: none runs now)."""
     found = []
-    for child in _children(parent):
+    for child in children(parent):
         with contextlib.suppress(OSError, ValueError, IndexError):
             if marker in Path(f"/proc/{child}/cmdline").read_bytes():
                 started = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[19])
@@ -107,15 +107,10 @@ def _kill_oldest(parent: int, marker: bytes) -> None:
 
 
 def _stop(launcher: subprocess.Popen[bytes]) -> None:
-    """SIGINT, as Ctrl-C; then the session, whatever is left of it."""
-    with contextlib.suppress(ProcessLookupError):
-        launcher.send_signal(signal.SIGINT)
-    try:
-        launcher.wait(60)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(launcher.pid, signal.SIGKILL)
-        launcher.wait()
+    """SIGINT, as Ctrl-C; after a minute, SIGKILL to the launcher and all it started. And
+    whatever it started that outlived it: torchrun starts each worker in a session of its
+    own, which killing the launcher's process group does not reach."""
+    end([launcher], signal.SIGINT, grace=60)
 
 
 # ---------------------------------------------------------------- cohort run

@@ -126,6 +126,7 @@ def run(steps: int, decode_us: float, compute_ms: float, runs: int) -> Section:
         ],
         header=["loader", "wait per step (ms)", "vs plain"],
         rows=rows,
+        raw={"steps": steps, "wait_s": dict(results)},
     )
 
 

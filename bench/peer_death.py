@@ -19,7 +19,6 @@ The time is from the kill to the first step any worker finishes after it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -38,6 +37,7 @@ from cohort.events.keys import Keys
 from cohort.events.models import StepCommitted
 from cohort.events.streams import Journal
 from cohort.localredis import LocalRedis
+from cohort.processes import end, kill_tree
 
 TIMEOUT_S = 2.0
 LIMIT_S = 120.0  # give up on a resume after this long
@@ -58,12 +58,7 @@ def _cohort_once(run: int) -> float:
                           "--steps", "100000", "--pace", "0.05", "--gpu-interval", "0")
                 )  # fmt: skip
             watch = JournalWatch(Journal(conn, Keys(job).journal))
-            deadline = time.monotonic() + 60
-            while len(watch.state.ranks) < 2 or watch.state.last_committed < 20:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("cohort: the two workers never trained together")
-                watch.pull(block_ms=200)
-            world = watch.state.world_version
+            world = _together(watch)
             killed_at = time.time()
             procs[2].signal(signal.SIGKILL)
             deadline = time.monotonic() + LIMIT_S
@@ -76,6 +71,22 @@ def _cohort_once(run: int) -> float:
         finally:
             for proc in procs:
                 proc.stop()
+
+
+def _together(watch: JournalWatch, steps: int = 20) -> int:
+    """Wait for `steps` steps committed by a world of both workers; that world's version.
+    (Steps count in that world only: under load one worker may train alone for 20 steps
+    before the other joins, and a kill before the newcomer holds the weights loses them.)"""
+    deadline = time.monotonic() + 60
+    together = 0
+    while together < steps:
+        if time.monotonic() > deadline:
+            raise TimeoutError("cohort: the two workers never trained together")
+        for fact in watch.pull(block_ms=200):
+            state = watch.state
+            if isinstance(fact, StepCommitted) and fact.world == state.world_version:
+                together += len(state.ranks) == 2
+    return watch.state.world_version
 
 
 def _free_port() -> int:
@@ -127,12 +138,15 @@ def _agents(kill: str, backend: str, endpoint: str) -> float:
         lost = 0 if kill == "host" else 1
         victim = int(_lines(logs[lost])[-1]["pid"])
         killed_at = time.time()
-        if kill != "worker":  # the agent too: a lost node (its worker has a session of its own)
-            os.killpg(agents[lost].pid, signal.SIGKILL)
-        os.kill(victim, signal.SIGKILL)
+        if kill == "worker":
+            os.kill(victim, signal.SIGKILL)
+        else:  # a lost node: the agent and its worker, which has a session of its own
+            kill_tree(agents[lost].pid)
         return _back_after(logs, victim, killed_at, agents[1 - lost])
     finally:
-        _stop(agents, logs)
+        # every agent with every worker it started: torchrun starts each worker in a
+        # session of its own, which SIGKILL to the agent's process group does not reach
+        end(agents, sig=0)
 
 
 def _agent(i: int, log: Path, tmp: Path, backend: str, endpoint: str) -> subprocess.Popen[bytes]:
@@ -188,25 +202,28 @@ def _back_after(
         time.sleep(0.05)
 
 
-def _stop(agents: list[subprocess.Popen[bytes]], logs: list[Path]) -> None:
-    """Every agent's session, and every worker they logged."""
-    # torchrun puts its workers in sessions of their own: kill each one it logged too
-    for agent in agents:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(agent.pid, signal.SIGKILL)
-        agent.wait()
-    for pid in {int(x["pid"]) for log in logs for x in _lines(log)}:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
 def _shown(seconds: float) -> str:
     if seconds != seconds:
         return "job died"
     return f"> {LIMIT_S:.0f}" if seconds == float("inf") else f"{seconds:.2f}"
 
 
-def measure(runs: int = 3) -> Section:
+CASES = {
+    "c10d:worker": "torchrun: every worker restarted (worker SIGKILLed)",
+    "c10d:agent": "torchrun: agent 2 + its worker SIGKILLed (a node lost)",
+    "c10d:host": "torchrun: agent 1, the c10d store host, + worker SIGKILLed",
+    "cohort:worker": "torchrun on cohort: worker SIGKILLed",
+    "cohort:agent": "torchrun on cohort: agent 2 + its worker (a node lost)",
+    "cohort:host": "torchrun on cohort: agent 1 + its worker (no store host)",
+}
+"""The torchrun runs, "backend:kill" (see `_torchrun_once`), each with its row's label."""
+
+
+def measure(runs: int = 3, cases: tuple[str, ...] = tuple(CASES)) -> Section:
+    """`runs` runs of cohort and of each of the torchrun `cases` (keys of CASES)."""
+    unknown = set(cases) - set(CASES)
+    if unknown:
+        raise ValueError(f"unknown case(s) {sorted(unknown)}; choose from {', '.join(CASES)}")
     cohort = [_cohort_once(r) for r in range(runs)]
     rows: list[tuple[str, list[float]]] = [("cohort: survivors resume (worker SIGKILLed)", cohort)]
     try:
@@ -214,27 +231,17 @@ def measure(runs: int = 3) -> Section:
     except ImportError:
         torchrun: dict[str, list[float]] = {}
     else:
-        torchrun = {
-            f"{backend}:{kill}": [_torchrun_once(kill, backend) for _ in range(runs)]
-            for backend in ("c10d", "cohort")
-            for kill in ("worker", "agent", "host")
-        }
-        rows += [
-            ("torchrun: every worker restarted (worker SIGKILLed)", torchrun["c10d:worker"]),
-            ("torchrun: agent 2 + its worker SIGKILLed (a node lost)", torchrun["c10d:agent"]),
-            (
-                "torchrun: agent 1, the c10d store host, + worker SIGKILLed",
-                torchrun["c10d:host"],
-            ),
-            ("torchrun on cohort: worker SIGKILLed", torchrun["cohort:worker"]),
-            ("torchrun on cohort: agent 2 + its worker (a node lost)", torchrun["cohort:agent"]),
-            ("torchrun on cohort: agent 1 + its worker (no store host)", torchrun["cohort:host"]),
-        ]
+        torchrun = {}
+        for case in cases:
+            backend, kill = case.split(":")
+            torchrun[case] = [_torchrun_once(kill, backend) for _ in range(runs)]
+            rows.append((CASES[case], torchrun[case]))
     mine = statistics.median(cohort)
     section = Section(
         key="peer_death",
         title="Peer death: SIGKILL to survivors training again, cohort vs torchrun",
-        command=f"python -m bench.peer_death --runs {runs}",
+        command=f"python -m bench.peer_death --runs {runs}"
+        + ("" if set(cases) == set(CASES) else f" --cases {','.join(cases)}"),
         header=["what", "median s", "runs, s", "x cohort", "target (cohort)", ""],
     )
     for i, (what, times) in enumerate(rows):
@@ -270,8 +277,11 @@ def measure(runs: int = 3) -> Section:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--cases", default=",".join(CASES), help="the torchrun runs, comma-separated"
+    )
     args = parser.parse_args()
-    print(measure(args.runs).markdown())
+    print(measure(args.runs, tuple(c for c in args.cases.split(",") if c)).markdown())
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from bench.results import Section, verdict
 from cohort import acl
 from cohort.events import identity
 from cohort.localredis import LocalRedis, free_port
-from cohort.processes import stop_all
+from cohort.processes import end, stop_all
 
 BATCH = 64
 SIGNED = "-signed"
@@ -254,29 +254,36 @@ def _ranks(
     `sites`) and wait for them; the world is as fast as its slowest rank."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     own = [["--redis-url", url] for url in urls] if urls else [[] for _ in range(world)]
-    procs = []
-    for r in range(world):
-        program = [
-            sys.executable,
-            "-m",
-            "bench.throughput",
-            "rank",
-            *argv,
-            *own[r],
-            "--rank",
-            str(r),
-        ]
-        if sites is not None:
-            program = sites.ranks[r].argv(program)
-        procs.append(
-            subprocess.Popen(
-                program,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env if sites is None else {**env, **sites.env(r)},
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for r in range(world):
+            program = [sys.executable, "-m", "bench.throughput", "rank", *argv, *own[r],
+                       "--rank", str(r)]  # fmt: skip
+            if sites is not None:
+                program = sites.ranks[r].argv(program)
+            procs.append(
+                subprocess.Popen(
+                    program,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env if sites is None else {**env, **sites.env(r)},
+                )
             )
-        )
+        spans = _spans(procs, steps)
+    finally:
+        end(procs, sig=0)  # the ranks still running when one failed (they would wait for it)
+    timed = steps - MODELS[model].warmup
+    return Run(
+        samples_s=timed * world * BATCH / max(s["seconds"] for s in spans),
+        cpu_ms=1000 * sum(s["cpu"] for s in spans) / timed,
+        helpers_ms=1000 * spans[0]["helpers_cpu"] / timed,
+    )
+
+
+def _spans(procs: list[subprocess.Popen[str]], steps: int) -> list[dict[str, Any]]:
+    """Each rank's result line, once it exited; a rank that failed or saw fewer than
+    `steps` steps commit fails the run."""
     spans = []
     for rank, proc in enumerate(procs):
         out, err = proc.communicate(timeout=900)
@@ -289,12 +296,7 @@ def _ranks(
         if span["steps"] != steps:
             raise RuntimeError(f"rank {rank} saw {span['steps']} of {steps} steps commit")
         spans.append(span)
-    timed = steps - MODELS[model].warmup
-    return Run(
-        samples_s=timed * world * BATCH / max(s["seconds"] for s in spans),
-        cpu_ms=1000 * sum(s["cpu"] for s in spans) / timed,
-        helpers_ms=1000 * spans[0]["helpers_cpu"] / timed,
-    )
+    return spans
 
 
 def _server(sites: Sites | None) -> AbstractContextManager[LocalRedis]:

@@ -9,6 +9,7 @@ from cohort.localredis import LocalCluster, LocalRedis
 from tests.helpers import require_redis_server
 from tests.integration.cluster import Cluster
 from tests.integration.launch import Launch
+from tests.integration.quickbench import QuickBench
 from tests.integration.torchrun_nodes import Nodes
 
 
@@ -51,3 +52,12 @@ def redis_cluster() -> Iterator[LocalCluster]:
     nodes.start()
     yield nodes
     nodes.stop()
+
+
+@pytest.fixture
+def quick_bench(tmp_path: Path) -> Iterator[QuickBench]:
+    """Runs `python -m bench --quick` and fails a run that leaves a process it started
+    running; whatever a run left (a timed-out one too) is killed after the test."""
+    runs = QuickBench(tmp_path)
+    yield runs
+    runs.clean()

@@ -18,6 +18,7 @@ import pytest
 
 from bench import netsim
 from tests.helpers import require_netsim, require_redis_server, wait_until
+from tests.integration.quickbench import QuickBench
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.redis_server
@@ -132,12 +133,11 @@ def test_clean_removes_what_a_killed_run_left_and_spares_live_runs() -> None:
         live.wait(30)
 
 
-def test_the_quick_netsim_bench_sets_every_method_beside_its_link_limit(tmp_path: Path) -> None:
+def test_the_quick_netsim_bench_sets_every_method_beside_its_link_limit(
+    tmp_path: Path, quick_bench: QuickBench
+) -> None:
     out = tmp_path / "B.md"
-    result = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--only", "netsim", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    result = quick_bench.quick("netsim")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "## Across a simulated network" in out.read_text()
     (section,) = json.loads(out.with_suffix(".json").read_text())
@@ -159,18 +159,14 @@ def _pid_of(netns: str) -> int:
 
 
 def test_the_quick_throughput_bench_trains_each_route_with_every_process_on_its_own_host(
-    tmp_path: Path,
+    tmp_path: Path, quick_bench: QuickBench
 ) -> None:
     """DDP and both ElasticJob routes train every step with ranks, Redis and the coordinator
     on hosts of their own: gloo and the gloo route find each other by the hosts' addresses."""
     if os.environ.get("CI") != "true":
         pytest.importorskip("torch")
     out = tmp_path / "B.md"
-    result = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--only", "throughput-netsim", "--out",
-         str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    result = quick_bench.quick("throughput-netsim")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     page = out.read_text()
     assert "across a simulated network (1,000 Mbit/s links" in page
