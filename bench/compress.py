@@ -113,7 +113,10 @@ def _rank(
     out: Any,
 ) -> None:
     conn = connect(RedisSettings(url=url, socket_timeout=120))
-    collective = Timed(conn, f"compress-{n}-{method}", Fixed(f"w{rank}", rank, n))
+    # a job per cell: (world, step) names one call, and a cell of another size on the same
+    # server would read this one's notices of the same step
+    job = f"compress-{n}-{method}-{layers}x{dim}"
+    collective = Timed(conn, job, Fixed(f"w{rank}", rank, n))
     comp = make(method)
     if comp is not None:
         comp.reset(0)

@@ -178,7 +178,10 @@ def measure(
     sizes_mib: tuple[int, ...] = (16, 64),
     runs: int = 3,
     methods: tuple[str, ...] = METHODS,
+    most_ranks: dict[int, int] | None = None,
 ) -> Section:
+    """Every cell of rates x worlds x sizes x methods; `most_ranks` caps the world at a rate
+    (where the cores already bound every cell at fewer ranks)."""
     reason = netsim.available()
     if reason is not None:
         raise netsim.NetsimError(f"no simulated network here: {reason}")
@@ -190,13 +193,16 @@ def measure(
         "its own, links shaped",
         command=f"python -m bench.network --rates {_csv(rates)} --ranks {_csv(worlds)} "
         f"--sizes {_csv(sizes_mib)} --runs {runs}"
-        + ("" if methods == METHODS else f" --methods {','.join(methods)}"),
+        + ("" if methods == METHODS else f" --methods {','.join(methods)}")
+        + "".join(f" --most-ranks {r}:{n}" for r, n in (most_ranks or {}).items()),
         header=["link", "ranks", "MiB", "method", "ms", "busiest link", "limit ms",
                 "x of the limit", "x gloo's time", "cores busy", "target", ""],
     )  # fmt: skip
     cells: list[dict[str, Any]] = []
     for mbit in rates:
         for n in worlds:
+            if n > (most_ranks or {}).get(mbit, n):
+                continue
             with netsim.Network() as net:
                 bed = Testbed(net, mbit, n)
                 for mib in sizes_mib:
@@ -308,7 +314,13 @@ def main() -> None:
     parser.add_argument("--sizes", default="16,64", help="MiB of float32 per rank")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per cell (median)")
     parser.add_argument("--methods", default=",".join(METHODS), help=", ".join(METHODS))
+    parser.add_argument("--most-ranks", action="append", default=[], metavar="MBIT:N",
+                        help="no world larger than N at links of MBIT (repeatable)")  # fmt: skip
     args = parser.parse_args()
+    try:
+        most = dict(tuple(map(int, v.split(":"))) for v in args.most_ranks)
+    except ValueError:
+        parser.error(f"--most-ranks {args.most_ranks}: give MBIT:N, e.g. 10000:4")
     try:
         rates, worlds, sizes = (tuple(map(int, v.split(","))) for v in
                                 (args.rates, args.ranks, args.sizes))  # fmt: skip
@@ -321,7 +333,7 @@ def main() -> None:
     if any(n % 2 for n in worlds):
         parser.error(f"--ranks {args.ranks}: even world sizes (the hierarchy puts 2 on a host)")
     try:
-        print(measure(rates, worlds, sizes, args.runs, methods).markdown())
+        print(measure(rates, worlds, sizes, args.runs, methods, most).markdown())
     except netsim.NetsimError as exc:
         parser.exit(1, f"{exc}\n")
 
