@@ -318,7 +318,8 @@ def main() -> None:
                         help="no world larger than N at links of MBIT (repeatable)")  # fmt: skip
     args = parser.parse_args()
     try:
-        most = dict(tuple(map(int, v.split(":"))) for v in args.most_ranks)
+        pairs = [v.split(":") for v in args.most_ranks]
+        most = {int(rate): int(n) for rate, n in pairs}
     except ValueError:
         parser.error(f"--most-ranks {args.most_ranks}: give MBIT:N, e.g. 10000:4")
     try:
