@@ -24,6 +24,7 @@ import queue
 import socket
 import statistics
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
@@ -74,6 +75,7 @@ def _own_resource_tracker() -> None:
 
 
 def _rank(
+    job: str,
     url: str,
     n: int,
     rank: int,
@@ -84,8 +86,6 @@ def _rank(
     out: Any,
 ) -> None:
     conn = connect(RedisSettings(url=url, socket_timeout=120))
-    # a job per cell: (world, step) names one call
-    job = f"bench-{n}-{size}-{transport}" + ("-hier" if hosts else "")
     collective = Collective(conn, job, Fixed(f"w{rank}", rank, n))
     reduce: Callable[..., dict[str, np.ndarray]] = collective.allreduce
     if hosts is not None:  # the same call through shared memory on each host
@@ -174,7 +174,10 @@ def time_allreduce(
     """Median over runs of the slowest rank's allreduce time (s); the result's max error
     relative to the largest magnitude of the exact mean. With `hosts` (one per rank), the
     hierarchical allreduce over them; with `places`, each rank on its simulated host."""
-    args = [(url, n, r, size, runs, transport, hosts) for r in range(n)]
+    # a job per cell: (world, step) names one call, and another cell on the same server
+    # (the same size at another placement, say) must not read this one's keys
+    job = f"bench-{n}-{size}-{transport}-{uuid.uuid4().hex[:8]}"
+    args = [(job, url, n, r, size, runs, transport, hosts) for r in range(n)]
     per_rank = run_ranks(_rank, args, places)
     return slowest_median({r: times for r, (times, _) in per_rank.items()}), per_rank[0][1]
 

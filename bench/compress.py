@@ -27,6 +27,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -103,6 +104,7 @@ class Timed(Collective):
 
 
 def _rank(
+    tag: str,
     url: str,
     n: int,
     rank: int,
@@ -115,7 +117,7 @@ def _rank(
     conn = connect(RedisSettings(url=url, socket_timeout=120))
     # a job per cell: (world, step) names one call, and a cell of another size on the same
     # server would read this one's notices of the same step
-    job = f"compress-{n}-{method}-{layers}x{dim}"
+    job = f"compress-{n}-{method}-{layers}x{dim}-{tag}"
     collective = Timed(conn, job, Fixed(f"w{rank}", rank, n))
     comp = make(method)
     if comp is not None:
@@ -173,7 +175,8 @@ def time_method(
     saved = os.environ.get(BLAS_THREADS)
     os.environ[BLAS_THREADS] = "1"  # read by each spawned rank's numpy as it loads
     try:
-        args = [(url, n, r, layers, dim, runs, method) for r in range(n)]
+        tag = uuid.uuid4().hex[:8]
+        args = [(tag, url, n, r, layers, dim, runs, method) for r in range(n)]
         per_rank = run_ranks(_rank, args, places)
     finally:
         if saved is None:
