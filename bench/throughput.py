@@ -443,6 +443,23 @@ def _title(key: str, mbit: int | None) -> str:
     return SIGNED_TITLE
 
 
+GAP_NOTE = (
+    "The gloo route's gap, profiled on 2026-11-26 (py-spy of rank 0 and per-thread CPU, 1m "
+    "on 2 ranks): issue 35 cut the ranks' extra CPU per step from about 3.5 ms to 1.9 ms "
+    "(the epoch order mapped for a window of steps in one numpy pass, the StepDone "
+    "written by the poster on a connection of its own instead of an outbox thread's "
+    "wake-up, the journal tail's XREAD on its own connection, Redis's TIME read at most "
+    "every 0.25 s) and the ratio did not move (0.81 at 2 ranks, 0.86 at 4): what remains "
+    "is the coordinator and Redis, 2.1 ms per step at 2 ranks and 4.0 at 4 (a leader "
+    "turn, its XREAD and its fenced append for each StepDone, on the ranks' own two "
+    "cores here), the DDP comm hook's Python (GuardedMean.reduce, 13% of rank 0's GIL "
+    "samples), the step bookkeeping (about 15-20%: the step's walk, report and launch "
+    "gate), the tail thread (8%) and the weight digest (sha256 every 50 steps, 0.24 ms a "
+    "step on this CPU without SHA instructions). A coordinator and Redis on another host "
+    "take their part off the ranks' cores."
+)
+
+
 NETSIM_NOTE = (
     "Here every rank, and Redis with the coordinator, is a host of its own (bench/netsim.py: "
     "a network namespace whose link is shaped to {mbit:,} Mbit/s each way), gloo and DDP "
@@ -472,6 +489,8 @@ def summary(
         section.rows += rows
         misses += missed
     section.notes = _notes(raw)
+    if key == "throughput":
+        section.notes.append(GAP_NOTE)
     if mbit is not None:
         section.notes.append(NETSIM_NOTE.format(mbit=mbit))
     elif key != "throughput":
