@@ -123,13 +123,13 @@ DEFAULT_TIMEOUT = 60.0
 WAKE_S = 0.25
 """How often a blocked waiter rechecks the worker's view (the journal wakes it at once)."""
 JOURNAL_LOOKBACK = 16
+"""Journal entries checked at call start for a WorldChanged the worker has not folded yet."""
 STAGGER_BYTES = 1024 * 1024
 """An owner's share of a call (its chunks from one rank) from which the scatter is
 staggered: each owner notified as soon as its chunks are written, so that the server sends
 chunks to owners while it still receives others' (its link busy both ways at once, where
 one notice after all the writes leaves it idle one way, then the other). Below, a round
 trip per owner costs more than the overlap gains."""
-"""Journal entries checked at call start for a WorldChanged the worker has not folded yet."""
 _NEVER = threading.Event()
 """The stop event of every retry here: never set, a call ends at its deadline instead."""
 Notice = dict[bytes, bytes]
