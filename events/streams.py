@@ -163,40 +163,53 @@ class Inbox(Stream):
         return InboxWire(self, pool)
 
 
-class StreamReader:
-    """XREAD BLOCK of one stream on a connection taken from `pool` and kept, for the one
-    thread that follows the stream (a worker's journal tail): a read per journal entry
-    without the client's per-command pool and retry bookkeeping, which cost more than the
-    read. A failure drops the connection and is raised as the client raises it."""
+class _Held:
+    """A connection taken from `pool` on first use and kept by the one thread that uses it,
+    until `close`."""
 
-    def __init__(self, key: str, pool: Any) -> None:
-        self.key = key
+    def __init__(self, pool: Any) -> None:
         self.pool = pool
         self._connection: Any = None
 
-    def tail(self, after: str, block_ms: int, count: int = 512) -> list[Entry]:
-        """`Stream.tail`: entries after `after`, waiting up to `block_ms` for the first."""
-        block = max(block_ms, 1)
-        try:
-            if self._connection is None:
-                self._connection = self.pool.get_connection()
-            self._connection.send_command(
-                "XREAD", "COUNT", count, "BLOCK", block, "STREAMS", self.key, after
-            )
-            reply = self._connection.read_response()
-        except BaseException:
-            self.close(drop=True)
-            raise
-        return _raw_entries(reply)
+    def _connected(self) -> Any:
+        if self._connection is None:
+            self._connection = self.pool.get_connection()
+        return self._connection
 
     def close(self, drop: bool = False) -> None:
-        """Give the connection back to its pool (`drop`: closed first)."""
+        """Give the connection back to its pool (`drop`: closed first, since a reply may
+        still be on its way on it)."""
         connection, self._connection = self._connection, None
         if connection is None:
             return
         if drop:
             connection.disconnect()
         self.pool.release(connection)
+
+
+class StreamReader(_Held):
+    """XREAD BLOCK of one stream on a connection taken from `pool` and kept, for the one
+    thread that follows the stream (a worker's journal tail): a read per journal entry
+    without the client's per-command pool and retry bookkeeping, which cost more than the
+    read. A failure drops the connection and is raised as the client raises it."""
+
+    def __init__(self, key: str, pool: Any) -> None:
+        super().__init__(pool)
+        self.key = key
+
+    def tail(self, after: str, block_ms: int, count: int = 512) -> list[Entry]:
+        """`Stream.tail`: entries after `after`, waiting up to `block_ms` for the first."""
+        block = max(block_ms, 1)
+        try:
+            connection = self._connected()
+            connection.send_command(
+                "XREAD", "COUNT", count, "BLOCK", block, "STREAMS", self.key, after
+            )
+            reply = connection.read_response()
+        except BaseException:
+            self.close(drop=True)
+            raise
+        return _raw_entries(reply)
 
 
 def _raw_entries(reply: Any) -> list[Entry]:
@@ -211,7 +224,7 @@ def _raw_entries(reply: Any) -> list[Entry]:
         ]
 
 
-class InboxWire:
+class InboxWire(_Held):
     """XADDs to one inbox on a connection taken from `pool` and kept: `write` sends one and
     returns at once, `landed` reads its reply later (by then it has nearly always come).
     What the caller may not rely on (a failure, a reply that does not come in time) the
@@ -220,17 +233,14 @@ class InboxWire:
     any lost reply)."""
 
     def __init__(self, inbox: Inbox, pool: Any) -> None:
+        super().__init__(pool)
         self.inbox = inbox
-        self.pool = pool
-        self._connection: Any = None
 
     def write(self, command: Command) -> bool:
         """Send `command`'s XADD without reading its reply; False if it could not be sent."""
         fields = self.inbox.fields(command)
         try:
-            if self._connection is None:
-                self._connection = self.pool.get_connection()
-            self._connection.send_command("XADD", self.inbox.key, "*", *_flat(fields))
+            self._connected().send_command("XADD", self.inbox.key, "*", *_flat(fields))
         except Exception:  # noqa: BLE001 - any failure: the caller retries its way
             self.close(drop=True)
             return False
@@ -247,16 +257,6 @@ class InboxWire:
             self.close(drop=True)
             return False
         return True
-
-    def close(self, drop: bool = False) -> None:
-        """Give the connection back to its pool (`drop`: closed first, since a reply may
-        still be on its way on it)."""
-        connection, self._connection = self._connection, None
-        if connection is None:
-            return
-        if drop:
-            connection.disconnect()
-        self.pool.release(connection)
 
 
 def _flat(fields: dict[bytes, bytes]) -> list[bytes]:
