@@ -52,7 +52,6 @@ from cohort.events.connection import UNAVAILABLE, Client
 from cohort.events.errors import DecodeError
 from cohort.events.keys import Keys
 from cohort.events.models import Fact, Join, LeaderElected, WorkerJoined, WorldChanged
-from cohort.events.streams import Journal
 from cohort.localredis import LocalRedis
 from cohort.processes import Proc
 from tests.integration.proxy import Proxy
@@ -81,7 +80,7 @@ class Run:
         self.rng = rng
         self.steps = steps
         self.conn: Client = server.client()
-        self.watch = JournalWatch(Journal(self.conn, Keys(JOB).journal))
+        self.watch = JournalWatch.of(self.conn, JOB)
         self.proxies: dict[str, Proxy] = {}
         self.coordinators: dict[str, Proc] = {}
         self.workers: dict[str, Proc] = {}

@@ -20,7 +20,6 @@ from cohort.events.codec import FIELD, encode
 from cohort.events.connection import Client
 from cohort.events.keys import Keys
 from cohort.events.models import Command, Heartbeat, Join, StepDone, WeightsLoaded
-from cohort.events.streams import Journal
 from cohort.processes import Proc
 
 
@@ -60,7 +59,7 @@ class Fleet:
         self.job = job
         self.inbox = Keys(job).inbox
         self.names = [f"w{i:05d}" for i in range(workers)]
-        self.watch = JournalWatch(Journal(conn, Keys(job).journal))
+        self.watch = JournalWatch.of(conn, job)
         self.signers: dict[str, identity.Signer] = {}
         if job_key is not None:
             self.signers = {

@@ -50,9 +50,7 @@ from typing import Any
 from bench.fleet import coordinator
 from bench.results import Section, verdict
 from cohort.coordinator.replay import JournalWatch
-from cohort.events.keys import Keys
 from cohort.events.models import StepCommitted
-from cohort.events.streams import Journal
 from cohort.localredis import LocalRedis
 from cohort.processes import Proc, children, end, stop_all
 
@@ -236,7 +234,7 @@ def _cohort(failure_free: float, every: float, kills: int) -> Run:
             proc.start()
             return proc
 
-        watch = JournalWatch(Journal(conn, Keys(job).journal))
+        watch = JournalWatch.of(conn, job)
         commits: list[float] = []
 
         def pull() -> None:

@@ -66,9 +66,7 @@ from bench.goodput import (
 from bench.results import Section, verdict
 from cohort.coordinator.replay import JournalWatch
 from cohort.events.connection import RedisSettings, connect
-from cohort.events.keys import Keys
 from cohort.events.models import StepCommitted
-from cohort.events.streams import Journal
 from cohort.processes import children, end
 
 JOB = "launched"
@@ -130,7 +128,7 @@ def _cohort(ranks: int, failure_free: float, every: float, kills: int) -> Healin
         run_json = tmp / "run" / "run.json"
         _until(run_json.exists, 60, "cohort run: its run.json", lambda: time.sleep(0.1))
         url = json.loads(run_json.read_text())["redis_url"]
-        watch = JournalWatch(Journal(connect(RedisSettings.resolve(url)), Keys(JOB).journal))
+        watch = JournalWatch.of(connect(RedisSettings.resolve(url)), JOB)
         commits: list[tuple[float, int, int]] = []
         times: list[float] = []
 

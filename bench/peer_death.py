@@ -33,9 +33,7 @@ from pathlib import Path
 from bench.fleet import coordinator, spawn
 from bench.results import Section, verdict
 from cohort.coordinator.replay import JournalWatch
-from cohort.events.keys import Keys
 from cohort.events.models import StepCommitted
-from cohort.events.streams import Journal
 from cohort.localredis import LocalRedis
 from cohort.processes import end, kill_tree
 
@@ -57,7 +55,7 @@ def _cohort_once(run: int) -> float:
                     spawn(server.url, name, "example-worker", "--job", job, "--id", name,
                           "--steps", "100000", "--pace", "0.05", "--gpu-interval", "0")
                 )  # fmt: skip
-            watch = JournalWatch(Journal(conn, Keys(job).journal))
+            watch = JournalWatch.of(conn, job)
             world = _together(watch)
             killed_at = time.time()
             procs[2].signal(signal.SIGKILL)

@@ -112,7 +112,7 @@ _WORKER = (
 # Lua scripts over hashes, lists, sets and streams (worker/pytorch/torchrun), whose
 # redis.call()s Redis checks against the caller's ACL too.
 _TORCHRUN = (
-    "+xadd", "+xread", "+xrange", "+xrevrange", "+xlen", "+time",  # membership
+    "+xadd", "+xread", "+xrange", "+xrevrange", "+xlen", "+time", "+get",  # membership
     "+evalsha", "+eval", "+script|load",  # the state's compare-and-set, the store's writes
     "+hget", "+hmget", "+hset", "+hincrby", "+hdel", "+hlen", "+hkeys",
     "+rpush", "+lpop", "+llen", "+sadd", "+srem", "+smembers",
@@ -172,6 +172,7 @@ def rules(
             *_WORKER,
             inbox_selector(keys),
             f"%R~{keys.journal}",
+            f"%R~{keys.archive}",  # where the journal's archived segments are
             f"%R~{keys.memory}",  # the gradient budget the leader publishes
             *_collective(keys, worker),
         ]
@@ -181,6 +182,7 @@ def rules(
             *_TORCHRUN,
             inbox_selector(keys),
             f"%R~{keys.journal}",
+            f"%R~{keys.archive}",
             f"~{keys.rendezvous}",
             f"~{keys.c10d_groups}*",  # the store's groups, hashes, events and queues
         ]

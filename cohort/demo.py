@@ -32,11 +32,9 @@ from cohort.coordinator.replay import JournalWatch, export, fact_details, from_r
 from cohort.errors import CohortError, Exit
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.deal import leftover
-from cohort.events.keys import Keys
 from cohort.events.models import LeaderElected, StepCommitted, WorkerFailed
 from cohort.events.reset import delete_job
 from cohort.events.shards import range_count
-from cohort.events.streams import Journal
 from cohort.localredis import LocalRedis
 from cohort.processes import Proc, stop_all
 
@@ -143,7 +141,7 @@ class Demo:
         self.redis_url = redis_url
         self.conn: Client = connect(RedisSettings.resolve(redis_url))
         delete_job(self.conn, self.job)  # an earlier run of the demo's job: a new run
-        self.watch = JournalWatch(Journal(self.conn, Keys(self.job).journal))
+        self.watch = JournalWatch.of(self.conn, self.job)
         self.stack.callback(lambda: stop_all(self.procs.values()))
 
     def start_coordinators(self) -> None:

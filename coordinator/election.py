@@ -286,6 +286,17 @@ class FencedJournal:
             self._raise_translated(exc, token, "")
             raise
 
+    def trim_journal(self, token: str, keep: str, index: bytes) -> int:
+        """fencing.lua's cohort_trim_journal: the journal's entries before `keep` dropped and
+        the archive index set to `index`, only if `token` leads (else Fenced). Returns the
+        entries dropped."""
+        keys = [self.keys.leader, self.keys.journal, self.keys.archive]
+        try:
+            return int(_fcall(self.conn, "cohort_trim_journal", keys, [token, keep, index]))
+        except redis.ResponseError as exc:
+            self._raise_translated(exc, token, "")
+            raise
+
     def repair_inbox(self, token: str, cursor: str, limit: str) -> tuple[str, int, int]:
         """fencing.lua's cohort_repair_inbox: (new cursor, entries moved, entries dropped)."""
         keys = [self.keys.leader, self.keys.inbox, self.keys.cursor]

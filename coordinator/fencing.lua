@@ -10,7 +10,7 @@ call in one Cluster slot. Bump VERSION whenever this file changes: Python
 replaces a library whose cohort_version is older than its own.
 ]]
 
-local VERSION = 3
+local VERSION = 4
 local FIELD = 'e' -- events/codec.py FIELD: the one stream field holding an event
 local LAST_ID = '18446744073709551615-18446744073709551615' -- the largest a stream allows
 local MOVED_FIELDS = 64 -- names and values an entry moved by cohort_repair_inbox keeps
@@ -274,6 +274,26 @@ local function snapshot(keys, args)
   return 1
 end
 
+-- KEYS[leader, journal, archive] ARGV[token, keep_id, index]
+-- -> entries trimmed, or a FENCED error. Drops the journal's entries before `keep_id`, which
+-- must be in the journal (the last archived entry: it stays, so a reader that read up to it
+-- finds it held), and sets the archive index that names where the dropped ones are.
+local function trim_journal(keys, args)
+  if #keys ~= 3 or #args ~= 3 then
+    return bad_args('cohort_trim_journal',
+      'expects 3 keys (leader, journal, archive) and 3 args (token, keep_id, index)')
+  end
+  local fenced = fence(keys[1], args[1])
+  if fenced then
+    return fenced
+  end
+  if #redis.call('XRANGE', keys[2], args[2], args[2], 'COUNT', 1) == 0 then
+    return bad_args('cohort_trim_journal', 'entry ' .. args[2] .. ' is not in the journal')
+  end
+  redis.call('SET', keys[3], args[3])
+  return redis.call('XTRIM', keys[2], 'MINID', args[2])
+end
+
 redis.register_function{function_name = 'cohort_version', callback = version, flags = {'no-writes'}}
 -- 'allow-oom': the lease and the journal keep working on a server that is over maxmemory
 -- (noeviction refuses every other write): they are small, and without them nothing can
@@ -283,6 +303,10 @@ redis.register_function{function_name = 'cohort_renew', callback = renew, flags 
 redis.register_function{function_name = 'cohort_release', callback = release, flags = {'allow-oom'}}
 redis.register_function{function_name = 'cohort_append', callback = append, flags = {'allow-oom'}}
 redis.register_function('cohort_snapshot', snapshot)
+-- 'allow-oom': trimming is what frees the journal's memory.
+redis.register_function{
+  function_name = 'cohort_trim_journal', callback = trim_journal, flags = {'allow-oom'}
+}
 redis.register_function{
   function_name = 'cohort_inbox_marks', callback = inbox_marks, flags = {'no-writes'}
 }

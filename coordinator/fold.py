@@ -25,6 +25,7 @@ from cohort.events.models import (
     JobConfigured,
     JobFinished,
     JoinRefused,
+    JournalArchived,
     LeaderElected,
     RendezvousRound,
     Rewound,
@@ -197,6 +198,8 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:  # noqa: C901 - 
             return {"counters": _count(state.counters, dead_letters=total, forged=forged)}
         case InboxRepaired():
             return {"counters": _count(state.counters, inbox_repairs=1)}
+        case JournalArchived():
+            return {"archived": (*state.archived, fact)}
     raise TypeError(f"evolve has no branch for {type(fact).__name__}")  # pragma: no cover
 
 

@@ -20,10 +20,11 @@ from cohort.coordinator.election import FencedJournal, load_library
 from cohort.coordinator.errors import CoordinatorError
 from cohort.coordinator.stores import Acked, DeadLetter, InboxMarks
 from cohort.events import budget
+from cohort.events.archive import History
 from cohort.events.connection import Client, primaries, text
 from cohort.events.identity import Trust
 from cohort.events.keys import Keys
-from cohort.events.streams import ZERO, Entry, Inbox, Journal
+from cohort.events.streams import Entry, Inbox, Journal
 
 log = logging.getLogger("cohort.coordinator")
 
@@ -57,6 +58,7 @@ class RedisJobLog:
         self.durability = durability
         self.display_url = display_url
         self.journal = Journal(conn, self.keys.journal)
+        self.history = History(self.journal, self.keys)
         self.inbox = Inbox(conn, self.keys.inbox)
         self.fenced = FencedJournal(
             conn,
@@ -100,12 +102,21 @@ class RedisJobLog:
 
     # ------------------------------------------------------------ the journal
     def pages(self, after: str, block_ms: int = 0) -> Iterator[list[Entry]]:
-        return self.journal.pages(after, block_ms=block_ms)
+        return self.history.pages(after, block_ms=block_ms)
 
     def holds(self, entry_id: str) -> bool:
-        # The journal is never trimmed: only a Redis that lost acknowledged writes (a
-        # failover to a lagging replica) loses an entry.
-        return entry_id == ZERO or bool(self.conn.xrange(self.keys.journal, entry_id, entry_id))
+        # Redis drops archived entries only (the segments hold them); otherwise only a Redis
+        # that lost acknowledged writes (a failover to a lagging replica) loses an entry.
+        return self.history.holds(entry_id)
+
+    def entries(self, after: str, until: str) -> list[Entry]:
+        return [entry for page in self.journal.pages(after, until) for entry in page]
+
+    def trim_journal(self, token: str, keep: str, index: bytes) -> int:
+        return self.fenced.trim_journal(token, keep, index)
+
+    def archived_state(self) -> bytes | None:
+        return self.history.base()
 
     def append(
         self,

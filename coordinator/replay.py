@@ -20,6 +20,7 @@ import msgpack
 from cohort.coordinator.errors import CoordinatorError
 from cohort.coordinator.fold import fold
 from cohort.coordinator.state import JobState, dump, state_hash
+from cohort.events.archive import ArchiveError, History
 from cohort.events.codec import gc_paused
 from cohort.events.connection import Client
 from cohort.events.errors import DecodeError
@@ -67,9 +68,15 @@ class Run:
 
 
 def from_redis(conn: Client, job: str, with_inbox: bool = True) -> Run:
+    """JOB's run as Redis and its archive hold it: the whole journal (archived segments, each
+    checked against its journaled sha256, then Redis's part), the inbox and dead letters."""
     keys = Keys(job)
     with gc_paused():
-        run = Run(job, journal=_all(Stream(conn, keys.journal)))
+        try:
+            journal = [entry for page in History.of(conn, job).pages() for entry in page]
+        except ArchiveError as exc:
+            raise ReplayError(f"the journal of job {job!r} cannot be read whole: {exc}") from None
+        run = Run(job, journal=journal)
         if with_inbox:
             run.inbox = _all(Stream(conn, keys.inbox))
             run.dead = _all(Stream(conn, keys.dead))
@@ -135,9 +142,10 @@ def _as_bytes(value: Any) -> bytes:
 
 @dataclass
 class JournalWatch:
-    """A live fold of a job's journal for viewers (status --watch, the demo)."""
+    """A live fold of a job's journal, archived segments and all, for viewers (status
+    --watch, the demo, `cohort run`)."""
 
-    journal: Journal
+    history: History
     state: JobState = field(default_factory=JobState)
     journal_id: str = ZERO
     facts: list[tuple[str, Fact]] = field(default_factory=list)
@@ -145,13 +153,17 @@ class JournalWatch:
     def pull(self, block_ms: int = 200) -> list[Fact]:
         """Fold what the journal gained; waits up to `block_ms` for the first new fact."""
         new = []
-        for entries in self.journal.pages(self.journal_id, block_ms=block_ms):
-            facts = self.journal.decode_page(entries)
+        for entries in self.history.pages(self.journal_id, block_ms=block_ms):
+            facts = Journal.decode_page(entries)
             self.state = fold(facts, self.state)
             self.journal_id = entries[-1].id
             self.facts.extend(zip((entry.id for entry in entries), facts, strict=True))
             new.extend(facts)
         return new
+
+    @classmethod
+    def of(cls, conn: Client, job: str) -> JournalWatch:
+        return cls(History.of(conn, job))
 
 
 @contextlib.contextmanager

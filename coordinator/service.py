@@ -43,7 +43,7 @@ from typing import Any
 import msgpack
 import redis
 
-from cohort.coordinator import snapshot
+from cohort.coordinator import archiving, snapshot
 from cohort.coordinator.core import Core
 from cohort.coordinator.election import RedisLease
 from cohort.coordinator.errors import ConfigConflictError, Conflict, CoordinatorError, Fenced
@@ -54,6 +54,7 @@ from cohort.coordinator.replay import fact_details
 from cohort.coordinator.state import JobState, state_hash
 from cohort.coordinator.stores import DeadLetter, InboxMarks, JobLog, Lease, epoch_of
 from cohort.events import identity
+from cohort.events.archive import ArchiveError, encode_index
 from cohort.events.clock import Clock, ServerClock
 from cohort.events.codec import decode_commands, encode, gc_paused
 from cohort.events.connection import UNAVAILABLE, Client
@@ -64,6 +65,7 @@ from cohort.events.models import (
     Fact,
     InboxRepaired,
     JobConfig,
+    JournalArchived,
     RefusalKind,
     StepCommitted,
     StepDone,
@@ -118,6 +120,11 @@ class ServiceSettings:
     differs in any of them is refused, not silently kept."""
     stay: bool = False
     """Keep running once the job finished (default: exit when no member is left)."""
+    journal_hot: int = archiving.DEFAULT_HOT
+    """Facts the journal keeps in Redis, about, where it has storage to archive the rest."""
+    archive_uri: str | None = None
+    """Where the journal's archived segments go (None: the job's checkpoint URI; neither:
+    the journal stays whole in Redis)."""
 
 
 @dataclass
@@ -212,6 +219,10 @@ class Coordinator:
         self._unjournaled: list[InboxRepaired] = []  # found since, waiting for TROUBLE_EVERY
         self._marks: InboxMarks | None = None  # the inbox's marks at the last look
         self._marks_refused: str | None = None  # why Redis refused the look, once said
+        self.points = archiving.Points(settings.journal_hot)
+        self._archiver: archiving.Archiver | None = None  # started once there is storage
+        self._trimmed_to: str | None = None  # the archived entry this leader trimmed up to
+        self._archive_at = 0.0  # monotonic time before which no segment is tried again
 
     @classmethod
     def on_redis(
@@ -309,6 +320,9 @@ class Coordinator:
 
     def close(self) -> None:
         """Give the lease back at once so a follower takes over without waiting it out."""
+        if self._archiver is not None:
+            self._archiver.close()
+            self._archiver = None
         if self.token is not None:
             try:
                 self.lease.release(self.token)
@@ -342,6 +356,7 @@ class Coordinator:
             )
         self.core.fold(facts)
         self.journal_id = entries[-1].id
+        self.points.record(self.journal_id, self.state)
 
     def _follow_once(self) -> None:
         self.catch_up(block_ms=min(self.settings.block_ms, 500))
@@ -358,6 +373,7 @@ class Coordinator:
         are the first facts; then `_lead_once` runs every turn."""
         self.token = token
         self._renewed_at = self.clock.monotonic()
+        self._trimmed_to = None  # a leader before may have archived and not trimmed
         self.counters.elections_won += 1
         if self.metrics is not None:
             self.metrics.failovers.inc()
@@ -587,6 +603,7 @@ class Coordinator:
         turn.ids = ids
         if ids:
             self.journal_id = ids[-1]
+            self.points.record(self.journal_id, self.state)
         if turn.cursor is not None:
             self.cursor = turn.cursor
         self._check_acked()
@@ -741,6 +758,7 @@ class Coordinator:
             self.lease.release(token)
         self.core = Core()
         self.journal_id = ZERO
+        self.points.clear()
         self._load_snapshot()
         self.catch_up()
         self.cursor = self.joblog.cursor()
@@ -784,6 +802,8 @@ class Coordinator:
         """Snapshot, status, memory figures, inbox trimming: caches and views, so a server
         out of memory (which refuses them) only costs a warning."""
         try:
+            if self.token is not None:
+                self._archive()  # first: over maxmemory, trimming is what frees memory
             self._keep_house()
             self._oom = False
         except redis.OutOfMemoryError as exc:
@@ -862,23 +882,118 @@ class Coordinator:
         self.joblog.publish_memory(ttl)
 
     def _load_snapshot(self) -> None:
-        blob = self.joblog.load_snapshot()
-        if not blob:
-            return
+        """Start from the snapshot in Redis, else from the state kept with the newest
+        archived segment, else from zero: each is a cache, and a bad one is skipped."""
+        for where, load in (
+            ("the snapshot", self.joblog.load_snapshot),
+            ("the archived state", self.joblog.archived_state),
+        ):
+            try:
+                blob = load()
+                if blob and self._restore(where, blob):
+                    return
+            except ArchiveError as exc:
+                log.warning("ignoring %s of job %r: %s", where, self.settings.job, exc)
+
+    def _restore(self, where: str, blob: bytes) -> bool:
         try:
             state, journal_id = snapshot.decode(blob)
         except snapshot.SnapshotUnusable as exc:
-            log.warning("ignoring the snapshot of job %r: %s", self.settings.job, exc)
-            return
+            log.warning("ignoring %s of job %r: %s", where, self.settings.job, exc)
+            return False
         if not self.joblog.holds(journal_id):
             log.warning(
-                "snapshot covers journal entry %s, which the journal does not hold; "
-                "folding from zero",
+                "%s covers journal entry %s, which the journal does not hold; not using it",
+                where,
                 journal_id,
             )
-            return
+            return False
         self.core.restore(state)
         self.journal_id = journal_id
+        self.points.record(journal_id, state)
+        return True
+
+    # ------------------------------------------------------------ archiving
+    def _archive(self) -> None:
+        """One step of moving the journal's cold part to storage (coordinator/archiving.py):
+        journal a segment written, trim what a journaled segment holds, or start the next."""
+        base = self._archive_base()
+        if base is None:
+            return
+        if self._archiver is None:
+            self._archiver = archiving.Archiver(self.joblog.entries)
+        taken = self._archiver.take()
+        if taken is not None:
+            self._journal_segment(*taken)
+        archived = self.state.archived
+        if self.token is not None and archived and self._trimmed_to != archived[-1].last:
+            self._trim()
+        elif not self._archiver.busy and self.clock.monotonic() >= self._archive_at:
+            self._plan_segment(base)
+
+    def _archive_base(self) -> str | None:
+        config = self.state.config
+        return self.settings.archive_uri or (config.checkpoint_uri if config else None)
+
+    def _plan_segment(self, base: str) -> None:
+        state, hot = self.state, self.settings.journal_hot
+        point = self.points.choose(state, hot)
+        if point is None or self.token is None or self._archiver is None:
+            return
+        since = state.archived[-1].last if state.archived else ZERO
+        facts = point.state.facts - state.archived_facts
+        job, at = self.settings.job, self.clock.now()
+        plan = archiving.Plan(job, base, since, point, facts, self.token, at)
+        self._archiver.submit(plan)
+
+    def _journal_segment(
+        self, plan: archiving.Plan, written: JournalArchived | BaseException
+    ) -> None:
+        """Journal the segment a plan wrote, if it still follows the last archived one."""
+        if isinstance(written, BaseException):
+            self._archive_at = self.clock.monotonic() + archiving.RETRY_S
+            log.error(
+                "could not archive the journal of job %r up to %s (%s); it stays in Redis, "
+                "and archiving is tried again in %.0f s",
+                self.settings.job,
+                plan.point.journal_id,
+                written,
+                archiving.RETRY_S,
+            )
+            return
+        archived = self.state.archived
+        if plan.token != self.token or plan.since != (archived[-1].last if archived else ZERO):
+            return  # written under another lease or before a resync: the next plan redoes it
+        turn = Turn()
+        self._note(turn, written)
+        self._save(turn)
+        self._account(turn)
+
+    def _trim(self) -> None:
+        """Drop from Redis what the journaled segments hold, and set the archive index."""
+        assert self.token is not None
+        archived = self.state.archived
+        keep = archived[-1].last
+        try:
+            dropped = self.joblog.trim_journal(self.token, keep, encode_index(archived))
+        except Fenced:
+            self.token = None
+            self._resync()
+            return
+        except redis.ResponseError as exc:
+            self._trimmed_to = keep  # said once; a later segment tries again
+            log.error("could not trim the journal of job %r: %s", self.settings.job, exc)
+            return
+        self._trimmed_to = keep
+        log.info(
+            "journal of job %r: %d entries before %s dropped from Redis (%d archived facts "
+            "in %d segments)",
+            self.settings.job,
+            dropped,
+            keep,
+            self.state.archived_facts,
+            len(archived),
+        )
 
 
 def _transfers(waiting: TransfersWaiting | None) -> dict[str, float] | None:

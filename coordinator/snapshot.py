@@ -9,11 +9,12 @@ import msgpack
 from cohort.coordinator.errors import CoordinatorError
 from cohort.coordinator.state import JobState, dump, load
 
-VERSION = 5
+VERSION = 6
 """2: the state knows its weight lineage (holders, checkpoints); 3: its config says whether
 epochs are shuffled (a v2 snapshot's config would read with today's default, shuffled, so
 it is refolded, and the journal's upcaster gives it its old meaning); 5: the state keeps
-its last commits' times (the job's rate). Older ones are refolded."""
+its last commits' times (the job's rate); 6: its archived journal segments. Older ones
+are refolded."""
 
 
 class SnapshotUnusable(CoordinatorError):

@@ -23,6 +23,7 @@ from cohort.events.models import (
     Dataset,
     EvalReported,
     JobConfig,
+    JournalArchived,
     Node,
     RendezvousRound,
     Role,
@@ -134,7 +135,15 @@ class JobState:
     commits: tuple[tuple[int, float], ...] = ()
     """(step, at) of the last RATE_WINDOW commits since training last paused or rewound:
     what the job's steps per second are measured over (coordinator/progress.py)."""
+    archived: tuple[JournalArchived, ...] = ()
+    """The journal's segments in storage, oldest first (events/archive.py): facts up to the
+    last one's `last` may be gone from Redis."""
     facts: int = 0
+
+    @property
+    def archived_facts(self) -> int:
+        """Facts of the journal in its archived segments."""
+        return sum(segment.facts for segment in self.archived)
 
     @property
     def next_step(self) -> int:

@@ -172,11 +172,26 @@ class JobLog(Protocol):
 
     # the journal
     def pages(self, after: str, block_ms: int = 0) -> Iterator[list[Entry]]:
-        """Journal entries after `after`, a page at a time; the first may wait `block_ms`."""
+        """Journal entries after `after`, a page at a time, the archived ones first; the first
+        page of Redis's may wait `block_ms`."""
         ...
 
     def holds(self, entry_id: str) -> bool:
-        """Whether the journal still holds `entry_id` (a failover can lose acknowledged ones)."""
+        """Whether the journal, archived or in Redis, still holds `entry_id` (a failover can
+        lose acknowledged ones)."""
+        ...
+
+    def entries(self, after: str, until: str) -> list[Entry]:
+        """The journal entries Redis holds with after < ID <= until (what a segment archives)."""
+        ...
+
+    def trim_journal(self, token: str, keep: str, index: bytes) -> int:
+        """Drop the journal's entries before `keep` (which stays) and set the archive index,
+        only if `token` leads (else Fenced); returns the entries dropped."""
+        ...
+
+    def archived_state(self) -> bytes | None:
+        """The state (a snapshot's bytes) kept with the newest archived segment, if any."""
         ...
 
     def append(

@@ -81,6 +81,12 @@ class Keys:
         return f"{self.prefix}:snapshot"
 
     @property
+    def archive(self) -> str:
+        """The index of the journal's archived segments (events/archive.py), set by the leader
+        together with the trim that drops their entries from the journal."""
+        return f"{self.prefix}:archive"
+
+    @property
     def dead(self) -> str:
         return f"{self.prefix}:dead"
 

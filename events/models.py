@@ -798,6 +798,21 @@ class InboxRepaired(Event):
     reason: Text = ""
 
 
+class JournalArchived(Event):
+    """The journal's entries `first`..`last` (`facts` of them, counted from the previous
+    segment's end) are in the segment file at `uri`, whose bytes have `sha256`; the file also
+    holds the state as of `last`. Journaled after the file is whole and before Redis drops
+    those entries (XTRIM MINID `last`): docs/design.md, "The journal's cold part"."""
+
+    type: Literal["JournalArchived"] = "JournalArchived"
+    first: EntryId
+    last: EntryId
+    facts: Annotated[int, Field(ge=1, le=MAX_INT)]
+    uri: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+    sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+    bytes: Count
+
+
 def finished_refusal(job: str, step: int, reason: str) -> str:
     """Why a finished job takes no joiner, and what to do (the leader's JoinRefused, and a
     worker's own refusal when no coordinator is left to say it)."""
@@ -880,7 +895,8 @@ Fact = Annotated[
     | WorkloadRegistered
     | JobFinished
     | CommandsRefused
-    | InboxRepaired,
+    | InboxRepaired
+    | JournalArchived,
     Field(discriminator="type"),
 ]
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from cohort.commands.settings import JobSettings, job_settings
+from cohort.commands.settings import JobSettings, check_storage_uri, job_settings
 from cohort.commands.shared import (
     fail,
     job_option,
@@ -79,6 +79,21 @@ if TYPE_CHECKING:
     "failover cannot lose an acknowledged fact (docs/redis-ha.md). 0: do not wait.",
 )
 @click.option(
+    "--journal-hot",
+    type=click.IntRange(min=200),
+    default=100_000,
+    show_default=True,
+    metavar="FACTS",
+    help="Keep about this many facts of the journal in Redis and move older ones to storage "
+    "(--archive-uri), so Redis's memory stays flat however long the job runs.",
+)
+@click.option(
+    "--archive-uri",
+    metavar="URI",
+    help="Where the journal's archived segments go: an absolute path or fsspec URL (default: "
+    "the job's --checkpoint-uri; neither: the journal stays whole in Redis).",
+)
+@click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     help="Serve Prometheus metrics on this port (0: any free port, logged).",
@@ -96,6 +111,8 @@ def coordinator(
     allow_eviction: bool,
     wait_aof: bool,
     wait_replicas: int,
+    journal_hot: int,
+    archive_uri: str | None,
     stay: bool,
     wait_for_redis: float,
     **params: Any,
@@ -109,8 +126,11 @@ def coordinator(
     """
     from cohort.coordinator.errors import CoordinatorError
     from cohort.coordinator.service import Coordinator, ServiceSettings
+    from cohort.events.archive import ArchiveError
 
     config, given = JobSettings.of(params).config()
+    if archive_uri is not None:
+        check_storage_uri("--archive-uri", archive_uri)
     if not 0.2 <= lease <= 600:
         fail(f"--lease {lease} is out of range; use 0.2 to 600 seconds")
     name = coordinator_id or f"{os.uname().nodename}-{os.getpid()}"
@@ -128,6 +148,8 @@ def coordinator(
         display_url=server.display_url,
         given=given,
         stay=stay,
+        journal_hot=journal_hot,
+        archive_uri=archive_uri,
     )
     conn = redis_client(ctx, server.client_name or "", wait_for_redis)
     stop = threading.Event()
@@ -136,7 +158,7 @@ def coordinator(
     metrics = _serve_metrics(job, name, metrics_port) if metrics_port is not None else None
     try:
         Coordinator.on_redis(conn, settings, metrics=metrics).run(stop)
-    except CoordinatorError as exc:
+    except (CoordinatorError, ArchiveError) as exc:
         fail(str(exc), Exit.DATA)
 
 

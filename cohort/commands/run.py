@@ -211,11 +211,9 @@ def _check_shared_redis(
     late worker does (a scheduler that started it late must not count it failed)."""
     from cohort.coordinator.errors import ConfigConflictError
     from cohort.coordinator.replay import JournalWatch
-    from cohort.events.keys import Keys
-    from cohort.events.streams import Journal
 
     conn = redis_client(ctx, "cohort-run", wait)
-    watch = JournalWatch(Journal(conn, Keys(job).journal))
+    watch = JournalWatch.of(conn, job)
     watch.pull(0)
     state = watch.state
     if state.finished is not None:

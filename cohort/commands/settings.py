@@ -201,6 +201,10 @@ def job_config(
 
 
 def _check_checkpoint_uri(uri: str) -> None:
+    check_storage_uri("--checkpoint-uri", uri)
+
+
+def check_storage_uri(flag: str, uri: str) -> None:
     """An absolute path or a URL of a filesystem fsspec knows; else exit 2 naming it."""
     from fsspec.registry import known_implementations, registry
     from fsspec.utils import get_protocol
@@ -208,12 +212,12 @@ def _check_checkpoint_uri(uri: str) -> None:
     protocol = get_protocol(uri)
     if "://" not in uri and not uri.startswith("/"):
         fail(
-            f"--checkpoint-uri {uri!r} is a relative path; every worker resolves it in its own "
+            f"{flag} {uri!r} is a relative path; every process resolves it in its own "
             "directory: give an absolute path or a URL (file:///..., s3://...)"
         )
     if protocol not in known_implementations and protocol not in registry:
         fail(
-            f"--checkpoint-uri {uri!r}: fsspec knows no filesystem {protocol!r}; use an absolute "
+            f"{flag} {uri!r}: fsspec knows no filesystem {protocol!r}; use an absolute "
             "path, file:///..., or e.g. s3://, gs://, abfs:// (with s3fs, gcsfs, adlfs installed)"
         )
 

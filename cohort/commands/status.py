@@ -71,10 +71,9 @@ def _watch(conn: Client, job: str, interval: float) -> None:
     every `interval` seconds, each under a line with its time."""
     from cohort.coordinator.replay import JournalWatch
     from cohort.coordinator.timeline import lines
-    from cohort.events.streams import Journal
     from cohort.render.terminal import console, status_view
 
-    watch = JournalWatch(Journal(conn, Keys(job).journal))
+    watch = JournalWatch.of(conn, job)
     stop = threading.Event()
     stop_on_signals(stop, "status --watch")
 

@@ -36,9 +36,7 @@ from cohort.coordinator.progress import progress
 from cohort.coordinator.replay import JournalWatch, export, from_redis
 from cohort.errors import CohortError, Exit
 from cohort.events.connection import Client, RedisSettings, connect
-from cohort.events.keys import Keys
 from cohort.events.models import WorkerFailed
-from cohort.events.streams import Journal
 from cohort.launcher import supervision
 from cohort.launcher.credentials import Credentials
 from cohort.launcher.reaper import Reaper
@@ -154,7 +152,7 @@ class Launcher:
         if not self.redis_url:
             self._start_private_redis()
         self.conn: Client = connect(RedisSettings.resolve(self.redis_url))
-        self.watch = JournalWatch(Journal(self.conn, Keys(self.settings.job).journal))
+        self.watch = JournalWatch.of(self.conn, self.settings.job)
         self.watch.pull(0)
         self._prepare_credentials()
         self._write_run_json()

@@ -15,8 +15,6 @@ from typing import Any
 
 from cohort.coordinator.replay import JournalWatch
 from cohort.events.connection import RedisSettings, connect
-from cohort.events.keys import Keys
-from cohort.events.streams import Journal
 from tests.helpers import processes_mentioning, wait_until
 
 
@@ -80,7 +78,7 @@ class Launch:
     def journal(self) -> JournalWatch:
         body = self.run_json()
         conn = connect(RedisSettings.resolve(body["redis_url"]))
-        return JournalWatch(Journal(conn, Keys(body["job"]).journal))
+        return JournalWatch.of(conn, body["job"])
 
     def children(self, text: str = "") -> dict[int, str]:
         """The launcher's own processes now (ranks, coordinators, Redis, reaper), remembered

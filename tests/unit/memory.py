@@ -80,6 +80,9 @@ class MemoryLog:
     """The job key and revoked workers (None: no identity mode)."""
     max_deleted: str = ZERO
     """The inbox's max-deleted-entry-id, as Redis keeps it."""
+    archived: list[Entry] = field(default_factory=list)
+    """Journal entries a trim dropped, as the archive's segments hold them."""
+    index: bytes | None = None
     _last_ms: int = 0
     _seq: int = 0
 
@@ -148,12 +151,28 @@ class MemoryLog:
         self.prepared = True
 
     def pages(self, after: str, block_ms: int = 0) -> Iterator[list[Entry]]:
-        rows = _after(self.journal, after)
+        rows = _after(self.archived + self.journal, after)
         for start in range(0, len(rows), PAGE):
             yield rows[start : start + PAGE]
 
     def holds(self, entry_id: str) -> bool:
-        return entry_id == ZERO or any(entry.id == entry_id for entry in self.journal)
+        held = self.archived + self.journal
+        return entry_id == ZERO or any(entry.id == entry_id for entry in held)
+
+    def entries(self, after: str, until: str) -> list[Entry]:
+        return [e for e in _after(self.journal, after) if id_key(e.id) <= id_key(until)]
+
+    def trim_journal(self, token: str, keep: str, index: bytes) -> int:
+        if self.lease.holder() != token:
+            raise Fenced(token, self.lease.holder())
+        dropped = [e for e in self.journal if id_key(e.id) < id_key(keep)]
+        self.archived += dropped
+        self.journal = self.journal[len(dropped) :]
+        self.index = index
+        return len(dropped)
+
+    def archived_state(self) -> bytes | None:
+        return None  # the unit tests' journal has no storage: a lost snapshot folds from zero
 
     def append(
         self,

@@ -21,16 +21,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
-import secrets
 import struct
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import fsspec
 import msgpack
 
+from cohort.events import storage
 from cohort.events.models import CheckpointRequested, DataPosition
 from cohort.worker.errors import WorkerError
 
@@ -67,16 +66,6 @@ class Checkpoint:
     sha256: str
 
 
-def _fs(uri: str) -> tuple[Any, str]:
-    try:
-        return fsspec.core.url_to_fs(uri)
-    except (ImportError, ValueError) as exc:
-        raise CheckpointError(
-            f"checkpoint URI {uri!r} cannot be opened ({exc}); use a path, file://..., or a "
-            "filesystem fsspec knows (its extra installed, e.g. s3fs for s3://)"
-        ) from exc
-
-
 def write(
     uri: str,
     job: str,
@@ -106,31 +95,19 @@ def write(
 
 
 def write_whole(uri: str, parts: Iterable[bytes | memoryview], what: str = "file") -> None:
-    """`parts` one after the other into `uri` (a path or an fsspec URL), whole or not at
-    all: written beside it under a temporary name, then moved into place."""
-    fs, path = _fs(uri)
-    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+    """`storage.write_whole`, failing with a CheckpointError."""
     try:
-        parent = path.rsplit("/", 1)[0] if "/" in path else ""
-        if parent:
-            fs.makedirs(parent, exist_ok=True)
-        with fs.open(tmp, "wb") as out:
-            for part in parts:
-                out.write(part)
-        fs.mv(tmp, path)
-    except OSError as exc:
-        _remove(fs, tmp)
-        raise CheckpointError(f"cannot write {what} {uri!r}: {exc}") from exc
+        storage.write_whole(uri, parts, what)
+    except storage.StorageError as exc:
+        raise CheckpointError(str(exc)) from exc
 
 
 def read(uri: str, sha256: str | None = None) -> Checkpoint:
     """The checkpoint at `uri`; CheckpointError if it is missing, torn, or not `sha256`."""
-    fs, path = _fs(uri)
     try:
-        with fs.open(path, "rb") as handle:
-            raw = handle.read()
-    except (OSError, FileNotFoundError) as exc:
-        raise CheckpointError(f"cannot read checkpoint {uri!r}: {exc}") from exc
+        raw = storage.read_whole(uri, "checkpoint")
+    except storage.StorageError as exc:
+        raise CheckpointError(str(exc)) from exc
     digest = hashlib.sha256(raw).hexdigest()
     if sha256 is not None and digest != sha256:
         raise CheckpointError(
@@ -169,19 +146,10 @@ def _parse(uri: str, raw: bytes, digest: str) -> Checkpoint:
 
 def delete(uri: str) -> bool:
     """Remove the checkpoint at `uri`; False if it was not there."""
-    fs, path = _fs(uri)
-    return _remove(fs, path)
-
-
-def _remove(fs: Any, path: str) -> bool:
     try:
-        fs.rm(path)
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        log.warning("could not delete %s: %s", path, exc)
-        return False
-    return True
+        return storage.remove(uri)
+    except storage.StorageError as exc:
+        raise CheckpointError(str(exc)) from exc
 
 
 class CheckpointWriter:

@@ -4,7 +4,8 @@ The view is published once per reply, because the facts of one coordinator decis
 together (StepCommitted, WorkerActivated, WorldChanged) and a waiter must never see half a
 decision. The training loop's blocking calls wait on the follower's condition (`wait`),
 never by sleeping. A fact this worker cannot read is logged and skipped; a journal that
-lost what was folded (a Redis failover) is folded again from the start.
+lost what was folded (a Redis failover) is folded again from the start, and what the leader
+archived while this worker lagged behind is read from the archive (events/archive.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+from cohort.events.archive import HOLE_AT, History
 from cohort.events.errors import DecodeError
+from cohort.events.keys import Keys
 from cohort.events.models import Fact
 from cohort.events.streams import ZERO, Entry, Journal, StreamReader, elects
 from cohort.worker.errors import RemovedError, Stopped
@@ -50,6 +53,7 @@ class JournalFollower:
         advice_changed: Callable[[View], None],
     ) -> None:
         self.journal = journal
+        self.history = History(journal, Keys(job))  # the journal with its archived part
         self.job = job
         self.worker = worker
         self.link = link
@@ -98,6 +102,8 @@ class JournalFollower:
                     "following the journal",
                 )
                 if not rows:
+                    continue
+                if len(rows) >= HOLE_AT and self._skipped_a_trim():
                     continue
                 read = Journal.read_page(rows)
                 if self._rolled_back(read):
@@ -193,6 +199,25 @@ class JournalFollower:
         )
         return not held
 
+    def _skipped_a_trim(self) -> bool:
+        """After a reply long enough to have skipped a trim (events/archive.py): if Redis no
+        longer holds the entry read after, fold what followed it from the archive and
+        return True (the reply is read again after that)."""
+        position = self._position
+        intact = with_retry(
+            lambda: self.history.intact(position), self._stop, self.link, "checking the journal"
+        )
+        if intact:
+            return False
+        self.log.warning(
+            "worker %s fell behind the journal's trim at %s; reading the archived part",
+            self.worker,
+            position,
+        )
+        for rows in self._pages(position):
+            self._fold(rows, Journal.read_page(rows))
+        return True
+
     def _refold(self) -> None:
         """Rebuild the view from the journal as it is now and publish it at once."""
         self.log.error(
@@ -224,4 +249,4 @@ class JournalFollower:
         def attempt(read: Callable[[], list[Entry]]) -> list[Entry]:
             return with_retry(read, stop, self.link, "reading the journal", deadline=deadline)
 
-        return self.journal.pages(after, until, HISTORY_BATCH, attempt=attempt)
+        return self.history.pages(after, until, HISTORY_BATCH, attempt=attempt)

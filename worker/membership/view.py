@@ -263,6 +263,8 @@ def evolve(view: View, fact: m.Fact) -> View:  # noqa: C901 - the fact dispatche
             return view
         case m.StragglerDetected() | m.StragglerCleared() | m.WeightsDiverged():
             return view
+        case m.JournalArchived():  # where old facts went: the tail thread needs none of them
+            return view
         case m.GpuAdviceIssued():
             if fact.worker != me:
                 return view

@@ -1,0 +1,78 @@
+"""Whole files through fsspec: a local path, file://, s3://, gs://, or any filesystem fsspec
+knows. What cohort keeps outside Redis (checkpoints, the journal's archived segments) is
+written here whole or not at all, and read back whole."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Iterable
+from typing import Any
+
+from cohort.events.errors import EventsError
+
+log = logging.getLogger("cohort.storage")
+
+
+class StorageError(EventsError):
+    """A file cannot be written, read or removed; the message names its URI and why."""
+
+
+def filesystem(uri: str) -> tuple[Any, str]:
+    """The fsspec filesystem that holds `uri`, and the path of `uri` on it."""
+    import fsspec
+
+    try:
+        return fsspec.core.url_to_fs(uri)
+    except (ImportError, ValueError) as exc:
+        raise StorageError(
+            f"URI {uri!r} cannot be opened ({exc}); use a path, file://..., or a "
+            "filesystem fsspec knows (its extra installed, e.g. s3fs for s3://)"
+        ) from exc
+
+
+def write_whole(uri: str, parts: Iterable[bytes | memoryview], what: str = "file") -> None:
+    """`parts` one after the other into `uri`, whole or not at all: written beside it under
+    a temporary name, then moved into place (a rename on local and most network
+    filesystems; on object stores the object appears whole)."""
+    fs, path = filesystem(uri)
+    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+    try:
+        parent = path.rsplit("/", 1)[0] if "/" in path else ""
+        if parent:
+            fs.makedirs(parent, exist_ok=True)
+        with fs.open(tmp, "wb") as out:
+            for part in parts:
+                out.write(part)
+        fs.mv(tmp, path)
+    except OSError as exc:
+        _remove(fs, tmp)
+        raise StorageError(f"cannot write {what} {uri!r}: {exc}") from exc
+
+
+def read_whole(uri: str, what: str = "file") -> bytes:
+    """The bytes of the file at `uri`; StorageError if it is missing or unreadable."""
+    fs, path = filesystem(uri)
+    try:
+        with fs.open(path, "rb") as handle:
+            data: bytes = handle.read()
+    except (OSError, FileNotFoundError) as exc:
+        raise StorageError(f"cannot read {what} {uri!r}: {exc}") from exc
+    return data
+
+
+def remove(uri: str) -> bool:
+    """Delete the file at `uri`; False if it was not there (or could not be deleted)."""
+    fs, path = filesystem(uri)
+    return _remove(fs, path)
+
+
+def _remove(fs: Any, path: str) -> bool:
+    try:
+        fs.rm(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        log.warning("could not delete %s: %s", path, exc)
+        return False
+    return True
