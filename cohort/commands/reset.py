@@ -5,14 +5,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from cohort.commands.runs import reads_whole_run, write_whole
 from cohort.commands.shared import FILE, fail, job_option, or_fail, redis_client, redis_url_option
+from cohort.events import storage
+from cohort.events.archive import History
+from cohort.events.connection import Client
 from cohort.events.keys import Keys
 from cohort.events.reset import delete_job, job_keys
+
+if TYPE_CHECKING:
+    from cohort.coordinator.replay import Run
+    from cohort.coordinator.state import JobState
 
 T = TypeVar("T")
 
@@ -35,13 +42,12 @@ T = TypeVar("T")
 @click.pass_context
 @reads_whole_run
 def reset(ctx: click.Context, job: str, yes: bool, export_to: Path | None, force: bool) -> None:
-    """Delete every key of JOB (journal, inbox, snapshot, lease, gradients), so that the
-    name starts a new run. Checkpoint files stay where they were written.
+    """Delete every key of JOB (journal, inbox, snapshot, lease, gradients) and the journal's
+    archived segments, so that the name starts a new run. Checkpoint files stay where they
+    were written.
 
     Asks first, and offers to export the run; --yes skips both (--export still writes).
     """
-    from cohort.coordinator.replay import from_redis, rebuild
-
     conn = redis_client(ctx, "cohort-reset")
     keys = Keys(job)
     found = or_fail(lambda: job_keys(conn, job))
@@ -53,26 +59,53 @@ def reset(ctx: click.Context, job: str, yes: bool, export_to: Path | None, force
             f"job {job!r} has a running coordinator (it holds {keys.leader}); stop the job's "
             "coordinators and workers first, or pass --force",
         )
-    run = from_redis(conn, job, with_inbox=True)  # keys without a journal are reset too
-    state, _ = or_fail(lambda: rebuild(run))
+    segments = or_fail(lambda: History.of(conn, job).index())
+    run, state = _read(conn, job, export_to)
     where = state.config.checkpoint_uri if state.config is not None else None
     click.echo(
-        f"job {job!r}: {len(found)} keys, {len(run.journal)} facts, last committed step "
-        f"{state.last_committed}, {'finished' if state.finished else 'not finished'}"
+        f"job {job!r}: {len(found)} keys, {state.facts} facts"
+        + (f" ({len(segments)} archived segments)" if segments else "")
+        + f", last committed step {state.last_committed}, "
+        + ("finished" if state.finished else "not finished")
         + (f"; checkpoint files under {where} are kept" if where else "")
     )
-    if not yes and export_to is None and _ask(click.confirm, "export the run first?", True):
+    offer = run is not None and not yes and export_to is None
+    if offer and _ask(click.confirm, "export the run first?", True):
         export_to = Path(_ask(click.prompt, "file", f"{job}-{int(time.time())}.cohort"))
-    if export_to is not None:
+    if run is not None and export_to is not None:
         from cohort.coordinator.replay import export
 
         count = write_whole(export_to, lambda out: export(run, out, time.time()))
         click.echo(f"wrote {count} entries of job {job!r} to {export_to}")
-    if not yes and not _ask(click.confirm, f"delete the {len(found)} keys of job {job!r}?", False):
+    what = f"the {len(found)} keys" + (
+        f" and {len(segments)} archived segments" if segments else ""
+    )
+    if not yes and not _ask(click.confirm, f"delete {what} of job {job!r}?", False):
         click.echo("nothing was deleted")
         return
     deleted = or_fail(lambda: delete_job(conn, job))
-    click.echo(f"job {job!r} is reset: {deleted} keys deleted; its name starts a new run")
+    removed = sum(storage.remove(segment.uri) for segment in segments)
+    click.echo(
+        f"job {job!r} is reset: {deleted} keys"
+        + (f" and {removed} archived segments" if segments else "")
+        + " deleted; its name starts a new run"
+    )
+
+
+def _read(conn: Client, job: str, export_to: Path | None) -> tuple[Run | None, JobState]:
+    """The run and its state; a run whose archive cannot be read whole is reset anyway (its
+    keys and the segments its index names), after a warning, unless it is to be exported."""
+    from cohort.coordinator.fold import fold
+    from cohort.coordinator.replay import ReplayError, from_redis, rebuild
+
+    try:
+        run = from_redis(conn, job, with_inbox=True)  # keys without a journal are reset too
+    except ReplayError as exc:
+        if export_to is not None:
+            fail(f"cannot export job {job!r}: {exc}")
+        click.echo(f"warning: {exc}; it cannot be exported, and is reset all the same", err=True)
+        return None, fold(())
+    return run, or_fail(lambda: rebuild(run))[0]
 
 
 def _ask(how: Callable[..., T], question: str, default: Any) -> T:

@@ -125,7 +125,22 @@ def _status(conn: Client, job: str, state: JobState) -> dict[str, Any]:
 
     token = conn.get(Keys(job).leader)
     lease = text(token) if token is not None else None
-    return status_body(state, lease, _leader_view(conn, job), ServerClock(conn).now())
+    return status_body(
+        state, lease, _leader_view(conn, job), ServerClock(conn).now(), _held(conn, job)
+    )
+
+
+def _held(conn: Client, job: str) -> tuple[int, int | None]:
+    """The journal's entries in Redis, and its bytes there (None: MEMORY USAGE refused)."""
+    import redis
+
+    key = Keys(job).journal
+    entries = int(conn.xlen(key))  # type: ignore[arg-type]
+    try:
+        size: Any = conn.memory_usage(key, samples=0)
+    except redis.ResponseError:
+        size = None
+    return entries, None if size is None else int(size)
 
 
 def _leader_view(conn: Client, job: str) -> dict[str, Any] | None:

@@ -50,6 +50,7 @@ def _summary_lines(body: dict[str, Any]) -> list[str]:
         f"epochs {counters['epochs_finished']}  elections {counters['elections']}  "
         f"facts {body['facts']}  state hash {body['state_hash']}",
         *_progress_lines(body),
+        *_journal_lines(body),
         *_lineage_lines(body),
         *_waiting_lines(body),
     ]
@@ -208,6 +209,36 @@ def _identity(live: dict[str, Any]) -> str:
         return ""
     mode = "signed commands only" if live.get("identity") else "unsigned commands allowed"
     return f"; identity: {mode}, {forged} forged command(s) dead-lettered"
+
+
+def _journal_lines(body: dict[str, Any]) -> list[str]:
+    """Where the journal's facts are: how many Redis holds, and what storage does."""
+    journal = body.get("journal")
+    if not journal or journal["in_redis"] is None:
+        return []
+    size = f" ({_bytes(journal['redis_bytes'])})" if journal["redis_bytes"] else ""
+    if not journal["segments"]:
+        return [
+            f"[bold]journal[/] {journal['facts']:,} facts, all in Redis{size}: nothing "
+            "archived (a coordinator with --archive-uri or a --checkpoint-uri keeps Redis flat)"
+        ]
+    held = f"{journal['in_redis']:,} in Redis{size}"
+    return [
+        f"[bold]journal[/] {journal['facts']:,} facts: {held}, {journal['archived_facts']:,} "
+        f"archived in {journal['segments']} segments ({_bytes(journal['archived_bytes'])}) "
+        f"at {journal['archive']}"
+    ]
+
+
+def _bytes(count: int) -> str:
+    if count < 1024:
+        return f"{count} B"
+    size = count / 1024
+    for unit in ("KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
 
 
 def status_view(body: dict[str, Any], recent: list[tuple[str, str]] | None = None) -> Group:

@@ -91,8 +91,10 @@ class Job:
         """Lead until `segments` segments are journaled and trimmed."""
         self.until(
             coordinator,
-            lambda: len(coordinator.state.archived) >= segments
-            and self.held()[0] == coordinator.state.archived[-1].last,
+            lambda: (
+                len(coordinator.state.archived) >= segments
+                and self.held()[0] == coordinator.state.archived[-1].last
+            ),
             f"archives {segments} segments",
         )
 
