@@ -92,6 +92,7 @@ def resume(ctx: click.Context, job: str, from_scratch: bool, uri: str | None, re
     Training paused rather than going on from fresh weights; this says how to go on.
     """
     from cohort.coordinator.replay import from_redis, read_once, rebuild
+    from cohort.events.archive import History
     from cohort.events.keys import Keys
     from cohort.events.models import Resume, Rewound
     from cohort.events.streams import Inbox, Journal
@@ -125,13 +126,14 @@ def resume(ctx: click.Context, job: str, from_scratch: bool, uri: str | None, re
         }
     keys = Keys(job)
     journal = Journal(conn, keys.journal)
+    history = History(journal, keys)
     after = journal.last_id()
     Inbox(conn, keys.inbox, _operator_signer(conn, job)).send(
         Resume(at=time.time(), job=job, reason=reason, **body)  # type: ignore[arg-type]
     )
     deadline = time.monotonic() + RESUME_WAIT
     while time.monotonic() < deadline:
-        for entries in journal.pages(after, block_ms=500):
+        for entries in history.pages(after, block_ms=500):
             for fact in journal.decode_page(entries):
                 if isinstance(fact, Rewound):
                     click.echo(
