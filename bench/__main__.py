@@ -19,6 +19,7 @@ from pathlib import Path
 
 from bench import (
     allreduce,
+    archive,
     chaos,
     checkpoint,
     cluster,
@@ -43,6 +44,7 @@ from bench.results import Section, document, environment, merge
 FULL: dict[str, Callable[[], Section]] = {
     "ingest": lambda: control_plane.measure(100_000, 1000, 3),
     "replay": lambda: replay.measure(1_000_000, 3),
+    "archive": lambda: archive.measure(1_000_000, 100_000, 50_000, 3),
     "soak": lambda: soak.measure(1000, 60),
     "soak-signed": lambda: soak.measure(1000, 60, signed=True),
     "overhead": lambda: overhead.measure((8, 64, 256), 100),
@@ -72,6 +74,7 @@ FULL: dict[str, Callable[[], Section]] = {
 QUICK: dict[str, Callable[[], Section]] = {
     "ingest": lambda: control_plane.measure(20_000, 200, 1),
     "replay": lambda: replay.measure(50_000, 1),
+    "archive": lambda: archive.measure(5_000, 1_000, 1_000, 1),
     "soak": lambda: soak.measure(1000, 5),
     "soak-signed": lambda: soak.measure(1000, 5, signed=True),
     "overhead": lambda: overhead.measure((8, 64), 20),

@@ -124,17 +124,15 @@ def resume(ctx: click.Context, job: str, from_scratch: bool, uri: str | None, re
             "sha256": checkpoint.sha256,
             "position": checkpoint.position,
         }
-    keys = Keys(job)
-    journal = Journal(conn, keys.journal)
-    history = History(journal, keys)
-    after = journal.last_id()
+    keys, history = Keys(job), History.of(conn, job)
+    after = history.journal.last_id()
     Inbox(conn, keys.inbox, _operator_signer(conn, job)).send(
         Resume(at=time.time(), job=job, reason=reason, **body)  # type: ignore[arg-type]
     )
     deadline = time.monotonic() + RESUME_WAIT
     while time.monotonic() < deadline:
         for entries in history.pages(after, block_ms=500):
-            for fact in journal.decode_page(entries):
+            for fact in Journal.decode_page(entries):
                 if isinstance(fact, Rewound):
                     click.echo(
                         f"job {job!r} resumes from "

@@ -201,6 +201,23 @@ def test_the_quick_control_plane_replay_and_soak_sections_measure_what_they_name
         assert raw["cpu_share"] > 0 and raw["rss_peak_mb"] > 0
 
 
+def test_the_quick_archive_run_keeps_the_journal_in_redis_under_its_hot_size(
+    tmp_path: Path, quick_bench: QuickBench
+) -> None:
+    out = tmp_path / "B.md"
+    result = quick_bench.quick("archive")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "`python -m bench.archive --steps 5000 --hot 1000 --every 1000 --runs 1`" in (
+        out.read_text()
+    )
+    (section,) = json.loads(out.with_suffix(".json").read_text())
+    archived, whole = section["raw"]["archived"], section["raw"]["whole"]
+    assert archived["steps"][-1] == whole["steps"][-1] == 5000
+    assert archived["segments"] >= 2 and whole["segments"] == 0
+    assert whole["entries"][-1] > 5000 and max(archived["entries"][2:]) < 2000
+    assert all(t > 0 for t in section["raw"]["replay_seconds"]["archived"])
+
+
 def test_the_quick_peer_death_run_times_both_sides_back_to_training(
     tmp_path: Path, quick_bench: QuickBench
 ) -> None:
