@@ -69,6 +69,13 @@ class Cluster:
         """`cohort *args` against this job's Redis."""
         return self.python(name, "-m", "cohort", "--redis-url", self.url, *args)
 
+    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """`cohort *args` against this job's Redis, run to its end, its output captured."""
+        return subprocess.run(
+            [sys.executable, "-m", "cohort", "--redis-url", self.url, *args],
+            capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+
     def python(self, name: str, *args: str, env: dict[str, str] | None = None) -> Process:
         """`python *args`, run from the project's root (with `env` added to the
         environment), its output in `tmp/name.log`; `stop` ends it."""

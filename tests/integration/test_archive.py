@@ -5,8 +5,6 @@ and status read the archived job as they read the same journal kept whole."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from cohort.coordinator.replay import Run, export, from_redis
@@ -35,13 +33,6 @@ class Mirror:
         return len(self.entries)
 
 
-def cli(job: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cohort", "--redis-url", job.url, *args],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-
-
 def test_an_archived_job_replays_audits_exports_and_reports_as_the_whole_journal(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -68,9 +59,9 @@ def test_an_archived_job_replays_audits_exports_and_reports_as_the_whole_journal
     with whole.open("wb") as out:
         export(run, out, 0.0)
     archived = tmp_path / "archived.export"
-    assert cli(cluster, "export", "--job", cluster.job, "-o", str(archived)).returncode == 0
+    assert cluster.cli("export", "--job", cluster.job, "-o", str(archived)).returncode == 0
     audits = [
-        cli(cluster, "replay", *source, "--audit", "--json")
+        cluster.cli("replay", *source, "--audit", "--json")
         for source in (("--job", cluster.job), ("--file", str(whole)), ("--file", str(archived)))
     ]
     assert [a.returncode for a in audits] == [0, 0, 0], [a.stderr for a in audits]
@@ -79,18 +70,18 @@ def test_an_archived_job_replays_audits_exports_and_reports_as_the_whole_journal
     pages = []
     for source in (("--job", cluster.job), ("--file", str(archived)), ("--file", str(whole))):
         page = tmp_path / f"report-{len(pages)}.html"
-        done = cli(cluster, "report", *source, "--title", "t", "-o", str(page))
+        done = cluster.cli("report", *source, "--title", "t", "-o", str(page))
         assert done.returncode == 0, done.stderr
         pages.append(page.read_bytes())
     assert pages[0] == pages[1] == pages[2]
 
-    status = json.loads(cli(cluster, "status", "--job", cluster.job, "--json").stdout)
+    status = json.loads(cluster.cli("status", "--job", cluster.job, "--json").stdout)
     journal = status["journal"]
     assert journal["facts"] == len(mirror.entries) and journal["in_redis"] == held
     assert journal["segments"] == len(cluster.state.archived) >= 2
     files = sorted(storage.glob("journal/*/*.segment"))
     assert len(files) == journal["segments"]
-    reset = cli(cluster, "reset", "--job", cluster.job, "--yes")
+    reset = cluster.cli("reset", "--job", cluster.job, "--yes")
     assert reset.returncode == 0, reset.stderr
     assert f"and {len(files)} archived segments deleted" in reset.stdout
     assert not any(f.exists() for f in files)

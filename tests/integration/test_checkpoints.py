@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -50,13 +48,6 @@ def close(a: mlp.Params, b: mlp.Params) -> bool:
     return all(np.allclose(a[k], b[k], rtol=1e-9, atol=1e-12) for k in b)
 
 
-def cli(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cohort", "--redis-url", cluster.url, *args],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-
-
 def test_every_worker_killed_a_newcomer_resumes_from_the_checkpoint_on_the_lineage(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -75,7 +66,7 @@ def test_every_worker_killed_a_newcomer_resumes_from_the_checkpoint_on_the_linea
     killed_at = max(proc.kill(signal.SIGKILL) for proc in first)
     cluster.until(lambda s: not s.holders and s.paused, 30, "both workers failed")
     latest = cluster.state.checkpoints[-1]
-    waits = cli(cluster, "status", "--job", cluster.job).stdout  # what the pause waits for
+    waits = cluster.cli("status", "--job", cluster.job).stdout  # what the pause waits for
     assert f"no member holds the weights of step {cluster.state.last_committed}" in waits
     assert f"rewinds to the checkpoint of step {latest.step}" in waits, waits
     # the newcomer starts at once, as a scheduler would restart the job
@@ -113,12 +104,12 @@ def test_every_worker_killed_a_newcomer_resumes_from_the_checkpoint_on_the_linea
 
 def test_without_a_checkpoint_the_job_pauses_until_resume_from_scratch(cluster: Cluster) -> None:
     cluster.trainer_coordinator("c1", workers=1, interval=INTERVAL, timeout=TIMEOUT)
-    before = cli(cluster, "resume", "--job", cluster.job, "--from-scratch")
+    before = cluster.cli("resume", "--job", cluster.job, "--from-scratch")
     assert before.returncode != 0  # no journal yet, or nothing lost: never a silent resume
     steps = 40
     a = cluster.example_worker("a", steps, "--pace", PACE)
     cluster.until(lambda s: s.last_committed >= 10, timeout=60, message="a trains")
-    refused = cli(cluster, "resume", "--job", cluster.job, "--from-scratch")
+    refused = cluster.cli("resume", "--job", cluster.job, "--from-scratch")
     assert refused.returncode == 4 and "is not waiting for a resume" in refused.stderr
     a.kill(signal.SIGKILL)
     b = cluster.example_worker("b", steps, "--pace", PACE, save=True)
@@ -127,11 +118,11 @@ def test_without_a_checkpoint_the_job_pauses_until_resume_from_scratch(cluster: 
     (_, pause), *_ = [p for p in cluster.of_type(TrainingPaused) if "lost" in p[1].reason]
     assert f"weights of step {lost_step} are lost" in pause.reason
     wait_until(lambda: "weights of step" in b.output(), 30, message="b says what it waits for")
-    status = json.loads(cli(cluster, "status", "--job", cluster.job, "--json").stdout)
+    status = json.loads(cluster.cli("status", "--job", cluster.job, "--json").stdout)
     assert status["weights_lost"] == lost_step and status["paused"]
     assert cluster.state.last_committed == lost_step  # nobody went on from fresh weights
 
-    resumed = cli(cluster, "resume", "--job", cluster.job, "--from-scratch", "--reason", "t")
+    resumed = cluster.cli("resume", "--job", cluster.job, "--from-scratch", "--reason", "t")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumes from scratch" in resumed.stdout
     assert cluster.finished(b, 120) == 0, b.output()[-3000:]
@@ -188,7 +179,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_referenced(
     assert cluster.state.checkpoints == () and cluster.state.requested  # asked, never indexed
     assert not list(store.glob("*.ckpt"))  # no file under a checkpoint's own name
     assert partial[0].stat().st_size < 400 * 1024 * 1024
-    listing = cli(cluster, "checkpoints", "--job", cluster.job)
+    listing = cluster.cli("checkpoints", "--job", cluster.job)
     assert listing.returncode == 0 and "has no checkpoints" in listing.stdout
 
 
@@ -202,12 +193,12 @@ def test_a_redis_restart_keeps_the_checkpoint_index(
     worker = cluster.example_worker("a", 30, "--pace", PACE)
     assert cluster.finished(worker, 120) == 0, worker.output()[-3000:]
     cluster.until(lambda s: s.counters.checkpoints == 6, timeout=30, message="six checkpoints")
-    before = json.loads(cli(cluster, "checkpoints", "--job", cluster.job, "--json").stdout)
+    before = json.loads(cluster.cli("checkpoints", "--job", cluster.job, "--json").stdout)
     coordinator.kill(signal.SIGTERM)
     coordinator.wait(30)
     server.restart()
     wait_until(lambda: _answers(server), 30, message="redis-server back")
-    after = json.loads(cli(cluster, "checkpoints", "--job", cluster.job, "--json").stdout)
+    after = json.loads(cluster.cli("checkpoints", "--job", cluster.job, "--json").stdout)
     assert after["checkpoints"] == before["checkpoints"]
     assert [c["step"] for c in after["checkpoints"]] == [19, 24, 29]  # the last 3 of 6
     for checkpoint in after["checkpoints"]:
@@ -223,7 +214,7 @@ def _answers(server: LocalRedis) -> bool:
 
 def test_checkpoint_flags_with_a_bad_uri_are_refused_naming_it(cluster: Cluster) -> None:
     for uri, words in (("relative/dir", "relative path"), ("nosuch://x", "no filesystem")):
-        result = cli(cluster, "coordinator", "--job", "j", "--checkpoint-uri", uri)
+        result = cluster.cli("coordinator", "--job", "j", "--checkpoint-uri", uri)
         assert result.returncode == 2 and uri in result.stderr and words in result.stderr
         assert "Traceback" not in result.stderr
 
@@ -247,14 +238,14 @@ def test_resume_from_a_checkpoint_file_continues_at_its_step_and_data_position(
     for uri, job in ((mine, cluster.job), (foreign, "another-job")):
         checkpoints.write(uri, job, 5, mlp.digest(other), position,
                           checkpoints.tensors_payload(other)())  # fmt: skip
-    wrong = cli(cluster, "resume", "--job", cluster.job, "--from-checkpoint", foreign)
+    wrong = cluster.cli("resume", "--job", cluster.job, "--from-checkpoint", foreign)
     assert wrong.returncode == 4 and "'another-job', not of 'itest'" in wrong.stderr
     torn = tmp_path / "torn.ckpt"
     torn.write_bytes((tmp_path / "mine.ckpt").read_bytes()[:-10])
-    cut = cli(cluster, "resume", "--job", cluster.job, "--from-checkpoint", str(torn))
+    cut = cluster.cli("resume", "--job", cluster.job, "--from-checkpoint", str(torn))
     assert cut.returncode == 4 and "cut short" in cut.stderr
 
-    resumed = cli(cluster, "resume", "--job", cluster.job, "--from-checkpoint", mine)
+    resumed = cluster.cli("resume", "--job", cluster.job, "--from-checkpoint", mine)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumes from step 5 ({mine})" in resumed.stdout
     assert cluster.finished(b, 120) == 0, b.output()[-3000:]
