@@ -139,3 +139,91 @@ class Archiver:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Trim:
+    """Drop the journal's entries before `keep` (it stays) and set the archive index."""
+
+    keep: str
+    index: bytes
+
+
+class Archiving:
+    """The leader's side of archiving, one step per turn (`next`): the fact that journals a
+    segment just written, the trim that journaled segments allow, or nothing (and maybe a
+    segment started on the writing thread). The coordinator's loop does the journal's I/O
+    and says how a trim went (`trimmed`)."""
+
+    def __init__(self, hot: int, read: Callable[[str, str], list[Entry]]) -> None:
+        self.hot = hot
+        self.points = Points(hot)
+        self._read = read
+        self._archiver: Archiver | None = None  # started once there is storage
+        self._trimmed_to: str | None = None  # the archived entry Redis was trimmed to
+        self._retry_at = 0.0  # monotonic time before which no segment is tried again
+
+    def next(
+        self, state: JobState, token: str, base: str | None, monotonic: float, now: float
+    ) -> JournalArchived | Trim | None:
+        """What the leader holding `token` does next, with storage at `base` (None: none)."""
+        if base is None:
+            return None
+        archiver = self._archiver = self._archiver or Archiver(self._read)
+        taken = archiver.take()
+        if taken is not None:
+            written = self._written(state, token, *taken, monotonic)
+            if written is not None:
+                return written
+        if state.archived and self._trimmed_to != state.archived[-1].last:
+            return Trim(state.archived[-1].last, archive.encode_index(state.archived))
+        if not archiver.busy and monotonic >= self._retry_at:
+            self._start(state, token, base, now)
+        return None
+
+    def trimmed(self, keep: str) -> None:
+        """Redis was trimmed to `keep` (or the trim failed, and waits for the next segment)."""
+        self._trimmed_to = keep
+
+    def lead(self) -> None:
+        """A new lease: a leader before may have journaled a segment and not trimmed."""
+        self._trimmed_to = None
+
+    def _written(
+        self,
+        state: JobState,
+        token: str,
+        plan: Plan,
+        written: JournalArchived | BaseException,
+        monotonic: float,
+    ) -> JournalArchived | None:
+        """The fact for a segment written, if it still follows the last archived one and
+        this lease wrote it; an error is logged and the segment tried again later."""
+        if isinstance(written, BaseException):
+            self._retry_at = monotonic + RETRY_S
+            log.error(
+                "could not archive the journal of job %r up to %s (%s); it stays in Redis, "
+                "and archiving is tried again in %.0f s",
+                plan.job,
+                plan.point.journal_id,
+                written,
+                RETRY_S,
+            )
+            return None
+        last = state.archived[-1].last if state.archived else ZERO
+        if plan.token != token or plan.since != last:
+            return None  # written under another lease or before a resync: written again
+        return written
+
+    def _start(self, state: JobState, token: str, base: str, now: float) -> None:
+        point = self.points.choose(state, self.hot)
+        if point is None or self._archiver is None:
+            return
+        since = state.archived[-1].last if state.archived else ZERO
+        facts = point.state.facts - state.archived_facts
+        self._archiver.submit(Plan(state.job, base, since, point, facts, token, now))
+
+    def close(self) -> None:
+        if self._archiver is not None:
+            self._archiver.close()
+            self._archiver = None

@@ -54,7 +54,7 @@ from cohort.coordinator.replay import fact_details
 from cohort.coordinator.state import JobState, state_hash
 from cohort.coordinator.stores import DeadLetter, InboxMarks, JobLog, Lease, epoch_of
 from cohort.events import identity
-from cohort.events.archive import ArchiveError, encode_index
+from cohort.events.archive import ArchiveError
 from cohort.events.clock import Clock, ServerClock
 from cohort.events.codec import decode_commands, encode, gc_paused
 from cohort.events.connection import UNAVAILABLE, Client
@@ -219,10 +219,7 @@ class Coordinator:
         self._unjournaled: list[InboxRepaired] = []  # found since, waiting for TROUBLE_EVERY
         self._marks: InboxMarks | None = None  # the inbox's marks at the last look
         self._marks_refused: str | None = None  # why Redis refused the look, once said
-        self.points = archiving.Points(settings.journal_hot)
-        self._archiver: archiving.Archiver | None = None  # started once there is storage
-        self._trimmed_to: str | None = None  # the archived entry this leader trimmed up to
-        self._archive_at = 0.0  # monotonic time before which no segment is tried again
+        self.archiving = archiving.Archiving(settings.journal_hot, joblog.entries)
 
     @classmethod
     def on_redis(
@@ -320,9 +317,7 @@ class Coordinator:
 
     def close(self) -> None:
         """Give the lease back at once so a follower takes over without waiting it out."""
-        if self._archiver is not None:
-            self._archiver.close()
-            self._archiver = None
+        self.archiving.close()
         if self.token is not None:
             try:
                 self.lease.release(self.token)
@@ -356,7 +351,7 @@ class Coordinator:
             )
         self.core.fold(facts)
         self.journal_id = entries[-1].id
-        self.points.record(self.journal_id, self.state)
+        self.archiving.points.record(self.journal_id, self.state)
 
     def _follow_once(self) -> None:
         self.catch_up(block_ms=min(self.settings.block_ms, 500))
@@ -373,7 +368,7 @@ class Coordinator:
         are the first facts; then `_lead_once` runs every turn."""
         self.token = token
         self._renewed_at = self.clock.monotonic()
-        self._trimmed_to = None  # a leader before may have archived and not trimmed
+        self.archiving.lead()
         self.counters.elections_won += 1
         if self.metrics is not None:
             self.metrics.failovers.inc()
@@ -603,7 +598,7 @@ class Coordinator:
         turn.ids = ids
         if ids:
             self.journal_id = ids[-1]
-            self.points.record(self.journal_id, self.state)
+            self.archiving.points.record(self.journal_id, self.state)
         if turn.cursor is not None:
             self.cursor = turn.cursor
         self._check_acked()
@@ -758,7 +753,7 @@ class Coordinator:
             self.lease.release(token)
         self.core = Core()
         self.journal_id = ZERO
-        self.points.clear()
+        self.archiving.points.clear()
         self._load_snapshot()
         self.catch_up()
         self.cursor = self.joblog.cursor()
@@ -910,89 +905,48 @@ class Coordinator:
             return False
         self.core.restore(state)
         self.journal_id = journal_id
-        self.points.record(journal_id, state)
+        self.archiving.points.record(journal_id, state)
         return True
 
     # ------------------------------------------------------------ archiving
     def _archive(self) -> None:
         """One step of moving the journal's cold part to storage (coordinator/archiving.py):
-        journal a segment written, trim what a journaled segment holds, or start the next."""
-        base = self._archive_base()
-        if base is None:
-            return
-        if self._archiver is None:
-            self._archiver = archiving.Archiver(self.joblog.entries)
-        taken = self._archiver.take()
-        if taken is not None:
-            self._journal_segment(*taken)
-        archived = self.state.archived
-        if self.token is not None and archived and self._trimmed_to != archived[-1].last:
-            self._trim()
-        elif not self._archiver.busy and self.clock.monotonic() >= self._archive_at:
-            self._plan_segment(base)
-
-    def _archive_base(self) -> str | None:
+        journal a segment written, or trim what journaled segments hold."""
+        assert self.token is not None
         config = self.state.config
-        return self.settings.archive_uri or (config.checkpoint_uri if config else None)
+        base = self.settings.archive_uri or (config.checkpoint_uri if config else None)
+        clock = self.clock
+        step = self.archiving.next(self.state, self.token, base, clock.monotonic(), clock.now())
+        if isinstance(step, JournalArchived):
+            turn = Turn()
+            self._note(turn, step)
+            self._save(turn)
+            self._account(turn)
+        elif step is not None:
+            self._trim(step)
 
-    def _plan_segment(self, base: str) -> None:
-        state, hot = self.state, self.settings.journal_hot
-        point = self.points.choose(state, hot)
-        if point is None or self.token is None or self._archiver is None:
-            return
-        since = state.archived[-1].last if state.archived else ZERO
-        facts = point.state.facts - state.archived_facts
-        job, at = self.settings.job, self.clock.now()
-        plan = archiving.Plan(job, base, since, point, facts, self.token, at)
-        self._archiver.submit(plan)
-
-    def _journal_segment(
-        self, plan: archiving.Plan, written: JournalArchived | BaseException
-    ) -> None:
-        """Journal the segment a plan wrote, if it still follows the last archived one."""
-        if isinstance(written, BaseException):
-            self._archive_at = self.clock.monotonic() + archiving.RETRY_S
-            log.error(
-                "could not archive the journal of job %r up to %s (%s); it stays in Redis, "
-                "and archiving is tried again in %.0f s",
-                self.settings.job,
-                plan.point.journal_id,
-                written,
-                archiving.RETRY_S,
-            )
-            return
-        archived = self.state.archived
-        if plan.token != self.token or plan.since != (archived[-1].last if archived else ZERO):
-            return  # written under another lease or before a resync: the next plan redoes it
-        turn = Turn()
-        self._note(turn, written)
-        self._save(turn)
-        self._account(turn)
-
-    def _trim(self) -> None:
+    def _trim(self, trim: archiving.Trim) -> None:
         """Drop from Redis what the journaled segments hold, and set the archive index."""
         assert self.token is not None
-        archived = self.state.archived
-        keep = archived[-1].last
         try:
-            dropped = self.joblog.trim_journal(self.token, keep, encode_index(archived))
+            dropped = self.joblog.trim_journal(self.token, trim.keep, trim.index)
         except Fenced:
             self.token = None
             self._resync()
             return
         except redis.ResponseError as exc:
-            self._trimmed_to = keep  # said once; a later segment tries again
+            self.archiving.trimmed(trim.keep)  # said once; the next segment tries again
             log.error("could not trim the journal of job %r: %s", self.settings.job, exc)
             return
-        self._trimmed_to = keep
+        self.archiving.trimmed(trim.keep)
         log.info(
             "journal of job %r: %d entries before %s dropped from Redis (%d archived facts "
             "in %d segments)",
             self.settings.job,
             dropped,
-            keep,
+            trim.keep,
             self.state.archived_facts,
-            len(archived),
+            len(self.state.archived),
         )
 
 

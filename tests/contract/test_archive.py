@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -180,12 +181,16 @@ def test_a_changed_segment_is_named_and_never_skipped(job: Job) -> None:
 def _segment_written(job: Job, leader: Coordinator) -> None:
     """Dies once the segment file is whole, before the leader journals it."""
     written: list[object] = []
+    journal_it = leader.archiving._written
 
-    def crash(plan: object, fact: object) -> None:
-        written.append(fact)
-        raise Crash
+    def crash(*args: Any) -> JournalArchived | None:
+        fact = journal_it(*args)
+        if fact is not None:
+            written.append(fact)
+            raise Crash
+        return fact
 
-    leader._journal_segment = crash  # type: ignore[method-assign]
+    leader.archiving._written = crash  # type: ignore[method-assign]
     with pytest.raises(Crash):
         job.train(leader, 1000)
     (fact,) = written
@@ -201,7 +206,10 @@ def _journaled(job: Job, leader: Coordinator) -> None:
     leader.joblog.trim_journal = crash  # type: ignore[method-assign]
     with pytest.raises(Crash):
         job.train(leader, 1000)
-    assert isinstance(Journal.decode_page(job.journal.range())[-1], JournalArchived)
+    (segment,) = [
+        f for f in Journal.decode_page(job.journal.range()) if isinstance(f, JournalArchived)
+    ]
+    assert job.held()[0] == segment.first  # journaled, not trimmed
 
 
 def _trimmed(job: Job, leader: Coordinator) -> None:

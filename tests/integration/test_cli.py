@@ -101,6 +101,12 @@ def test_status_export_and_replay_agree_on_the_state(cluster: Cluster, tmp_path:
         (["replay", "--job", "j", "--until", "yesterday"], "'yesterday' is not a stream"),
         (["replay", "--job", "j", "--audit", "-q", "--timeline"], "--quiet and --timeline"),
         (["coordinator", "--job", "j", "--config", "/no/such.toml"], "cannot read config file"),
+        (["coordinator", "--job", "j", "--journal-hot", "50"], "50 is not in the range x>=200"),
+        (
+            ["coordinator", "--job", "j", "--archive-uri", "segs"],
+            "--archive-uri 'segs' is a relative",
+        ),
+        (["coordinator", "--job", "j", "--archive-uri", "nosuch://x"], "knows no filesystem"),
     ],
 )
 def test_bad_input_gets_a_message_naming_it_and_no_traceback(args: list[str], says: str) -> None:
