@@ -6,9 +6,11 @@ commands, no model) that trains STEPS steps as fast as the leader decides them: 
 StepDone commits a step (a StepCommitted fact). The job runs twice, each on a fresh
 redis-server: with `--journal-hot HOT --archive-uri DIR` (segments in a local directory),
 and with no storage (the journal stays whole, as every job before issue 36). Every
-`--every` steps the bench reads, with MEMORY USAGE, what the job's journal holds in Redis
-(the journal stream, its snapshot and its archive index), and the inbox beside it (the
-coordinator trims the inbox to its last 10 minutes of commands, whatever the journal does).
+`--every`/10 steps the bench reads, with MEMORY USAGE, what the job's journal holds in
+Redis (the journal stream, its snapshot and its archive index), and the inbox beside it (the
+coordinator trims the inbox to its last 10 minutes of commands, whatever the journal does);
+the table shows, per `--every` steps, the most the archived run's journal held and what the
+whole journal held at its end.
 
 Then `cohort replay`'s read (`from_redis` + fold, in this process) runs on both journals,
 alternating, `--runs` times: the archived one reads its segments from the directory.
@@ -38,7 +40,10 @@ from cohort.processes import Proc
 
 JOB = "archive"
 AHEAD = 4096
-"""StepDones the bench sends ahead of the last committed step."""
+"""StepDones the bench sends ahead of the last committed step, at most (and at most a
+twentieth of --journal-hot, as a real job appends far fewer facts per turn than that)."""
+SAMPLES = 10
+"""Samples per table row: archiving makes a sawtooth, which rows alone would alias."""
 
 
 @dataclass
@@ -86,7 +91,7 @@ def _run(server: LocalRedis, steps: int, hot: int, every: int, storage: Path | N
         fleet = Fleet(conn, JOB, 1)
         fleet.join_all()
         started = time.perf_counter()
-        _train(fleet, proc, steps, every, sampled)
+        _train(fleet, proc, steps, hot, every, sampled)
         sampled.seconds = time.perf_counter() - started
     finally:
         proc.stop()
@@ -94,8 +99,11 @@ def _run(server: LocalRedis, steps: int, hot: int, every: int, storage: Path | N
     return sampled
 
 
-def _train(fleet: Fleet, proc: Proc, steps: int, every: int, sampled: Sampled) -> None:
-    """Send StepDones in order, at most AHEAD past the last commit; sample every `every`."""
+def _train(fleet: Fleet, proc: Proc, steps: int, hot: int, every: int, sampled: Sampled) -> None:
+    """Send StepDones in order, at most AHEAD past the last commit; sample SAMPLES times
+    every `every` steps."""
+    every = max(1, every // SAMPLES)
+    ahead = max(64, min(AHEAD, hot // 20))
     conn, sent, committed = fleet.conn, 0, -1
     world = fleet.watch.state.world_version
     journal = Journal(conn, Keys(JOB).journal)
@@ -103,7 +111,7 @@ def _train(fleet: Fleet, proc: Proc, steps: int, every: int, sampled: Sampled) -
     while committed < steps - 1:
         if not proc.alive():
             raise RuntimeError(f"the coordinator exited:\n{proc.log.read_text()[-3000:]}")
-        upto = min(steps, committed + 1 + AHEAD)
+        upto = min(steps, committed + 1 + ahead)
         if sent < upto:
             fleet.send(
                 fleet.step_done(["w00000"])[0].model_copy(update={"step": s, "world": world})
@@ -163,19 +171,21 @@ def _section(
         title=f"Redis memory per job over {steps:,} steps, with and without the archive",
         command=f"python -m bench.archive --steps {steps} --hot {hot} --every {every} "
         f"--runs {runs}",
-        header=["steps", "journal entries in Redis", "journal MB in Redis", "whole: entries",
-                "whole: MB", "archived / whole"],
+        header=["steps (up to)", "archived: most entries in Redis", "archived: most MB",
+                "whole: entries in Redis", "whole: MB", "archived / whole"],
     )  # fmt: skip
-    for i, step in enumerate(archived.steps):
-        j = min(i, len(whole.steps) - 1)
+    for start in range(0, len(archived.steps), SAMPLES):
+        block = slice(start, start + SAMPLES)
+        end = min(start + SAMPLES, len(archived.steps), len(whole.steps)) - 1
+        most = max(archived.journal[block])
         section.rows.append(
             [
-                f"{step:,}",
-                f"{archived.entries[i]:,}",
-                f"{archived.journal[i] / 1e6:.1f}",
-                f"{whole.entries[j]:,}",
-                f"{whole.journal[j] / 1e6:.1f}",
-                f"{archived.journal[i] / whole.journal[j]:.2f}",
+                f"{archived.steps[end]:,}",
+                f"{max(archived.entries[block]):,}",
+                f"{most / 1e6:.1f}",
+                f"{whole.entries[end]:,}",
+                f"{whole.journal[end] / 1e6:.1f}",
+                f"{most / whole.journal[end]:.2f}",
             ]
         )
     section.rows += _verdict_rows(archived, whole, hot, times)
@@ -192,15 +202,15 @@ def _verdict_rows(
     archived: Sampled, whole: Sampled, hot: int, times: dict[str, list[float]]
 ) -> list[list[str]]:
     half = len(archived.journal) // 2
-    later = archived.journal[half:]
-    flat = max(later) / min(later) if later else float("inf")
+    growth = max(archived.journal[half:]) / max(archived.journal[:half])
+    grew = max(whole.journal[half:]) / max(whole.journal[:half])
     most = max(archived.entries)
     replay = statistics.median(times["archived"]) / statistics.median(times["whole"])
     return [
         ["**target**", f"most entries in Redis: {most:,}", f"<= 1.05 x --journal-hot ({hot:,})",
          "", "", verdict(most, hot * 1.05, higher_is_better=False)],
-        ["**target**", "journal MB, second half of the run", f"max/min {flat:.2f}", "",
-         "flat: <= 1.2", verdict(flat, 1.2, higher_is_better=False)],
+        ["**target**", "most MB, second half of the run / first half", f"{growth:.2f}",
+         f"whole: {grew:.2f}", "flat: <= 1.05", verdict(growth, 1.05, higher_is_better=False)],
         ["**replay**", "archived journal's read + fold, seconds (median)",
          f"{statistics.median(times['archived']):.2f}", "whole journal's",
          f"{statistics.median(times['whole']):.2f}", f"{replay:.2f}"],

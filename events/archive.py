@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import struct
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -37,12 +39,17 @@ from cohort.events.keys import Keys
 from cohort.events.models import JournalArchived
 from cohort.events.streams import PAGE, ZERO, Entry, Journal, id_after
 
+log = logging.getLogger("cohort.archive")
+
 MAGIC = b"COHORT-JOURNAL\n"
 FORMAT = 1
 _LENGTH = struct.Struct("<I")
 HOLE_AT = 100
 """Entries the leader leaves in Redis after every trim point, at least: a read of this many
 entries (or of a full page, if smaller) is checked for a trim it may have skipped."""
+
+READ_RETRIES = (0.5, 1.0, 2.0)
+"""Seconds paused before each new attempt to read a segment that storage failed to give."""
 
 Attempt = Callable[[Callable[[], Any]], Any]
 """Runs one read (a retry policy, say): `attempt(read)` returns what `read()` returns."""
@@ -79,10 +86,7 @@ def read_segment(segment: JournalArchived) -> tuple[list[Entry], bytes]:
     """The entries of the segment `segment` journaled, and the state as of its last one;
     ArchiveError naming it if the file is missing, changed, cut short or another one."""
     where = f"archived segment {segment.uri!r} (journal entries {segment.first}..{segment.last})"
-    try:
-        raw = storage.read_whole(segment.uri, "archived segment")
-    except storage.StorageError as exc:
-        raise ArchiveError(f"{where} cannot be read: {exc}") from exc
+    raw = _read(segment.uri, where)
     digest = hashlib.sha256(raw).hexdigest()
     if digest != segment.sha256:
         raise ArchiveError(
@@ -96,6 +100,20 @@ def read_segment(segment: JournalArchived) -> tuple[list[Entry], bytes]:
     if found != expected or ids != expected[1:]:
         raise ArchiveError(f"{where} holds {found}, not the journaled {expected}")
     return entries, bytes(header.get("state") or b"")
+
+
+def _read(uri: str, where: str) -> bytes:
+    """The file's bytes, read again after READ_RETRIES pauses where storage fails for a while
+    (a missing file is named at once)."""
+    for pause in (*READ_RETRIES, None):
+        try:
+            return storage.read_whole(uri, "archived segment")
+        except storage.StorageError as exc:
+            if pause is None or isinstance(exc.__cause__, FileNotFoundError):
+                raise ArchiveError(f"{where} cannot be read: {exc}") from exc
+            log.warning("%s: %s; reading it again in %.1f s", where, exc, pause)
+            time.sleep(pause)  # backoff before the next attempt: nothing to wait on instead
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _parse(raw: bytes, where: str) -> tuple[dict[str, Any], list[Entry]]:
