@@ -44,7 +44,7 @@ from bench.results import Section, document, environment, merge
 FULL: dict[str, Callable[[], Section]] = {
     "ingest": lambda: control_plane.measure(100_000, 1000, 3),
     "replay": lambda: replay.measure(1_000_000, 3),
-    "archive": lambda: archive.measure(1_000_000, 100_000, 50_000, 3),
+    "archive": lambda: archive.measure(1_000_000, 100_000, 50_000, 5),
     "soak": lambda: soak.measure(1000, 60),
     "soak-signed": lambda: soak.measure(1000, 60, signed=True),
     "overhead": lambda: overhead.measure((8, 64, 256), 100),
