@@ -72,11 +72,12 @@ class Points:
         """Forget every point (the journal lost entries they include)."""
         self._kept.clear()
 
-    def choose(self, state: JobState, hot: int) -> Point | None:
+    def choose(self, state: JobState, hot: int, early: int = 0) -> Point | None:
         """Where the next segment ends: the newest point past the last archived entry that
         leaves at least half of `hot` facts after it; None if archiving is not due yet (fewer
-        than `hot` facts in Redis) or no point qualifies."""
-        if state.facts - state.archived_facts < hot:
+        than `hot` facts in Redis, less `early`: what the job appends while a segment is
+        written, journaled and trimmed) or no point qualifies."""
+        if state.facts - state.archived_facts < hot - min(early, hot // 2):
             return None
         last = state.archived[-1].last if state.archived else ZERO
         keep = max(hot // 2, archive.HOLE_AT)
@@ -162,6 +163,10 @@ class Archiving:
         self._archiver: Archiver | None = None  # started once there is storage
         self._trimmed_to: str | None = None  # the archived entry Redis was trimmed to
         self._retry_at = 0.0  # monotonic time before which no segment is tried again
+        self._started_at = 0  # the facts folded when the last segment was started
+        self.early = 0
+        """Facts the job appended between starting the last segment and trimming it: the
+        next one starts that much before Redis holds `hot`, so it stays under `hot`."""
 
     def next(
         self, state: JobState, token: str, base: str | None, monotonic: float, now: float
@@ -181,8 +186,11 @@ class Archiving:
             self._start(state, token, base, now)
         return None
 
-    def trimmed(self, keep: str) -> None:
-        """Redis was trimmed to `keep` (or the trim failed, and waits for the next segment)."""
+    def trimmed(self, keep: str, facts: int) -> None:
+        """Redis was trimmed to `keep` with `facts` folded (or the trim failed, and waits for
+        the next segment)."""
+        if self._trimmed_to != keep and self._started_at:
+            self.early = max(0, facts - self._started_at)
         self._trimmed_to = keep
 
     def lead(self) -> None:
@@ -216,9 +224,10 @@ class Archiving:
         return written
 
     def _start(self, state: JobState, token: str, base: str, now: float) -> None:
-        point = self.points.choose(state, self.hot)
+        point = self.points.choose(state, self.hot, self.early)
         if point is None or self._archiver is None:
             return
+        self._started_at = state.facts
         since = state.archived[-1].last if state.archived else ZERO
         facts = point.state.facts - state.archived_facts
         self._archiver.submit(Plan(state.job, base, since, point, facts, token, now))

@@ -935,10 +935,10 @@ class Coordinator:
             self._resync()
             return
         except redis.ResponseError as exc:
-            self.archiving.trimmed(trim.keep)  # said once; the next segment tries again
+            self.archiving.trimmed(trim.keep, self.state.facts)  # said once; the next tries
             log.error("could not trim the journal of job %r: %s", self.settings.job, exc)
             return
-        self.archiving.trimmed(trim.keep)
+        self.archiving.trimmed(trim.keep, self.state.facts)
         log.info(
             "journal of job %r: %d entries before %s dropped from Redis (%d archived facts "
             "in %d segments)",

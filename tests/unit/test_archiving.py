@@ -44,6 +44,14 @@ def test_nothing_is_archived_until_redis_holds_journal_hot_facts() -> None:
     assert points.choose(state(HOT), HOT) is not None
 
 
+def test_archiving_starts_early_by_what_the_job_appends_while_a_segment_is_archived() -> None:
+    points = points_every(50, 950)
+    assert points.choose(state(899), HOT, early=100) is None
+    chosen = points.choose(state(900), HOT, early=100)
+    assert chosen is not None and chosen.journal_id == "400-0"
+    assert points.choose(state(499), HOT, early=10_000) is None  # at most half of hot early
+
+
 def test_the_segment_ends_at_the_newest_point_that_leaves_half_of_journal_hot_in_redis() -> None:
     points = points_every(50, 1200)
     chosen = points.choose(state(1200), HOT)
@@ -103,7 +111,8 @@ def test_a_written_segment_is_journaled_then_trimmed_until_the_trim_is_done(
     trim = archiving.next(journaled, "1:c", str(tmp_path), 0.0, 0.0)
     assert isinstance(trim, Trim) and trim.keep == "700-0"
     assert archiving.next(journaled, "1:c", str(tmp_path), 0.0, 0.0) == trim  # until done
-    archiving.trimmed(trim.keep)
+    archiving.trimmed(trim.keep, 1250)
+    assert archiving.early == 50  # the facts appended between starting the segment and now
     assert archiving.next(journaled, "1:c", str(tmp_path), 0.0, 0.0) is None
     archiving.lead()  # a new lease: it trims again, as its predecessor may not have
     assert archiving.next(journaled, "2:c", str(tmp_path), 0.0, 0.0) == trim
