@@ -174,28 +174,56 @@ def _section(
         header=["steps (up to)", "archived: most entries in Redis", "archived: most MB",
                 "whole: entries in Redis", "whole: MB", "archived / whole"],
     )  # fmt: skip
-    for start in range(0, len(archived.steps), SAMPLES):
-        block = slice(start, start + SAMPLES)
-        end = min(start + SAMPLES, len(archived.steps), len(whole.steps)) - 1
-        most = max(archived.journal[block])
+    for step, most, most_bytes, entries, size in _rows(archived, whole):
         section.rows.append(
             [
-                f"{archived.steps[end]:,}",
-                f"{max(archived.entries[block]):,}",
-                f"{most / 1e6:.1f}",
-                f"{whole.entries[end]:,}",
-                f"{whole.journal[end] / 1e6:.1f}",
-                f"{most / whole.journal[end]:.2f}",
+                f"{step:,}",
+                f"{most:,}",
+                f"{most_bytes / 1e6:.1f}",
+                f"{entries:,}",
+                f"{size / 1e6:.1f}",
+                f"{most_bytes / size:.2f}",
             ]
         )
     section.rows += _verdict_rows(archived, whole, hot, times)
     section.notes = _notes(archived, whole, hot, times)
     section.raw = {
-        "archived": vars(archived),
-        "whole": vars(whole),
+        "rows": _rows(archived, whole),
+        "archived": _totals(archived),
+        "whole": _totals(whole),
         "replay_seconds": times,
     }
     return section
+
+
+def _rows(archived: Sampled, whole: Sampled) -> list[list[int]]:
+    """Per table row: steps, the archived run's most entries and bytes, the whole run's."""
+    rows = []
+    for start in range(0, len(archived.steps), SAMPLES):
+        block = slice(start, start + SAMPLES)
+        end = min(start + SAMPLES, len(archived.steps), len(whole.steps)) - 1
+        rows.append(
+            [
+                archived.steps[end],
+                max(archived.entries[block]),
+                max(archived.journal[block]),
+                whole.entries[end],
+                whole.journal[end],
+            ]
+        )
+    return rows
+
+
+def _totals(sampled: Sampled) -> dict[str, Any]:
+    return {
+        "seconds": sampled.seconds,
+        "segments": sampled.segments,
+        "samples": len(sampled.steps),
+        "most_entries": max(sampled.entries),
+        "last_entries": sampled.entries[-1],
+        "last_bytes": sampled.journal[-1],
+        "inbox_bytes": sampled.inbox[-1],
+    }
 
 
 def _verdict_rows(
