@@ -214,7 +214,7 @@ def test_the_quick_archive_run_keeps_the_journal_in_redis_under_its_hot_size(
     archived, whole, rows = (section["raw"][k] for k in ("archived", "whole", "rows"))
     assert rows[-1][0] == 5000 and archived["samples"] >= 40
     assert archived["segments"] >= 2 and whole["segments"] == 0
-    assert whole["last_entries"] > 5000 and archived["most_entries"] < 1100
+    assert whole["last_entries"] > 5000 and archived["most_entries"] < 1500  # hot: 1000
     assert all(t > 0 for t in section["raw"]["replay_seconds"]["archived"])
 
 
