@@ -22,12 +22,12 @@ after is still held (`History.intact`), and if not, reads the segments first.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import msgpack
@@ -205,7 +205,9 @@ class History:
         attempt: Attempt | None = None,
     ) -> Iterator[list[Entry]]:
         """The journal's entries after `after` (up to `until`), a page at a time, the
-        archived ones first; only the first page read from Redis may wait `block_ms`."""
+        archived ones first; only the first page read from Redis may wait `block_ms`. Each
+        page long enough to have skipped a trim is checked, and what was trimmed is read
+        from the segments first."""
         run = attempt or _call
         if after == ZERO:
             archived = run(self.index)
@@ -213,19 +215,17 @@ class History:
                 yield from self._archived(archived, after, until)
                 after = archived[-1].last
         while True:
-            pages = self.journal.pages(after, until, count, block_ms, run)
-            first = next(pages, None)
-            if first is None:
+            for page in self.journal.pages(after, until, count, block_ms, run):
+                if len(page) >= min(count, HOLE_AT) and not run(partial(self.intact, after)):
+                    archived = run(self.index)
+                    if archived and id_after(archived[-1].last, after):
+                        yield from self._archived(archived, after, until)
+                        after, block_ms = archived[-1].last, 0
+                        break  # read Redis again from the last archived entry on
+                yield page
+                after = page[-1].id
+            else:
                 return
-            if len(first) >= min(count, HOLE_AT) and not run(functools.partial(self.intact, after)):
-                archived = run(self.index)
-                if archived and id_after(archived[-1].last, after):
-                    yield from self._archived(archived, after, until)
-                    after, block_ms = archived[-1].last, 0
-                    continue  # read Redis again from the last archived entry on
-            yield first
-            yield from pages
-            return
 
     def _archived(
         self, archived: Sequence[JournalArchived], after: str, until: str

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import fakeredis
 import pytest
 
 from cohort.events import archive, storage
-from cohort.events.archive import ArchiveError, read_segment, write_segment
+from cohort.events.archive import ArchiveError, History, read_segment, write_segment
 from cohort.events.codec import FIELD
+from cohort.events.keys import Keys
 from cohort.events.models import JournalArchived
 from cohort.events.streams import Entry
 
@@ -68,3 +70,25 @@ def test_storage_that_fails_for_a_while_is_read_again_with_backoff(
     failures[0] = 4  # more than the retries
     with pytest.raises(ArchiveError, match="timed out"):
         read_segment(segment)
+
+
+def test_a_reader_that_a_trim_overtakes_between_two_pages_reads_the_segment_instead(
+    tmp_path: Path,
+) -> None:
+    conn = fakeredis.FakeRedis()
+    keys = Keys("j")
+    for n in range(1, 1001):
+        conn.xadd(keys.journal, {FIELD: b"fact %d" % n}, id=f"{n}-0")
+    history = History.of(conn, "j")
+    whole = history.journal.range()
+    pages = history.pages(count=100)
+    read = list(next(pages))  # the first 100, from Redis
+    segment = write_segment(str(tmp_path), "j", whole[:500], b"", at=1.0)
+    conn.set(keys.archive, archive.encode_index([segment]))
+    conn.xtrim(keys.journal, minid="500-0")  # the leader archives past the reader
+    read += [entry for page in pages for entry in page]
+    assert read == whole
+    assert (
+        list(history.pages(after="250-0"))
+        and [e for page in history.pages(after="250-0") for e in page] == whole[250:]
+    )
