@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -89,8 +89,14 @@ class Topology(Protocol):
     def describe(self) -> str: ...
 
 
-def until(done: Callable[[], T | None], timeout: float, what: str) -> T:
-    """`done()`'s first truthy value, polled every POLL s; TopologyError after `timeout`."""
+def until(
+    done: Callable[[], T | None],
+    timeout: float,
+    what: str,
+    state: Callable[[], str] = lambda: "",
+) -> T:
+    """`done()`'s first truthy value, polled every POLL s; TopologyError after `timeout`,
+    naming what did not happen and the `state` the servers were left in."""
     deadline = time.monotonic() + timeout
     pause = threading.Event()
     while True:
@@ -98,8 +104,20 @@ def until(done: Callable[[], T | None], timeout: float, what: str) -> T:
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TopologyError(f"{what} did not happen within {timeout:g} s")
+            raise TopologyError(f"{what} did not happen within {timeout:g} s; {state()}")
         pause.wait(POLL)
+
+
+def roles(ports: Iterable[int]) -> str:
+    """Each server's role as it says itself (a replica: of which port, link up or down)."""
+    said = []
+    for port in ports:
+        info = replication(port)
+        role = info.get("role", "no answer")
+        if role == "slave":
+            role = f"replica of {info.get('master_port')} ({info.get('master_link_status')})"
+        said.append(f"{port}: {role}")
+    return "servers " + ", ".join(said)
 
 
 def ask(port: int, *command: Any) -> Any:
@@ -231,13 +249,19 @@ class SentinelTopology:
         server = next(s for s in self.servers if s.port == old)
         at, killed = time.time(), time.monotonic()
         server.kill()
-        new = until(lambda: self._promoted(old), PROMOTED_WITHIN_S, "Sentinel promoting a replica")
+        new = until(
+            lambda: self._promoted(old),
+            PROMOTED_WITHIN_S,
+            "Sentinel promoting a replica",
+            self.state,
+        )
         promoted = time.monotonic()
         server.restart()
         until(
             lambda: self._watching(new),
             REJOINED_WITHIN_S,
             f"the killed server (port {old}) back as a replica of the new primary (port {new})",
+            self.state,
         )
         return Failover(old, new, promoted - killed, time.monotonic() - promoted, at)
 
@@ -246,6 +270,19 @@ class SentinelTopology:
         named = {self._named_by(s.port) for s in self.sentinels}
         port = named.pop() if len(named) == 1 else None
         return port
+
+    def state(self) -> str:
+        """What the servers and each Sentinel say, for an error."""
+        said = [roles(s.port for s in self.servers)]
+        for sentinel in self.sentinels:
+            replicas = ask(sentinel.port, "SENTINEL", "REPLICAS", SERVICE) or []
+            others = ask(sentinel.port, "SENTINEL", "SENTINELS", SERVICE) or []
+            seen = [f"{r.get('port')} {r.get('flags')}" for r in map(_pairs, replicas)]
+            said.append(
+                f"Sentinel {sentinel.port}: primary {self._named_by(sentinel.port)}, "
+                f"replicas [{'; '.join(seen)}], {len(others)} other Sentinels"
+            )
+        return "; ".join(said)
 
     def describe(self) -> str:
         return (
@@ -323,7 +360,10 @@ class ClusterTopology:
         at, killed = time.time(), time.monotonic()
         node.kill()
         new = until(
-            lambda: self._promoted(slot, old), PROMOTED_WITHIN_S, "the cluster promoting a replica"
+            lambda: self._promoted(slot, old),
+            PROMOTED_WITHIN_S,
+            "the cluster promoting a replica",
+            lambda: roles(n.port for n in self.cluster.nodes),
         )
         promoted = time.monotonic()
         node.restart()
@@ -331,6 +371,7 @@ class ClusterTopology:
             lambda: replicates(old, new),
             REJOINED_WITHIN_S,
             f"the killed node (port {old}) back as a replica of the new primary (port {new})",
+            lambda: roles(n.port for n in self.cluster.nodes),
         )
         self.cluster.wait_ok(REJOINED_WITHIN_S)
         return Failover(old, new, promoted - killed, time.monotonic() - promoted, at)
