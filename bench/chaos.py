@@ -287,6 +287,12 @@ class Run:
                 logs[name] = proc.log.read_text(errors="replace")
         return logs
 
+    def keep_logs(self, into: Path) -> None:
+        """Every process's log as `into`/NAME.log (a second start of c1: c1#2.log)."""
+        into.mkdir(parents=True, exist_ok=True)
+        for name, text in {**self.logs(self.coordinators), **self.logs(self.workers)}.items():
+            (into / f"{name}.log").write_text(text)
+
     def close(self) -> None:
         for proc in [*self.coordinators.values(), *self.workers.values()]:
             proc.signal(signal.SIGCONT)
@@ -298,9 +304,14 @@ class Run:
 
 
 def run_cell(
-    minutes: float, seed: int = 20261124, topology: str = "single", wait_replicas: int = 0
+    minutes: float,
+    seed: int = 20261124,
+    topology: str = "single",
+    wait_replicas: int = 0,
+    logs: Path | None = None,
 ) -> dict[str, Any]:
-    """One chaos run on `topology`: what it did and what every check found (JSON-able)."""
+    """One chaos run on `topology`: what it did and what every check found (JSON-able);
+    with `logs`, every server's and process's log is copied there at the end."""
     if topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {topology!r}: choose from {', '.join(TOPOLOGIES)}")
     if wait_replicas and topology == "single":
@@ -316,7 +327,11 @@ def run_cell(
             raw = _check(run, faults, chaos_s, finishers)
         finally:
             run.close()
+            if logs is not None:
+                run.keep_logs(logs)
     finally:
+        if logs is not None:
+            servers.keep_logs(logs)
         servers.stop()
     raw.update(topology=topology, wait_replicas=wait_replicas, minutes=minutes, seed=seed)
     raw.update(describe=servers.describe(), ok=_ok(raw))
@@ -459,9 +474,15 @@ def _rollbacks(run: Run, final: list[tuple[str, Fact]]) -> dict[str, Any]:
     noticing = {name.split("#")[0] for name in found.workers}
     return {
         "failovers": [
-            {"promote_s": round(f.promote_s, 2), "rejoin_s": round(f.rejoin_s, 2)}
+            {
+                "promote_s": round(f.promote_s, 2),
+                "rejoin_s": round(f.rejoin_s, 2),
+                "killed": f.killed,
+                "promoted": f.primary,
+                "settled": f.settled,
+            }
             for f in run.failovers
-        ],
+        ],  # fmt: skip
         "rolled_back": len(gone),
         "rolled_back_types": dict(Counter(type(g.fact).__name__ for g in gone)),
         "rolled_back_entries": [[g.entry, type(g.fact).__name__, *g.acted_on_by] for g in gone][
@@ -573,6 +594,7 @@ def _failover_figures(raw: dict[str, Any]) -> list[tuple[str, str]]:
     return [
         ("failover: kill to a replica promoted, s (median, max)", _spread(promote)),
         ("failover: then the killed server a replica in sync, s (median, max)", _spread(rejoin)),
+        ("primary moved again, not by a fault", str(_moved(raw["failovers"]))),
         ("longest time between two commits, s", f"{raw['commit_gap_s']:.1f}"),
         ("appends WAIT confirmed on fewer replicas than asked", str(raw["unreplicated"])),
         ("facts the observer read that the final journal lacks (rolled back)",
@@ -584,6 +606,16 @@ def _failover_figures(raw: dict[str, Any]) -> list[tuple[str, str]]:
          f"{len(raw['noticed_coordinators'])}, {len(raw['noticed_workers'])}"),
         ("workers that acted on a lost fact and did not notice", str(len(raw["unnoticed"]))),
     ]  # fmt: skip
+
+
+def _moved(failovers: list[dict[str, int]]) -> int:
+    """Times the primary changed other than by the kill of a failover-primary fault: while a
+    failover settled (it settled on another primary than it promoted), or between two."""
+    during = sum(1 for f in failovers if f["settled"] != f["promoted"])
+    between = sum(
+        1 for a, b in zip(failovers, failovers[1:], strict=False) if b["killed"] != a["settled"]
+    )
+    return during + between
 
 
 def _spread(values: list[float]) -> str:
@@ -678,10 +710,13 @@ def main() -> None:
         help="also write the section into this page (e.g. BENCHMARKS.md) and its JSON; with "
         "replicas, this run's column replaces its own in the stored chaos-ha section",
     )
+    parser.add_argument(
+        "--logs", type=Path, help="copy every server's and process's log into this folder"
+    )
     args = parser.parse_args()
     if args.wait_replicas < 0 or (args.wait_replicas and args.topology == "single"):
         parser.error("--wait-replicas N (N >= 0) needs replicas: --topology sentinel or cluster")
-    raw = run_cell(args.minutes, args.seed, args.topology, args.wait_replicas)
+    raw = run_cell(args.minutes, args.seed, args.topology, args.wait_replicas, args.logs)
     section = _single_section(raw) if args.topology == "single" else None
     if section is None:
         cells = {**(stored_cells(args.into) if args.into else {}), _name(raw): raw}

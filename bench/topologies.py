@@ -17,10 +17,12 @@ Every wait is for a condition, with a deadline.
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import redis
@@ -60,9 +62,13 @@ class Failover:
     promote_s: float
     """From the kill to a primary serving again (for a restart: the restart)."""
     rejoin_s: float
-    """From then to the killed server back as a replica, in sync (0 for a restart)."""
+    """From then to every server in sync with one primary again, the killed one a replica
+    (0 for a restart)."""
     at: float
     """Wall-clock time of the kill."""
+    settled: int = 0
+    """Port of the primary once all is in sync again: `primary`, unless the topology moved
+    the primary once more meanwhile."""
 
 
 class Topology(Protocol):
@@ -77,6 +83,10 @@ class Topology(Protocol):
 
     def start(self) -> None: ...
     def stop(self) -> None: ...
+    def keep_logs(self, into: Path) -> None:
+        """Copy every server's log into the folder `into` (before `stop` removes them)."""
+        ...
+
     def client(self) -> Client: ...
     def proxy_target(self) -> int | None:
         """The port per-process proxies forward to (None: processes connect to `url`)."""
@@ -137,12 +147,13 @@ def replication(port: int) -> dict[str, Any]:
     return dict(reply) if isinstance(reply, dict) else {}
 
 
-def replicates(port: int, primary: int) -> bool:
-    """Whether the server at `port` is a replica of `primary` with its link up."""
+def replicates(port: int, primary: int | None) -> bool:
+    """Whether the server at `port` is a replica of `primary` (None: of any server) with its
+    link up."""
     info = replication(port)
     return (
         info.get("role") == "slave"
-        and info.get("master_port") == primary
+        and primary in (None, info.get("master_port"))
         and info.get("master_link_status") == "up"
     )
 
@@ -181,7 +192,10 @@ class SingleTopology:
         self.server.kill()
         self.server.restart()
         took = time.monotonic() - started
-        return Failover(self.server.port, self.server.port, took, 0.0, at)
+        return Failover(self.server.port, self.server.port, took, 0.0, at, self.server.port)
+
+    def keep_logs(self, into: Path) -> None:
+        copy_logs({"redis": self.server}, into)
 
     def describe(self) -> str:
         return f"redis-server with appendfsync {self.server.appendfsync}"
@@ -257,13 +271,17 @@ class SentinelTopology:
         )
         promoted = time.monotonic()
         server.restart()
-        until(
-            lambda: self._watching(new),
+        settled = until(
+            self._settled,
             REJOINED_WITHIN_S,
-            f"the killed server (port {old}) back as a replica of the new primary (port {new})",
+            f"the killed server (port {old}) back as a replica (of port {new}, the new primary)",
             self.state,
         )
-        return Failover(old, new, promoted - killed, time.monotonic() - promoted, at)
+        return Failover(old, new, promoted - killed, time.monotonic() - promoted, at, settled)
+
+    def keep_logs(self, into: Path) -> None:
+        copy_logs({f"redis-{s.port}": s for s in self.servers}, into)
+        copy_logs({f"sentinel-{s.port}": s for s in self.sentinels}, into)
 
     def primary(self) -> int | None:
         """The primary's port, if every Sentinel names the same one."""
@@ -280,7 +298,8 @@ class SentinelTopology:
             seen = [f"{r.get('port')} {r.get('flags')}" for r in map(_pairs, replicas)]
             said.append(
                 f"Sentinel {sentinel.port}: primary {self._named_by(sentinel.port)}, "
-                f"replicas [{'; '.join(seen)}], {len(others)} other Sentinels"
+                f"replicas [{'; '.join(seen)}], {len(others)} other Sentinels; its log ends:\n"
+                + sentinel.log_tail(15)
             )
         return "; ".join(said)
 
@@ -294,6 +313,11 @@ class SentinelTopology:
     def _promoted(self, old: int) -> int | None:
         port = self.primary()
         return port if port not in (None, old) and is_primary(port) else None
+
+    def _settled(self) -> int | None:
+        """The primary, once the Sentinels agree on it and watch both replicas in sync."""
+        primary = self.primary()
+        return primary if primary is not None and self._watching(primary) else None
 
     def _watching(self, primary: int) -> bool:
         """Every Sentinel names `primary` and sees two live replicas and the two other
@@ -368,13 +392,17 @@ class ClusterTopology:
         promoted = time.monotonic()
         node.restart()
         until(
-            lambda: replicates(old, new),
+            lambda: replicates(old, None),
             REJOINED_WITHIN_S,
-            f"the killed node (port {old}) back as a replica of the new primary (port {new})",
+            f"the killed node (port {old}) back as a replica (of port {new}, the new primary)",
             lambda: roles(n.port for n in self.cluster.nodes),
         )
         self.cluster.wait_ok(REJOINED_WITHIN_S)
-        return Failover(old, new, promoted - killed, time.monotonic() - promoted, at)
+        settled = until(lambda: self.owner(slot), 30, f"the nodes agreeing who owns slot {slot}")
+        return Failover(old, new, promoted - killed, time.monotonic() - promoted, at, settled)
+
+    def keep_logs(self, into: Path) -> None:
+        copy_logs({f"redis-{n.port}": n for n in self.cluster.nodes}, into)
 
     def owner(self, slot: int) -> int | None:
         """The port of the primary serving `slot`, if every live node names the same one."""
@@ -396,6 +424,14 @@ class ClusterTopology:
     def _promoted(self, slot: int, old: int) -> int | None:
         port = self.owner(slot)
         return port if port not in (None, old) and is_primary(port) else None
+
+
+def copy_logs(servers: dict[str, LocalRedis], into: Path) -> None:
+    """Each server's log file as `into`/NAME.log."""
+    into.mkdir(parents=True, exist_ok=True)
+    for name, server in servers.items():
+        if server.dir is not None and (server.dir / "redis.log").exists():
+            shutil.copyfile(server.dir / "redis.log", into / f"{name}.log")
 
 
 def _slot_owner(slots: Any, slot: int) -> int | None:
