@@ -228,7 +228,9 @@ class Run:
         deadline = time.monotonic() + timeout
         while not done():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"chaos: {what} did not happen within {timeout:g} s")
+                lost = self.watch.state.weights_lost
+                why = f" (the job lost the weights of step {lost})" if lost is not None else ""
+                raise TimeoutError(f"chaos: {what} did not happen within {timeout:g} s{why}")
             self.pull()
             self.pause.wait(0.1)
 
@@ -592,7 +594,7 @@ def _failover_figures(raw: dict[str, Any]) -> list[tuple[str, str]]:
     rejoin = [f["rejoin_s"] for f in raw["failovers"]]
     types = ", ".join(f"{n} {t}" for t, n in sorted(raw["rolled_back_types"].items()))
     return [
-        ("failover: kill to a replica promoted, s (median, max)", _spread(promote)),
+        ("failover: kill to a replica promoted and followed, s (median, max)", _spread(promote)),
         ("failover: then the killed server a replica in sync, s (median, max)", _spread(rejoin)),
         ("primary moved again, not by a fault", str(_moved(raw["failovers"]))),
         ("longest time between two commits, s", f"{raw['commit_gap_s']:.1f}"),

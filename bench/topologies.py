@@ -35,8 +35,11 @@ T = TypeVar("T")
 POLL = 0.1
 SERVICE = "cohort"
 SENTINELS, QUORUM = 3, 2
-DOWN_AFTER_MS = 1000
-"""Sentinel's down-after-milliseconds: how long the primary must be silent to be down."""
+DOWN_AFTER_MS = 3000
+"""Sentinel's down-after-milliseconds: how long the primary must be silent to be down. At
+1 s, on these 2 busy cores a primary just promoted sometimes missed a second of pings and
+the Sentinels failed it over again at once, to a replica still syncing from it (writes
+lost, and for 10 s two primaries: see docs/redis-ha.md)."""
 FAILOVER_TIMEOUT_MS = 5000
 NODE_TIMEOUT_MS = 2000
 """The cluster's node timeout: how long a primary must be silent before its replica runs."""
@@ -311,8 +314,19 @@ class SentinelTopology:
         )
 
     def _promoted(self, old: int) -> int | None:
+        """The new primary, once the failover is over: every Sentinel names it and none
+        is still failing over, and the other replica follows it. Only then is the killed
+        server started again, as an operator would: a server back in the middle of the
+        failover changes its course."""
         port = self.primary()
-        return port if port not in (None, old) and is_primary(port) else None
+        if port in (None, old) or not is_primary(port):
+            return None
+        for sentinel in self.sentinels:
+            found = ask(sentinel.port, "SENTINEL", "MASTER", SERVICE)
+            if not found or "failover_in_progress" in _pairs(found).get("flags", ""):
+                return None
+        others = [s.port for s in self.servers if s.port not in (old, port)]
+        return port if all(replicates(p, port) for p in others) else None
 
     def _settled(self) -> int | None:
         """The primary, once the Sentinels agree on it and watch both replicas in sync."""
