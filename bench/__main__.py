@@ -39,7 +39,7 @@ from bench import (
     soak,
     throughput,
 )
-from bench.results import Section, document, environment, merge
+from bench.results import Section, publish
 
 FULL: dict[str, Callable[[], Section]] = {
     "ingest": lambda: control_plane.measure(100_000, 1000, 3),
@@ -70,6 +70,7 @@ FULL: dict[str, Callable[[], Section]] = {
     ),
     "figures": lambda: figures.measure(5, 100),
     "chaos": lambda: chaos.measure(10),
+    "chaos-ha": lambda: chaos.measure_ha(10),
 }
 QUICK: dict[str, Callable[[], Section]] = {
     "ingest": lambda: control_plane.measure(20_000, 200, 1),
@@ -99,6 +100,7 @@ QUICK: dict[str, Callable[[], Section]] = {
     ),
     "figures": lambda: figures.measure(1, 20),
     "chaos": lambda: chaos.measure(0.5),
+    "chaos-ha": lambda: chaos.measure_ha(0.5),
 }
 
 
@@ -131,11 +133,7 @@ def main() -> int:
     command = "python -m bench" + (" --quick" if args.quick else "")
     command += f" --only {','.join(chosen)}" if args.only else ""
     if out is not None and sections:
-        # the raw results beside the page: --only runs replace their own sections only
-        every = merge(out.with_suffix(".json"), sections)
-        keys = list(FULL)
-        every.sort(key=lambda s: keys.index(s.key) if s.key in keys else len(keys))
-        out.write_text(document(every, environment(), command))
+        publish(out, sections, command, list(FULL))
         print(f"wrote {out} and {out.with_suffix('.json')}")
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)

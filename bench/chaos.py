@@ -1,28 +1,49 @@
 """A long chaos run: random faults while a real model trains, then every invariant checked.
 
-Two coordinators and three `cohort example-worker` processes train the bundled MLP on a
-real redis-server (AOF, appendfsync always). Every process talks to Redis through its own
-TCP proxy (tests/integration/proxy.py), so any one can be cut off. For `--minutes` the run
-injects, in a random order, one fault of each kind per round:
+Two coordinators and three `cohort example-worker` processes train the bundled MLP on real
+redis-server processes (AOF, appendfsync always), in one of three topologies (`--topology`,
+bench/topologies.py):
+
+- single (the default): one redis-server; every process talks to it through its own TCP
+  proxy (tests/integration/proxy.py), so any one can be cut off;
+- sentinel: a primary and two replicas watched by three Sentinels (quorum 2); every process
+  finds the primary through `redis+sentinel://`;
+- cluster: a Redis Cluster of three primaries with a replica each, on `redis+cluster://`.
+
+Every coordinator gets `--wait-replicas N`. For `--minutes` (and until each kind has
+happened once) the run injects, in a random order, one fault of each kind per round:
 
 - kill-coordinator: SIGKILL a coordinator, start it again;
 - stop-coordinator: SIGSTOP a coordinator for 1-2.5 s, then SIGCONT;
 - kill-worker: SIGKILL a worker (when more than two run), start a new one;
 - stop-worker: SIGSTOP a worker for 0.5-1.5 s (under the heartbeat timeout), then SIGCONT;
-- restart-redis: SIGKILL redis-server, start it again on its AOF;
-- partition-worker: cut a worker off for 3-5 s (past the 2 s heartbeat timeout): it is
-  failed, learns it when the cut heals and exits; a new worker takes its place;
-- partition-coordinator: cut a coordinator off for 2-4 s (past the 1 s lease).
+- restart-redis (single): SIGKILL redis-server, start it again on its AOF;
+- failover-primary (sentinel, cluster): SIGKILL the primary (on a cluster, the one owning the
+  job's slot), wait until Sentinel or the cluster promotes a replica, start the killed
+  server again on its AOF and wait until it is a replica of the new primary;
+- partition-worker (single): cut a worker off for 3-5 s (past the 2 s heartbeat timeout):
+  it is failed, learns it when the cut heals and exits; a new worker takes its place;
+- partition-coordinator (single): cut a coordinator off for 2-4 s (past the 1 s lease).
+
+The partitions need a proxy per process in front of the server it uses; Sentinel and a
+cluster tell every client the same address of the primary, so there they are left out.
 
 Then the faults stop; three workers told to stop 200 steps later join, the others leave,
-and once the three finished the run checks: the live
-leader's state is the fold of the journal, the audit passes (every sample once per
-epoch, ranks a permutation), leader epochs and world versions only grow, every Join sent
-was decided exactly once (commands lost 0, applied twice 0), and every worker that
-finished holds the same weights.
+and once the three finished the run checks: the live leader's state is the fold of the
+journal, the audit passes (every sample once per epoch, ranks a permutation), leader epochs
+and world versions only grow, every Join sent was decided exactly once (commands lost 0,
+applied twice 0), every worker that finished holds the same weights, and the journal holds
+what every worker did (no WeightsDiverged, each StepDone's weights digest the one its step
+committed with, the finishers' weights those of one process replaying the journal's
+committed batches). With replicas it also counts what the failovers took back
+(bench/rollbacks.py): facts the run's observer read that the final journal no longer holds,
+which of them a worker acted on, which leader had acted on a lost fact, and which processes
+noticed; with `--wait-replicas 1` nothing anyone acted on may be lost.
 
-    python -m bench.chaos --minutes 10          # prints the section
-    python -m bench --only chaos                # the same for 10 minutes, into BENCHMARKS.md
+    python -m bench.chaos --minutes 10                      # single: prints the section
+    python -m bench.chaos --minutes 10 --topology sentinel --wait-replicas 1 --into BENCHMARKS.md
+    python -m bench --only chaos                # single, 10 minutes, into BENCHMARKS.md
+    python -m bench --only chaos-ha             # sentinel and cluster, WAIT 0 and 1, 10 min each
 """
 
 from __future__ import annotations
@@ -30,20 +51,26 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgpack
+import numpy as np
+import redis
 
 from bench.fleet import spawn
-from bench.results import Section
-from cohort.coordinator.audit import Audit, audit
+from bench.results import Section, load, publish
+from bench.rollbacks import Report, disagreeing, diverged, noticed, rolled_back
+from bench.topologies import TOPOLOGIES, Failover, Topology
+from cohort import example
+from cohort.coordinator.audit import audit
 from cohort.coordinator.fold import fold
 from cohort.coordinator.replay import JournalWatch
 from cohort.coordinator.state import state_hash
@@ -51,8 +78,16 @@ from cohort.events.codec import decode_command
 from cohort.events.connection import UNAVAILABLE, Client
 from cohort.events.errors import DecodeError
 from cohort.events.keys import Keys
-from cohort.events.models import Fact, Join, LeaderElected, WorkerJoined, WorldChanged
-from cohort.localredis import LocalRedis
+from cohort.events.models import (
+    Fact,
+    Join,
+    LeaderElected,
+    StepCommitted,
+    StepDone,
+    WorkerJoined,
+    WorldChanged,
+)
+from cohort.events.streams import ZERO, id_key
 from cohort.processes import Proc
 from tests.integration.proxy import Proxy
 
@@ -67,45 +102,83 @@ KINDS = (
     "kill-coordinator", "stop-coordinator", "kill-worker", "stop-worker", "restart-redis",
     "partition-worker", "partition-coordinator",
 )  # fmt: skip
+"""The faults on one server, in the order a round is shuffled from."""
+HA_KINDS = (
+    "kill-coordinator", "stop-coordinator", "kill-worker", "stop-worker", "failover-primary",
+)  # fmt: skip
+"""The faults with replicas: the primary's loss is a failover, and no partitions."""
 PACE = "0.05"
 TAIL = 200
 """Steps trained after the chaos, by the workers that finish the job."""
+REPLAYED_WITHIN = 1e-6
+"""How far (relative) a finisher's weights may be from one process replaying the journal:
+the ranks sum their gradients in another order than one process does."""
+CELLS = (("sentinel", 0), ("sentinel", 1), ("cluster", 0), ("cluster", 1))
+"""The chaos-ha section's runs: (topology, --wait-replicas)."""
+RETRIED: tuple[type[BaseException], ...] = (*UNAVAILABLE, redis.exceptions.ClusterError)
+"""What the observer waits out while a failover moves the primary."""
 
 
 class Run:
-    """The job's processes, each behind its own proxy, and what the run has seen."""
+    """The job's processes (on one server each behind its own proxy), the topology they
+    train on, and what the run has seen."""
 
-    def __init__(self, server: LocalRedis, rng: random.Random, steps: int) -> None:
-        self.server = server
+    def __init__(
+        self, topology: Topology, rng: random.Random, steps: int, wait_replicas: int = 0
+    ) -> None:
+        self.topology = topology
         self.rng = rng
         self.steps = steps
-        self.conn: Client = server.client()
-        self.watch = JournalWatch.of(self.conn, JOB)
+        self.wait_replicas = wait_replicas
+        self.kinds = KINDS if topology.proxy_target() is not None else HA_KINDS
+        self.conn: Client = topology.client()
+        self.watch = self._watch()
+        self.seen: dict[str, Fact] = {}  # every fact the observer read, by journal ID
+        self._recorded = 0  # facts of `watch` copied into `seen`
+        self.refolds = 0  # times the observer found its journal position gone
+        self.reports: list[Report] = []  # StepDones seen in the inbox
+        self.failovers: list[Failover] = []
         self.proxies: dict[str, Proxy] = {}
         self.coordinators: dict[str, Proc] = {}
         self.workers: dict[str, Proc] = {}
+        self.started: list[Proc] = []  # every process, restarted ones too: their logs
+        self.saved = Path(tempfile.mkdtemp(prefix="cohort-chaos-"))
         self.serial = 0
         self.joins: Counter[str] = Counter()  # Joins seen in the inbox, before any trim
         self.inbox_id = "0-0"
         self.pause = threading.Event()  # never set: waits here are the faults' lengths
 
+    def _watch(self) -> JournalWatch:
+        return JournalWatch.of(self.conn, JOB)
+
     # ------------------------------------------------------------ processes
-    def proxy(self, name: str) -> Proxy:
+    def url(self, name: str) -> str:
+        """Where process `name` reaches Redis: its own proxy, or the topology's URL."""
+        target = self.topology.proxy_target()
+        if target is None:
+            return self.topology.url
         if name not in self.proxies:
-            self.proxies[name] = Proxy(self.server.port)
-        return self.proxies[name]
+            self.proxies[name] = Proxy(target)
+        return self.proxies[name].url
+
+    def spawn(self, name: str, *args: str) -> Proc:
+        proc = spawn(self.url(name), name, *args)
+        self.started.append(proc)
+        return proc
 
     def coordinator(self, name: str) -> None:
-        self.coordinators[name] = spawn(
-            self.proxy(name).url, name, "coordinator", "--job", JOB, "--id", name, *COORDINATOR
-        )
+        self.coordinators[name] = self.spawn(
+            name, "coordinator", "--job", JOB, "--id", name, *COORDINATOR,
+            "--wait-replicas", str(self.wait_replicas),
+        )  # fmt: skip
 
-    def worker(self) -> None:
+    def worker(self, save: bool = False) -> None:
         self.serial += 1
         name = f"w{self.serial}"
-        self.workers[name] = spawn(
-            self.proxy(name).url, name, "example-worker", "--job", JOB, "--id", name,
-            "--steps", str(self.steps), "--pace", PACE, "--gpu-interval", "0",
+        keep = ("--save", str(self.saved / f"{name}.npz")) if save else ()
+        self.workers[name] = self.spawn(
+            name, "example-worker", "--job", JOB, "--id", name,
+            "--steps", str(self.steps), "--pace", PACE, "--gpu-interval", "0", *keep,
         )  # fmt: skip
 
     def running_workers(self) -> list[str]:
@@ -113,18 +186,18 @@ class Run:
 
     # ------------------------------------------------------------ reading Redis
     def redis(self, read: Callable[[], T], what: str, limit: float = 120.0) -> T:
-        """`read()`, retried while Redis restarts."""
+        """`read()`, retried while Redis restarts or fails over."""
         deadline = time.monotonic() + limit
         while True:
             try:
                 return read()
-            except UNAVAILABLE:
+            except RETRIED:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"Redis unreachable for {limit:g} s while {what}") from None
                 self.pause.wait(0.2)
 
     def pull(self) -> None:
-        self.redis(lambda: self.watch.pull(block_ms=0), "reading the journal")
+        self.redis(self._pull_journal, "reading the journal")
         rows: Any = self.redis(
             lambda: self.conn.xrange(Keys(JOB).inbox, f"({self.inbox_id}", "+", count=10_000),
             "reading the inbox",
@@ -137,52 +210,90 @@ class Run:
                 continue
             if isinstance(command, Join):
                 self.joins[command.worker] += 1
+            elif isinstance(command, StepDone):
+                self.reports.append((self.inbox_id, command))
+
+    def _pull_journal(self) -> None:
+        """Fold what the journal gained; if it no longer holds the entry folded up to (a
+        failover took it back), fold it again from the start, as every reader does."""
+        at = self.watch.journal_id
+        if at != ZERO and not self.conn.xrange(Keys(JOB).journal, at, at):
+            self.refolds += 1
+            self.watch, self._recorded = self._watch(), 0
+        self.watch.pull(block_ms=0)
+        self.seen.update(self.watch.facts[self._recorded :])
+        self._recorded = len(self.watch.facts)
 
     def until(self, done: Callable[[], bool], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while not done():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"chaos: {what} did not happen within {timeout:g} s")
+                lost = self.watch.state.weights_lost
+                why = f" (the job lost the weights of step {lost})" if lost is not None else ""
+                raise TimeoutError(f"chaos: {what} did not happen within {timeout:g} s{why}")
             self.pull()
             self.pause.wait(0.1)
 
     # ------------------------------------------------------------ faults
     def inject(self, kind: str) -> None:
-        rng, wait = self.rng, self.pause.wait
-        if kind in ("kill-coordinator", "stop-coordinator", "partition-coordinator"):
-            name = rng.choice(sorted(self.coordinators))
-            proc = self.coordinators[name]
-            if kind == "kill-coordinator":
-                proc.signal(signal.SIGKILL)
-                proc.stop()
-                self.coordinator(name)
-            elif kind == "stop-coordinator":
-                proc.signal(signal.SIGSTOP)
-                wait(rng.uniform(1.0, 2.5))
-                proc.signal(signal.SIGCONT)
-            else:
-                self.proxies[name].cut()
-                wait(rng.uniform(2.0, 4.0))
-                self.proxies[name].heal()
-        elif kind in ("kill-worker", "stop-worker", "partition-worker"):
-            alive = self.running_workers()
-            victim = rng.choice(alive) if alive else None
-            if victim is not None and kind == "stop-worker":
-                self.workers[victim].signal(signal.SIGSTOP)
-                wait(rng.uniform(0.5, 1.5))
-                self.workers[victim].signal(signal.SIGCONT)
-                return
-            if victim is not None and len(alive) > 2:
-                if kind == "kill-worker":
-                    self.workers[victim].signal(signal.SIGKILL)
-                else:
-                    self.proxies[victim].cut()
-                    wait(rng.uniform(3.0, 5.0))
-                    self.proxies[victim].heal()
-            self.worker()  # a newcomer keeps the world at three or more
+        if kind.endswith("-coordinator"):
+            self._coordinator_fault(kind)
+        elif kind.endswith("-worker"):
+            self._worker_fault(kind)
         else:
-            self.server.kill()
-            self.server.restart()
+            self.pull()  # the observer reads up to the moment of the crash
+            self.failovers.append(self.topology.lose_primary(Keys(JOB).journal))
+
+    def _coordinator_fault(self, kind: str) -> None:
+        name = self.rng.choice(sorted(self.coordinators))
+        proc = self.coordinators[name]
+        if kind == "kill-coordinator":
+            proc.signal(signal.SIGKILL)
+            proc.stop()
+            self.coordinator(name)
+        elif kind == "stop-coordinator":
+            proc.signal(signal.SIGSTOP)
+            self.pause.wait(self.rng.uniform(1.0, 2.5))
+            proc.signal(signal.SIGCONT)
+        else:
+            self.proxies[name].cut()
+            self.pause.wait(self.rng.uniform(2.0, 4.0))
+            self.proxies[name].heal()
+
+    def _worker_fault(self, kind: str) -> None:
+        rng, wait = self.rng, self.pause.wait
+        alive = self.running_workers()
+        victim = rng.choice(alive) if alive else None
+        if victim is not None and kind == "stop-worker":
+            self.workers[victim].signal(signal.SIGSTOP)
+            wait(rng.uniform(0.5, 1.5))
+            self.workers[victim].signal(signal.SIGCONT)
+            return
+        if victim is not None and len(alive) > 2:
+            if kind == "kill-worker":
+                self.workers[victim].signal(signal.SIGKILL)
+            else:
+                self.proxies[victim].cut()
+                wait(rng.uniform(3.0, 5.0))
+                self.proxies[victim].heal()
+        self.worker()  # a newcomer keeps the world at three or more
+
+    def logs(self, of: dict[str, Proc]) -> dict[str, str]:
+        """The log of every process ever started under a name of `of`, by name (a second
+        start of c1 is "c1#2")."""
+        logs: dict[str, str] = {}
+        for proc in self.started:
+            if proc.name in of:
+                starts = sum(1 for n in logs if n.split("#")[0] == proc.name)
+                name = proc.name + (f"#{starts + 1}" if starts else "")
+                logs[name] = proc.log.read_text(errors="replace")
+        return logs
+
+    def keep_logs(self, into: Path) -> None:
+        """Every process's log as `into`/NAME.log (a second start of c1: c1#2.log)."""
+        into.mkdir(parents=True, exist_ok=True)
+        for name, text in {**self.logs(self.coordinators), **self.logs(self.workers)}.items():
+            (into / f"{name}.log").write_text(text)
 
     def close(self) -> None:
         for proc in [*self.coordinators.values(), *self.workers.values()]:
@@ -190,19 +301,86 @@ class Run:
             proc.stop()
         for proxy in self.proxies.values():
             proxy.close()
+        self.conn.close()
+        shutil.rmtree(self.saved, ignore_errors=True)
 
 
-def measure(minutes: float, seed: int = 20261124) -> Section:
-    rng = random.Random(seed)
-    with LocalRedis(appendonly=True, appendfsync="always") as server:
-        run = Run(server, rng, steps=10**9)
+def run_cell(
+    minutes: float,
+    seed: int = 20261124,
+    topology: str = "single",
+    wait_replicas: int = 0,
+    logs: Path | None = None,
+) -> dict[str, Any]:
+    """One chaos run on `topology`: what it did and what every check found (JSON-able);
+    with `logs`, every server's and process's log is copied there at the end."""
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"unknown topology {topology!r}: choose from {', '.join(TOPOLOGIES)}")
+    if wait_replicas and topology == "single":
+        raise ValueError("--wait-replicas needs replicas: choose --topology sentinel or cluster")
+    servers = TOPOLOGIES[topology]()
+    servers.start()
+    try:
+        run = Run(servers, random.Random(seed), steps=10**9, wait_replicas=wait_replicas)
         try:
             _train(run)
             faults, chaos_s = _chaos(run, minutes)
             finishers = _finish(run)
-            return _check(run, faults, chaos_s, minutes, seed, finishers)
+            raw = _check(run, faults, chaos_s, finishers)
         finally:
             run.close()
+            if logs is not None:
+                run.keep_logs(logs)
+    finally:
+        if logs is not None:
+            servers.keep_logs(logs)
+        servers.stop()
+    raw.update(topology=topology, wait_replicas=wait_replicas, minutes=minutes, seed=seed)
+    raw.update(describe=servers.describe(), ok=_ok(raw))
+    return raw
+
+
+def measure(
+    minutes: float, seed: int = 20261124, topology: str = "single", wait_replicas: int = 0
+) -> Section:
+    """The chaos section of one run: on one server the "chaos" section, with replicas the
+    "chaos-ha" section with this run's column only."""
+    raw = run_cell(minutes, seed, topology, wait_replicas)
+    if topology == "single":
+        return _single_section(raw)
+    return ha_section({_name(raw): raw}, _command(raw))
+
+
+def measure_ha(
+    minutes: float, cells: Sequence[tuple[str, int]] = CELLS, seed: int = 20261124
+) -> Section:
+    """The chaos-ha section: a run per cell, one after another; a cell that fails is
+    reported as failed and the others still run."""
+    raw: dict[str, dict[str, Any]] = {}
+    for topology, wait in cells:
+        try:
+            raw[cell_name(topology, wait)] = run_cell(minutes, seed, topology, wait)
+        except Exception as exc:  # a deadline missed mid-run: say which and go on
+            raw[cell_name(topology, wait)] = {
+                "topology": topology, "wait_replicas": wait, "minutes": minutes,
+                "error": f"{type(exc).__name__}: {exc}", "ok": False,
+            }  # fmt: skip
+    return ha_section(raw, "python -m bench --only chaos-ha")
+
+
+def cell_name(topology: str, wait_replicas: int) -> str:
+    return f"{topology}/{wait_replicas}"
+
+
+def _name(raw: dict[str, Any]) -> str:
+    return cell_name(raw["topology"], raw["wait_replicas"])
+
+
+def _command(raw: dict[str, Any]) -> str:
+    command = f"python -m bench.chaos --minutes {raw['minutes']:g}"
+    if raw["topology"] != "single":
+        command += f" --topology {raw['topology']} --wait-replicas {raw['wait_replicas']}"
+    return command
 
 
 def _train(run: Run) -> None:
@@ -217,10 +395,11 @@ def _train(run: Run) -> None:
 def _finish(run: Run) -> list[Proc]:
     """End the job at a step all finishers share: three workers told to stop TAIL steps
     from now join, then the others leave (SIGTERM: finish the step, leave); the three."""
+    run.pull()  # the last fault may have been long (a failover): "now" is the journal's now
     run.steps = run.watch.state.last_committed + TAIL
     others = run.running_workers()
     for _ in range(3):
-        run.worker()
+        run.worker(save=True)
     finishers = [run.workers[name] for name in list(run.workers)[-3:]]
     ranks = lambda: {str(r) for r in run.watch.state.ranks}  # noqa: E731
     run.until(lambda: {p.name for p in finishers} <= ranks(), 120, "the finishers joining")
@@ -231,14 +410,15 @@ def _finish(run: Run) -> list[Proc]:
 
 
 def _chaos(run: Run, minutes: float) -> tuple[Counter[str], float]:
+    """Faults for `minutes`, and on until every kind has happened once."""
     faults: Counter[str] = Counter()
     plan: list[str] = []
     started = time.monotonic()
     end = started + minutes * 60
-    while time.monotonic() < end:
+    while time.monotonic() < end or len(faults) < len(run.kinds):
         run.pull()
         if not plan:
-            plan = list(KINDS)
+            plan = list(run.kinds)
             run.rng.shuffle(plan)
         kind = plan.pop()
         run.inject(kind)
@@ -247,35 +427,97 @@ def _chaos(run: Run, minutes: float) -> tuple[Counter[str], float]:
     return faults, time.monotonic() - started
 
 
-def _check(
-    run: Run, faults: Counter[str], chaos_s: float, minutes: float, seed: int, finishers: list[Proc]
-) -> Section:
+def _check(run: Run, faults: Counter[str], chaos_s: float, finishers: list[Proc]) -> dict[str, Any]:
+    """Every check on what the run left, as the cell's raw results."""
     run.pull()
     live = _live_status(run)
-    found = _Findings.of(run, [f for _, f in run.watch.facts], live, finishers)
-    return Section(
-        key="chaos",
-        title="Chaos: random faults while a real model trains, then every invariant",
-        command=f"python -m bench.chaos --minutes {minutes:g}",
-        header=["what", "value"],
-        rows=_rows(run, faults, chaos_s, found),
-        notes=[
-            "Two coordinators, three or more `cohort example-worker` processes (the numpy "
-            "MLP), each behind its own TCP proxy; redis-server with appendfsync always. "
-            f"Heartbeat timeout {TIMEOUT_S:g} s, lease 1 s, seed {seed}. "
-            + ("Every check passed." if found.ok else "**A check failed**: see the rows.")
+    final = list(run.watch.facts)
+    facts = [f for _, f in final]
+    report = audit(facts)
+    joined = Counter(f.worker for f in facts if isinstance(f, WorkerJoined))
+    epochs = [f.epoch for f in facts if isinstance(f, LeaderElected)]
+    versions = [f.version for f in facts if isinstance(f, WorldChanged)]
+    digests = sorted({str(_summary(p.log).get("weights_digest")) for p in finishers})
+    return {
+        "kinds": list(run.kinds),
+        "faults": dict(faults),
+        "chaos_s": chaos_s,
+        "steps": run.steps,
+        "committed": run.watch.state.counters.steps_committed,
+        "workers": run.serial,
+        "epochs": len(epochs),
+        "worlds": len(versions),
+        "grow": _only_grow(epochs) and _only_grow(versions),
+        "lost": sorted(set(run.joins) - set(joined)),
+        "twice": sorted(w for w, n in joined.items() if n > 1),
+        "finishers": len(finishers),
+        "digests": digests,
+        "agree": len(digests) == 1 and digests != ["None"] and len(finishers) >= 2,
+        "replay_ok": live["state_hash"] == state_hash(fold(facts)),
+        "audit_ok": report.ok,
+        "audit_problems": list(report.problems)[:20],
+        "diverged": diverged(final),
+        "disagree": len(disagreeing(final, run.reports)),
+        "reports": len(run.reports),
+        "replayed": _replayed(run, finishers, facts),
+        "commit_gap_s": _longest_gap([i for i, f in final if isinstance(f, StepCommitted)]),
+        "worker_outcomes": dict(Counter(p.outcome() for p in run.started if p.name in run.workers)),
+        **_rollbacks(run, final),
+    }
+
+
+def _rollbacks(run: Run, final: list[tuple[str, Fact]]) -> dict[str, Any]:
+    """What the failovers took back, who had acted on it and who noticed; how long each
+    failover took, and how many appends WAIT confirmed on fewer replicas than asked."""
+    gone = rolled_back(run.seen, final, run.reports)
+    coordinator_logs, worker_logs = run.logs(run.coordinators), run.logs(run.workers)
+    found = noticed(coordinator_logs, worker_logs)
+    actors = {w for g in gone for w in g.acted_on_by}
+    noticing = {name.split("#")[0] for name in found.workers}
+    return {
+        "failovers": [
+            {
+                "promote_s": round(f.promote_s, 2),
+                "rejoin_s": round(f.rejoin_s, 2),
+                "killed": f.killed,
+                "promoted": f.primary,
+                "settled": f.settled,
+            }
+            for f in run.failovers
+        ],  # fmt: skip
+        "rolled_back": len(gone),
+        "rolled_back_types": dict(Counter(type(g.fact).__name__ for g in gone)),
+        "rolled_back_entries": [[g.entry, type(g.fact).__name__, *g.acted_on_by] for g in gone][
+            :50
         ],
-        raw={
-            "faults": dict(faults),
-            "chaos_s": chaos_s,
-            "steps": run.steps,
-            "lost": found.lost,
-            "twice": found.twice,
-            "audit_problems": list(found.report.problems)[:20],
-            "digests": sorted(str(d) for d in found.digests),
-            "ok": found.ok,
-        },
-    )
+        "acted_on": sum(1 for g in gone if g.acted_on_by),
+        "acted_by": sorted(actors),
+        "unnoticed": sorted(actors - noticing),
+        "leaders_acted": found.leaders,
+        "noticed_coordinators": sorted(found.coordinators),
+        "noticed_workers": sorted(found.workers),
+        "folded_lost": len(found.entries),
+        "observer_refolds": run.refolds,
+        "unreplicated": sum(log.count("WAIT: journal entry") for log in coordinator_logs.values()),
+    }
+
+
+def _replayed(run: Run, finishers: list[Proc], facts: list[Fact]) -> float | None:
+    """The largest relative difference between a finisher's saved weights and those one
+    process gets replaying the journal's committed batches (None: none saved)."""
+    expected = example.reference(facts)
+    worst: float | None = None
+    for proc in finishers:
+        path = run.saved / f"{proc.name}.npz"
+        if not path.exists():
+            continue
+        with np.load(path) as saved:
+            diff = max(
+                float(np.abs(saved[k] - v).max() / (np.abs(v).max() + 1e-12))
+                for k, v in expected.items()
+            )
+        worst = diff if worst is None else max(worst, diff)
+    return worst
 
 
 def _live_status(run: Run) -> dict[str, Any]:
@@ -295,74 +537,202 @@ def _live_status(run: Run) -> dict[str, Any]:
     return live
 
 
-@dataclass(frozen=True)
-class _Findings:
-    """What the journal, the live leader and the finishers' last lines show."""
-
-    replay_ok: bool
-    report: Audit
-    epochs: list[int]
-    versions: list[int]
-    lost: list[str]
-    twice: list[str]
-    ends: list[dict[str, Any]]
-    digests: set[Any]
-
-    @classmethod
-    def of(
-        cls, run: Run, facts: list[Fact], live: dict[str, Any], finishers: list[Proc]
-    ) -> _Findings:
-        joined = Counter(f.worker for f in facts if isinstance(f, WorkerJoined))
-        ends = [_summary(p.log) for p in finishers]
-        return cls(
-            replay_ok=live["state_hash"] == state_hash(fold(facts)),
-            report=audit(facts),
-            epochs=[f.epoch for f in facts if isinstance(f, LeaderElected)],
-            versions=[f.version for f in facts if isinstance(f, WorldChanged)],
-            lost=sorted(set(run.joins) - set(joined)),
-            twice=sorted(w for w, n in joined.items() if n > 1),
-            ends=ends,
-            digests={e.get("weights_digest") for e in ends},
-        )
-
-    @property
-    def agree(self) -> bool:
-        """Every finisher ended with the same weights."""
-        return len(self.digests) == 1 and None not in self.digests
-
-    @property
-    def grow(self) -> bool:
-        """Leader epochs and world versions only grow."""
-        return _only_grow(self.epochs) and _only_grow(self.versions)
-
-    @property
-    def ok(self) -> bool:
-        checks = [self.replay_ok, self.report.ok, self.grow, not self.lost, not self.twice,
-                  self.agree, len(self.ends) >= 2]  # fmt: skip
-        return all(checks)
+def _longest_gap(entries: list[str]) -> float:
+    """The longest time between two consecutive journal entries (their IDs' server times)."""
+    times = [id_key(e)[0] / 1000 for e in entries]
+    return round(max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0), 2)
 
 
 def _only_grow(values: list[int]) -> bool:
     return values == sorted(set(values))
 
 
-def _rows(run: Run, faults: Counter[str], chaos_s: float, found: _Findings) -> list[list[str]]:
-    """The faults injected, what the run did, and each check's outcome."""
-    rows = [[f"faults: {kind}", str(faults[kind])] for kind in KINDS]
-    return rows + [
-        ["faults in all", str(sum(faults.values()))],
-        ["chaos, minutes", f"{chaos_s / 60:.1f}"],
-        ["steps committed", str(run.watch.state.counters.steps_committed)],
-        ["workers started", str(run.serial)],
-        ["leader epochs", str(len(found.epochs))],
-        ["worlds", str(len(found.versions))],
-        ["commands lost (Joins never decided)", str(len(found.lost))],
-        ["commands applied twice (Joins decided twice)", str(len(found.twice))],
-        ["final weights agree", f"{found.agree} ({len(found.ends)} finishers)"],
-        ["live leader state == replay of the journal", str(found.replay_ok)],
-        ["audit (every sample once per epoch, ranks a permutation)", str(found.report.ok)],
-        ["epochs and world versions only grow", str(found.grow)],
+def _ok(raw: dict[str, Any]) -> bool:
+    """Every check passed; with --wait-replicas, nothing anyone acted on was lost."""
+    replayed = raw["replayed"]
+    checks = [
+        raw["replay_ok"], raw["audit_ok"], raw["grow"], not raw["lost"], not raw["twice"],
+        raw["agree"], not raw["diverged"], not raw["disagree"],
+        replayed is not None and replayed <= REPLAYED_WITHIN, not raw["unnoticed"],
+    ]  # fmt: skip
+    if raw["topology"] != "single":
+        checks.append(len(raw["failovers"]) > 0)
+    if raw["wait_replicas"]:
+        checks += [not raw["acted_on"], not raw["leaders_acted"]]
+    return all(checks)
+
+
+def figures(raw: dict[str, Any]) -> list[tuple[str, str]]:
+    """The faults injected, what the run did, and each check's outcome, as (what, value)."""
+    rows = [(f"faults: {kind}", str(raw["faults"].get(kind, 0))) for kind in raw["kinds"]]
+    rows += [
+        ("faults in all", str(sum(raw["faults"].values()))),
+        ("chaos, minutes", f"{raw['chaos_s'] / 60:.1f}"),
+        ("steps committed", str(raw["committed"])),
+        ("workers started", str(raw["workers"])),
+        ("leader epochs", str(raw["epochs"])),
+        ("worlds", str(raw["worlds"])),
     ]
+    if raw["topology"] != "single":
+        rows += _failover_figures(raw)
+    return rows + [
+        ("commands lost (Joins never decided)", str(len(raw["lost"]))),
+        ("commands applied twice (Joins decided twice)", str(len(raw["twice"]))),
+        ("final weights agree", f"{raw['agree']} ({raw['finishers']} finishers)"),
+        ("final weights == one process replaying the journal (max relative difference)",
+         _replayed_figure(raw["replayed"])),
+        ("StepDones whose weights digest is not their commit's", str(raw["disagree"])),
+        ("WeightsDiverged in the journal", str(raw["diverged"])),
+        ("live leader state == replay of the journal", str(raw["replay_ok"])),
+        ("audit (every sample once per epoch, ranks a permutation)", str(raw["audit_ok"])),
+        ("epochs and world versions only grow", str(raw["grow"])),
+    ]  # fmt: skip
+
+
+def _failover_figures(raw: dict[str, Any]) -> list[tuple[str, str]]:
+    promote = [f["promote_s"] for f in raw["failovers"]]
+    rejoin = [f["rejoin_s"] for f in raw["failovers"]]
+    types = ", ".join(f"{n} {t}" for t, n in sorted(raw["rolled_back_types"].items()))
+    return [
+        ("failover: kill to a replica promoted and followed, s (median, max)", _spread(promote)),
+        ("failover: then the killed server a replica in sync, s (median, max)", _spread(rejoin)),
+        ("primary moved again, not by a fault", str(_moved(raw["failovers"]))),
+        ("longest time between two commits, s", f"{raw['commit_gap_s']:.1f}"),
+        ("appends WAIT confirmed on fewer replicas than asked", str(raw["unreplicated"])),
+        ("facts the observer read that the final journal lacks (rolled back)",
+         str(raw["rolled_back"]) + (f" ({types})" if types else "")),
+        ("... of them acted on by a worker", str(raw["acted_on"])),
+        ("lost entries a leader had acted on (it stepped down)", str(raw["leaders_acted"])),
+        ("lost entries some process had folded (from the logs)", str(raw["folded_lost"])),
+        ("processes that noticed a rollback: coordinators, workers",
+         f"{len(raw['noticed_coordinators'])}, {len(raw['noticed_workers'])}"),
+        ("workers that acted on a lost fact and did not notice", str(len(raw["unnoticed"]))),
+    ]  # fmt: skip
+
+
+def _moved(failovers: list[dict[str, int]]) -> int:
+    """Times the primary changed other than by the kill of a failover-primary fault: while a
+    failover settled (it settled on another primary than it promoted), or between two."""
+    during = sum(1 for f in failovers if f["settled"] != f["promoted"])
+    between = sum(
+        1 for a, b in zip(failovers, failovers[1:], strict=False) if b["killed"] != a["settled"]
+    )
+    return during + between
+
+
+def _spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{float(np.median(values)):.1f}, {max(values):.1f}"
+
+
+def _replayed_figure(value: float | None) -> str:
+    if value is None:
+        return "**no weights saved**"
+    return f"{value <= REPLAYED_WITHIN} ({value:.1e})"
+
+
+def _single_section(raw: dict[str, Any]) -> Section:
+    return Section(
+        key="chaos",
+        title="Chaos: random faults while a real model trains, then every invariant",
+        command=_command(raw),
+        header=["what", "value"],
+        rows=[list(row) for row in figures(raw)],
+        notes=[
+            "Two coordinators, three or more `cohort example-worker` processes (the numpy "
+            f"MLP), each behind its own TCP proxy; {raw['describe']}. Heartbeat timeout "
+            f"{TIMEOUT_S:g} s, lease 1 s, seed {raw['seed']}. "
+            + ("Every check passed." if raw["ok"] else "**A check failed**: see the rows.")
+        ],
+        raw=raw,
+    )
+
+
+HA_TITLE = "Chaos with replicas: a Redis failover loses nothing that was acted on"
+
+
+def ha_section(cells: dict[str, dict[str, Any]], command: str) -> Section:
+    """A column per run (topology and --wait-replicas), a row per figure."""
+    names = list(cells)
+    columns = {n: dict(figures(raw)) if "error" not in raw else {} for n, raw in cells.items()}
+    whats = list(dict.fromkeys(w for name in names for w in columns[name]))
+    rows = [[w, *(columns[n].get(w, "") for n in names)] for w in whats]
+    rows.append(["every check passed", *(_verdict(cells[n]) for n in names)])
+    header = ["what"] + [
+        f"{cells[n]['topology']}, --wait-replicas {cells[n]['wait_replicas']}" for n in names
+    ]
+    return Section(
+        key="chaos-ha",
+        title=HA_TITLE,
+        command=command,
+        header=header,
+        rows=rows,
+        notes=_ha_notes(cells),
+        raw={"cells": cells},
+    )
+
+
+def _verdict(raw: dict[str, Any]) -> str:
+    if "error" in raw:
+        return f"**failed**: {raw['error']}"
+    return "yes" if raw["ok"] else "**no**"
+
+
+def _ha_notes(cells: dict[str, dict[str, Any]]) -> list[str]:
+    """How the runs were made."""
+    made = sorted({f"{r['topology']}: {r['describe']}" for r in cells.values() if "describe" in r})
+    return [
+        "Each column is one run of `python -m bench.chaos --topology T --wait-replicas N "
+        "--minutes M` (the command above runs them one after another); two coordinators, "
+        "three or more `cohort example-worker` processes (the numpy MLP), every coordinator "
+        f"given `--wait-replicas N`. Heartbeat timeout {TIMEOUT_S:g} s, lease 1 s. "
+        + "; ".join(made)
+        + ".",
+    ]
+
+
+def stored_cells(page: Path) -> dict[str, dict[str, Any]]:
+    """The chaos-ha runs stored beside `page` (none: {})."""
+    stored = load(page.with_suffix(".json")).get("chaos-ha")
+    return dict(stored.raw.get("cells", {})) if stored is not None else {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=20261124)
+    parser.add_argument("--topology", choices=sorted(TOPOLOGIES), default="single")
+    parser.add_argument(
+        "--wait-replicas", type=int, default=0, help="given to every coordinator (replicas only)"
+    )
+    parser.add_argument(
+        "--into",
+        type=Path,
+        help="also write the section into this page (e.g. BENCHMARKS.md) and its JSON; with "
+        "replicas, this run's column replaces its own in the stored chaos-ha section",
+    )
+    parser.add_argument(
+        "--logs", type=Path, help="copy every server's and process's log into this folder"
+    )
+    args = parser.parse_args()
+    if args.wait_replicas < 0 or (args.wait_replicas and args.topology == "single"):
+        parser.error("--wait-replicas N (N >= 0) needs replicas: --topology sentinel or cluster")
+    raw = run_cell(args.minutes, args.seed, args.topology, args.wait_replicas, args.logs)
+    section = _single_section(raw) if args.topology == "single" else None
+    if section is None:
+        cells = {**(stored_cells(args.into) if args.into else {}), _name(raw): raw}
+        section = ha_section(
+            cells, "python -m bench --only chaos-ha" if len(cells) > 1 else _command(raw)
+        )
+    print(section.markdown())
+    if args.into is not None:
+        from bench.__main__ import FULL  # the suite's order (late: it imports this module)
+
+        publish(args.into, [section], _command(raw), list(FULL))
+        print(f"wrote {args.into} and {args.into.with_suffix('.json')}")
+    if not raw["ok"]:
+        raise SystemExit(1)
 
 
 def _summary(log: Path) -> dict[str, Any]:
@@ -374,17 +744,6 @@ def _summary(log: Path) -> dict[str, Any]:
             except json.JSONDecodeError:
                 break
     return {}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--seed", type=int, default=20261124)
-    args = parser.parse_args()
-    section = measure(args.minutes, args.seed)
-    print(section.markdown())
-    if not section.raw["ok"]:
-        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import subprocess
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,17 +99,29 @@ def environment() -> dict[str, str]:
     }
 
 
+def load(path: Path) -> dict[str, Section]:
+    """The sections stored at `path` (JSON), by key, in their stored order ({}: no file)."""
+    if not path.exists():
+        return {}
+    return {body["key"]: Section(**body) for body in json.loads(path.read_text())}
+
+
 def merge(path: Path, sections: list[Section]) -> list[Section]:
     """The sections stored at `path` (JSON) with `sections` replacing those of the same key,
     in the suite's order; stores the result."""
-    stored: dict[str, Section] = {}
-    if path.exists():
-        for body in json.loads(path.read_text()):
-            stored[body["key"]] = Section(**body)
+    stored = load(path)
     for section in sections:
         stored[section.key] = section
     path.write_text(json.dumps([asdict(s) for s in stored.values()], indent=1, default=str))
     return list(stored.values())
+
+
+def publish(out: Path, sections: list[Section], command: str, order: Sequence[str]) -> None:
+    """Store `sections` beside the page `out` (`--only` runs replace their own sections
+    only), and write the page from every stored section, in `order` (the suite's)."""
+    every = merge(out.with_suffix(".json"), sections)
+    every.sort(key=lambda s: order.index(s.key) if s.key in order else len(order))
+    out.write_text(document(every, environment(), command))
 
 
 def document(sections: list[Section], env: dict[str, str], command: str) -> str:

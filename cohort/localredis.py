@@ -373,18 +373,30 @@ class _PortTaken(LocalRedisError):
 
 class _ClusterNode(LocalRedis):
     """A cluster-enabled redis-server whose bus port is picked free too (port + 10000, the
-    default, can exceed 65535 for the high ports the OS hands out)."""
+    default, can exceed 65535 for the high ports the OS hands out), and kept by restart(),
+    as a restarted node keeps both its ports."""
 
     def __init__(self, node_timeout_ms: int, **kw: Any) -> None:
         super().__init__(**kw)
         self.node_timeout_ms = node_timeout_ms
+        self.bus_port = 0
+        self._restarting = False
+
+    def restart(self) -> LocalRedis:
+        self._restarting = True
+        try:
+            return super().restart()
+        finally:
+            self._restarting = False
 
     def _argv(self, port: int) -> list[str]:
+        if not (self._restarting and self.bus_port):  # a start, or a retry on another port
+            self.bus_port = free_port()
         return [
             *super()._argv(port),
             "--cluster-enabled", "yes",
             "--cluster-config-file", "nodes.conf",
-            "--cluster-port", str(free_port()),
+            "--cluster-port", str(self.bus_port),
             "--cluster-node-timeout", str(self.node_timeout_ms),
         ]  # fmt: skip
 

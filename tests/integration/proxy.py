@@ -49,6 +49,10 @@ class Proxy:
         self._closed.set()
         self._open.set()
         with contextlib.suppress(OSError):
+            # wakes the acceptor's accept() (closing alone leaves it blocked until the join
+            # gives up, 5 s a proxy: most of a quick chaos run's end)
+            self._listener.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
             self._listener.close()
         with self._lock:
             for sock in self._sockets:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import signal
+import sys
 import threading
 import time
 from collections import Counter
@@ -187,3 +188,33 @@ def test_the_chaos_benchmark_keeps_every_invariant_for_half_a_minute(
     raw = section["raw"]
     assert raw["ok"] and not raw["lost"] and not raw["twice"] and raw["steps"] > 0
     assert raw["chaos_s"] > 0 and sum(raw["faults"].values()) > 0
+
+
+@pytest.mark.parametrize("topology", ["sentinel", "cluster"])
+def test_the_chaos_benchmark_survives_a_failover_with_wait_losing_nothing_acted_on(
+    tmp_path: Path, quick_bench: QuickBench, topology: str
+) -> None:
+    """The quick version of one column of `python -m bench --only chaos-ha`: every fault kind
+    once (a SIGKILLed primary among them, a replica promoted, the killed server back as a
+    replica), the coordinators on `--wait-replicas 1`; then every check of the table, and
+    nothing the workers or a leader acted on rolled back. Its column lands in the page given
+    to --into, and nothing it started is left running."""
+    page = tmp_path / "B.md"
+    argv = [
+        sys.executable, "-m", "bench.chaos", "--minutes", "0.2", "--topology", topology,
+        "--wait-replicas", "1", "--into", str(page),
+    ]  # fmt: skip
+    result = quick_bench.run(argv, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    (section,) = json.loads(page.with_suffix(".json").read_text())
+    assert section["key"] == "chaos-ha" and f"| what | {topology}, --wait-replicas 1 |" in (
+        page.read_text()
+    )
+    raw = section["raw"]["cells"][f"{topology}/1"]
+    assert raw["ok"], raw
+    assert raw["faults"]["failover-primary"] == len(raw["failovers"]) >= 1
+    assert all(f["promote_s"] > 0 and f["rejoin_s"] > 0 for f in raw["failovers"])
+    assert raw["lost"] == [] and raw["twice"] == []
+    assert raw["acted_on"] == 0 and raw["leaders_acted"] == 0 and raw["unnoticed"] == []
+    assert raw["replay_ok"] and raw["audit_ok"] and raw["grow"] and raw["agree"]
+    assert raw["disagree"] == 0 and raw["diverged"] == 0 and raw["replayed"] <= 1e-6
