@@ -336,7 +336,7 @@ def run_cell(
             servers.keep_logs(logs)
         servers.stop()
     raw.update(topology=topology, wait_replicas=wait_replicas, minutes=minutes, seed=seed)
-    raw.update(describe=servers.describe(), ok=_ok(raw))
+    raw.update(describe=servers.describe(), ok=passed(raw))
     return raw
 
 
@@ -547,7 +547,7 @@ def _only_grow(values: list[int]) -> bool:
     return values == sorted(set(values))
 
 
-def _ok(raw: dict[str, Any]) -> bool:
+def passed(raw: dict[str, Any]) -> bool:
     """Every check passed; with --wait-replicas, nothing anyone acted on was lost."""
     replayed = raw["replayed"]
     checks = [
