@@ -700,6 +700,12 @@ HA_READING = [
     "is the one its step committed with, the journal holds no WeightsDiverged, and the "
     "finishers' saved weights are those of one process replaying the journal's committed "
     "global batches (`cohort.example.reference`), up to the order floats are summed in.",
+    "Sentinel's down-after is 3 s. The first runs used 1 s, and there a just-promoted "
+    "primary on these busy cores once missed a second of pings and was failed over again at "
+    "once, to the replica still syncing from it: for 10 s two primaries served (the leader "
+    "on the replaced one), its writes were then thrown away, every worker had left or been "
+    'failed, and the job stopped with its weights lost (docs/redis-ha.md, "Two primaries '
+    'for a while"). The killed server is also started again only once the failover is over.',
     "Left out: the partition faults of the one-server run. Its per-process proxies need an "
     "address per process for the same server; Sentinel and a cluster give every client the "
     "primary's own address.",
