@@ -336,7 +336,7 @@ def run_cell(
             servers.keep_logs(logs)
         servers.stop()
     raw.update(topology=topology, wait_replicas=wait_replicas, minutes=minutes, seed=seed)
-    raw.update(describe=servers.describe(), ok=_ok(raw))
+    raw.update(describe=servers.describe(), ok=passed(raw))
     return raw
 
 
@@ -547,7 +547,7 @@ def _only_grow(values: list[int]) -> bool:
     return values == sorted(set(values))
 
 
-def _ok(raw: dict[str, Any]) -> bool:
+def passed(raw: dict[str, Any]) -> bool:
     """Every check passed; with --wait-replicas, nothing anyone acted on was lost."""
     replayed = raw["replayed"]
     checks = [
@@ -679,16 +679,86 @@ def _verdict(raw: dict[str, Any]) -> str:
     return "yes" if raw["ok"] else "**no**"
 
 
+HA_READING = [
+    "How to read the failover rows: failover-primary SIGKILLs the primary (on the cluster the "
+    "one owning the job's slot); *promoted and followed* runs from the kill until a replica "
+    "serves as the primary (behind Sentinel: until the failover is over and the other replica "
+    "follows it); *a replica in sync* from then until the killed server, started again on its "
+    "own AOF, replicates the new primary with its link up (Sentinel demotes a restarted old "
+    "primary some 8 s after it reports itself). *Primary moved again* counts changes of "
+    "primary no fault asked for. *Longest time between two commits* is the longest the job "
+    "stood still (journal times).",
+    "How to read the rollback rows: the bench's observer reads the journal as workers do and "
+    "keeps every fact it read; *rolled back* are those the final journal lacks. One was "
+    "*acted on by a worker* if a StepDone rested on it (a later step after a lost commit, a "
+    "step in a lost world) before the journal decided it again; a leader had acted on a lost "
+    "entry if it found entries it had folded gone while leading (it logs it and steps down). "
+    "Who noticed is what the processes logged (`no longer holds entry`, `lost entry ... "
+    "folding it again`). With `--wait-replicas 1` a run passes only if nothing a worker or a "
+    "leader acted on was rolled back; without it a rollback is reported, and must be noticed.",
+    "How the journal is checked against what the workers did: each StepDone's weights digest "
+    "is the one its step committed with, the journal holds no WeightsDiverged, and the "
+    "finishers' saved weights are those of one process replaying the journal's committed "
+    "global batches (`cohort.example.reference`), up to the order floats are summed in.",
+    "Sentinel's down-after is 3 s. The first runs used 1 s, and there a just-promoted "
+    "primary on these busy cores once missed a second of pings and was failed over again at "
+    "once, to the replica still syncing from it: for 10 s two primaries served (the leader "
+    "on the replaced one), its writes were then thrown away, every worker had left or been "
+    'failed, and the job stopped with its weights lost (docs/redis-ha.md, "Two primaries '
+    'for a while"). The killed server is also started again only once the failover is over.',
+    "Left out: the partition faults of the one-server run. Its per-process proxies need an "
+    "address per process for the same server; Sentinel and a cluster give every client the "
+    "primary's own address.",
+]
+"""The chaos-ha section's notes that do not depend on the figures."""
+
+
 def _ha_notes(cells: dict[str, dict[str, Any]]) -> list[str]:
-    """How the runs were made."""
+    """How the runs were made, how to read them, and what the runs without WAIT lost."""
     made = sorted({f"{r['topology']}: {r['describe']}" for r in cells.values() if "describe" in r})
-    return [
+    unwaited = [r for r in cells.values() if "error" not in r and not r["wait_replicas"]]
+    gone = sum(r["rolled_back"] for r in unwaited)
+    acted = sum(r["acted_on"] for r in unwaited)
+    notes = [
         "Each column is one run of `python -m bench.chaos --topology T --wait-replicas N "
-        "--minutes M` (the command above runs them one after another); two coordinators, "
-        "three or more `cohort example-worker` processes (the numpy MLP), every coordinator "
-        f"given `--wait-replicas N`. Heartbeat timeout {TIMEOUT_S:g} s, lease 1 s. "
-        + "; ".join(made)
-        + ".",
+        "--minutes M --into BENCHMARKS.md` (the command above runs them one after another); "
+        "two coordinators, three or more `cohort example-worker` processes (the numpy MLP), "
+        f"every coordinator given `--wait-replicas N`. Heartbeat timeout {TIMEOUT_S:g} s, "
+        "lease 1 s. " + "; ".join(made) + ".",
+        *HA_READING,
+        f"Without WAIT these runs rolled back {gone} facts the observer had read ({acted} "
+        "acted on by a worker). On one host that is what to expect: a primary writes a reply "
+        "to its clients and the replication stream to its replicas in the same pass of its "
+        "event loop, so a SIGKILL leaves the replicas with everything a client was told. WAIT "
+        "matters where a replica lags the clients (another host, a stalled replica); "
+        "docs/redis-ha.md says what it then covers and what it does not "
+        "(tests/integration/test_wait_replicas.py: a reader takes a fact no replica has).",
+        *_wait_costs(cells),
+    ]
+    return [f"- {note}" for note in notes]  # a list: the page joins notes line by line
+
+
+def _wait_costs(cells: dict[str, dict[str, Any]]) -> list[str]:
+    """What WAIT cost where a primary has one replica: the cluster's runs side by side."""
+    ran = {(r["topology"], r["wait_replicas"]): r for r in cells.values() if "error" not in r}
+    waited, plain = ran.get(("cluster", 1)), ran.get(("cluster", 0))
+    if waited is None or plain is None:
+        return []
+    behind = ran.get(("sentinel", 1))
+    sentinel = (
+        f" Behind Sentinel the other replica confirms meanwhile: {behind['unreplicated']} "
+        "appends fell short there."
+        if behind is not None
+        else ""
+    )
+    return [
+        "What WAIT costs where each primary has one replica (the cluster): while the killed "
+        "node is away the new primary has no replica, so each append waits until the node is "
+        f"back, up to the 5 s timeout ({waited['unreplicated']} appends fell short and were "
+        "acted on unreplicated; no failover came before the node was back, so none was lost), "
+        "and a leader that waits longer than its 1 s lease loses it: "
+        f"{waited['epochs']} leader epochs against {plain['epochs']} without WAIT, "
+        f"{waited['committed']:,} steps committed against {plain['committed']:,}." + sentinel,
     ]
 
 

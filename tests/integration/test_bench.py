@@ -1,7 +1,8 @@
 """The benchmark suite keeps working: the quick version of every section of
-`python -m bench` runs here (netsim and throughput-netsim in test_netsim.py, chaos in
-test_chaos.py), writes its page and raw JSON, and leaves no process it started running,
-when it fails midway as well (the `quick_bench` fixture counts them: quickbench.py).
+`python -m bench` runs here (netsim and throughput-netsim in test_netsim.py, chaos and a
+column of chaos-ha per topology in test_chaos.py), writes its page and raw JSON, and leaves
+no process it started running, when it fails midway as well (the `quick_bench` fixture
+counts them: quickbench.py).
 
 Timing goals are not asserted here (BENCHMARKS.md holds them); this checks that each
 section runs, measures something and records it the way `python -m bench` documents.

@@ -1,5 +1,6 @@
-"""Chaos: coordinators and workers SIGKILLed and SIGSTOPped and redis-server restarted while a
-real model trains; afterwards the invariants of docs/design.md must hold. Bounded in time."""
+"""Chaos: coordinators and workers SIGKILLed and SIGSTOPped and redis-server restarted (or,
+with replicas, its primary failed over) while a real model trains; afterwards the invariants
+of docs/design.md must hold. Bounded in time."""
 
 from __future__ import annotations
 

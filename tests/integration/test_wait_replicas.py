@@ -41,7 +41,8 @@ class Pair:
 @pytest.fixture
 def pair() -> Iterator[Pair]:
     binary = require_redis_server()
-    primary = LocalRedis(binary=binary).start()
+    # no 5 s wait for more replicas before the first full sync (repl-diskless-sync-delay)
+    primary = LocalRedis(binary=binary, extra_args=("--repl-diskless-sync-delay", "0")).start()
     link = Proxy(primary.port)
     replica = LocalRedis(binary=binary).start()
     try:
