@@ -18,7 +18,6 @@ Every wait is for a condition, with a deadline.
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from redis.crc import key_slot
 
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.localredis import HOST, LocalCluster, LocalRedis, LocalSentinel
+from tests.helpers import wait_until
 
 T = TypeVar("T")
 POLL = 0.1
@@ -110,15 +110,10 @@ def until(
 ) -> T:
     """`done()`'s first truthy value, polled every POLL s; TopologyError after `timeout`,
     naming what did not happen and the `state` the servers were left in."""
-    deadline = time.monotonic() + timeout
-    pause = threading.Event()
-    while True:
-        value = done()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TopologyError(f"{what} did not happen within {timeout:g} s; {state()}")
-        pause.wait(POLL)
+    try:
+        return wait_until(done, timeout, POLL, what)  # type: ignore[return-value]
+    except AssertionError:
+        raise TopologyError(f"{what} did not happen within {timeout:g} s; {state()}") from None
 
 
 def roles(ports: Iterable[int]) -> str:

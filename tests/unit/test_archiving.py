@@ -95,12 +95,18 @@ def reader(journal: list[Entry]):  # type: ignore[no-untyped-def]
     return read
 
 
+def folded(held: list[Entry]) -> Archiving:
+    """A leader that folded 1,200 facts (a point every 50) over a journal holding `held`."""
+    archiving = Archiving(HOT, reader(held))
+    for n in range(50, 1201, 50):
+        archiving.points.record(f"{n}-0", state(n))
+    return archiving
+
+
 def test_a_written_segment_is_journaled_then_trimmed_until_the_trim_is_done(
     journal: list[Entry], tmp_path: Path
 ) -> None:
-    archiving = Archiving(HOT, reader(journal))
-    for n in range(50, 1201, 50):
-        archiving.points.record(f"{n}-0", state(n))
+    archiving = folded(journal)
     now = state(1200)
     assert archiving.next(now, "1:c", str(tmp_path), 0.0, 0.0) is None  # the thread starts
     fact = wait_for(archiving, now, "1:c", str(tmp_path), 0.0, 0.0)
@@ -121,9 +127,7 @@ def test_a_written_segment_is_journaled_then_trimmed_until_the_trim_is_done(
 def test_a_segment_written_under_another_lease_is_not_journaled(
     journal: list[Entry], tmp_path: Path
 ) -> None:
-    archiving = Archiving(HOT, reader(journal))
-    for n in range(50, 1201, 50):
-        archiving.points.record(f"{n}-0", state(n))
+    archiving = folded(journal)
     archiving.next(state(1200), "1:c", str(tmp_path), 0.0, 0.0)
     assert wait_for(archiving, state(1200), "2:c", str(tmp_path), 0.0, 0.0) is None  # lease 1's
     again = archiving._archiver._running if archiving._archiver else None
@@ -136,9 +140,7 @@ def test_a_segment_written_under_another_lease_is_not_journaled(
 def test_a_segment_that_cannot_be_written_is_tried_again_after_a_pause(
     journal: list[Entry], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    archiving = Archiving(HOT, reader(journal[:-600]))  # Redis holds fewer than were folded
-    for n in range(50, 1201, 50):
-        archiving.points.record(f"{n}-0", state(n))
+    archiving = folded(journal[:-600])  # Redis holds fewer than were folded
     archiving.next(state(1200), "1:c", str(tmp_path), 0.0, 0.0)
     assert wait_for(archiving, state(1200), "1:c", str(tmp_path), 1.0, 0.0) is None
     assert "not the 700 folded" in caplog.text

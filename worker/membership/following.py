@@ -192,10 +192,7 @@ class JournalFollower:
         if position == ZERO or not elects(read):
             return False
         held = with_retry(
-            lambda: self.journal.conn.xrange(self.journal.key, position, position),
-            self._stop,
-            self.link,
-            "checking the journal",
+            lambda: self.history.intact(position), self._stop, self.link, "checking the journal"
         )
         return not held
 
