@@ -18,7 +18,8 @@ The rules (docs/design.md "Membership", "Data shards and the epoch order"):
   the world changes if its membership did.
 - Leave: not in the world → WorkerLeft now; in it and `after_step` still to
   commit → WorkerLeaving (left at that boundary); else WorkerLeft and a new world now.
-- tick: a member silent for `heartbeat_timeout` → WorkerFailed; if it held a
+- tick: a member silent for `heartbeat_timeout`, or whose connections closed and
+  stayed closed for `disconnect_grace` → WorkerFailed (with its cause); if it held a
   rank the running step is aborted unless a rank already finished it (then all
   ranks contributed, so it commits), and a new world starts at the next step.
 - The world below `min_workers` → TrainingPaused; enough ready again → TrainingResumed.
@@ -392,31 +393,52 @@ def _gpu(plan: _DecisionPlan, reading: GpuReading) -> None:
 
 
 def tick(state: JobState, seen: Liveness, now: float) -> Decision:
-    """Facts that follow from time passing: members silent too long have failed."""
+    """Facts that follow from time passing: members silent too long, or whose connections
+    closed and stayed closed for the grace, have failed."""
     plan = _DecisionPlan(state, now)
     if not state.configured:
         return plan.decision()
-    timeout = plan.config.heartbeat_timeout
-    lost = [
-        (worker, seen.last_seen.get(worker, member.joined_at))
-        for worker, member in state.members.items()
-        if now - seen.last_seen.get(worker, member.joined_at) > timeout
-    ]
+    lost = _lost(state, plan.config, seen, now)
     if not lost:
         return plan.decision()
-    held_rank = not state.finished and any(worker in state.ranks for worker, _ in lost)
+    held_rank = not state.finished and any(failed.worker in state.ranks for failed in lost)
     running = held_rank and not state.paused
     if running and seen.any_reported(state.ranks, state.world_version, state.next_step):
         # A rank finished the step, so every rank contributed to it: it stands.
         step = state.next_step
         _commit(plan, seen, step)
         _ended(plan, step, _epoch_done(plan.state, step))
-    for worker, last_seen in lost:
-        plan.emit(WorkerFailed, worker=worker, last_seen=last_seen, timeout=timeout)
+    for failed in lost:
+        plan.record(failed)
     if held_rank and not plan.state.finished:
-        names = _bounded_list([w for w, _ in lost])
+        names = _bounded_list([failed.worker for failed in lost])
         _new_world(plan, f"{names} failed")
     return plan.decision()
+
+
+def _lost(state: JobState, config: JobConfig, seen: Liveness, now: float) -> list[WorkerFailed]:
+    """The members taken for dead as of `now`, each with its evidence: without any
+    connection since a reading at least the disconnect grace ago (and not heard from since
+    that reading), or silent for longer than the heartbeat timeout."""
+    timeout, grace = config.heartbeat_timeout, config.disconnect_grace
+    lost = []
+    for worker, member in state.members.items():
+        last_seen = seen.last_seen.get(worker, member.joined_at)
+        closed_at = seen.closed.get(worker) if grace > 0 else None
+        if closed_at is not None and now - closed_at >= grace and last_seen <= closed_at:
+            evidence: dict[str, Any] = {"cause": "disconnected", "closed_at": closed_at}
+            evidence["grace"] = grace
+        elif now - last_seen > timeout:
+            evidence = {}
+        else:
+            continue  # (the hot path: nothing is built for a member that is fine)
+        lost.append(
+            WorkerFailed(
+                at=now, job=state.job, worker=worker, last_seen=last_seen, timeout=timeout,
+                **evidence,
+            )
+        )  # fmt: skip
+    return lost
 
 
 # ---------------------------------------------------------------- steps and worlds

@@ -21,7 +21,7 @@ from cohort.coordinator.errors import CoordinatorError
 from cohort.coordinator.stores import Acked, DeadLetter, InboxMarks
 from cohort.events import budget
 from cohort.events.archive import History
-from cohort.events.connection import Client, primaries, text
+from cohort.events.connection import Client, primaries, server_for, text
 from cohort.events.identity import Trust
 from cohort.events.keys import Keys
 from cohort.events.streams import Entry, Inbox, Journal
@@ -176,6 +176,17 @@ class RedisJobLog:
         previous: Any = self.conn.get(self.keys.identity_previous)
         workers = frozenset(text(w) for w in revoked)
         return Trust(bytes(job_key), workers, bytes(previous) if previous else None)
+
+    def connected(self, workers: Sequence[str]) -> tuple[str, dict[str, int]]:
+        server = server_for(self.conn, self.keys.inbox)
+        pipe = server.pipeline(transaction=False)
+        pipe.info("server")
+        if workers:
+            pipe.execute_command("PUBSUB", "SHARDNUMSUB", *map(self.keys.presence, workers))
+        info, *counts = pipe.execute()
+        flat = counts[0] if counts else []
+        numbers = [int(count) for count in flat[1::2]]
+        return str(info.get("run_id", "")), dict(zip(workers, numbers, strict=True))
 
     def publish_memory(self, ttl_ms: int) -> None:
         # The tightest primary: a step's chunks spread over all of them (docs/redis-ha.md).

@@ -9,6 +9,13 @@ rebuilds it by observing the inbox window before the cursor (no decisions).
 
 Times are the Redis server's clock (an inbox entry's ID), so workers' clocks
 never matter and every coordinator measures silence the same way.
+
+Connections are the other sign of life: a running worker keeps a subscription to its
+presence channel (`Keys.presence`), and the leader counts them on the server that owns the
+job's slot (`connected`). A member seen subscribed and then without one is "closed" from
+that reading on; one never seen subscribed (an older worker, a simulated one) is judged by
+its silence alone. A reading from another server (a restart, a failover: every client lost
+its connections at once) starts the count again instead of closing anybody.
 """
 
 from __future__ import annotations
@@ -46,6 +53,12 @@ class Liveness:
         self.refused: dict[tuple[int, str], set[str]] = {}
         """(world, accused) -> the ranks that refused its data (DataRefused)."""
         self.commands = 0
+        self.server = ""
+        """The server (its run ID) the connection readings came from."""
+        self.connected_once: set[str] = set()
+        """Members seen subscribed to their presence channel on `server`."""
+        self.closed: dict[str, float] = {}
+        """Member -> server time of the first reading that found none of its connections."""
 
     def observe(self, command: Command, received_at: float) -> None:
         """Record what `command` says about its sender, received at server time `received_at`."""
@@ -115,7 +128,22 @@ class Liveness:
                 groups[reported[worker]].append(worker)
         return {digest: tuple(workers) for digest, workers in groups.items()}
 
+    def connected(self, server: str, counts: dict[str, int], at: float) -> None:
+        """A reading of server `server` at server time `at`: each member's subscriptions to
+        its presence channel. A member seen with one before and none now is closed as of
+        `at` (unless already closed earlier); one with one again is not closed any more."""
+        if server != self.server:
+            self.server, self.connected_once, self.closed = server, set(), {}
+        for worker, count in counts.items():
+            if count > 0:
+                self.connected_once.add(worker)
+                self.closed.pop(worker, None)
+            elif worker in self.connected_once:
+                self.closed.setdefault(worker, at)
+
     def forget(self, worker: str) -> None:
+        self.connected_once.discard(worker)
+        self.closed.pop(worker, None)
         self.last_seen.pop(worker, None)
         self.progress.pop(worker, None)
         self.losses.pop(worker, None)
@@ -145,3 +173,4 @@ class Liveness:
         for worker in workers:
             if self.last_seen.get(worker, 0.0) < until:
                 self.last_seen[worker] = until
+            self.closed.pop(worker, None)  # a reading after the outage closes it again

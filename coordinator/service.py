@@ -86,6 +86,9 @@ MAX_ENTRY_BYTES = 1 << 20
 """An inbox entry larger than this (its fields' bytes) is dead-lettered undecoded: every
 command cohort sends is far smaller (a Join with 10,000 file ranges is ~100 KB)."""
 MAX_SEQ = 2**64 - 1
+WATCH_EVERY = 0.1
+"""Seconds between readings of the members' connections (a job with a disconnect grace):
+while it watches them, the leader's turn waits on the inbox no longer than this."""
 TROUBLE_EVERY = 5.0
 """Seconds between InboxRepaired facts: a worker that runs the inbox ahead every turn gets
 it repaired every turn, and journaled once per this, so it cannot grow the journal fast."""
@@ -220,6 +223,8 @@ class Coordinator:
         self._marks: InboxMarks | None = None  # the inbox's marks at the last look
         self._marks_refused: str | None = None  # why Redis refused the look, once said
         self.archiving = archiving.Archiving(settings.journal_hot, joblog.entries)
+        self._watched_at = -1e9  # monotonic time of the last reading of connections
+        self._watch_refused: str | None = None  # why Redis refused the reading, once said
 
     @classmethod
     def on_redis(
@@ -436,10 +441,11 @@ class Coordinator:
         """The inbox after the cursor: this job's valid commands, dead letters for the rest,
         up to the first entry whose ID runs ahead of the server's clock."""
         self._refresh_trust()
+        block_ms = self._watch_connections()
         batch = self.settings.batch
         asked_at = self.clock.now()  # entries added after this have IDs from it on
-        entries = self.joblog.commands(self.cursor, self.settings.block_ms, batch)
-        newest = asked_at + self.settings.block_ms / 1000  # no honest entry is newer
+        entries = self.joblog.commands(self.cursor, block_ms, batch)
+        newest = asked_at + block_ms / 1000  # no honest entry is newer
         limit_ms = int((newest + SKEW) * 1000)
         turn = Turn(drained=len(entries) < batch, limit=f"{limit_ms}-{MAX_SEQ}")
         for index, entry in enumerate(entries if entries and entries[-1].ms > limit_ms else ()):
@@ -455,6 +461,34 @@ class Coordinator:
             else:
                 turn.commands.append((min(id_ms(entry.id) / 1000, newest), command, entry.id))
         return turn
+
+    def _watch_connections(self) -> int:
+        """Read which members still hold a connection (every WATCH_EVERY s, where the job has
+        a disconnect grace), before the inbox: a member found without one is judged against
+        every command it sent before the reading. Returns how long the turn may wait on the
+        inbox: no longer than the next reading is due."""
+        config, members = self.state.config, self.state.members
+        if config is None or config.disconnect_grace <= 0 or not members:
+            return self.settings.block_ms
+        if self._watch_refused is not None:
+            return self.settings.block_ms
+        block_ms = min(self.settings.block_ms, int(WATCH_EVERY * 1000))
+        now = self.clock.monotonic()
+        if now - self._watched_at < WATCH_EVERY:
+            return block_ms
+        self._watched_at = now
+        try:
+            server, counts = self.joblog.connected(list(members))
+        except redis.ResponseError as exc:  # an ACL from before cohort watched connections
+            self._watch_refused = str(exc)
+            log.warning(
+                "Redis refused PUBSUB SHARDNUMSUB (%s): members are failed by their silence "
+                "alone; run `cohort acl --apply` again to let coordinators watch connections",
+                exc,
+            )
+            return self.settings.block_ms
+        self.core.seen.connected(server, counts, self.clock.now())
+        return block_ms
 
     def _refresh_trust(self, force: bool = False) -> None:
         """Identity mode is on iff the job has a key; the revoked set may grow any time."""

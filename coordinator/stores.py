@@ -257,3 +257,9 @@ class JobLog(Protocol):
         """Redis's maxmemory and used memory, for the collectives' gradient budget; expires
         if the leader dies (then collectives write without a budget)."""
         ...
+
+    def connected(self, workers: Sequence[str]) -> tuple[str, dict[str, int]]:
+        """Which server answers (an ID that changes when it restarts or another takes over)
+        and how many subscriptions each of `workers` holds to its presence channel there:
+        the server owning the job's slot, where a worker's own connection is what counts."""
+        ...

@@ -90,6 +90,13 @@ class Keys:
     def dead(self) -> str:
         return f"{self.prefix}:dead"
 
+    def presence(self, worker: str) -> str:
+        """The sharded Pub/Sub channel (no key) `worker` keeps a subscription to while it runs:
+        it vanishes the moment the worker's process dies, so the leader asks Redis how many
+        subscribers it has (PUBSUB SHARDNUMSUB) to tell a dead process from a silent one.
+        The job's hash tag puts it on the server that owns the job's slot."""
+        return f"{self.prefix}:presence:{worker}"
+
     @property
     def identity(self) -> str:
         """The job's identity key (32 random bytes): every worker's secret derives from it

@@ -421,6 +421,12 @@ class JobConfig(BaseModel):
     JobConfigured reads as False: that job never shuffled."""
     seed: Annotated[int, Field(ge=0, le=MAX_INT)] = 0
     """The shuffle's key: the same seed gives the same orders whatever the world did."""
+    disconnect_grace: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = 0.3
+    """Seconds a member whose connections to Redis all closed may take to connect again
+    before it is failed (a process that died closes them at once; 0: only silence fails a
+    member; one as long as `heartbeat_timeout` leaves silence to act first). A config
+    journaled before v4 of JobConfigured reads as 0: its workers did not show their
+    connections."""
 
     def order(self, epoch: int, dataset: Dataset | None = None) -> Order:
         """Epoch `epoch`'s order: the sample at each position of the journal's shards.
@@ -457,10 +463,11 @@ class JobConfig(BaseModel):
 class JobConfigured(Event):
     """The job's settings, journaled by its first leader. v2 added `shuffle` and `seed` to
     the config (a v1 config is upcast with `shuffle` False: its epochs were not shuffled);
-    v3 `placement` and `global_batch`, and let `dataset_size` be None (declared by workers)."""
+    v3 `placement` and `global_batch`, and let `dataset_size` be None (declared by workers);
+    v4 `disconnect_grace` (a v3 config is upcast with 0: no connection watch)."""
 
     type: Literal["JobConfigured"] = "JobConfigured"
-    v: Literal[3] = 3
+    v: Literal[4] = 4
     config: JobConfig
 
 
@@ -527,13 +534,33 @@ class WorkerLeft(Event):
     reason: Text = ""
 
 
+FailureCause = Literal["silent", "disconnected"]
+
+
 class WorkerFailed(Event):
-    """No heartbeat for `timeout` seconds; carries the evidence."""
+    """A member is taken for dead; carries the evidence. `cause` says which sign it gave:
+    "silent", nothing heard for `timeout` s (a host gone, a process stopped or hung); or
+    "disconnected", its connections to Redis all closed at server time `closed_at` and none
+    came back within `grace` s (a process that died: the kernel closes its sockets at once).
+    `last_seen` is the server time of its last command either way. v2 added `cause`,
+    `closed_at` and `grace`: every failure before it was a silence."""
 
     type: Literal["WorkerFailed"] = "WorkerFailed"
+    v: Literal[2] = 2
     worker: WorkerId
     last_seen: Seconds
     timeout: Seconds
+    cause: FailureCause = "silent"
+    closed_at: Seconds | None = None
+    grace: Seconds | None = None
+
+    @property
+    def reason(self) -> str:
+        """Why, for people: "connections closed (none back within 0.3 s)" or "silent 5 s
+        (no heartbeat)"."""
+        if self.cause == "disconnected":
+            return f"connections closed (none back within {self.grace or 0:g} s)"
+        return f"silent {self.timeout:g} s (no heartbeat)"
 
 
 class Weights(BaseModel):

@@ -83,6 +83,21 @@ def _step_reported_no_metrics(body: Body) -> Body:
     return body
 
 
+@upcaster("JobConfigured", 3)
+def _config_gained_disconnect_grace(body: Body) -> Body:
+    """A v3 job's workers did not show their connections: silence alone failed them."""
+    config = body.get("config")
+    if not isinstance(config, dict):
+        return body
+    return {**body, "config": {**config, "disconnect_grace": 0.0}}
+
+
+@upcaster("WorkerFailed", 1)
+def _failure_was_silence(body: Body) -> Body:
+    """Every failure before v2 was a silence of `timeout` s (the default cause)."""
+    return body
+
+
 def upcast(body: Body) -> Body:
     """Apply every upcaster from the body's version up to the newest one known."""
     type_, v = body.get("type"), body.get("v", 1)

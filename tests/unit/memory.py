@@ -65,6 +65,9 @@ class MemoryLog:
     lease: MemoryLease
     journal: list[Entry] = field(default_factory=list)
     inbox: list[Entry] = field(default_factory=list)
+    subscribed: set[str] = field(default_factory=set)
+    """Workers whose presence channel has a subscriber (`connected`)."""
+    server: str = "memory-1"
     dead: list[DeadLetter] = field(default_factory=list)
     cursor_id: str = ZERO
     snapshot: bytes | None = None
@@ -264,6 +267,10 @@ class MemoryLog:
 
     def publish_memory(self, ttl_ms: int) -> None:
         pass
+
+    def connected(self, workers: Sequence[str]) -> tuple[str, dict[str, int]]:
+        """`subscribed` as a test set it: the workers with a live connection."""
+        return self.server, {worker: int(worker in self.subscribed) for worker in workers}
 
     def trust(self) -> Trust | None:
         return self.trusted

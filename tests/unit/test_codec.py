@@ -29,6 +29,7 @@ from cohort.events.models import (
     Leave,
     StepCommitted,
     StepDone,
+    WorkerFailed,
     WorkerJoined,
     WorldChanged,
 )
@@ -68,7 +69,7 @@ def test_a_join_or_joined_before_v3_describes_no_machine_and_declares_no_dataset
 def test_a_v2_job_config_deals_contiguously_with_no_global_batch() -> None:
     fact = decode_fact((FIXTURES / "JobConfigured.v2.msgpack").read_bytes())
     assert isinstance(fact, JobConfigured)
-    assert fact.v == 3 and fact.config.shuffle is True
+    assert fact.v == 4 and fact.config.shuffle is True
     assert (fact.config.dataset_size, fact.config.seed, fact.config.epochs) == (2000, 5, 2)
     assert (fact.config.placement, fact.config.global_batch) == ("contiguous", None)
 
@@ -79,6 +80,22 @@ def test_a_config_that_left_out_its_dataset_size_keeps_v2_s_default() -> None:
     assert isinstance(fact, JobConfigured)
     assert fact.config.dataset_size == 60_000
     assert JobConfig().dataset_size is None  # today a job may wait for a worker to declare
+
+
+def test_a_v3_job_config_watches_no_connections() -> None:
+    """Workers of a job configured before v4 did not show their connections: replayed or led
+    today, silence alone fails its members."""
+    fact = decode_fact((FIXTURES / "JobConfigured.v3.msgpack").read_bytes())
+    assert isinstance(fact, JobConfigured)
+    assert fact.v == 4 and fact.config.disconnect_grace == 0
+    assert JobConfig().disconnect_grace == 0.3  # a new job watches them
+
+
+def test_a_v1_failure_was_a_silence() -> None:
+    fact = decode_fact((FIXTURES / "WorkerFailed.v1.msgpack").read_bytes())
+    assert isinstance(fact, WorkerFailed)
+    assert (fact.v, fact.cause, fact.closed_at, fact.grace) == (2, "silent", None, None)
+    assert fact.reason == "silent 5 s (no heartbeat)"
 
 
 def test_heartbeat_v1_reads_with_unknown_progress() -> None:
@@ -92,7 +109,7 @@ def test_a_v1_job_config_keeps_its_unshuffled_epochs() -> None:
     positions still are its samples, whatever today's default says."""
     fact = decode_fact((FIXTURES / "JobConfigured.v1.msgpack").read_bytes())
     assert isinstance(fact, JobConfigured)
-    assert fact.v == 3 and fact.config.shuffle is False
+    assert fact.v == 4 and fact.config.shuffle is False
     assert (fact.config.dataset_size, fact.config.epochs) == (1000, 3)
     assert fact.config.order(1).samples(((0, 5),)).tolist() == [0, 1, 2, 3, 4]
     assert JobConfig().shuffle is True  # a new job shuffles

@@ -96,7 +96,7 @@ def test_join_refused_for_this_worker_records_the_reason() -> None:
 @pytest.mark.parametrize(
     "gone, reason",
     [
-        (fact(m.WorkerFailed, worker=ME, last_seen=1.0, timeout=5.0), "no heartbeat for 5 s"),
+        (fact(m.WorkerFailed, worker=ME, last_seen=1.0, timeout=5.0), "failed: silent 5 s"),
         (fact(m.WorkerLeft, worker=ME, reason="drained"), "drained"),
     ],
 )

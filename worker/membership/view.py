@@ -247,8 +247,7 @@ def evolve(view: View, fact: m.Fact) -> View:  # noqa: C901 - the fact dispatche
         case m.WorkerLeft():
             return _removed(view, fact.worker, f"left ({fact.reason or 'left'})", left=True)
         case m.WorkerFailed():
-            reason = f"declared failed: no heartbeat for {fact.timeout:g} s"
-            return _removed(view, fact.worker, reason, failed=True)
+            return _removed(view, fact.worker, f"declared failed: {fact.reason}", failed=True)
         case m.WorldChanged():
             return replace(view, plans=(*view.plans, WorldPlan.of(fact))[-KEEP_PLANS:])
         case m.EpochStarted():
