@@ -96,6 +96,7 @@ _COORDINATOR = (
     "+time",  # the server clock decides silence
     "+smembers",  # the revoked workers (identity mode)
     "+info",  # durability: refuse a Redis without AOF (INFO persistence)
+    "+pubsub|shardnumsub",  # whose presence subscription is gone (a process that died)
 )  # fmt: skip
 _COORDINATOR_7_2 = ("+waitaof",)  # --wait-aof
 
@@ -105,6 +106,7 @@ _WORKER = (
     "+xread", "+xrange", "+xrevrange", "+xlen",  # the journal and notice streams
     "+set", "+get", "+unlink", "+del", "+pexpire", "+exists",  # grad / weights blobs
     "+time",
+    "+ssubscribe", "+sunsubscribe",  # its presence channel (worker/membership/presence.py)
 )  # fmt: skip
 
 # torchrun's agents (--rdzv-backend=cohort): each a member of the job as a worker is, but
@@ -117,6 +119,7 @@ _TORCHRUN = (
     "+hget", "+hmget", "+hset", "+hincrby", "+hdel", "+hlen", "+hkeys",
     "+rpush", "+lpop", "+llen", "+sadd", "+srem", "+smembers",
     "+exists", "+pexpire", "+del", "+unlink",
+    "+ssubscribe", "+sunsubscribe",  # its presence channel, as a worker's
 )  # fmt: skip
 
 # Read commands that take no key would show other jobs' key names: key patterns
@@ -175,6 +178,7 @@ def rules(
             f"%R~{keys.archive}",  # where the journal's archived segments are
             f"%R~{keys.memory}",  # the gradient budget the leader publishes
             *_collective(keys, worker),
+            f"&{keys.presence(identity.check_worker(worker) if worker else '*')}",
         ]
     if role == "torchrun":
         return [
@@ -185,6 +189,7 @@ def rules(
             f"%R~{keys.archive}",
             f"~{keys.rendezvous}",
             f"~{keys.c10d_groups}*",  # the store's groups, hashes, events and queues
+            f"&{keys.presence('*')}",
         ]
     if role == "viewer":
         return [

@@ -36,6 +36,13 @@ OPTIONS = [
         help="Seconds of silence before a worker is failed (default 5).",
     ),
     click.option(
+        "--disconnect-grace",
+        type=float,
+        help="Seconds a worker whose connections to Redis all closed (its process died) may "
+        "take to connect again before it is failed, long before its silence would tell; 0: "
+        "by silence alone (default 0.3).",
+    ),
+    click.option(
         "--dataset-size",
         type=int,
         help="Samples per epoch (default: the dataset the first worker to join declares; a "

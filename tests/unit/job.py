@@ -141,6 +141,10 @@ class Job:
         for worker in workers:
             self.heartbeat(worker)
 
+    def connections(self, server: str = "server-1", **counts: int) -> None:
+        """The leader reads each named member's presence subscriptions on `server`, now."""
+        self.core.seen.connected(server, counts, self.now)
+
 
 def types(facts: tuple[Fact, ...] | list[Fact]) -> list[str]:
     return [type(f).__name__ for f in facts]

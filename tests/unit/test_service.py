@@ -473,3 +473,52 @@ def test_silence_during_the_leaders_own_redis_outage_fails_nobody() -> None:
     setup.clock.advance(2.0)  # more than the timeout since Redis came back, and still silent
     leader.step()
     assert "WorkerFailed" in setup.types()
+
+
+def test_the_leader_reads_connections_each_turn_and_fails_a_closed_member_after_the_grace() -> None:
+    """Each turn (at most every WATCH_EVERY s) the leader asks which members hold a presence
+    subscription, before it reads the inbox; a member found without one and silent since is
+    failed once the grace passed, the journal saying why."""
+    setup = Setup(heartbeat_timeout=30.0, disconnect_grace=0.3)
+    leader = leader_of(setup)
+    setup.join("a", "b")
+    setup.log.subscribed = {"a", "b"}
+    leader.step()
+    assert set(leader.state.members) == {"a", "b"}
+    setup.clock.advance(service.WATCH_EVERY)
+    leader.step()  # the first reading with them members: both connected
+    setup.log.subscribed = {"a"}  # b's process died: its sockets closed
+    setup.clock.advance(service.WATCH_EVERY)
+    leader.step()
+    closed_at = setup.clock.now()
+    setup.clock.advance(0.2)
+    leader.step()
+    assert failed(setup) == []
+    setup.clock.advance(0.15)
+    leader.step()
+    (b,) = failed(setup)
+    assert (b.worker, b.cause, b.closed_at, b.grace) == ("b", "disconnected", closed_at, 0.3)
+
+
+def test_a_redis_that_refuses_the_reading_leaves_failures_to_silence(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    setup = Setup(heartbeat_timeout=5.0)
+    leader = leader_of(setup)
+    setup.join("a")
+    calls = []
+
+    def refused(workers: Any) -> Any:
+        calls.append(workers)
+        raise redis.ResponseError("NOPERM this user has no permissions to run 'pubsub'")
+
+    setup.log.connected = refused  # type: ignore[method-assign]
+    for _ in range(3):
+        setup.clock.advance(1.0)
+        leader.step()
+    assert len(calls) == 1, "a refused reading is not tried every turn"
+    assert "failed by their silence alone" in caplog.text and "cohort acl --apply" in caplog.text
+    for _ in range(3):
+        setup.clock.advance(1.0)
+        leader.step()
+    assert [f.cause for f in failed(setup)] == ["silent"]

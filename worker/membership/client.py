@@ -63,6 +63,7 @@ from cohort.worker.membership.delivery import Delivery
 from cohort.worker.membership.following import JournalFollower
 from cohort.worker.membership.heartbeat import HeartbeatThread
 from cohort.worker.membership.joining import JoinRequest, refusal
+from cohort.worker.membership.presence import PresenceThread
 from cohort.worker.membership.retry import AnyOf, Halt, Link, url_of
 from cohort.worker.membership.signals import ShutdownSignals
 from cohort.worker.membership.stamp import Stamp
@@ -189,6 +190,9 @@ class Worker:
             world_changed=self.world_changed,
             config_changed=self._heartbeat.wake,  # a new config re-paces the heartbeat
             advice_changed=self._gpu.advice_changed,
+        )
+        self._presence = PresenceThread(
+            self.conn, self.keys.presence(self.id), self._stop, self.log
         )
         self._joining = JoinRequest(
             self.conn,
@@ -342,7 +346,11 @@ class Worker:
         self._stop.clear()
         self._heartbeat.wake.clear()
         self._following.catch_up(deadline, halt)
-        runs = {"tail": self._following.run, "heartbeat": self._heartbeat.run}
+        runs = {
+            "tail": self._following.run,
+            "heartbeat": self._heartbeat.run,
+            "presence": self._presence.run,
+        }
         sampler = self._gpu.sampler(self._stop)
         if sampler is not None:
             runs["gpu"] = sampler
