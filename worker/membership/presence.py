@@ -84,5 +84,5 @@ class PresenceThread:
                     self.subscribed.set()
         finally:
             self.subscribed.clear()
-            with contextlib.suppress(DROPPED):
+            with contextlib.suppress(*DROPPED):
                 pubsub.close()
