@@ -48,6 +48,7 @@ from cohort.coordinator.core import Core
 from cohort.coordinator.election import RedisLease
 from cohort.coordinator.errors import ConfigConflictError, Conflict, CoordinatorError, Fenced
 from cohort.coordinator.joblog import Durability, RedisJobLog
+from cohort.coordinator.liveness import Liveness
 from cohort.coordinator.metrics import Metrics
 from cohort.coordinator.refusals import Refusals, claimed_sender
 from cohort.coordinator.replay import fact_details
@@ -902,6 +903,8 @@ class Coordinator:
                         for d in (seen.gpus[w].devices if w in seen.gpus else ())
                     ],
                     "transfers": _transfers(seen.transfers.get(w)),
+                    "connections": _connections(seen, w),
+                    "closed_at": seen.closed.get(w),
                 }
                 for w in self.state.members
             },
@@ -982,6 +985,15 @@ class Coordinator:
             self.state.archived_facts,
             len(self.state.archived),
         )
+
+
+def _connections(seen: Liveness, worker: str) -> str:
+    """What the leader's last reading said of `worker`'s connections: "open", "closed" (none
+    since `closed_at`: it is failed once the grace passes) or "unwatched" (never seen with
+    one: judged by its silence alone)."""
+    if worker in seen.closed:
+        return "closed"
+    return "open" if worker in seen.connected_once else "unwatched"
 
 
 def _transfers(waiting: TransfersWaiting | None) -> dict[str, float] | None:

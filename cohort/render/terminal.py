@@ -288,7 +288,7 @@ def status_view(body: dict[str, Any], recent: list[tuple[str, str]] | None = Non
                 str(progress[1]) if progress[1] >= 0 else "-",
                 f"{step_time:.3f}s" if step_time is not None else "-",
                 _gpu(seen.get("gpu") or []),
-                _flags(worker, member, body),
+                _flags(worker, member, body, seen),
             )
         )
     rows.extend(_fitted(WORKER_COLUMNS, cells))
@@ -303,9 +303,12 @@ def status_view(body: dict[str, Any], recent: list[tuple[str, str]] | None = Non
     return Group(*rows)
 
 
-def _flags(worker: str, member: dict[str, Any], body: dict[str, Any]) -> str:
-    """The chief (rank 0: every new world's weights come from it), evaluators, stragglers."""
+def _flags(worker: str, member: dict[str, Any], body: dict[str, Any], seen: dict[str, Any]) -> str:
+    """The chief (rank 0: every new world's weights come from it), evaluators, stragglers,
+    and a member whose connections closed (failed unless they come back within the grace)."""
     flags = []
+    if seen.get("connections") == "closed":
+        flags.append("[red]connections closed[/]")
     if worker == body.get("chief"):
         flags.append("[bold]chief[/]")
     if member.get("role") == "evaluator":

@@ -5,6 +5,10 @@ flight and any sent meanwhile wait, nothing is refused, no connection closes (as
 retransmits through a cut link). `heal()` delivers everything held, late, in order.
 Clients whose socket timeout passes meanwhile see a timeout, as they would on a real
 network; cuts shorter than it deliver every held command late.
+
+`drop()` is the other kind of blip: every connection through the proxy is closed at both
+ends (Redis sees its clients go, as when a process dies or a middlebox restarts) and new
+ones are closed as soon as they come, until `restore()`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class Proxy:
         self._open = threading.Event()
         self._open.set()
         self._closed = threading.Event()
+        self._refusing = threading.Event()
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         self._listener = socket.create_server((HOST, 0))
@@ -44,6 +49,20 @@ class Proxy:
     def heal(self) -> None:
         """Deliver what was held and pass bytes again."""
         self._open.set()
+
+    def drop(self) -> None:
+        """Close every connection both ways, and each new one at once, until `restore()`."""
+        self._refusing.set()
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def restore(self) -> None:
+        """Let connections through again (after `drop()`)."""
+        self._refusing.clear()
 
     def close(self) -> None:
         self._closed.set()
@@ -73,6 +92,9 @@ class Proxy:
         while not self._closed.is_set():
             try:
                 client, _ = self._listener.accept()
+                if self._refusing.is_set():
+                    client.close()  # dropped: the client sees its connection closed
+                    continue
                 upstream = socket.create_connection((HOST, self.target))
             except OSError:
                 if self._closed.is_set():

@@ -232,6 +232,26 @@ def test_worker_cannot_touch_another_job(worker_conn: redis.Redis) -> None:
     refused(worker_conn, "SET", "unrelated", "x")
 
 
+def test_worker_holds_its_job_s_presence_and_the_coordinator_counts_it(
+    server: LocalRedis, worker_conn: redis.Redis, coordinator_conn: redis.Redis
+) -> None:
+    """A worker may subscribe to its job's presence channels (and no other channel, nor
+    publish on them); the coordinator may count them and do nothing else with channels."""
+    pubsub = worker_conn.pubsub()
+    pubsub.ssubscribe(KEYS.presence("w1"))
+    assert pubsub.get_message(timeout=5)["type"] == "ssubscribe"
+    counted = coordinator_conn.execute_command("PUBSUB", "SHARDNUMSUB", KEYS.presence("w1"))
+    assert counted == [KEYS.presence("w1").encode(), 1]
+    pubsub.close()
+    for channel in (Keys(OTHER).presence("w1"), "unrelated"):
+        other = as_role(server, "worker").pubsub()
+        with pytest.raises(NoPermissionError):
+            other.ssubscribe(channel)
+            other.get_message(timeout=5)
+    refused(worker_conn, "SPUBLISH", KEYS.presence("w1"), "x")
+    refused(coordinator_conn, "SPUBLISH", KEYS.presence("w1"), "x")
+
+
 @pytest.mark.parametrize(
     "command",
     [
