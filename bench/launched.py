@@ -65,6 +65,7 @@ from bench.goodput import (
 )
 from bench.results import Section, verdict
 from cohort.coordinator.replay import JournalWatch
+from cohort.coordinator.state import JobState
 from cohort.events.connection import RedisSettings, connect
 from cohort.events.models import StepCommitted
 from cohort.processes import children, end
@@ -112,12 +113,25 @@ def _stop(launcher: subprocess.Popen[bytes]) -> None:
 
 
 # ---------------------------------------------------------------- cohort run
-def _cohort(ranks: int, failure_free: float, every: float, kills: int) -> Healing:
+LAUNCHED_FLAGS = ("--heartbeat-interval", "0.5", "--heartbeat-timeout", str(TIMEOUT_S))
+"""This section's cohort settings: a rank failed after 2 s of silence."""
+
+
+def _cohort(
+    ranks: int,
+    failure_free: float,
+    every: float,
+    kills: int,
+    flags: Sequence[str] = LAUNCHED_FLAGS,
+    victim: str = "oldest",
+) -> Healing:
+    """`cohort run -n ranks` with `flags` added; `victim`: "oldest", the rank process that
+    has run longest, or "rank", the process of the member holding rank 0 longest in the
+    world (with spares, the oldest process may be a spare, which holds no rank)."""
     tmp = Path(tempfile.mkdtemp(prefix="cohort-launched-"))
     launcher = subprocess.Popen(
         [sys.executable, "-m", "cohort", "run", "-n", str(ranks), "--job", JOB,
-         "--run-dir", str(tmp / "run"), "--heartbeat-interval", "0.5",
-         "--heartbeat-timeout", str(TIMEOUT_S), "--min-workers", "1",
+         "--run-dir", str(tmp / "run"), *flags, "--min-workers", "1",
          "--dataset-size", str(DATASET), "--batch-size", str(BATCH),
          "--global-batch", str(BATCH * ranks), "--max-restarts", "100",
          "--", sys.executable, "-m", "bench.goodput", "cohort-rank"],
@@ -146,7 +160,10 @@ def _cohort(ranks: int, failure_free: float, every: float, kills: int) -> Healin
 
         def kill(_: int) -> None:
             killed.append(time.time())
-            _kill_oldest(launcher.pid, b"cohort-rank")
+            if victim == "oldest":
+                _kill_oldest(launcher.pid, b"cohort-rank")
+            else:
+                _kill_rank(watch.state)
 
         run = _periods(time.time, failure_free, every, kills, times, pull, kill,
                        committed_between, lambda _, at: _healed(commits, at),
@@ -158,6 +175,14 @@ def _cohort(ranks: int, failure_free: float, every: float, kills: int) -> Healin
         )
     finally:
         _stop(launcher)
+
+
+def _kill_rank(state: JobState) -> None:
+    """SIGKILL the process of the world's first rank: a rank, never a spare."""
+    member = state.members.get(state.ranks[0]) if state.ranks else None
+    if member is not None and member.pid:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member.pid, signal.SIGKILL)
 
 
 def _healed(commits: Sequence[tuple[float, int, int]], when: float) -> float:
