@@ -87,9 +87,10 @@ MAX_ENTRY_BYTES = 1 << 20
 """An inbox entry larger than this (its fields' bytes) is dead-lettered undecoded: every
 command cohort sends is far smaller (a Join with 10,000 file ranges is ~100 KB)."""
 MAX_SEQ = 2**64 - 1
-WATCH_EVERY = 0.1
+WATCH_EVERY = 0.05
 """Seconds between readings of the members' connections (a job with a disconnect grace):
-while it watches them, the leader's turn waits on the inbox no longer than this."""
+while it watches them, the leader's turn waits on the inbox no longer than this, and no
+longer than until a closed member's grace ends."""
 TROUBLE_EVERY = 5.0
 """Seconds between InboxRepaired facts: a worker that runs the inbox ahead every turn gets
 it repaired every turn, and journaled once per this, so it cannot grow the journal fast."""
@@ -488,7 +489,11 @@ class Coordinator:
                 exc,
             )
             return self.settings.block_ms
-        self.core.seen.connected(server, counts, self.clock.now())
+        seen = self.core.seen
+        seen.connected(server, counts, self.clock.now())
+        if seen.closed:  # judge the first closed member as its grace ends, not a turn later
+            ends = min(seen.closed.values()) + config.disconnect_grace - self.clock.now()
+            block_ms = max(1, min(block_ms, int(ends * 1000) + 1))
         return block_ms
 
     def _refresh_trust(self, force: bool = False) -> None:
