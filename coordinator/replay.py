@@ -271,6 +271,10 @@ def view(state: JobState) -> dict[str, Any]:
     body["paused"] = state.paused and not state.finished  # a finished job waits for nothing
     for worker, member in body["members"].items():
         member["rank"] = state.rank_of(worker)
+    body["spares"] = {
+        status: [m.worker for m in state.spares if m.status == status]
+        for status in ("ready", "syncing")
+    }
     body["shards"] = [s.model_dump(mode="json")["ranges"] for s in state.shards]
     if state.dataset is not None:  # the files' count, not 100,000 sizes in every status
         body["dataset"] = {
