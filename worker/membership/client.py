@@ -121,6 +121,7 @@ class Worker:
         node: Node | None = None,
         role: str = "trainer",
         wait_for_redis: float | None = None,
+        spare: bool = False,
     ) -> None:
         """`wait_for_redis`: seconds `join` waits at start-up for Redis to answer before it
         raises RedisUnreachableError naming the URL (default $COHORT_WAIT_FOR_REDIS, else 10)."""
@@ -132,6 +133,7 @@ class Worker:
         self.role = role
         """The member's role: "agent" for a launcher's member that trains nothing of the job's
         dealing (events.models.Join)."""
+        self.spare = spare  # a spare's loop clears it once promoted: a rejoin is a trainer's
         self.keys = Keys(job)
         self.job = job
         self.wait_for_redis = start_wait(wait_for_redis)
@@ -318,13 +320,9 @@ class Worker:
 
     def _join_command(self) -> Join:
         return self._stamp(
-            Join,
-            host=socket.gethostname()[:255],
-            pid=os.getpid(),
-            node=self._node(),
-            dataset=self.dataset,
-            role=self.role,
-        )
+            Join, host=socket.gethostname()[:255], pid=os.getpid(), node=self._node(),
+            dataset=self.dataset, role=self.role, spare=self.spare,
+        )  # fmt: skip
 
     def _accepted(self, before: View, answered: View) -> None:
         """Raise JoinRefusedError if the answer to the Join sent at `before` is a refusal."""
