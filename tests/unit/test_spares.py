@@ -4,12 +4,15 @@ docs/design.md). The leader's state, a replay of its journal and a worker's view
 
 from __future__ import annotations
 
+from rich.console import Console
+
 from cohort.coordinator.audit import audit
 from cohort.coordinator.replay import view
 from cohort.coordinator.spares import replacing
 from cohort.coordinator.state import Member
 from cohort.events import models as m
 from cohort.events.models import Join, Node, SparePromoted, WorkerActivated
+from cohort.render.terminal import status_view
 from cohort.worker.membership.view import View
 from cohort.worker.membership.view import fold as view_fold
 from tests.unit.job import JOB, Job, types
@@ -40,6 +43,13 @@ def _training(**config: object) -> Job:
     _spare(job, "s1")
     job.step()
     return job
+
+
+def _terminal(body: dict[str, object]) -> str:
+    """What `cohort status` prints of a state's view."""
+    out = Console(width=200, record=True)
+    out.print(status_view(body))
+    return out.export_text()
 
 
 def _agrees(job: Job) -> None:
@@ -213,10 +223,12 @@ def test_status_shows_the_spares_and_the_report_the_promotion() -> None:
     body = view(job.state)
     assert body["spares"] == {"ready": ["s1"], "syncing": ["s2"]}
     assert body["members"]["s1"]["spare"] is True and body["members"]["s1"]["rank"] is None
+    assert "spares ready s1  syncing s2  promoted 0" in _terminal(body)
     job.leave("c")
     body = view(job.state)
     assert body["spares"] == {"ready": [], "syncing": ["s2"]}
     assert body["counters"]["promotions"] == 1 and body["members"]["s1"]["rank"] == 2
+    assert "spares syncing s2  promoted 1" in _terminal(body)
     run = Run(
         JOB, journal=[Entry(f"{i + 1}-0", {FIELD: encode(f)}) for i, f in enumerate(job.journal)]
     )
