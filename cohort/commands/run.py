@@ -137,13 +137,13 @@ def _launch_settings(
     from cohort.launcher.supervision import Policy
 
     job_settings_given = JobSettings.of(params)
-    job_settings_given.config()  # bad settings: exit 2 before anything starts
+    config, _ = job_settings_given.config()  # bad settings: exit 2 before anything starts
     job = params["job"] or _new_job_name()
     node = params["node"] or _host_name()
     _check_node(node)
     argv = _command(command)
     ranks = _ranks(params["nproc"])
-    spares = _spares(params["spares"])
+    spares = _spares(params["spares"], ranks, config.max_workers)
     coordinators = 0 if params["no_coordinator"] else params["coordinators"]
     redis_url = ctx.obj.get("redis_url")
     if redis_url:
@@ -204,10 +204,16 @@ def _ranks(text: str, count_gpus: Callable[[], int] | None = None) -> int:
     return int(text)
 
 
-def _spares(text: str) -> int:
-    """--spares: a number of warm spares, 0 or more."""
+def _spares(text: str, ranks: int = 1, max_workers: int = 64) -> int:
+    """--spares: a number of warm spares, 0 or more, that fits in the job's max_workers
+    beside this node's ranks (a spare is a member: one beyond it would be refused)."""
     if not text.isdigit():
         fail(f"--spares {text}: give a number of spares of 0 or more (0: none)")
+    if ranks + int(text) > max_workers:
+        fail(
+            f"--spares {text}: {ranks} rank(s) and {text} spare(s) are more members than the "
+            f"job's max_workers={max_workers}; raise --max-workers or keep fewer spares"
+        )
     return int(text)
 
 

@@ -37,6 +37,17 @@ def test_spares_that_are_not_a_count_are_refused_by_name(
     assert f"--spares {text}: give a number of spares of 0 or more" in capsys.readouterr().err
 
 
+def test_more_spares_than_max_workers_allow_beside_the_ranks_are_refused_by_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _spares("1", ranks=3, max_workers=4) == 1
+    with pytest.raises(SystemExit) as exited:
+        _spares("2", ranks=3, max_workers=4)
+    assert exited.value.code == 2
+    said = capsys.readouterr().err
+    assert "--spares 2: 3 rank(s) and 2 spare(s)" in said and "max_workers=4" in said
+
+
 def test_gpu_is_one_rank_per_gpu_nvml_sees() -> None:
     assert gpu_count(FakeNvml(FakeGpu(), FakeGpu(), FakeGpu())) == 3
     assert _ranks("gpu", lambda: 3) == 3
