@@ -4,6 +4,8 @@ docs/design.md). The leader's state, a replay of its journal and a worker's view
 
 from __future__ import annotations
 
+import io
+
 from rich.console import Console
 
 from cohort.coordinator.audit import audit
@@ -12,6 +14,7 @@ from cohort.coordinator.spares import replacing
 from cohort.coordinator.state import Member
 from cohort.events import models as m
 from cohort.events.models import Join, Node, SparePromoted, WorkerActivated
+from cohort.render.page import render
 from cohort.render.terminal import status_view
 from cohort.worker.membership.view import View
 from cohort.worker.membership.view import fold as view_fold
@@ -47,7 +50,7 @@ def _training(**config: object) -> Job:
 
 def _terminal(body: dict[str, object]) -> str:
     """What `cohort status` prints of a state's view."""
-    out = Console(width=200, record=True)
+    out = Console(width=200, record=True, file=io.StringIO())
     out.print(status_view(body))
     return out.export_text()
 
@@ -237,3 +240,7 @@ def test_status_shows_the_spares_and_the_report_the_promotion() -> None:
     assert [m.label for m in data.markers if m.kind == "promotion"] == ["spare s1 promoted for c"]
     promoted = [line for line in data.timeline if line.type == "SparePromoted"]
     assert promoted and promoted[0].membership and "replaces=c" in promoted[0].text
+    page = render(data, "spares")
+    assert ">spares</text>" in page and "spare s1 promoted for c" in page  # its lane, labelled
+    assert '<th>spares promoted</th><td class="num">1</td>' in page
+    assert "<td>SparePromoted</td><td>worker=s1 replaces=c</td>" in page  # the timeline
