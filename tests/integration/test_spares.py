@@ -48,10 +48,11 @@ JOB = (
     "--placement", "strided", "--epochs", "4",
     "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2",
 )  # fmt: skip
-SETUP = ("--route", "redis", "--optimizer", "sgd", "--schedule", "step", "--pace", "0.2")
-HOLD = "12:4"
-"""The failure run's ranks wait inside step 12 until the job has four members again: the
-dead rank's replacement has joined (as the new spare) before the job can end."""
+SETUP = ("--route", "redis", "--optimizer", "sgd", "--schedule", "step", "--pace", "0.3")
+HOLDS = ("--hold-at", "3:4", "--hold-at", "12:4")
+"""The failure run's ranks wait inside step 3 until the spare has joined (so it is ready as
+training runs), and inside step 12 until the job has four members again: the dead rank's
+replacement has joined, as the new spare, before the job can end."""
 
 
 def _worker_of(pid: int) -> str:
@@ -83,7 +84,7 @@ def test_a_spare_takes_a_killed_ranks_place_a_new_spare_starts_and_the_job_learn
     out.mkdir()
     run = Launch(
         "-n", "3", "--spares", "1", "--node", "n", *JOB, "--export", str(tmp_path / "run.export"),
-        SCRIPT, str(out), *SETUP, "--hold-at", HOLD, cwd=tmp_path,
+        SCRIPT, str(out), *SETUP, *HOLDS, cwd=tmp_path,
     )  # fmt: skip
     assert run.run_json()["spares"] == 1
     watch = run.journal()
