@@ -572,7 +572,12 @@ class Elastic:
                 try:
                     assignment = self.worker.wait_active(POLL)
                 except Finished as end:
-                    log.info("%s: %s; it ends with the final weights", self.worker.id, end)
+                    ends = (
+                        "waited as a spare to the end"
+                        if self.spare
+                        else "ends with the final weights"
+                    )
+                    log.info("%s: %s; it %s", self.worker.id, end, ends)
                     return
                 except WaitTimeoutError:
                     lost_logged = self._say_if_lost(lost_logged)
