@@ -34,6 +34,13 @@ The rules (docs/design.md "Membership", "Data shards and the epoch order"):
 - The job's length (`max_steps`, `epochs`): the commit that reaches it ends the job with
   the last checkpoint's request and JobFinished; then no step commits, joins are refused,
   leavers leave at once and silent members fail, without new worlds.
+- Spares (coordinator/spares.py): a member that joined as a spare syncs like any joiner
+  but is never activated at a step boundary and counts toward no world. When the world
+  loses ranks (failed, left, drained, removed), the same decision promotes one ready spare
+  per lost rank (SparePromoted: one on the lost rank's machine first, then the one ready
+  longest, then by name) before the new world ranks it after the survivors; a job paused
+  below `min_workers` after it started promotes as many as make up the numbers. A spare
+  that fails or leaves changes no world; after the end nothing is promoted.
 - Roles: an evaluator joins as a member "evaluating": it is never synced, activated or
   ranked, so it counts toward no world and no `min_workers`, and its failure changes no
   world; its EvalDone of a committed step → EvalReported (also after the end).
@@ -49,10 +56,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple
 
-from cohort.coordinator import gpu_rules, lineage, stragglers
+from cohort.coordinator import gpu_rules, lineage, spares, stragglers
 from cohort.coordinator.fold import evolve
 from cohort.coordinator.liveness import Liveness
-from cohort.coordinator.state import JobState
+from cohort.coordinator.state import JobState, Member
 from cohort.events import deal
 from cohort.events.models import (
     CheckpointExpired,
@@ -84,6 +91,7 @@ from cohort.events.models import (
     Resume,
     Rewound,
     RoundStarted,
+    SparePromoted,
     StepCommitted,
     StepDone,
     StragglerCleared,
@@ -253,6 +261,7 @@ def _join(plan: _DecisionPlan, command: Join) -> None:
         pid=command.pid,
         node=command.node,
         role=command.role,
+        spare=command.spare,
     )
 
 
@@ -357,7 +366,7 @@ def _leave(plan: _DecisionPlan, command: Leave) -> None:
         plan.emit(WorkerLeaving, worker=command.worker, after_step=command.after_step)
         return
     plan.emit(WorkerLeft, worker=command.worker, reason=reason)
-    _new_world(plan, f"{command.worker} left")
+    _new_world(plan, f"{command.worker} left" + _promote(plan, [member]))
 
 
 def _refused_data(plan: _DecisionPlan, seen: Liveness, command: DataRefused) -> None:
@@ -374,8 +383,9 @@ def _refused_data(plan: _DecisionPlan, seen: Liveness, command: DataRefused) -> 
     if 2 * len(accusers) <= len(state.ranks) - 1:
         return
     why = f"its data for step {command.step} failed verification by {_bounded_list(accusers)}"
+    lost = [m for m in (state.members.get(accused),) if m is not None]
     plan.emit(WorkerLeft, worker=accused, reason=f"removed: {why} ({command.reason})"[:1024])
-    _new_world(plan, f"{accused} removed: {why}")
+    _new_world(plan, f"{accused} removed: {why}" + _promote(plan, lost))
 
 
 def _gpu(plan: _DecisionPlan, reading: GpuReading) -> None:
@@ -401,7 +411,8 @@ def tick(state: JobState, seen: Liveness, now: float) -> Decision:
     lost = _lost(state, plan.config, seen, now)
     if not lost:
         return plan.decision()
-    held_rank = not state.finished and any(failed.worker in state.ranks for failed in lost)
+    ranks_lost = [state.members[f.worker] for f in lost if f.worker in state.ranks]
+    held_rank = not state.finished and bool(ranks_lost)
     running = held_rank and not state.paused
     if running and seen.any_reported(state.ranks, state.world_version, state.next_step):
         # A rank finished the step, so every rank contributed to it: it stands.
@@ -412,7 +423,7 @@ def tick(state: JobState, seen: Liveness, now: float) -> Decision:
         plan.record(failed)
     if held_rank and not plan.state.finished:
         names = _bounded_list([failed.worker for failed in lost])
-        _new_world(plan, f"{names} failed")
+        _new_world(plan, f"{names} failed" + _promote(plan, ranks_lost))
     return plan.decision()
 
 
@@ -485,12 +496,14 @@ def _boundary(plan: _DecisionPlan, seen: Liveness, step: int, epoch_done: bool) 
             )
         else:
             plan.emit(StragglerCleared, worker=worker, step_time=mine, median=middle)
-    changed = []
+    changed, drained = [], []
     for member in plan.state.with_status("draining"):
         if member.leave_after is not None and member.leave_after <= step:
             plan.emit(WorkerLeft, worker=member.worker, reason="drained")
             changed.append(f"{member.worker} left")
-    for member in plan.state.with_status("ready"):
+            drained.append(member)
+    promoted = _promote(plan, drained)
+    for member in plan.state.joiners("ready"):  # a spare waits for a rank the world loses
         plan.emit(WorkerActivated, worker=member.worker)
         changed.append(f"{member.worker} joined")
     state = plan.state
@@ -505,7 +518,7 @@ def _boundary(plan: _DecisionPlan, seen: Liveness, step: int, epoch_done: bool) 
             )
             return
     if changed:
-        _new_world(plan, _bounded_list(changed, sep="; "))
+        _new_world(plan, _bounded_list(changed, sep="; ") + promoted)
 
 
 def _new_world(plan: _DecisionPlan, reason: str) -> None:
@@ -566,6 +579,17 @@ def _start_world(
     _pace(plan)
 
 
+def _promote(plan: _DecisionPlan, lost: list[Member]) -> str:
+    """One ready spare takes the place of each of the `lost` ranks (before the new world is
+    built, which ranks it after the survivors); what the world's reason adds to say so."""
+    chosen = spares.replacing(plan.state, lost)
+    for spare, rank in chosen:
+        plan.emit(SparePromoted, worker=spare, replaces=rank)
+    if not chosen:
+        return ""
+    return "; " + _bounded_list([f"spare {spare} for {rank}" for spare, rank in chosen])
+
+
 def _whole(state: JobState) -> tuple[tuple[int, int], ...]:
     """Every position of an epoch."""
     assert state.dataset is not None, "no world starts before the dataset is known"
@@ -599,14 +623,21 @@ def _pace(plan: _DecisionPlan) -> None:
         state = plan.state  # paused now; ready workers may make up the numbers at once
     if active + len(state.members) < config.min_workers:
         return  # too few even if every member were ready (skips a look at each member)
-    ready = state.with_status("ready")
+    ready = state.joiners("ready")
     unranked = [m.worker for m in state.with_status("active") if m.worker not in state.ranks]
-    if active + len(unranked) + len(ready) < config.min_workers:
+    missing = config.min_workers - (active + len(unranked) + len(ready))
+    # Spares make up the numbers of a job that lost ranks; before its first world, the
+    # trainers it waits for are still on their way, and the spares wait for them.
+    standby = spares.making_up(state, missing) if state.started else ()
+    if missing > len(standby):
         return
-    if ready or unranked:
+    for worker in standby:
+        plan.emit(SparePromoted, worker=worker, replaces=None)
+    if ready or unranked or standby:
         for member in ready:
             plan.emit(WorkerActivated, worker=member.worker)
-        _new_world(plan, _bounded_list([m.worker for m in ready] + unranked) + " joined")
+        joined = [m.worker for m in ready] + unranked + list(standby)
+        _new_world(plan, _bounded_list(joined) + " joined")
         return
     plan.emit(TrainingResumed, active=active)
 

@@ -29,6 +29,7 @@ from cohort.events.models import (
     LeaderElected,
     RendezvousRound,
     Rewound,
+    SparePromoted,
     StepCommitted,
     StragglerCleared,
     StragglerDetected,
@@ -93,7 +94,14 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:  # noqa: C901 - 
         case WorkerJoined():
             status: Status = "evaluating" if fact.role == "evaluator" else "syncing"
             member = Member(
-                fact.worker, status, fact.at, fact.host, fact.pid, node=fact.node, role=fact.role
+                fact.worker,
+                status,
+                fact.at,
+                fact.host,
+                fact.pid,
+                node=fact.node,
+                role=fact.role,
+                spare=fact.spare,
             )
             return {
                 "members": {**state.members, fact.worker: member},
@@ -102,9 +110,14 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:  # noqa: C901 - 
         case JoinRefused():
             return {"counters": _count(state.counters, refused=1)}
         case WorkerSynced():
-            return _member(state, fact.worker, status="ready", synced_step=fact.step)
+            return _member(
+                state, fact.worker, status="ready", synced_step=fact.step, synced_at=fact.at
+            )
         case WorkerActivated():
             return _member(state, fact.worker, status="active")
+        case SparePromoted():
+            changes = _member(state, fact.worker, status="active", spare=False)
+            return {**changes, "counters": _count(state.counters, promotions=1)} if changes else {}
         case WorkerLeaving():
             return _member(state, fact.worker, status="draining", leave_after=fact.after_step)
         case WorkerLeft():

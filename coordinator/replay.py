@@ -17,6 +17,7 @@ from typing import IO, Any
 
 import msgpack
 
+from cohort.coordinator import spares
 from cohort.coordinator.errors import CoordinatorError
 from cohort.coordinator.fold import fold
 from cohort.coordinator.state import JobState, dump, state_hash
@@ -271,6 +272,10 @@ def view(state: JobState) -> dict[str, Any]:
     body["paused"] = state.paused and not state.finished  # a finished job waits for nothing
     for worker, member in body["members"].items():
         member["rank"] = state.rank_of(worker)
+    body["spares"] = {
+        "ready": [m.worker for m in spares.ready(state)],
+        "syncing": [m.worker for m in state.spares if m.status == "syncing"],
+    }
     body["shards"] = [s.model_dump(mode="json")["ranges"] for s in state.shards]
     if state.dataset is not None:  # the files' count, not 100,000 sizes in every status
         body["dataset"] = {

@@ -27,6 +27,7 @@ from cohort.events.models import (
     JobFinished,
     LeaderElected,
     Rewound,
+    SparePromoted,
     StepDone,
     StragglerDetected,
     TrainingPaused,
@@ -63,7 +64,7 @@ class Marker:
     """Something that happened at one instant, drawn as a vertical line on every plot."""
 
     at: float
-    kind: str  # failure, leader, world, pause, resume, straggler, diverged, advice, advice-cleared
+    kind: str  # failure, leader, world, promotion, pause, resume, straggler, diverged, advice, …
     label: str
     entry_id: str
 
@@ -77,6 +78,8 @@ class Summary:
     failed: int = 0
     left: int = 0
     refused: int = 0
+    promotions: int = 0
+    """Spares promoted into a world in a lost rank's place (SparePromoted)."""
     elections: int = 0
     world_changes: int = 0
     divergences: int = 0
@@ -281,6 +284,7 @@ def _summary(facts: _FactSeries, inbox: _InboxSeries, run: Run) -> Summary:
         failed=counts["WorkerFailed"],
         left=counts["WorkerLeft"],
         refused=counts["JoinRefused"],
+        promotions=counts["SparePromoted"],
         elections=counts["LeaderElected"],
         world_changes=counts["WorldChanged"],
         divergences=counts["WeightsDiverged"],
@@ -311,6 +315,9 @@ def _membership_marker(fact: Fact) -> tuple[str, str] | None:
             return "failure", f"{fact.worker} failed (silent {fact.timeout:g}s)"
         case LeaderElected():
             return "leader", f"leader {fact.coordinator} (epoch {fact.epoch})"
+        case SparePromoted():
+            instead = f" for {fact.replaces}" if fact.replaces else " to make up min_workers"
+            return "promotion", f"spare {fact.worker} promoted{instead}"
         case WorldChanged():
             return "world", f"world {fact.version}: {len(fact.ranks)} ranks - {fact.reason}"
         case TrainingPaused():

@@ -50,6 +50,8 @@ class Member:
     host: str = ""
     pid: int = 0
     synced_step: int | None = None
+    synced_at: float | None = None
+    """When it became ready (WorkerSynced): a spare ready longer is promoted first."""
     leave_after: int | None = None
     straggler: bool = False
     node: Node | None = None
@@ -57,6 +59,9 @@ class Member:
     role: Role = "trainer"
     workloads: tuple[Workload, ...] = ()
     """The GPU workloads it registered, oldest first."""
+    spare: bool = False
+    """A spare (`Join(spare=True)`): synced and ready, it waits for a rank the world loses and
+    is never activated at a step boundary; `SparePromoted` makes it active, not a spare."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +84,8 @@ class Counters:
     that does not prove their worker."""
     forged: int = 0
     inbox_repairs: int = 0
+    promotions: int = 0
+    """Spares promoted to take a lost rank's place (SparePromoted)."""
     rounds: int = 0
     """Rendezvous rounds of a launcher's agents (torchrun's) journaled; `runs` of them began
     a run (none of the last round's agents a member any more), each other one restarted
@@ -183,6 +190,15 @@ class JobState:
 
     def with_status(self, status: Status) -> tuple[Member, ...]:
         return tuple(m for m in self.members.values() if m.status == status)
+
+    def joiners(self, status: Status) -> tuple[Member, ...]:
+        """Members of `status` that are not spares: the ones a step boundary activates."""
+        return tuple(m for m in self.members.values() if m.status == status and not m.spare)
+
+    @property
+    def spares(self) -> tuple[Member, ...]:
+        """Members waiting as spares (syncing or ready), in the order they joined."""
+        return tuple(m for m in self.members.values() if m.spare)
 
 
 @lru_cache(maxsize=16)

@@ -15,6 +15,7 @@ from cohort.coordinator.replay import fact_details
 from cohort.events.models import (
     Fact,
     JoinRefused,
+    SparePromoted,
     StepCommitted,
     WorkerActivated,
     WorkerFailed,
@@ -28,6 +29,7 @@ MEMBERSHIP = (
     WorkerJoined,
     JoinRefused,
     WorkerActivated,
+    SparePromoted,
     WorkerLeaving,
     WorkerLeft,
     WorkerFailed,

@@ -131,10 +131,10 @@ Metrics = Annotated[
 
 class Join(Event):
     """A worker asks to join the job. v2 renamed v1's `name` to `worker`; v3 added `node`
-    (what its machine is) and `dataset` (the data it trains on)."""
+    (what its machine is) and `dataset` (the data it trains on); v4 `spare`."""
 
     type: Literal["Join"] = "Join"
-    v: Literal[3] = 3
+    v: Literal[4] = 4
     worker: WorkerId
     host: Annotated[str, StringConstraints(max_length=255)] = ""
     pid: Annotated[int, Field(ge=0, le=2**31)] = 0
@@ -145,6 +145,16 @@ class Join(Event):
     on no data of the job's own dealing, so it declares none and the job need not know its
     dataset. An evaluator trains nothing; it evaluates the committed weights and reports
     `EvalDone`."""
+    spare: bool = False
+    """A trainer that waits, synced, to take the place of a rank the job loses (`cohort run
+    --spares`): it holds no rank and no shard and costs no collective until the leader
+    promotes it (`SparePromoted`). Only a trainer can be a spare."""
+
+    @model_validator(mode="after")
+    def _only_a_trainer_is_a_spare(self) -> Join:
+        if self.spare and self.role != "trainer":
+            raise ValueError(f"a spare trains when promoted: role {self.role!r} cannot be one")
+        return self
 
 
 class Heartbeat(Event):
@@ -488,15 +498,17 @@ class LeaderElected(Event):
 
 class WorkerJoined(Event):
     """v2 added `node`, the machine the worker described in its Join; v3 its `role` (every
-    member before v3 was a trainer or an agent, and the journal never told them apart)."""
+    member before v3 was a trainer or an agent, and the journal never told them apart); v4
+    `spare` (a member that waits, synced, for a rank the job loses)."""
 
     type: Literal["WorkerJoined"] = "WorkerJoined"
-    v: Literal[3] = 3
+    v: Literal[4] = 4
     worker: WorkerId
     host: Annotated[str, StringConstraints(max_length=255)] = ""
     pid: int = 0
     node: Node | None = None
     role: Role = "trainer"
+    spare: bool = False
 
 
 class JoinRefused(Event):
@@ -518,6 +530,17 @@ class WorkerSynced(Event):
 class WorkerActivated(Event):
     type: Literal["WorkerActivated"] = "WorkerActivated"
     worker: WorkerId
+
+
+class SparePromoted(Event):
+    """A ready spare takes the place of `replaces`, a rank the world lost (failed, left or
+    removed) in the same decision: it is active from now on and the new world ranks it
+    after the survivors. `replaces` is None where it makes up `min_workers` for a job
+    paused after losing ranks."""
+
+    type: Literal["SparePromoted"] = "SparePromoted"
+    worker: WorkerId
+    replaces: WorkerId | None = None
 
 
 class WorkerLeaving(Event):
@@ -898,6 +921,7 @@ Fact = Annotated[
     | JoinRefused
     | WorkerSynced
     | WorkerActivated
+    | SparePromoted
     | WorkerLeaving
     | WorkerLeft
     | WorkerFailed

@@ -66,6 +66,13 @@ def _joined_as_a_trainer(body: Body) -> Body:
     return body
 
 
+@upcaster("Join", 3)
+@upcaster("WorkerJoined", 3)
+def _joined_as_no_spare(body: Body) -> Body:
+    """Members before v4 were never spares (the default): each was ranked once ready."""
+    return body
+
+
 @upcaster("JobConfigured", 2)
 def _config_gained_placement(body: Body) -> Body:
     """A v2 config dealt contiguously with no global batch (today's defaults for the new

@@ -40,6 +40,16 @@ if TYPE_CHECKING:
     metavar="N|gpu",
     help="Ranks to run on this node; `gpu`: one per GPU NVML sees.",
 )
+@click.option(
+    "--spares",
+    default="0",
+    show_default=True,
+    metavar="K",
+    help="Warm spares to keep on this node besides its ranks: each runs the script up to its "
+    "first step (imports, model, loader) and waits there, synced, in no world; when a rank "
+    "is lost a spare takes its place at once and a new spare starts behind it. For scripts "
+    "on cohort's elastic loop (ElasticJob, NumpyElasticJob).",
+)
 @job_option(
     "The job (default $COHORT_JOB, else a new name, printed); nodes of one job name the same.",
     required=False,
@@ -127,12 +137,13 @@ def _launch_settings(
     from cohort.launcher.supervision import Policy
 
     job_settings_given = JobSettings.of(params)
-    job_settings_given.config()  # bad settings: exit 2 before anything starts
+    config, _ = job_settings_given.config()  # bad settings: exit 2 before anything starts
     job = params["job"] or _new_job_name()
     node = params["node"] or _host_name()
     _check_node(node)
     argv = _command(command)
     ranks = _ranks(params["nproc"])
+    spares = _spares(params["spares"], ranks, config.max_workers)
     coordinators = 0 if params["no_coordinator"] else params["coordinators"]
     redis_url = ctx.obj.get("redis_url")
     if redis_url:
@@ -140,7 +151,10 @@ def _launch_settings(
         _check_credentials(ctx, job, node, params["worker_credentials"])
     run_dir = params["run_dir"] or Path("cohort-runs") / f"{job}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = run_dir.resolve()
-    click.echo(f"cohort run: job {job!r}, {ranks} rank(s) on node {node!r}, logs in {run_dir}")
+    kept = f" and {spares} spare(s)" if spares else ""
+    click.echo(
+        f"cohort run: job {job!r}, {ranks} rank(s){kept} on node {node!r}, logs in {run_dir}"
+    )
     return LaunchSettings(
         job=job,
         command=argv,
@@ -157,6 +171,7 @@ def _launch_settings(
         log_level=ctx.find_root().params.get("log_level", "info"),
         stop_grace=params["stop_grace"],
         worker_credentials=params["worker_credentials"],
+        spares=spares,
     )
 
 
@@ -186,6 +201,19 @@ def _ranks(text: str, count_gpus: Callable[[], int] | None = None) -> int:
         return count
     if not text.isdigit() or int(text) < 1:
         fail(f"-n {text}: give a number of ranks of 1 or more, or `gpu`")
+    return int(text)
+
+
+def _spares(text: str, ranks: int = 1, max_workers: int = 64) -> int:
+    """--spares: a number of warm spares, 0 or more, that fits in the job's max_workers
+    beside this node's ranks (a spare is a member: one beyond it would be refused)."""
+    if not text.isdigit():
+        fail(f"--spares {text}: give a number of spares of 0 or more (0: none)")
+    if ranks + int(text) > max_workers:
+        fail(
+            f"--spares {text}: {ranks} rank(s) and {text} spare(s) are more members than the "
+            f"job's max_workers={max_workers}; raise --max-workers or keep fewer spares"
+        )
     return int(text)
 
 

@@ -51,6 +51,9 @@ TURN_MS = 100
 """How long a turn of the loop waits on the journal: the launcher's pace."""
 COORDINATOR_EXIT_WAIT = 10.0
 """Once the job finished, how long the coordinators get to exit on their own."""
+FATE_MARGIN = 10.0
+"""With spares: beyond the heartbeat timeout, how long a dead rank's replacement waits for
+its fate (and a spare's promotion) to be journaled before it picks its role anyway."""
 
 
 class LaunchError(CohortError):
@@ -86,6 +89,9 @@ class LaunchSettings:
     """After a signal, how long the ranks get to finish their step and leave."""
     worker_credentials: bool = False
     """Give each rank its own credential even if the job does not sign its commands yet."""
+    spares: int = 0
+    """Warm spares to keep on this node besides `ranks` (their scripts wait, synced, for a
+    lost rank's place)."""
 
 
 @dataclass
@@ -95,6 +101,10 @@ class Member:
     slot: Slot
     proc: Proc | None = None
     worker: str = ""
+    spare: bool = False
+    """Whether its current process was started as a spare."""
+    fate_by: float | None = None
+    """While its replacement waits for the dead worker's fate to be journaled: until when."""
 
 
 class Launcher:
@@ -109,7 +119,11 @@ class Launcher:
         self.settings = settings
         self.console = console
         self.clock = clock
-        self.ranks = [Member(Slot(i)) for i in range(settings.ranks)]
+        self.ranks = [
+            Member(Slot(i), spare=i >= settings.ranks)
+            for i in range(settings.ranks + settings.spares)
+        ]
+        """The node's slots: `ranks` started as trainers, then `spares` started as spares."""
         self.coordinators = [Member(Slot(i)) for i in range(settings.coordinators)]
         self.restarts = 0
         self.signals = 0
@@ -221,6 +235,7 @@ class Launcher:
             "private_redis": settings.redis_url is None,
             "node": settings.node,
             "ranks": settings.ranks,
+            "spares": settings.spares,
             "command": list(settings.command),
             "run_dir": str(settings.run_dir),
             **more,
@@ -299,8 +314,11 @@ class Launcher:
         if member.slot.state is State.RUNNING and proc is not None and not proc.alive():
             self._exited(member, proc, now, "rank")
         elif supervision.due(member.slot, now) and not self.stopping:
+            role = self._replacement_role(member, now)
+            if role is None:
+                return  # its fate is not journaled yet: the next turns look again
             self.restarts += 1
-            self._start_rank(index)
+            self._start_rank(index, spare=role == "spare")
         elif member.slot.state is State.WAITING and (self.stopping or self.finished):
             member.slot = supervision.stopped_waiting(member.slot)
 
@@ -344,14 +362,38 @@ class Launcher:
                 f"up on it. Its log ({proc.log}) ends:\n{proc.tail(15)}"
             )
 
+    def _replacement_role(self, member: Member, now: float) -> str | None:
+        """The role a slot's next process starts in: with no spares, a trainer; else as the
+        journal says (supervision.replacement_role), once the dead worker is no longer a
+        member or FATE_MARGIN past its heartbeat timeout, whichever comes first."""
+        if not self.settings.spares:
+            return "trainer"
+        state = self.watch.state
+        if member.fate_by is None:
+            timeout = state.config.heartbeat_timeout if state.config is not None else 5.0
+            member.fate_by = now + timeout + FATE_MARGIN
+        alive = 0
+        for other in self.ranks:
+            if other is member or other.proc is None or not other.proc.alive():
+                continue
+            journaled = state.members.get(other.worker)
+            alive += not (journaled.spare if journaled is not None else other.spare)
+        role = supervision.replacement_role(
+            member.worker not in state.members, now >= member.fate_by, alive, self.settings.ranks
+        )
+        if role is not None:
+            member.fate_by = None
+        return role
+
     # ------------------------------------------------------------ processes
 
     def _start_ranks(self) -> None:
-        for index in range(self.settings.ranks):
-            self._start_rank(index)
+        for index, member in enumerate(self.ranks):
+            self._start_rank(index, member.spare)
 
-    def _start_rank(self, index: int) -> None:
-        """A process for local rank `index`: the user's command, told who it is."""
+    def _start_rank(self, index: int, spare: bool = False) -> None:
+        """A process for local rank `index`: the user's command, told who it is (and
+        whether it is a spare)."""
         member = self.ranks[index]
         if member.proc is not None:
             member.slot = supervision.started(member.slot)
@@ -368,12 +410,14 @@ class Launcher:
             "COHORT_LOCAL_WORLD_SIZE": str(self.settings.ranks),
             "COHORT_NODE": self.settings.node,
             "COHORT_WORKER_ID": worker,
+            "COHORT_SPARE": "1" if spare else "0",
             "PYTHONUNBUFFERED": "1",
         }
         log = self.log_dir / f"rank-{index}.log"
         with log.open("a") as handle:
-            handle.write(f"==== {worker}: {' '.join(self.settings.command)}\n")
-        member.worker = worker
+            role = " (a spare)" if spare else ""
+            handle.write(f"==== {worker}{role}: {' '.join(self.settings.command)}\n")
+        member.worker, member.spare = worker, spare
         member.proc = Proc(
             worker, list(self.settings.command), log, env=env, echo=self._echo_for(worker)
         )
@@ -420,8 +464,11 @@ class Launcher:
         """How a rank's output lines are shown: after its worker id and current rank."""
 
         def echo(line: str) -> None:
-            rank = self.watch.state.rank_of(worker)
-            prefix = Text(f"[{worker} r{'-' if rank is None else rank}] ", style="dim")
+            state = self.watch.state
+            rank, member = state.rank_of(worker), state.members.get(worker)
+            spare = member is not None and member.spare
+            where = "spare" if spare else "r-" if rank is None else f"r{rank}"
+            prefix = Text(f"[{worker} {where}] ", style="dim")
             self.console.print(prefix + Text(line), soft_wrap=True, highlight=False)
 
         return echo
@@ -504,7 +551,8 @@ class Launcher:
             self.next_chaos = now + self.settings.chaos
         if now < self.next_chaos:
             return
-        victim = self.chaos_rng.choice(self.ranks)
+        state = self.watch.state
+        victim = self.chaos_rng.choice([m for m in self.ranks if m.worker in state.ranks])
         assert victim.proc is not None and victim.proc.popen is not None
         self.say(f"chaos: SIGKILL {victim.worker}")
         self.chaos_victims.add(victim.proc.popen.pid)
@@ -512,17 +560,21 @@ class Launcher:
         self.next_chaos = None
 
     def _healed(self) -> bool:
-        """Training runs and every local rank runs, as a rank of the current world."""
+        """Training runs and every local slot runs, as a rank of the current world or a
+        ready spare, with the node's number of ranks in the world."""
         state = self.watch.state
         if state.last_committed < 0 or state.paused:
             return False
-        return all(
-            m.slot.state is State.RUNNING
-            and m.proc is not None
-            and m.proc.alive()
-            and m.worker in state.ranks
+
+        def placed(worker: str) -> bool:
+            member = state.members.get(worker)
+            return worker in state.ranks or (member is not None and member.status == "ready")
+
+        return sum(m.worker in state.ranks for m in self.ranks) >= self.settings.ranks and all(
+            m.slot.state is State.RUNNING and m.proc is not None and m.proc.alive()
+            and placed(m.worker)
             for m in self.ranks
-        )
+        )  # fmt: skip
 
     # ------------------------------------------------------------ the end
 
@@ -538,7 +590,10 @@ class Launcher:
             self.say(f"could not export the journal ({exc}): `cohort export` it later")
         code = self._verdict(report)
         self._summarise(report, exported, code)
-        self._write_run_json(exit=int(code), finished=self.watch.state.finished)
+        state = self.watch.state
+        self._write_run_json(
+            exit=int(code), finished=state.finished, promotions=state.counters.promotions
+        )
         return code
 
     def _stop_coordinators(self) -> None:
@@ -587,12 +642,21 @@ class Launcher:
         self.say(
             f"cohort run: {end}: {state.counters.steps_committed} steps committed over "
             f"{state.counters.epochs_finished} epochs in {took:.0f} s; {failures} failure(s) "
-            f"survived, {self.restarts} rank(s) restarted; audit (every sample exactly once "
-            f"per epoch): {'passed' if report.ok else 'FAILED'}"
+            f"survived, {self.restarts} rank(s) restarted{self._spares_said()}; audit (every "
+            f"sample exactly once per epoch): {'passed' if report.ok else 'FAILED'}"
         )
         self.say(f"logs: {self.settings.run_dir}" + (f"; export: {exported}" if exported else ""))
         if code is Exit.FAILED:
             self.say("every local rank was given up on: see its log above")
+
+    def _spares_said(self, live: bool = False) -> str:
+        """The spares' part of the summary or (`live`) the status line; nothing without."""
+        if not self.settings.spares:
+            return ""
+        state = self.watch.state
+        ready = sum(1 for m in state.spares if m.status == "ready")
+        now = f" ({ready} ready)" if live else ""
+        return f", {self.settings.spares} spare(s){now}, {state.counters.promotions} promoted"
 
     # ------------------------------------------------------------ showing
 
@@ -622,7 +686,8 @@ class Launcher:
         return Text(
             f"{self.settings.job}: step {state.last_committed + 1}, epoch {state.epoch}, "
             f"{len(state.ranks)} ranks (world v{state.world_version}), {rate}, {eta}, "
-            f"{self.restarts} restart(s)" + ("  [paused]" if state.paused else ""),
+            f"{self.restarts} restart(s){self._spares_said(live=True)}"
+            + ("  [paused]" if state.paused else ""),
             style="bold",
         )
 

@@ -8,6 +8,11 @@ ran less than `Policy.stable_after` seconds count against `Policy.max_restarts`,
 longer and longer before the next try, so a script that cannot start (an ImportError)
 ends in a clear stop instead of a crash loop; a rank that trained a while and then died
 (a preemption, the OOM killer) is replaced at once and starts its count afresh.
+
+With warm spares (`cohort run --spares K`) a replacement's role follows the journal: once
+the dead worker's fate is journaled (the leader promoted a spare in its place, if one was
+ready), it starts as a spare if the node has its ranks' worth of trainers alive, else as
+a trainer (`replacement_role`).
 """
 
 from __future__ import annotations
@@ -114,3 +119,15 @@ def started(slot: Slot) -> Slot:
 def stopped_waiting(slot: Slot) -> Slot:
     """A slot that waited to restart, once the job finished or the launcher stops: done."""
     return replace(slot, state=State.DONE, restart_at=None) if slot.state is State.WAITING else slot
+
+
+def replacement_role(
+    fate_journaled: bool, waited_out: bool, trainers_alive: int, ranks: int
+) -> str | None:
+    """What a slot's replacement process starts as: "spare" when the node already has
+    `ranks` trainers alive (a spare took the dead one's place), else "trainer"; None while
+    the dead worker is still a member of the journal and its deadline has not passed (its
+    fate, and a promotion with it, is yet to come)."""
+    if not fate_journaled and not waited_out:
+        return None
+    return "spare" if trainers_alive >= ranks else "trainer"

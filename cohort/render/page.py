@@ -40,6 +40,7 @@ MARKER_COLORS = {
     "failure": "#d62728",
     "leader": "#9467bd",
     "world": "#999999",
+    "promotion": "#2ca02c",
     "pause": "#ff7f0e",
     "resume": "#2ca02c",
     "straggler": "#bcbd22",
@@ -55,6 +56,7 @@ LANES = (
     ("failure", ("failure",)),
     ("leader", ("leader",)),
     ("world", ("world",)),
+    ("spares", ("promotion",)),
     ("paused", ("pause", "resume", "finished")),
     ("straggler", ("straggler",)),
     ("diverged", ("diverged",)),
@@ -268,7 +270,7 @@ def _events_plot(axis: _Axis, markers: Sequence[Marker]) -> str:
         )
         mine = [m for m in markers if m.kind in kinds]
         out.extend(_markers(axis, mine, y0 + 3, y0 + lane_height - 3))
-        if kinds[0] in ("failure", "leader", "advice"):
+        if kinds[0] in ("failure", "leader", "promotion", "advice"):
             out.extend(_lane_labels(axis, mine, kinds[0], y0 + 15))
     if not markers:
         out.append(
@@ -394,6 +396,7 @@ def _summary_table(data: ReportData) -> str:
         ("workers joined", s.joined),
         ("workers failed", s.failed),
         ("workers left", s.left),
+        ("spares promoted", s.promotions),
         ("joins refused", s.refused),
         ("leader elections", s.elections),
         ("world changes", s.world_changes),

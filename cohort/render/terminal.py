@@ -50,10 +50,24 @@ def _summary_lines(body: dict[str, Any]) -> list[str]:
         f"epochs {counters['epochs_finished']}  elections {counters['elections']}  "
         f"facts {body['facts']}  state hash {body['state_hash']}",
         *_progress_lines(body),
+        *_spare_lines(body),
         *_journal_lines(body),
         *_lineage_lines(body),
         *_waiting_lines(body),
     ]
+
+
+def _spare_lines(body: dict[str, Any]) -> list[str]:
+    """The warm spares waiting (ready, syncing) and how many were promoted (none: nothing)."""
+    spares, promoted = body.get("spares") or {}, body["counters"].get("promotions", 0)
+    ready, syncing = spares.get("ready") or [], spares.get("syncing") or []
+    if not (ready or syncing or promoted):
+        return []
+    waiting = "  ".join(
+        f"{how} {', '.join(names)}" for how, names in (("ready", ready), ("syncing", syncing))
+        if names
+    )  # fmt: skip
+    return [f"[bold]spares[/] {waiting or 'none waiting'}  promoted {promoted}"]
 
 
 def _launcher_lines(body: dict[str, Any]) -> list[str]:
@@ -313,6 +327,8 @@ def _flags(worker: str, member: dict[str, Any], body: dict[str, Any], seen: dict
         flags.append("[bold]chief[/]")
     if member.get("role") == "evaluator":
         flags.append("evaluator")
+    if member.get("spare"):
+        flags.append("spare")
     if member.get("straggler"):
         flags.append("[red]straggler[/]")
     return " ".join(flags)

@@ -234,6 +234,8 @@ def test_a_launcher_whose_redis_user_cannot_issue_credentials_is_refused(
         (("--job", "bad name", SCRIPT), Exit.USAGE, "job name 'bad name' is not valid"),
         (("--node", "a b", SCRIPT), Exit.USAGE, "--node 'a b'"),
         (("--batch-size", "-4", SCRIPT), Exit.USAGE, "batch_size=-4"),
+        (("--spares", "-1", SCRIPT), Exit.USAGE, "--spares -1: give a number of spares"),
+        (("--spares", "2", "--max-workers", "2", SCRIPT), Exit.USAGE, "max_workers=2"),
         (
             ("--redis-url", "redis://127.0.0.1:1/0", "--wait-for-redis", "0.2", SCRIPT),
             Exit.REDIS,

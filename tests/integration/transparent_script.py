@@ -1,8 +1,10 @@
 """A training script whose result must not depend on the failures it lives through.
 
-    python transparent_script.py OUT_DIR --redis-url URL --job JOB --id WORKER
+    python transparent_script.py OUT_DIR [--redis-url URL --job JOB --id WORKER]
         --route redis|gloo --optimizer sgd|adam --schedule step|epoch
-        [--hold-at STEP:MEMBERS] [--die-at STEP[:CHECKPOINT] | +N]
+        [--hold-at STEP:MEMBERS ...] [--die-at STEP[:CHECKPOINT] | +N] [--pace SECONDS]
+
+Under `cohort run` the Redis URL, job and worker id come from the environment it sets.
 
 A small deterministic model trained as a user writes it: `job.epochs()`, `job.batches()`,
 an LR scheduler stepped after every step or after every epoch's loop, and a counter in
@@ -11,10 +13,12 @@ JSON line to OUT_DIR/trace-WORKER.jsonl: the step, its epoch, the learning rate 
 was trained with, the scheduler's position after it and the counter. The chief of the
 final world writes the final weights to OUT_DIR/final.pt.
 
-The failures are the test's: `--hold-at 3:3` waits inside step 3 until the job has three
-members (a rank joins a world that is training); `--die-at 10:8` SIGKILLs this process as
-it is given step 10, once the job holds a checkpoint of step 8 (every rank given it dies,
-and the job must rewind to that checkpoint); `--die-at +2` as it is given its second step.
+The failures are the test's: `--hold-at 3:3` (given again, one hold each) waits inside step
+3 until the job has three members (a rank joins a world that is training); `--die-at 10:8`
+SIGKILLs this process as it is given step 10, once the job holds a checkpoint of step 8
+(every rank given it dies, and the job must rewind to that checkpoint); `--die-at +2` as it
+is given its second step; `--pace 0.2` makes each step last at least 0.2 s, so a test can
+kill a rank mid-run.
 """
 
 from __future__ import annotations
@@ -92,14 +96,15 @@ def die(job: Any, checkpoint: int | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("--redis-url", required=True)
-    parser.add_argument("--job", required=True)
-    parser.add_argument("--id", required=True)
+    parser.add_argument("--redis-url")
+    parser.add_argument("--job")
+    parser.add_argument("--id")
     parser.add_argument("--route", choices=("redis", "gloo"), required=True)
     parser.add_argument("--optimizer", choices=("sgd", "adam"), required=True)
     parser.add_argument("--schedule", choices=("step", "epoch"), required=True)
-    parser.add_argument("--hold-at", type=pair, default=(-1, None))
+    parser.add_argument("--hold-at", type=pair, action="append", default=[])
     parser.add_argument("--die-at", type=when, default=("job", -1, None))
+    parser.add_argument("--pace", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -123,10 +128,13 @@ def main() -> None:
     for _epoch in job.epochs():
         for x, y in job.batches(loader):
             given += 1
-            if job.step == args.hold_at[0]:
-                hold(job, args.hold_at[1] or 0)
+            for at, members in args.hold_at:
+                if job.step == at:
+                    hold(job, members or 0)
             if (given if counted else job.step) == args.die_at[1]:
                 die(job, args.die_at[2])
+            if args.pace:
+                job.worker.stopping.wait(args.pace)
             loss = torch.nn.functional.mse_loss(net(x), y)
             opt.zero_grad()
             loss.backward()

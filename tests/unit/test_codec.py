@@ -8,6 +8,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from cohort.events.codec import (
     FIELD,
@@ -48,7 +49,7 @@ def test_every_upcaster_has_a_stored_old_version_fixture() -> None:
 def test_join_v1_reads_as_today_s_join() -> None:
     join = decode_command((FIXTURES / "Join.v1.msgpack").read_bytes())
     assert isinstance(join, Join)
-    assert (join.v, join.worker, join.host, join.pid) == (3, "w-old", "h1", 42)
+    assert (join.v, join.worker, join.host, join.pid) == (4, "w-old", "h1", 42)
 
 
 def test_a_step_reported_before_v2_carries_its_loss_and_no_other_figures() -> None:
@@ -60,10 +61,25 @@ def test_a_step_reported_before_v2_carries_its_loss_and_no_other_figures() -> No
 def test_a_join_or_joined_before_v3_describes_no_machine_and_declares_no_dataset() -> None:
     join = decode_command((FIXTURES / "Join.v2.msgpack").read_bytes())
     assert isinstance(join, Join)
-    assert (join.v, join.worker, join.node, join.dataset) == (3, "w-v2", None, None)
+    assert (join.v, join.worker, join.node, join.dataset) == (4, "w-v2", None, None)
     joined = decode_fact((FIXTURES / "WorkerJoined.v1.msgpack").read_bytes())
     assert isinstance(joined, WorkerJoined)
-    assert (joined.v, joined.worker, joined.pid, joined.node) == (3, "w-v1", 9, None)
+    assert (joined.v, joined.worker, joined.pid, joined.node) == (4, "w-v1", 9, None)
+
+
+def test_a_join_or_joined_before_v4_is_no_spare() -> None:
+    join = decode_command((FIXTURES / "Join.v3.msgpack").read_bytes())
+    assert isinstance(join, Join)
+    assert (join.v, join.worker, join.role, join.spare) == (4, "w-v3", "trainer", False)
+    assert join.dataset is not None and join.dataset.size == 100
+    joined = decode_fact((FIXTURES / "WorkerJoined.v3.msgpack").read_bytes())
+    assert isinstance(joined, WorkerJoined)
+    assert (joined.v, joined.worker, joined.role, joined.spare) == (4, "w-v3", "trainer", False)
+
+
+def test_only_a_trainer_joins_as_a_spare() -> None:
+    with pytest.raises(ValidationError, match="role 'evaluator' cannot be one"):
+        Join(at=1.0, job="j", worker="w", role="evaluator", spare=True)
 
 
 def test_a_v2_job_config_deals_contiguously_with_no_global_batch() -> None:

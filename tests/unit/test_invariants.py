@@ -1,5 +1,5 @@
-"""Random joins, leaves, failures, steps, heartbeats, checkpoints and resumes keep the
-invariants 1-3, 9 and 10 of docs/design.md."""
+"""Random joins (spares among them), leaves, failures, steps, heartbeats, checkpoints and
+resumes keep the invariants 1-3, 9, 10 and 11 of docs/design.md."""
 
 from __future__ import annotations
 
@@ -15,10 +15,13 @@ from cohort.coordinator.state import JobState, dump, load
 from cohort.events.models import (
     Dataset,
     Fact,
+    Join,
     LeaderElected,
     Node,
     Rewound,
+    SparePromoted,
     WorkerFailed,
+    WorkerLeft,
     WorldChanged,
 )
 from tests.unit.job import Job
@@ -51,6 +54,13 @@ class Membership(RuleBasedStateMachine):
     def join(self, name: str) -> None:
         self.crashed.discard(name)
         self.job.join(name)
+
+    @rule(name=st.sampled_from(NAMES))
+    def join_as_a_spare(self, name: str) -> None:
+        self.crashed.discard(name)
+        job = self.job
+        job.send(Join(at=job.now, job=job.state.job, worker=name, node=job.nodes(name),
+                      dataset=job.dataset, spare=True))  # fmt: skip
 
     @rule(data=st.data())
     def load_weights(self, data: st.DataObject) -> None:
@@ -163,6 +173,19 @@ class Membership(RuleBasedStateMachine):
             assert len(state.ranks) >= 2
 
     @invariant()
+    def a_spare_holds_no_rank_and_is_promoted_only_for_a_rank_just_lost(self) -> None:
+        state = self.job.state
+        assert not [m.worker for m in state.spares if m.worker in state.ranks]
+        removed: set[str] = set()  # removed since the last world: this decision's losses
+        for fact in self.job.journal:
+            if isinstance(fact, WorldChanged):
+                removed = set()
+            elif isinstance(fact, WorkerFailed | WorkerLeft):
+                removed.add(fact.worker)
+            elif isinstance(fact, SparePromoted) and fact.replaces is not None:
+                assert fact.replaces in removed, fact
+
+    @invariant()
     def world_versions_and_leader_epochs_only_grow(self) -> None:
         versions = [f.version for f in self.job.journal if isinstance(f, WorldChanged)]
         assert versions == sorted(set(versions))
@@ -189,6 +212,7 @@ class Membership(RuleBasedStateMachine):
         event(f"world changes > 3: {counters.world_changes > 3}")
         event(f"checkpoints: {min(counters.checkpoints, 2)}")
         event(f"rewinds: {min(counters.rewinds, 2)}")
+        event(f"promotions: {min(counters.promotions, 2)}")
 
 
 Membership.TestCase.settings = settings(

@@ -75,7 +75,7 @@ def test_an_evaluation_after_the_end_is_still_journaled() -> None:
 def test_a_member_joined_before_v3_reads_as_a_trainer() -> None:
     joined = decode_fact((FIXTURES / "WorkerJoined.v2.msgpack").read_bytes())
     assert isinstance(joined, WorkerJoined)
-    assert (joined.v, joined.worker, joined.role) == (3, "w-v2", "trainer")
+    assert (joined.v, joined.worker, joined.role) == (4, "w-v2", "trainer")
     assert joined.node is not None and joined.node.zone == "z1"
 
 

@@ -1,10 +1,11 @@
-"""`cohort run -n`: a number of ranks, or one per GPU NVML sees (a fake NVML here)."""
+"""`cohort run -n`: a number of ranks, or one per GPU NVML sees (a fake NVML here);
+`--spares`: a number of warm spares."""
 
 from __future__ import annotations
 
 import pytest
 
-from cohort.commands.run import _ranks, gpu_count
+from cohort.commands.run import _ranks, _spares, gpu_count
 from tests.unit.test_gpu_probe import FakeGpu, FakeNvml
 
 
@@ -20,6 +21,31 @@ def test_a_number_below_one_or_not_a_number_is_refused_by_name(
         _ranks(text)
     assert exited.value.code == 2
     assert f"-n {text}: give a number of ranks of 1 or more, or `gpu`" in capsys.readouterr().err
+
+
+def test_a_number_of_spares_of_0_or_more_is_taken_as_it_is() -> None:
+    assert (_spares("0"), _spares("2")) == (0, 2)
+
+
+@pytest.mark.parametrize("text", ["-1", "one", "1.5", ""])
+def test_spares_that_are_not_a_count_are_refused_by_name(
+    text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        _spares(text)
+    assert exited.value.code == 2
+    assert f"--spares {text}: give a number of spares of 0 or more" in capsys.readouterr().err
+
+
+def test_more_spares_than_max_workers_allow_beside_the_ranks_are_refused_by_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _spares("1", ranks=3, max_workers=4) == 1
+    with pytest.raises(SystemExit) as exited:
+        _spares("2", ranks=3, max_workers=4)
+    assert exited.value.code == 2
+    said = capsys.readouterr().err
+    assert "--spares 2: 3 rank(s) and 2 spare(s)" in said and "max_workers=4" in said
 
 
 def test_gpu_is_one_rank_per_gpu_nvml_sees() -> None:

@@ -12,6 +12,7 @@ from cohort.launcher.supervision import (
     State,
     due,
     on_exit,
+    replacement_role,
     started,
     stopped_waiting,
 )
@@ -102,3 +103,16 @@ def test_a_slot_never_runs_more_than_max_restarts_quick_failures_in_a_row(
             assert quick_in_a_row == POLICY.max_restarts + 1
         if code == 0 or finished:
             assert slot.state is State.DONE
+
+
+def test_with_spares_a_replacement_waits_for_the_dead_workers_fate_then_follows_the_journal() -> (
+    None
+):
+    # still a member and not waited out: its fate (and a spare's promotion) is to come
+    assert replacement_role(False, False, trainers_alive=2, ranks=3) is None
+    # a spare took its place: the node has its three trainers, the replacement is a spare
+    assert replacement_role(True, False, trainers_alive=3, ranks=3) == "spare"
+    # no spare was ready: the replacement is a trainer
+    assert replacement_role(True, False, trainers_alive=2, ranks=3) == "trainer"
+    # the journal never said: past the deadline the count alone decides
+    assert replacement_role(False, True, trainers_alive=2, ranks=3) == "trainer"

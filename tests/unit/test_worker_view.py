@@ -81,6 +81,26 @@ def test_membership_path_from_join_to_active() -> None:
     assert assignment.shard == Shard(ranges=((5, 10),))
 
 
+def test_a_spare_waits_ready_outside_the_world_until_promoted_then_trains_like_a_joiner() -> None:
+    view = fold(
+        [
+            fact(m.WorkerJoined, worker=ME, spare=True),
+            fact(m.WorldChanged, version=1, start_step=0, epoch=0, ranks=("a", "b"),
+                 shards=split(((0, 10),), 2)),
+            fact(m.WorkerSynced, worker=ME, step=0),
+            fact(m.SparePromoted, worker="other", replaces="a"),  # another spare's promotion
+        ],
+        configured(),
+    )  # fmt: skip
+    assert (view.status, view.spare, view.active, view.assignment) == ("ready", True, False, None)
+    view = evolve(view, fact(m.SparePromoted, worker=ME, replaces="b"))
+    assert (view.status, view.spare, view.active) == ("active", False, False)
+    view = evolve(view, world(2, 3, ("a", ME), split(((6, 10),), 2)))
+    assignment = view.assignment
+    assert view.active and assignment is not None
+    assert (assignment.rank, assignment.world_size, assignment.start_step) == (1, 2, 3)
+
+
 def test_join_refused_for_this_worker_records_the_reason() -> None:
     view = fold(
         [

@@ -66,6 +66,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("cohort.elastic")
 POLL = 0.5
 LOCAL_RANK_ENV = "COHORT_LOCAL_RANK"
+SPARE_ENV = "COHORT_SPARE"
+"""Set to 1 by `cohort run --spares` for a process it starts as a spare: the default of
+`Elastic(spare=...)`."""
 LOG_LEVEL_ENV = "COHORT_LOG_LEVEL"
 LOST_LOG_EVERY = 10.0
 FIGURES: TypeAdapter[dict[str, float]] = TypeAdapter(Metrics)
@@ -184,6 +187,17 @@ def speak() -> None:
             )  # fmt: skip
 
 
+def spare_setting(spare: bool | None) -> bool:
+    """`spare` as given, else whether $COHORT_SPARE says 1 (anything but 0, 1 or empty is an
+    error naming it)."""
+    if spare is not None:
+        return spare
+    value = os.environ.get(SPARE_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise InvalidValueError(f"${SPARE_ENV}={value!r}: give 1 (join as a spare) or 0")
+    return value == "1"
+
+
 def _job_name(job: str | None) -> str:
     """`job`, else $COHORT_JOB, checked; WorkerError if neither names one."""
     job = job or os.environ.get(ENV_JOB)
@@ -205,7 +219,13 @@ class Elastic:
     `dataset`: the data this process trains on (a cohort.Dataset, or any dataset with a
     length), declared when it joins: the job takes the first declaration, and refuses a
     worker with other data. `node` and `local_files` say what its machine is and which of
-    the dataset's files it holds (worker/telemetry/node.py describes the rest)."""
+    the dataset's files it holds (worker/telemetry/node.py describes the rest).
+
+    `spare`: join as a warm spare (default: $COHORT_SPARE is 1, as `cohort run --spares`
+    sets it): the script runs up to its first step (imports, model, loader built) and the
+    loops then wait there, heartbeating and following the journal, in no world and with no
+    data, until the leader promotes it in a lost rank's place; it then trains from the
+    world's weights like any joiner."""
 
     def __init__(
         self,
@@ -224,6 +244,7 @@ class Elastic:
         wait_for_redis: float | None = None,
         collective_timeout: float | None = None,
         ride_out: float | None = None,
+        spare: bool | None = None,
     ) -> None:
         speak()
         job = _job_name(job)
@@ -238,6 +259,7 @@ class Elastic:
             dataset=as_dataset(dataset),
             node=node,
             wait_for_redis=wait_for_redis,
+            spare=spare_setting(spare),
         )
         self.collective = Collective(
             self.conn, job, self.worker, timeout=collective_timeout, ride_out=ride_out
@@ -354,6 +376,14 @@ class Elastic:
             if value.isdigit():
                 return int(value)
         return 0
+
+    @property
+    def spare(self) -> bool:
+        """True while this process waits as a spare (it joined as one and holds no rank yet):
+        `rank` is None, `world_size` 0, `is_chief` False, and the loops wait for its
+        promotion."""
+        view = self.worker.view
+        return view.spare and view.status != "active"
 
     @property
     def rank(self) -> int | None:
@@ -531,13 +561,23 @@ class Elastic:
         assert self.state is not None, "attach() the training state first"
         if not self.joined:
             return  # stopped before it joined, or the job had finished
+        if self.spare:
+            log.info(
+                "%s waits as a spare: ready, in no world, until a rank of the job is lost",
+                self.worker.id,
+            )
         lost_logged = 0.0
         try:
             while not self.stopping:
                 try:
                     assignment = self.worker.wait_active(POLL)
                 except Finished as end:
-                    log.info("%s: %s; it ends with the final weights", self.worker.id, end)
+                    ends = (
+                        "waited as a spare to the end"
+                        if self.spare
+                        else "ends with the final weights"
+                    )
+                    log.info("%s: %s; it %s", self.worker.id, end, ends)
                     return
                 except WaitTimeoutError:
                     lost_logged = self._say_if_lost(lost_logged)
@@ -705,6 +745,7 @@ class Elastic:
             return False
         old, self._world_size = self._world_size, assignment.world_size
         self.world, self._step = assignment.world_version, assignment.start_step
+        self.worker.spare = False  # a trainer now: were it to join again, it joins as one
         log.info(
             "%s trains as rank %d of %d (world %d) from step %d, with %s",
             self.worker.id, assignment.rank, assignment.world_size, assignment.world_version,

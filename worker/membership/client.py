@@ -122,6 +122,7 @@ class Worker:
         node: Node | None = None,
         role: str = "trainer",
         wait_for_redis: float | None = None,
+        spare: bool = False,
     ) -> None:
         """`wait_for_redis`: seconds `join` waits at start-up for Redis to answer before it
         raises RedisUnreachableError naming the URL (default $COHORT_WAIT_FOR_REDIS, else 10)."""
@@ -133,8 +134,8 @@ class Worker:
         self.role = role
         """The member's role: "agent" for a launcher's member that trains nothing of the job's
         dealing (events.models.Join)."""
-        self.keys = Keys(job)
-        self.job = job
+        self.spare = spare  # a spare's loop clears it once promoted: a rejoin is a trainer's
+        self.keys, self.job = Keys(job), job
         self.wait_for_redis = start_wait(wait_for_redis)
         signer = signer_of(conn, job, worker_id)
         self.id = worker_id or (signer.worker if signer else default_worker_id())
@@ -191,9 +192,8 @@ class Worker:
             config_changed=self._heartbeat.wake,  # a new config re-paces the heartbeat
             advice_changed=self._gpu.advice_changed,
         )
-        self._presence = PresenceThread(
-            self.conn, self.keys.presence(self.id), self._stop, self.log
-        )
+        presence = self.keys.presence(self.id)
+        self._presence = PresenceThread(self.conn, presence, self._stop, self.log)
         self._joining = JoinRequest(
             self.conn,
             self.wait_for_redis,
@@ -322,13 +322,9 @@ class Worker:
 
     def _join_command(self) -> Join:
         return self._stamp(
-            Join,
-            host=socket.gethostname()[:255],
-            pid=os.getpid(),
-            node=self._node(),
-            dataset=self.dataset,
-            role=self.role,
-        )
+            Join, host=socket.gethostname()[:255], pid=os.getpid(), node=self._node(),
+            dataset=self.dataset, role=self.role, spare=self.spare,
+        )  # fmt: skip
 
     def _accepted(self, before: View, answered: View) -> None:
         """Raise JoinRefusedError if the answer to the Join sent at `before` is a refusal."""
@@ -346,11 +342,8 @@ class Worker:
         self._stop.clear()
         self._heartbeat.wake.clear()
         self._following.catch_up(deadline, halt)
-        runs = {
-            "tail": self._following.run,
-            "heartbeat": self._heartbeat.run,
-            "presence": self._presence.run,
-        }
+        runs = {"tail": self._following.run, "heartbeat": self._heartbeat.run}
+        runs["presence"] = self._presence.run  # a subscription that dies with the process
         sampler = self._gpu.sampler(self._stop)
         if sampler is not None:
             runs["gpu"] = sampler

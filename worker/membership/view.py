@@ -96,6 +96,8 @@ class View:
     """Workers the journal removed (left or failed) that have not joined again (torchrun's
     agents re-rendezvous without the ones gone: cohort/worker/pytorch/torchrun/handler.py)."""
     status: Status = "outside"
+    spare: bool = False
+    """This worker joined as a spare and waits for a rank the job loses (until promoted)."""
     joins: int = 0
     """WorkerJoined facts for this worker; join() waits for this count to grow."""
     refusals: int = 0
@@ -226,6 +228,7 @@ def evolve(view: View, fact: m.Fact) -> View:  # noqa: C901 - the fact dispatche
             return replace(
                 view,
                 status="evaluating" if fact.role == "evaluator" else "syncing",
+                spare=fact.spare,
                 joins=view.joins + 1,
                 left=False,
                 failed=False,
@@ -240,6 +243,8 @@ def evolve(view: View, fact: m.Fact) -> View:  # noqa: C901 - the fact dispatche
             return replace(view, status="ready") if fact.worker == me else view
         case m.WorkerActivated():
             return replace(view, status="active") if fact.worker == me else view
+        case m.SparePromoted():  # a spare takes a lost rank's place: active, as if activated
+            return replace(view, status="active", spare=False) if fact.worker == me else view
         case m.WorkerLeaving():
             if fact.worker != me:
                 return view
