@@ -61,6 +61,9 @@ GLOBAL = BATCH * WORLD
 DATASET = 10_000_000  # never runs out: one epoch is 78,125 steps
 BASE = 8192  # distinct synthetic samples, cycled
 TIMEOUT_S = 2.0
+ROUTE_ENV = "BENCH_ROUTE"
+"""The cohort rank's gradient route: "gloo" (unset: this section's) or "" (through Redis,
+ElasticJob's default)."""
 WARMUP_STEPS = 20
 TARGET_GOODPUT = 0.9
 TARGET_VS_TORCHRUN = 1.5
@@ -99,7 +102,8 @@ def cohort_rank(args: argparse.Namespace) -> None:
     data = _data()
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH)
     model = build(MODEL)
-    job = cohort.torch.ElasticJob(args.job, backend="gloo", redis_url=args.redis_url)
+    backend = os.environ.get(ROUTE_ENV, "gloo") or None  # "": through Redis, the default
+    job = cohort.torch.ElasticJob(args.job, backend=backend, redis_url=args.redis_url)
     model, sgd = job.wrap(model, torch.optim.SGD(model.parameters(), lr=0.01))
     for _ in job.epochs():
         for x, y in job.batches(loader):

@@ -19,7 +19,8 @@ The rules (docs/design.md "Membership", "Data shards and the epoch order"):
 - Leave: not in the world → WorkerLeft now; in it and `after_step` still to
   commit → WorkerLeaving (left at that boundary); else WorkerLeft and a new world now.
 - tick: a member silent for `heartbeat_timeout`, or whose connections closed and
-  stayed closed for `disconnect_grace` → WorkerFailed (with its cause); if it held a
+  stayed closed for `disconnect_grace` → WorkerFailed (with its cause); a launcher's
+  ProcessExited fails the member at once, the same way; if it held a
   rank the running step is aborted unless a rank already finished it (then all
   ranks contributed, so it commits), and a new world starts at the next step.
 - The world below `min_workers` → TrainingPaused; enough ready again → TrainingResumed.
@@ -86,6 +87,7 @@ from cohort.events.models import (
     JoinRefused,
     LeaderElected,
     Leave,
+    ProcessExited,
     RegisterWorkload,
     RendezvousRound,
     Resume,
@@ -193,7 +195,7 @@ def decide(state: JobState, seen: Liveness, command: Command, now: float) -> Dec
     if state.config is None:  # (not configured)
         return plan.decision()
     if state.finished:
-        _after_end(plan, command)
+        _after_end(plan, seen, command)
     else:
         _during_training(plan, seen, command)
     return plan.decision()
@@ -220,6 +222,8 @@ def _during_training(plan: _DecisionPlan, seen: Liveness, command: Command) -> N
             _reported(plan, command)
         case DataRefused():
             _refused_data(plan, seen, command)
+        case ProcessExited():
+            _exited(plan, seen, command)
         case EpochDone() | TransfersWaiting():
             pass  # observed only
 
@@ -409,13 +413,33 @@ def tick(state: JobState, seen: Liveness, now: float) -> Decision:
     if not state.configured:
         return plan.decision()
     lost = _lost(state, plan.config, seen, now)
-    if not lost:
-        return plan.decision()
+    if lost:
+        _fail(plan, seen, lost)
+    return plan.decision()
+
+
+def _exited(plan: _DecisionPlan, seen: Liveness, command: ProcessExited) -> None:
+    """A member's launcher saw its process end: it is failed now, as time would fail it."""
+    member = plan.state.members.get(command.worker)
+    if member is None:
+        return
+    failed = WorkerFailed(
+        at=plan.now, job=plan.state.job, worker=command.worker,
+        last_seen=seen.last_seen.get(command.worker, member.joined_at),
+        timeout=plan.config.heartbeat_timeout, cause="exited", how=command.how or None,
+    )  # fmt: skip
+    _fail(plan, seen, [failed])
+
+
+def _fail(plan: _DecisionPlan, seen: Liveness, lost: list[WorkerFailed]) -> None:
+    """Members taken for dead. If one held a rank, the running step stands when a rank
+    already finished it (every rank contributed to it), else it is abandoned; a new world
+    starts at the next step, a ready spare in each lost rank's place."""
+    state = plan.state
     ranks_lost = [state.members[f.worker] for f in lost if f.worker in state.ranks]
     held_rank = not state.finished and bool(ranks_lost)
     running = held_rank and not state.paused
     if running and seen.any_reported(state.ranks, state.world_version, state.next_step):
-        # A rank finished the step, so every rank contributed to it: it stands.
         step = state.next_step
         _commit(plan, seen, step)
         _ended(plan, step, _epoch_done(plan.state, step))
@@ -424,7 +448,6 @@ def tick(state: JobState, seen: Liveness, now: float) -> Decision:
     if held_rank and not plan.state.finished:
         names = _bounded_list([failed.worker for failed in lost])
         _new_world(plan, f"{names} failed" + _promote(plan, ranks_lost))
-    return plan.decision()
 
 
 def _lost(state: JobState, config: JobConfig, seen: Liveness, now: float) -> list[WorkerFailed]:
@@ -675,9 +698,10 @@ def _finish(plan: _DecisionPlan, step: int, epoch_done: bool, reason: str) -> No
     plan.emit(JobFinished, step=step, epoch=state.epoch, digest=state.last_digest, reason=reason)
 
 
-def _after_end(plan: _DecisionPlan, command: Command) -> None:
-    """A finished job trains no more: a joiner is refused, a leaver leaves at once, and the
-    last checkpoint still enters the index; every other command changes nothing."""
+def _after_end(plan: _DecisionPlan, seen: Liveness, command: Command) -> None:
+    """A finished job trains no more: a joiner is refused, a leaver leaves at once, a member
+    whose process exited fails, and the last checkpoint still enters the index; every other
+    command changes nothing."""
     state = plan.state
     match command:
         case Join() if command.worker not in state.members:
@@ -688,6 +712,8 @@ def _after_end(plan: _DecisionPlan, command: Command) -> None:
             )
         case Leave() if command.worker in state.members:
             plan.emit(WorkerLeft, worker=command.worker, reason=command.reason or "left")
+        case ProcessExited():
+            _exited(plan, seen, command)
         case CheckpointWritten():
             _checkpoint_written(plan, command)
         case EvalDone():

@@ -29,6 +29,7 @@ from cohort.events.models import (
     GpuReading,
     Heartbeat,
     Join,
+    ProcessExited,
     StepDone,
     TransfersWaiting,
 )
@@ -64,19 +65,13 @@ class Liveness:
         """Record what `command` says about its sender, received at server time `received_at`."""
         self.commands += 1
         worker = command.worker
+        if isinstance(command, ProcessExited):
+            return  # its launcher's word of its death: no sign of its life
         if received_at > self.last_seen.get(worker, 0.0):
             self.last_seen[worker] = received_at
         match command:
             case StepDone():
-                self._progress(worker, command.world, command.step)
-                self.step_times[command.step][worker] = command.step_time
-                self._medians.pop(command.step, None)
-                if command.digest is not None:
-                    self.digests[command.step][worker] = command.digest
-                if command.loss is not None:
-                    self.losses[worker] = command.loss
-                if command.metrics:
-                    self.figures[worker] = command.metrics
+                self._done(command)
             case Heartbeat() if command.step is not None and command.world is not None:
                 self._progress(worker, command.world, command.step)
             case GpuReading():
@@ -89,6 +84,18 @@ class Liveness:
                 self.refused.setdefault((command.world, command.accused), set()).add(worker)
                 while len(self.refused) > KEEP_REFUSALS:
                     del self.refused[next(iter(self.refused))]
+
+    def _done(self, command: StepDone) -> None:
+        worker = command.worker
+        self._progress(worker, command.world, command.step)
+        self.step_times[command.step][worker] = command.step_time
+        self._medians.pop(command.step, None)
+        if command.digest is not None:
+            self.digests[command.step][worker] = command.digest
+        if command.loss is not None:
+            self.losses[worker] = command.loss
+        if command.metrics:
+            self.figures[worker] = command.metrics
 
     def _progress(self, worker: str, world: int, step: int) -> None:
         old_world, old_step = self.progress.get(worker, (-1, -1))

@@ -282,6 +282,17 @@ class Leave(Event):
     reason: Text = ""
 
 
+class ProcessExited(Event):
+    """`worker`'s process ended (`how`: "killed by SIGKILL", "exit code 1"), as the launcher
+    that started it saw it: a certain death, so the leader fails the member at once instead
+    of waiting for its connections' grace or its silence. A launcher of a job that signs its
+    commands signs it with the worker's own credential, which it issued."""
+
+    type: Literal["ProcessExited"] = "ProcessExited"
+    worker: WorkerId
+    how: Text = ""
+
+
 class DataRefused(Event):
     """What `accused` wrote for a collective of `step` in world `world` failed verification
     where `worker` read it (worker/collective's CorruptDataError: a blob that does not
@@ -383,7 +394,8 @@ Command = Annotated[
     | RegisterWorkload
     | TransfersWaiting
     | DataRefused
-    | RoundStarted,
+    | RoundStarted
+    | ProcessExited,
     Field(discriminator="type"),
 ]
 
@@ -557,16 +569,17 @@ class WorkerLeft(Event):
     reason: Text = ""
 
 
-FailureCause = Literal["silent", "disconnected"]
+FailureCause = Literal["silent", "disconnected", "exited"]
 
 
 class WorkerFailed(Event):
     """A member is taken for dead; carries the evidence. `cause` says which sign it gave:
-    "silent", nothing heard for `timeout` s (a host gone, a process stopped or hung); or
+    "silent", nothing heard for `timeout` s (a host gone, a process stopped or hung);
     "disconnected", its connections to Redis all closed at server time `closed_at` and none
-    came back within `grace` s (a process that died: the kernel closes its sockets at once).
-    `last_seen` is the server time of its last command either way. v2 added `cause`,
-    `closed_at` and `grace`: every failure before it was a silence."""
+    came back within `grace` s (a process that died: the kernel closes its sockets at once);
+    or "exited", its launcher saw its process end (`how`, from ProcessExited). `last_seen` is
+    the server time of its last command in every case. v2 added `cause`, `closed_at`,
+    `grace` and `how`: every failure before it was a silence."""
 
     type: Literal["WorkerFailed"] = "WorkerFailed"
     v: Literal[2] = 2
@@ -576,6 +589,7 @@ class WorkerFailed(Event):
     cause: FailureCause = "silent"
     closed_at: Seconds | None = None
     grace: Seconds | None = None
+    how: Text | None = None
 
     @property
     def reason(self) -> str:
@@ -583,6 +597,8 @@ class WorkerFailed(Event):
         (no heartbeat)"."""
         if self.cause == "disconnected":
             return f"connections closed (none back within {self.grace or 0:g} s)"
+        if self.cause == "exited":
+            return f"process exited ({self.how or 'as its launcher saw'})"
         return f"silent {self.timeout:g} s (no heartbeat)"
 
 

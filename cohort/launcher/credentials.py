@@ -13,7 +13,7 @@ import redis
 
 from cohort import acl
 from cohort.events.connection import Client
-from cohort.events.identity import worker_user
+from cohort.events.identity import Signer, worker_user
 from cohort.events.keys import Keys
 
 
@@ -24,7 +24,8 @@ class Credentials:
         self.conn = conn
         self.job = job
         self.url = url
-        self.issued: set[str] = set()
+        self.issued: dict[str, str] = {}
+        """Worker -> the secret issued to it, while its user exists."""
 
     @staticmethod
     def needed(conn: Client, job: str, asked: bool) -> bool:
@@ -42,14 +43,20 @@ class Credentials:
         """`worker`'s own Redis URL, its user created on every node (acl.AclError if the
         launcher's user may not)."""
         secret = acl.issue(self.conn, self.job, [worker])[worker]
-        self.issued.add(worker)
+        self.issued[worker] = secret
         return acl.url_as(self.url, worker_user(self.job, worker), secret)
+
+    def signer(self, worker: str) -> Signer | None:
+        """What signs a command about `worker` in its own name (its launcher's word that its
+        process exited), while its credential is issued."""
+        secret = self.issued.get(worker)
+        return None if secret is None else Signer(worker, secret)
 
     def retire(self, worker: str) -> None:
         """`worker`'s process ended: its user goes (acl.AclError if Redis refuses)."""
         if worker in self.issued:
             acl.retire(self.conn, self.job, worker)
-            self.issued.discard(worker)
+            self.issued.pop(worker, None)
 
     def retire_all(self) -> list[str]:
         """Every user still issued deleted; returns the problems, one line each."""

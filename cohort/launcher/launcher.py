@@ -36,7 +36,9 @@ from cohort.coordinator.progress import progress
 from cohort.coordinator.replay import JournalWatch, export, from_redis
 from cohort.errors import CohortError, Exit
 from cohort.events.connection import Client, RedisSettings, connect
-from cohort.events.models import WorkerFailed
+from cohort.events.keys import Keys
+from cohort.events.models import ProcessExited, WorkerFailed
+from cohort.events.streams import Inbox
 from cohort.launcher import supervision
 from cohort.launcher.credentials import Credentials
 from cohort.launcher.reaper import Reaper
@@ -338,8 +340,11 @@ class Launcher:
             self._start_coordinator(index)
 
     def _exited(self, member: Member, proc: Proc, now: float, kind: str) -> None:
-        """Supervision's answer to a process that ended, said in one line."""
+        """Supervision's answer to a process that ended, said in one line; a rank's death
+        told to the leader first."""
         assert proc.popen is not None
+        if kind == "rank":
+            self._report_exit(member.worker, proc.popen.returncode, proc.outcome())
         proc.drained()
         self.reaper.forget(proc.popen.pid)
         exited = Exited(
@@ -361,6 +366,21 @@ class Launcher:
                 f"in a row within {self.settings.policy.stable_after:g} s of starting: giving "
                 f"up on it. Its log ({proc.log}) ends:\n{proc.tail(15)}"
             )
+
+    def _report_exit(self, worker: str, code: int, how: str) -> None:
+        """Tell the leader that `worker`'s process ended (ProcessExited, signed in its name
+        where the job signs commands): it fails the member at once, and a spare takes its
+        place, without waiting for its connections' grace or its silence. A process that
+        exited 0 and is no member any more (it left) needs no word."""
+        if code == 0 and worker not in self.watch.state.members:
+            return
+        signer = self.credentials.signer(worker) if self.credentials is not None else None
+        command = ProcessExited(at=time.time(), job=self.settings.job, worker=worker, how=how)
+        try:
+            Inbox(self.conn, Keys(self.settings.job).inbox, signer).send(command)
+        except redis.RedisError as exc:
+            self.say(f"could not tell the leader that {worker} exited ({exc}): its closed "
+                     "connections or its silence will")  # fmt: skip
 
     def _replacement_role(self, member: Member, now: float) -> str | None:
         """The role a slot's next process starts in: with no spares, a trainer; else as the

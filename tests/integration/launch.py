@@ -110,3 +110,9 @@ def training(watch: JournalWatch, ranks: int, steps: int = 5) -> bool:
     watch.pull(100)
     state = watch.state
     return len(state.ranks) == ranks and state.last_committed >= steps and not state.paused
+
+
+def worker_of(pid: int) -> str:
+    """The worker id the launcher gave process `pid` ($COHORT_WORKER_ID)."""
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(v.split(b"=", 1)[1].decode() for v in env if v.startswith(b"COHORT_WORKER_ID="))

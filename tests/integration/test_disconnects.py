@@ -4,11 +4,13 @@ A rank SIGKILLed is failed because its connections closed, long before a 30 s he
 timeout could act; a worker whose connections drop and come back within the grace (a
 middlebox restarting: the test's proxy closes them both ways) is not failed; a stopped
 worker (SIGSTOP: its sockets stay open, it says nothing) is failed by its silence. The same
-kill on a Redis Cluster, where the job's slot owner holds the presence subscriptions.
+kill on a Redis Cluster, where the job's slot owner holds the presence subscriptions. Under
+`cohort run` the launcher, which sees its rank's process end, says so at once.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -22,13 +24,16 @@ from cohort.coordinator.audit import audit
 from cohort.events.keys import Keys
 from cohort.events.models import StepCommitted, WorkerFailed
 from cohort.localredis import LocalCluster, LocalRedis
+from tests.helpers import wait_until
 from tests.integration.cluster import Cluster, ms
+from tests.integration.launch import Launch, training, worker_of
 from tests.integration.proxy import Proxy
 
 pytestmark = [pytest.mark.redis_server]
 
 LONG = 30.0
 """The heartbeat timeout where only the connections may fail anyone within the test."""
+RUN_SCRIPT = str(Path(__file__).with_name("run_script.py"))
 
 
 def killed_rank_is_failed_by_its_connections(job: Cluster) -> None:
@@ -133,3 +138,37 @@ def test_a_sigkilled_rank_on_a_redis_cluster_is_failed_by_its_closed_connections
     """On a cluster the presence subscriptions live on the primary that owns the job's slot,
     where the leader counts them."""
     killed_rank_is_failed_by_its_connections(cluster_job)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+def test_a_launcher_s_word_that_its_rank_died_fails_it_at_once(
+    server: LocalRedis, tmp_path: Path, signed: bool
+) -> None:
+    """`cohort run` sees its rank's process end and says so (ProcessExited, signed in the
+    rank's name where the job signs commands): with no connection watch and a 30 s timeout,
+    only that word can fail the rank within the test."""
+    job = f"exited-{'signed' if signed else 'unsigned'}"
+    run = Launch(
+        "--redis-url", server.url, "--job", job, "--node", "x", "-n", "2",
+        "--heartbeat-timeout", str(LONG), "--disconnect-grace", "0", "--batch-size", "16",
+        "--epochs", "1000", *(["--worker-credentials"] if signed else []),
+        RUN_SCRIPT, "0.03", cwd=tmp_path,
+    )  # fmt: skip
+    watch = run.journal()
+    wait_until(lambda: training(watch, 2), 90, message="two ranks training")
+    victim = next(pid for pid in run.ranks(RUN_SCRIPT) if worker_of(pid) == "x-0")
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.time()
+
+    def failed() -> list[WorkerFailed]:
+        watch.pull(100)
+        return [f for _, f in watch.facts if isinstance(f, WorkerFailed) and f.worker == "x-0"]
+
+    (fact,) = wait_until(failed, LONG / 2, message="x-0 failed on its launcher's word")
+    assert (fact.cause, fact.how) == ("exited", "killed by SIGKILL")
+    assert fact.reason == "process exited (killed by SIGKILL)"
+    assert fact.at - killed_at < LONG / 4
+    assert server.client().xlen(Keys(job).dead) == 0  # the word was taken, signed or not
+    run.popen.send_signal(signal.SIGINT)
+    run.wait()

@@ -25,7 +25,7 @@ from cohort.events.models import LeaderElected, WorkerFailed, WorkerJoined
 from cohort.localredis import LocalRedis
 from tests.helpers import wait_until
 from tests.integration.cluster import Cluster
-from tests.integration.launch import Launch, running, training
+from tests.integration.launch import Launch, running, training, worker_of
 
 pytestmark = pytest.mark.slow
 
@@ -171,12 +171,6 @@ def _users(conn: Any, job: str) -> set[str]:
     return {name for name in names if name.startswith(f"cohort-{job}-w-")}
 
 
-def _worker_of(pid: int) -> str:
-    """The worker id the launcher gave process `pid` ($COHORT_WORKER_ID)."""
-    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return next(v.split(b"=", 1)[1].decode() for v in env if v.startswith(b"COHORT_WORKER_ID="))
-
-
 def test_each_rank_speaks_with_a_credential_of_its_own_deleted_when_its_process_ends(
     server: LocalRedis, tmp_path: Path
 ) -> None:
@@ -191,7 +185,7 @@ def test_each_rank_speaks_with_a_credential_of_its_own_deleted_when_its_process_
     assert conn.exists(Keys(job).identity)  # the job signs its commands now
     connected = {c["user"] for c in conn.client_list()}
     assert {"cohort-signed-w-s-0", "cohort-signed-w-s-1"} <= connected  # each as its own user
-    victim = next(pid for pid in run.ranks(SCRIPT) if _worker_of(pid) == "s-0")
+    victim = next(pid for pid in run.ranks(SCRIPT) if worker_of(pid) == "s-0")
     os.kill(victim, signal.SIGKILL)
     wait_until(lambda: f"cohort-{job}-w-s-0.1" in _users(conn, job), 30, message="s-0.1's user")
     assert f"cohort-{job}-w-s-0" not in _users(conn, job)  # the killed rank's is gone

@@ -34,7 +34,7 @@ from cohort.events.models import (  # noqa: E402
     WorldChanged,
 )
 from tests.helpers import wait_until  # noqa: E402
-from tests.integration.launch import Launch  # noqa: E402
+from tests.integration.launch import Launch, worker_of  # noqa: E402
 from tests.integration.test_transparency import TOLERANCE, trained  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
@@ -53,12 +53,6 @@ HOLDS = ("--hold-at", "3:4", "--hold-at", "12:4")
 """The failure run's ranks wait inside step 3 until the spare has joined (so it is ready as
 training runs), and inside step 12 until the job has four members again: the dead rank's
 replacement has joined, as the new spare, before the job can end."""
-
-
-def _worker_of(pid: int) -> str:
-    """The worker id the launcher gave process `pid` ($COHORT_WORKER_ID)."""
-    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return next(v.split(b"=", 1)[1].decode() for v in env if v.startswith(b"COHORT_WORKER_ID="))
 
 
 def _facts(watch: Any, kind: type) -> list[Any]:
@@ -99,7 +93,7 @@ def test_a_spare_takes_a_killed_ranks_place_a_new_spare_starts_and_the_job_learn
     (spare,) = [m.worker for m in watch.state.spares]
     assert spare == "n-3" and spare not in watch.state.ranks
     victim = watch.state.ranks[1]
-    (pid,) = [p for p in run.ranks(SCRIPT) if _worker_of(p) == victim]
+    (pid,) = [p for p in run.ranks(SCRIPT) if worker_of(p) == victim]
     os.kill(pid, signal.SIGKILL)
 
     promoted = wait_until(lambda: _facts(watch, SparePromoted), 60, message="the spare promoted")

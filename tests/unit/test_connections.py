@@ -1,4 +1,5 @@
-"""A dead process is noticed from its connections (docs/design.md "Membership").
+"""A dead process is noticed from its connections, or its launcher's word (docs/design.md
+"Membership").
 
 Every running worker keeps a subscription to its presence channel; the leader counts them.
 A member seen connected and then found with none, and silent since, is failed once
@@ -10,7 +11,7 @@ never seen connected (a worker that shows no connections) is judged by silence a
 from __future__ import annotations
 
 from cohort.coordinator.audit import audit
-from cohort.events.models import JobConfig, WorkerFailed, WorldChanged
+from cohort.events.models import Fact, JobConfig, ProcessExited, WorkerFailed, WorldChanged
 from tests.unit.job import Job, types
 
 
@@ -123,3 +124,49 @@ def test_a_failed_member_is_forgotten_and_its_next_join_is_watched_afresh() -> N
     job.advance(0.35)
     assert "c" not in job.state.members and "c" not in job.core.seen.closed
     assert "c" not in job.core.seen.connected_once
+
+
+# ---------------------------------------------------------------- a launcher's word
+
+
+def exited(job: Job, worker: str, how: str = "killed by SIGKILL") -> tuple[Fact, ...]:
+    return job.send(ProcessExited(at=job.now, job=job.state.job, worker=worker, how=how))
+
+
+def test_a_launcher_s_word_that_a_rank_s_process_exited_fails_it_at_once() -> None:
+    """No grace and no timeout: the launcher saw the process end (waitpid), a certainty."""
+    job = running()
+    job.now += 0.01
+    facts = exited(job, "c")
+    assert types(facts) == ["WorkerFailed", "WorldChanged"]
+    failed = facts[0]
+    assert isinstance(failed, WorkerFailed) and (failed.cause, failed.how) == (
+        "exited",
+        "killed by SIGKILL",
+    )
+    assert failed.reason == "process exited (killed by SIGKILL)"
+    assert failed.last_seen < job.now  # the launcher's word is no sign of c's life
+    assert audit(job.journal).ok
+
+
+def test_a_rank_that_already_finished_the_running_step_lets_it_commit_before_the_failure() -> None:
+    job = running()
+    job.done("a")
+    job.done("c")  # c finished step 1 and died: every rank's gradient is in it
+    facts = exited(job, "c")
+    assert types(facts) == ["StepCommitted", "WorkerFailed", "WorldChanged"]
+
+
+def test_the_word_of_a_worker_that_is_no_member_changes_nothing() -> None:
+    job = running()
+    job.leave("c")
+    assert exited(job, "c") == ()
+    assert exited(job, "never-joined") == ()
+
+
+def test_after_the_end_an_exited_member_fails_without_a_new_world() -> None:
+    job = Job(min_workers=1, heartbeat_interval=1, heartbeat_timeout=30, max_steps=1)
+    job.start("a", "b")
+    job.step()
+    assert job.state.finished
+    assert types(exited(job, "b")) == ["WorkerFailed"]
