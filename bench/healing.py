@@ -3,16 +3,20 @@ with a rank killed every period, under `cohort run` with default settings, again
 
 Each side trains bench.goodput's model and data (the 1M-parameter MLP, 64 samples per rank
 per step, plain SGD, one torch thread per rank) under its own launcher on this machine, in
-turns, and a rank is SIGKILLed at the start of each period:
+turns, and a rank is SIGKILLed at the start of each period. cohort's ranks average through
+Redis (ElasticJob's default route) with a constant global batch:
 
-- `cohort run -n N --spares 1`: connection-loss detection (the default 0.3 s grace) and a
-  warm spare, which the leader promotes into the lost rank's place; the launcher starts a
-  new spare behind it.
-- `cohort run -n N`: connection-loss detection alone; the launcher's replacement joins
-  once it has imported torch and built its model.
-- `cohort run -n N --disconnect-grace 0`: the heartbeat alone (the default 5 s timeout).
+- `cohort run -n N --spares 1`, cohort's defaults: the launcher tells the leader the moment
+  its rank's process ends (ProcessExited), the leader fails it and promotes the warm spare
+  into its place in one decision, and the launcher starts a new spare behind it.
+- the same with `--no-exit-reports`: the leader notices from the rank's closed connections
+  (the default 0.3 s grace), the issue's "connection-loss detection and a spare".
+- `cohort run -n N`: the defaults without a spare; the replacement joins once it has
+  imported torch and built its model, and the world trains a rank short meanwhile.
+- `cohort run -n N --no-exit-reports --disconnect-grace 0`: the heartbeat alone (the default
+  5 s timeout), as cohort was before.
 - `torchrun --nproc-per-node N --standalone` with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the
-  better torchrun of bench/launched.py), which restarts every worker from its last
+  better torchrun of bench/launched.py): DDP over gloo, every worker restarted from its last
   checkpoint.
 
 cohort's victim is the process of the world's rank 0 (with a spare the oldest process may be
@@ -40,10 +44,13 @@ TARGET_GOODPUT = 0.97
 CHECKPOINT_EVERY = 100
 
 SIDES = {
-    "spare": ("cohort run --spares 1 (connections closed, a warm spare)", ("--spares", "1")),
-    "connections": ("cohort run (connections closed, no spare)", ()),
-    "heartbeat": ("cohort run --disconnect-grace 0 (the heartbeat alone, 5 s)",
-                  ("--disconnect-grace", "0")),
+    "spare": ("cohort run --spares 1 (defaults: the launcher's word, connections, a spare)",
+              ("--spares", "1")),
+    "connections": ("cohort run --spares 1 --no-exit-reports (connections closed, a spare)",
+                    ("--spares", "1", "--no-exit-reports")),
+    "no spare": ("cohort run (defaults, no spare)", ()),
+    "heartbeat": ("cohort run --no-exit-reports --disconnect-grace 0 (the heartbeat alone, 5 s)",
+                  ("--no-exit-reports", "--disconnect-grace", "0")),
 }  # fmt: skip
 """Each cohort side: its row's name and its flags beyond the defaults."""
 
@@ -56,7 +63,7 @@ def measure(ranks: int = 4, failure_free: float = 60, every: float = 60, kills: 
             f"--kills {kills}: each must be positive"
         )
     sides = {
-        key: _cohort(ranks, failure_free, every, kills, flags, victim="rank")
+        key: _cohort(ranks, failure_free, every, kills, flags, victim="rank", route="")
         for key, (_, flags) in SIDES.items()
     }
     torchrun = _torchrun(ranks, failure_free, every, kills, CHECKPOINT_EVERY, shared=False)
@@ -105,7 +112,7 @@ def _rows(sides: dict[str, Healing], torchrun: Healing) -> list[list[str]]:
         _row(SIDES["spare"][0], spare, best,
              f"<= {TARGET_HEAL_S:g} s; goodput >= {TARGET_GOODPUT:g}",
              "met" if heal_met and goodput_met else "**missed**"),
-        *(_row(SIDES[key][0], sides[key], best) for key in ("connections", "heartbeat")),
+        *(_row(SIDES[key][0], sides[key], best) for key in list(SIDES)[1:]),
         _row(f"torchrun --standalone, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (restart all, "
              f"checkpoint every {CHECKPOINT_EVERY})", torchrun, best),
     ]  # fmt: skip

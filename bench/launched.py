@@ -50,6 +50,7 @@ from typing import Any
 from bench.goodput import (
     BATCH,
     DATASET,
+    ROUTE_ENV,
     TARGET_GOODPUT,
     TARGET_VS_TORCHRUN,
     TIMEOUT_S,
@@ -124,10 +125,12 @@ def _cohort(
     kills: int,
     flags: Sequence[str] = LAUNCHED_FLAGS,
     victim: str = "oldest",
+    route: str = "gloo",
 ) -> Healing:
     """`cohort run -n ranks` with `flags` added; `victim`: "oldest", the rank process that
-    has run longest, or "rank", the process of the member holding rank 0 longest in the
-    world (with spares, the oldest process may be a spare, which holds no rank)."""
+    has run longest, or "rank", the process of the world's rank 0 (with spares the oldest
+    process may be a spare, which holds no rank); `route`: the ranks' gradient route
+    (bench.goodput's ROUTE_ENV: "gloo", or "" through Redis)."""
     tmp = Path(tempfile.mkdtemp(prefix="cohort-launched-"))
     launcher = subprocess.Popen(
         [sys.executable, "-m", "cohort", "run", "-n", str(ranks), "--job", JOB,
@@ -135,8 +138,8 @@ def _cohort(
          "--dataset-size", str(DATASET), "--batch-size", str(BATCH),
          "--global-batch", str(BATCH * ranks), "--max-restarts", "100",
          "--", sys.executable, "-m", "bench.goodput", "cohort-rank"],
-        env=_env(), stdout=(tmp / "launcher.out").open("wb"), stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, start_new_session=True,
+        env={**_env(), ROUTE_ENV: route}, stdout=(tmp / "launcher.out").open("wb"),
+        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     try:
         run_json = tmp / "run" / "run.json"

@@ -92,6 +92,13 @@ if TYPE_CHECKING:
     "script's elasticity.",
 )
 @click.option(
+    "--exit-reports/--no-exit-reports",
+    default=True,
+    show_default=True,
+    help="Tell the leader the moment a rank's process ends, so it is failed at once (a spare "
+    "in its place); off: its closed connections (--disconnect-grace) or its silence tell.",
+)
+@click.option(
     "--stop-grace",
     type=click.FloatRange(min=0),
     default=30.0,
@@ -172,6 +179,7 @@ def _launch_settings(
         stop_grace=params["stop_grace"],
         worker_credentials=params["worker_credentials"],
         spares=spares,
+        exit_reports=params["exit_reports"],
     )
 
 

@@ -91,6 +91,8 @@ class LaunchSettings:
     """After a signal, how long the ranks get to finish their step and leave."""
     worker_credentials: bool = False
     """Give each rank its own credential even if the job does not sign its commands yet."""
+    exit_reports: bool = True
+    """Tell the leader when a rank's process ends (ProcessExited): it is failed at once."""
     spares: int = 0
     """Warm spares to keep on this node besides `ranks` (their scripts wait, synced, for a
     lost rank's place)."""
@@ -372,7 +374,7 @@ class Launcher:
         where the job signs commands): it fails the member at once, and a spare takes its
         place, without waiting for its connections' grace or its silence. A process that
         exited 0 and is no member any more (it left) needs no word."""
-        if code == 0 and worker not in self.watch.state.members:
+        if not self.settings.exit_reports or (code == 0 and worker not in self.watch.state.members):
             return
         signer = self.credentials.signer(worker) if self.credentials is not None else None
         command = ProcessExited(at=time.time(), job=self.settings.job, worker=worker, how=how)
