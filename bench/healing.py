@@ -3,8 +3,8 @@ with a rank killed every period, under `cohort run` with default settings, again
 
 Each side trains bench.goodput's model and data (the 1M-parameter MLP, 64 samples per rank
 per step, plain SGD, one torch thread per rank) under its own launcher on this machine, in
-turns, and a rank is SIGKILLed at the start of each period. cohort's ranks average through
-Redis (ElasticJob's default route) with a constant global batch:
+turns, and a rank is SIGKILLed at the start of each period. cohort's ranks average on the
+torch.distributed (gloo) route, as torchrun's DDP workers do, with a constant global batch:
 
 - `cohort run -n N --spares 1`, cohort's defaults: the launcher tells the leader the moment
   its rank's process ends (ProcessExited), the leader fails it and promotes the warm spare
@@ -63,7 +63,7 @@ def measure(ranks: int = 4, failure_free: float = 60, every: float = 60, kills: 
             f"--kills {kills}: each must be positive"
         )
     sides = {
-        key: _cohort(ranks, failure_free, every, kills, flags, victim="rank", route="")
+        key: _cohort(ranks, failure_free, every, kills, flags, victim="rank")
         for key, (_, flags) in SIDES.items()
     }
     torchrun = _torchrun(ranks, failure_free, every, kills, CHECKPOINT_EVERY, shared=False)

@@ -269,6 +269,26 @@ def test_the_quick_launched_run_heals_under_each_launcher(
     assert section["raw"]["cohort"]["counted"] > 0
 
 
+@pytest.mark.slow
+def test_the_quick_healing_run_times_each_way_of_noticing_a_death(
+    tmp_path: Path, quick_bench: QuickBench
+) -> None:
+    """cohort run with a spare (its defaults, and connections alone), without one, with the
+    heartbeat alone, and torchrun: a rank SIGKILLed under each, the next commit timed."""
+    _needs_torch()
+    (section,) = _measured(quick_bench.quick("healing"), tmp_path).values()
+    assert section["command"] == (
+        "python -m bench.healing --ranks 2 --failure-free 5 --every 8 --kills 1"
+    )
+    assert set(section["raw"]) == {"spare", "connections", "no spare", "heartbeat", "torchrun"}
+    for side in section["raw"].values():
+        assert side["failure_free"] > 0 and side["seconds"] >= 8
+        assert len(side["training_again"]) == 1
+    raw = section["raw"]
+    # the heartbeat alone waits out its 5 s timeout; the launcher's word does not
+    assert raw["heartbeat"]["training_again"][0] > 5 > raw["spare"]["training_again"][0]
+
+
 def test_the_quick_allreduce_and_cluster_runs_time_each_transport_and_server(
     tmp_path: Path, quick_bench: QuickBench
 ) -> None:
