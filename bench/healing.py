@@ -34,7 +34,15 @@ import statistics
 from collections.abc import Sequence
 
 from bench.goodput import BATCH
-from bench.launched import Healing, _cohort, _median, _per_kill, _raw, _torchrun
+from bench.launched import (
+    Healing,
+    _cohort,
+    _median,
+    _per_kill,
+    _raw,
+    _torchrun,
+    period_arguments,
+)
 from bench.results import Section, verdict
 
 TARGET_HEAL_S = 0.5
@@ -164,10 +172,7 @@ READING = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--failure-free", type=float, default=60)
-    parser.add_argument("--every", type=float, default=60)
-    parser.add_argument("--kills", type=int, default=5)
+    period_arguments(parser)
     args = parser.parse_args()
     try:
         section = measure(args.ranks, args.failure_free, args.every, args.kills)

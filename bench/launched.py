@@ -405,12 +405,17 @@ def _raw(side: Healing) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def period_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a run that kills a rank each period (this one's and bench.healing's)."""
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--failure-free", type=float, default=60)
     parser.add_argument("--every", type=float, default=60)
     parser.add_argument("--kills", type=int, default=5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    period_arguments(parser)
     parser.add_argument("--checkpoint-every", type=int, default=100)
     args = parser.parse_args()
     try:
