@@ -489,11 +489,15 @@ class Coordinator:
                 exc,
             )
             return self.settings.block_ms
-        seen = self.core.seen
-        seen.connected(server, counts, self.clock.now())
-        if seen.closed:  # judge the first closed member as its grace ends, not a turn later
-            ends = min(seen.closed.values()) + config.disconnect_grace - self.clock.now()
-            block_ms = max(1, min(block_ms, int(ends * 1000) + 1))
+        seen, at = self.core.seen, self.clock.now()
+        seen.connected(server, counts, at)
+        # judge a closed member as its grace ends, not a turn later (one heard from since it
+        # closed is judged by its silence: no grace of its own to wait for)
+        pending = [
+            end for t in seen.closed.values() if (end := t + config.disconnect_grace - at) > 0
+        ]
+        if pending:
+            block_ms = max(1, min(block_ms, int(min(pending) * 1000) + 1))
         return block_ms
 
     def _refresh_trust(self, force: bool = False) -> None:

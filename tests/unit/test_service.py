@@ -522,3 +522,25 @@ def test_a_redis_that_refuses_the_reading_leaves_failures_to_silence(
         setup.clock.advance(1.0)
         leader.step()
     assert [f.cause for f in failed(setup)] == ["silent"]
+
+
+def test_while_a_member_is_closed_the_turn_waits_only_until_its_grace_ends() -> None:
+    """...and no shorter once the grace is over: a member heard from since it closed (its
+    silence judges it now) does not make the leader spin on the inbox."""
+    setup = Setup(heartbeat_timeout=30.0, disconnect_grace=0.3)
+    leader = leader_of(setup)
+    setup.join("a", "b")
+    setup.log.subscribed = {"a", "b"}
+    leader.step()
+    setup.clock.advance(service.WATCH_EVERY)
+    leader.step()
+    setup.log.subscribed = {"a"}
+    setup.clock.advance(service.WATCH_EVERY)
+    assert leader._watch_connections() == int(service.WATCH_EVERY * 1000)  # grace: 0.3 s
+    setup.clock.advance(0.28)
+    assert leader._watch_connections() in range(15, 25)  # about 0.02 s of the grace left
+    setup.log.send(Heartbeat(at=0, job=JOB, worker="b"))  # b speaks: alive after all
+    leader.step()
+    setup.clock.advance(0.5)
+    assert leader._watch_connections() == int(service.WATCH_EVERY * 1000)
+    assert failed(setup) == []
