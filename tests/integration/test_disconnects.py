@@ -10,6 +10,7 @@ kill on a Redis Cluster, where the job's slot owner holds the presence subscript
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -172,3 +173,40 @@ def test_a_launcher_s_word_that_its_rank_died_fails_it_at_once(
     assert server.client().xlen(Keys(job).dead) == 0  # the word was taken, signed or not
     run.popen.send_signal(signal.SIGINT)
     run.wait()
+
+
+FORKING_WORKER = """
+import logging, os, sys, threading, time
+import redis
+from cohort.worker.membership.presence import PresenceThread
+presence = PresenceThread(redis.Redis.from_url(sys.argv[1]), sys.argv[2], threading.Event(),
+                          logging.getLogger("presence"))
+threading.Thread(target=presence.run, daemon=True).start()
+presence.subscribed.wait(10)
+child = os.fork()
+if child == 0:  # a DataLoader worker, say: it outlives a killed parent for a while
+    time.sleep(120)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_forked_child_does_not_keep_a_killed_worker_s_presence(
+    cluster: Cluster, server: LocalRedis
+) -> None:
+    channel = Keys(cluster.job).presence("w1")
+    parent = cluster.python("forking", "-c", FORKING_WORKER, server.url, channel)
+    child = int(wait_until(lambda: parent.output().strip(), 30, message="the child forked"))
+    try:
+        assert int(cluster.conn.execute_command("PUBSUB", "SHARDNUMSUB", channel)[1]) == 1
+        parent.kill(signal.SIGKILL)
+        wait_until(
+            lambda: int(cluster.conn.execute_command("PUBSUB", "SHARDNUMSUB", channel)[1]) == 0,
+            3,
+            message="the subscription gone with the worker, though its child lives",
+        )
+        os.kill(child, 0)  # (it does live)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)

@@ -7,6 +7,11 @@ kernel closes its sockets and Redis drops the subscription at once, so the leade
 counts the channel's subscribers a few times a second, knows within a fraction of a
 second, where the heartbeat timeout would take seconds.
 
+A process forked from the worker (a DataLoader's workers, by default on Linux) inherits the
+subscription's socket; were the worker killed, such a child would hold the subscription
+until it noticed and exited itself (a DataLoader worker checks every 5 s). So a forked
+child closes its copy at once (`os.register_at_fork`); the worker's own stays open.
+
 A connection that drops while the process lives (a network blip, a proxy restarting,
 Redis restarting or failing over) is taken up again at once, with a short backoff: the
 leader waits `disconnect_grace` for it to come back before it fails the worker. A server
@@ -18,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
+import weakref
 from typing import Any
 
 import redis
@@ -47,6 +54,8 @@ class PresenceThread:
         """Set while the subscription is in place (tests and the worker's log read it)."""
         self.refused: str | None = None
         """Why Redis refused the subscription, if it did: then only heartbeats tell."""
+        self._pubsub: Any = None
+        _HOLDERS.add(self)
 
     def run(self) -> None:
         attempt = 0
@@ -74,6 +83,7 @@ class PresenceThread:
     def _hold(self) -> None:
         """Subscribe, then listen until stopped; a dropped connection raises."""
         pubsub: Any = self.conn.pubsub()
+        self._pubsub = pubsub
         try:
             pubsub.ssubscribe(self.channel)
             # a cluster's Pub/Sub reads each node's shard channels apart; one server's, all
@@ -86,3 +96,27 @@ class PresenceThread:
             self.subscribed.clear()
             with contextlib.suppress(*DROPPED):
                 pubsub.close()
+
+    def drop_inherited(self) -> None:
+        """In a forked child: close this process's copy of the subscription's sockets (in a
+        child redis-py closes without a shutdown, which would end the parent's too)."""
+        pubsub = self._pubsub
+        if pubsub is None:
+            return
+        nodes = getattr(pubsub, "node_pubsub_mapping", {}) or {}  # a cluster's, per node
+        for connection in [pubsub.connection, *(p.connection for p in nodes.values())]:
+            if connection is not None:
+                with contextlib.suppress(Exception):
+                    connection.disconnect()
+
+
+_HOLDERS: weakref.WeakSet[PresenceThread] = weakref.WeakSet()
+"""Every presence of this process, for a forked child to close its copies."""
+
+
+def _forget_in_child() -> None:
+    for holder in list(_HOLDERS):
+        holder.drop_inherited()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
