@@ -10,8 +10,14 @@ never seen connected (a worker that shows no connections) is judged by silence a
 
 from __future__ import annotations
 
+import io
+
+from rich.console import Console
+
 from cohort.coordinator.audit import audit
+from cohort.coordinator.replay import view
 from cohort.events.models import Fact, JobConfig, ProcessExited, WorkerFailed, WorldChanged
+from cohort.render.terminal import status_view
 from tests.unit.job import Job, types
 
 
@@ -170,3 +176,15 @@ def test_after_the_end_an_exited_member_fails_without_a_new_world() -> None:
     job.step()
     assert job.state.finished
     assert types(exited(job, "b")) == ["WorkerFailed"]
+
+
+def test_cohort_status_flags_a_member_whose_connections_closed() -> None:
+    job = running()
+    job.connections(a=1, b=1, c=0)
+    body = view(job.state)
+    seen = {"connections": "closed", "closed_at": job.now, "last_seen": job.now}
+    body["leader_view"] = {"coordinator": "c1", "at": job.now, "workers": {"c": seen}}
+    out = Console(width=200, record=True, file=io.StringIO())
+    out.print(status_view(body))
+    rows = {line.split()[0]: line for line in out.export_text().splitlines() if line.strip()}
+    assert "connections closed" in rows["c"] and "connections closed" not in rows["a"]
