@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,23 +111,32 @@ def test_connections_dropped_and_back_within_the_grace_fail_nobody(
     cluster.stop()
 
 
-def test_a_stopped_worker_is_failed_by_its_silence(cluster: Cluster) -> None:
+def stopped_worker_is_failed_by_its_silence(job: Cluster) -> None:
+    """A SIGSTOPped rank keeps its sockets open, so its connections tell nothing: its
+    silence fails it after the heartbeat timeout."""
     timeout = 3.0
-    cluster.trainer_coordinator("c1", workers=1, interval=0.5, timeout=timeout)
-    workers = {name: cluster.example_worker(name, None, "--pace", "0.05") for name in "ab"}
-    cluster.until(lambda s: len(s.ranks) == 2 and s.last_committed >= 10, 90, "2 ranks train")
-    workers["b"].kill(signal.SIGSTOP)  # its sockets stay open: its connections tell nothing
-    cluster.until(lambda s: "b" not in s.members, timeout + 10, "b failed by its silence")
-    (_, failed), *_ = cluster.of_type(WorkerFailed)
+    job.trainer_coordinator("c1", workers=1, interval=0.5, timeout=timeout)
+    workers = {name: job.example_worker(name, None, "--pace", "0.05") for name in "ab"}
+    job.until(lambda s: len(s.ranks) == 2 and s.last_committed >= 10, 90, "2 ranks train")
+    workers["b"].kill(signal.SIGSTOP)
+    job.until(lambda s: "b" not in s.members, timeout + 10, "b failed by its silence")
+    (_, failed), *_ = job.of_type(WorkerFailed)
     assert (failed.worker, failed.cause, failed.closed_at) == ("b", "silent", None)
     assert failed.reason == f"silent {timeout:g} s (no heartbeat)"
-    cluster.stop()
+
+
+def test_a_stopped_worker_is_failed_by_its_silence(cluster: Cluster) -> None:
+    try:
+        stopped_worker_is_failed_by_its_silence(cluster)
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture
 def cluster_job(redis_cluster: LocalCluster, tmp_path: Path) -> Iterator[Cluster]:
     conn: RedisCluster = redis_cluster.client()
-    job = Cluster(url=redis_cluster.url, conn=conn, job="clusterdeath", tmp=tmp_path)  # type: ignore[arg-type]
+    name = f"death-{uuid.uuid4().hex[:8]}"  # the cluster is the module's: a job per test
+    job = Cluster(url=redis_cluster.url, conn=conn, job=name, tmp=tmp_path)  # type: ignore[arg-type]
     yield job
     job.stop()
     conn.close()
@@ -210,3 +220,10 @@ def test_a_forked_child_does_not_keep_a_killed_worker_s_presence(
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_on_a_redis_cluster_is_failed_by_its_silence(
+    cluster_job: Cluster,
+) -> None:
+    stopped_worker_is_failed_by_its_silence(cluster_job)
