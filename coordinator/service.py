@@ -91,6 +91,8 @@ WATCH_EVERY = 0.05
 """Seconds between readings of the members' connections (a job with a disconnect grace):
 while it watches them, the leader's turn waits on the inbox no longer than this, and no
 longer than until a closed member's grace ends."""
+WATCH_REFUSED_RETRY = 60.0
+"""Seconds between readings while Redis refuses them (an ACL applied again later)."""
 TROUBLE_EVERY = 5.0
 """Seconds between InboxRepaired facts: a worker that runs the inbox ahead every turn gets
 it repaired every turn, and journaled once per this, so it cannot grow the journal fast."""
@@ -472,23 +474,26 @@ class Coordinator:
         config, members = self.state.config, self.state.members
         if config is None or config.disconnect_grace <= 0 or not members:
             return self.settings.block_ms
-        if self._watch_refused is not None:
+        now = self.clock.monotonic()
+        if self._watch_refused is not None and now - self._watched_at < WATCH_REFUSED_RETRY:
             return self.settings.block_ms
         block_ms = min(self.settings.block_ms, int(WATCH_EVERY * 1000))
-        now = self.clock.monotonic()
         if now - self._watched_at < WATCH_EVERY:
             return block_ms
         self._watched_at = now
         try:
             server, counts = self.joblog.connected(list(members))
         except redis.ResponseError as exc:  # an ACL from before cohort watched connections
+            if self._watch_refused is None:
+                log.warning(
+                    "Redis refused PUBSUB SHARDNUMSUB (%s): members are failed by their "
+                    "silence alone; run `cohort acl --apply` again to let coordinators watch "
+                    "connections (asked again every %g s)",
+                    exc, WATCH_REFUSED_RETRY,
+                )  # fmt: skip
             self._watch_refused = str(exc)
-            log.warning(
-                "Redis refused PUBSUB SHARDNUMSUB (%s): members are failed by their silence "
-                "alone; run `cohort acl --apply` again to let coordinators watch connections",
-                exc,
-            )
             return self.settings.block_ms
+        self._watch_refused = None
         seen, at = self.core.seen, self.clock.now()
         seen.connected(server, counts, at)
         # judge a closed member as its grace ends, not a turn later (one heard from since it

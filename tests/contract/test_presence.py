@@ -99,7 +99,7 @@ def test_a_restarted_server_answers_with_another_id_and_the_worker_subscribes_ag
 
 
 @pytest.mark.redis_server
-def test_a_user_without_channel_access_is_told_once_and_the_thread_ends(
+def test_a_user_without_channel_access_is_told_and_the_thread_waits_to_ask_again(
     real_conn: redis.Redis, redis_server: LocalRedis
 ) -> None:
     conn = real_conn
@@ -110,9 +110,10 @@ def test_a_user_without_channel_access_is_told_once_and_the_thread_ends(
         limited = redis.Redis.from_url(
             redis_server.url.replace("redis://", "redis://nochannels:pw@")
         )
-        stop = threading.Event()
-        presence = PresenceThread(limited, Keys(JOB).presence("w1"), stop, log)
-        presence.run()  # returns: refused, nothing to retry
-        assert presence.refused is not None and "no permissions" in presence.refused
+        holder = held(limited, "w1")
+        presence = next(holder)
+        wait_until(lambda: presence.refused is not None, 5, 0.01, "the refusal")
+        assert "no permissions" in str(presence.refused) and not presence.subscribed.is_set()
+        next(holder, None)  # it waits to ask again, and stops when told
     finally:
         conn.execute_command("ACL", "DELUSER", "nochannels")

@@ -522,6 +522,14 @@ def test_a_redis_that_refuses_the_reading_leaves_failures_to_silence(
         setup.clock.advance(1.0)
         leader.step()
     assert [f.cause for f in failed(setup)] == ["silent"]
+    setup.log.connected = MemoryLog.connected.__get__(setup.log)  # type: ignore[method-assign]
+    setup.join("b")  # the ACL applied again; a new member to watch
+    for _ in range(int(service.WATCH_REFUSED_RETRY) + 1):
+        setup.log.send(Heartbeat(at=0, job=JOB, worker="b"))
+        setup.clock.advance(1.0)
+        leader.step()
+    assert leader._watch_refused is None, "asked again once a minute, and answered"
+    assert caplog.text.count("Redis refused PUBSUB SHARDNUMSUB") == 1
 
 
 def test_while_a_member_is_closed_the_turn_waits_only_until_its_grace_ends() -> None:

@@ -16,7 +16,8 @@ A connection that drops while the process lives (a network blip, a proxy restart
 Redis restarting or failing over) is taken up again at once, with a short backoff: the
 leader waits `disconnect_grace` for it to come back before it fails the worker. A server
 that refuses the subscription (an ACL from before cohort watched connections, a proxy
-without Pub/Sub) leaves the worker to be judged by its heartbeats alone; that is said once.
+without Pub/Sub) leaves the worker to be judged by its heartbeats alone; that is said once,
+and the subscription asked for again every REFUSED_RETRY s (an ACL applied again later).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from cohort.events.connection import UNAVAILABLE, Client, backoff
 LISTEN = 0.2
 """Seconds each wait for the subscription's traffic lasts: how soon a stop is noticed."""
 RETRY_BASE, RETRY_CAP = 0.01, 0.1
+REFUSED_RETRY = 60.0
+"""Seconds between tries while Redis refuses the subscription (an ACL applied again later)."""
 DROPPED: tuple[type[BaseException], ...] = (*UNAVAILABLE, OSError)
 """What a connection that went away raises (UNAVAILABLE, or the socket's own error)."""
 """The backoff between tries to take the subscription up again: well inside any grace."""
@@ -64,15 +67,16 @@ class PresenceThread:
                 self._hold()
                 return
             except redis.ResponseError as exc:  # NOPERM, or no sharded Pub/Sub at all
+                if self.refused is None:
+                    self.log.warning(
+                        "Redis refused the presence subscription %s (%s): the leader judges "
+                        "this worker by its heartbeats alone; give the worker role channel "
+                        "access (`cohort acl --apply`) for fast failure detection (asked "
+                        "again every %g s)",
+                        self.channel, exc, REFUSED_RETRY,
+                    )  # fmt: skip
                 self.refused = str(exc)
-                self.log.warning(
-                    "Redis refused the presence subscription %s (%s): the leader will judge "
-                    "this worker by its heartbeats alone; give the worker role channel "
-                    "access (`cohort acl --apply`) for fast failure detection",
-                    self.channel,
-                    exc,
-                )
-                return
+                self._stop.wait(REFUSED_RETRY)
             except DROPPED as exc:
                 self.subscribed.clear()
                 if attempt == 0:
@@ -92,6 +96,7 @@ class PresenceThread:
                 message = listen(timeout=LISTEN)
                 if message is not None and message.get("type") == "ssubscribe":
                     self.subscribed.set()
+                    self.refused = None
         finally:
             self.subscribed.clear()
             with contextlib.suppress(*DROPPED):
