@@ -387,6 +387,42 @@ def test_a_call_prepared_for_an_older_world_is_refused_before_it_writes(conn: re
     assert conn.keys(f"{KEYS.prefix}:*") == []
 
 
+def _world_changed(version: int, ranks: tuple[str, ...], start_step: int) -> WorldChanged:
+    shards = tuple(Shard(ranges=((r * 5, r * 5 + 5),)) for r in range(len(ranks)))
+    return WorldChanged(
+        at=1.0,
+        job=JOB,
+        version=version,
+        start_step=start_step,
+        epoch=0,
+        ranks=ranks,
+        shards=shards,
+        reason="w2 failed",
+    )
+
+
+@pytest.mark.parametrize("moved_on", [True, False])
+def test_a_blob_found_gone_is_a_world_change_when_the_journal_moved_on_unseen(
+    conn: redis.Redis, moved_on: bool
+) -> None:
+    """A rank cut off from Redis mid-call comes back to find its peers' blobs gone: the job
+    failed it meanwhile and the survivors went on. What it has to learn is that (it is out
+    of the world), read from the journal it missed, not that Redis lost a blob."""
+    member = StandIn(id="w2", rank=2, world_size=3)
+    collective = Collective(conn, JOB, member)
+    call = collective.begin_in(collective.world(), "allreduce", 11, timeout=5)
+    if moved_on:
+        conn.xadd(KEYS.journal, {FIELD: encode(_world_changed(2, ("w0", "w1"), 11))})
+    gone = [call.part_key(0, 0, ())]
+    expected = WorldChangedError if moved_on else CollectiveError
+    with pytest.raises(expected) as raised:
+        list(collective._fetch(call, gone, 1024))
+    if moved_on:
+        assert isinstance(raised.value, WorldChangedError) and raised.value.assignment is None
+    else:
+        assert "is gone (expired or deleted)" in str(raised.value)
+
+
 @pytest.mark.parametrize("fetch_bytes, trips", [(32 * 1024 * 1024, [3]), (1, [1, 1, 1])])
 def test_chunks_of_ranks_already_there_come_in_one_round_trip_up_to_fetch_bytes(
     connect_more: Callable[[], redis.Redis],

@@ -83,7 +83,7 @@ from cohort.events.connection import Client, text
 from cohort.events.errors import DecodeError
 from cohort.events.keys import Keys
 from cohort.events.models import WorldChanged
-from cohort.events.streams import ZERO, Entry, entries, read_reply
+from cohort.events.streams import ZERO, Entry, Stream, entries, read_reply
 from cohort.worker.collective import calls, placement
 from cohort.worker.collective import tensors as blobs
 from cohort.worker.collective.layout import (
@@ -404,6 +404,19 @@ class _Call:
                 raise WorldChangedError(calls.training_step(self.step), member.assignment)
         elif member.world_version > self.world.version:
             raise WorldChangedError(calls.training_step(self.step), member.assignment)
+
+    def look_again(self) -> None:
+        """Read the journal this call has not seen yet, and check the world: a blob found
+        gone most often means the job moved on while this rank could not see it (cut off
+        from Redis, paused), and the world it is in is the answer to give, not the blob."""
+        journal = Stream(self.owner.conn, self.owner.keys.journal)
+        after = self.positions.get(journal.key, ZERO)
+        for rows in journal.pages(
+            after, attempt=lambda read: self.retry(read, "reading the journal")
+        ):
+            self.positions[journal.key] = rows[-1].id
+            self.see_journal(rows)
+        self.check_world()
 
     def see_journal(self, rows: list[Entry]) -> None:
         if self.standing is not None:
@@ -736,7 +749,7 @@ class Collective:
         got = self.wire.fetch(keys, each_bytes, call.retry)
         for source, (key, raw) in zip(sources, got, strict=True):
             if raw is None:
-                call.check_world()
+                call.look_again()
                 raise CollectiveError(f"{call.what()}: {key} is gone (expired or deleted)")
             try:
                 yield blobs.unpack(raw)
