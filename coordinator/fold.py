@@ -123,7 +123,8 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:  # noqa: C901 - 
         case WorkerLeft():
             return _gone(state, fact.worker, left=1)
         case WorkerFailed():
-            return _gone(state, fact.worker, failed=1)
+            by_cause = {} if fact.cause == "silent" else {fact.cause: 1}
+            return _gone(state, fact.worker, failed=1, **by_cause)
         case WorldChanged():
             return {
                 "world_version": fact.version,

@@ -7,13 +7,15 @@ what this process did. Each coordinator has its own registry: nothing global.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from cohort.coordinator import spares
 from cohort.coordinator.progress import progress
 from cohort.coordinator.state import JobState
-from cohort.events.models import TransfersWaiting
+from cohort.events.models import FailureCause, TransfersWaiting
 
 UNKNOWN = float("nan")
 """What a progress gauge reads while it cannot be known (Prometheus's convention)."""
@@ -41,7 +43,7 @@ class Metrics:
         self.paused = gauge("cohort_training_paused", "1 while training is paused")
         self.last_step = gauge("cohort_last_committed_step", "Last committed step")
         self.inbox_lag = gauge("cohort_inbox_lag_seconds", "Age of the oldest unread command")
-        self.failed = gauge("cohort_workers_failed", "Workers failed since the job began")
+        self._failures_and_spares(gauge, labels)
         self.elections = gauge("cohort_elections", "Leader elections since the job began")
         self.steps_per_second = gauge(
             "cohort_steps_per_second", "Steps committed per second over the last commits"
@@ -81,6 +83,25 @@ class Metrics:
             registry=r,
         ).labels(**labels)
 
+    def _failures_and_spares(
+        self, gauge: Callable[[str, str], Gauge], labels: dict[str, str]
+    ) -> None:
+        """How many members failed, by the sign they gave, and the spares that replace them."""
+        self.failed = gauge("cohort_workers_failed", "Workers failed since the job began")
+        by_cause = Gauge(
+            "cohort_workers_failed_by_cause",
+            "Of them, by the sign they gave: silent (no heartbeat), disconnected (connections "
+            "closed past the grace), exited (a launcher saw the process end)",
+            [*labels, "cause"],
+            registry=self.registry,
+        )
+        self.failed_by = {c: by_cause.labels(**labels, cause=c) for c in get_args(FailureCause)}
+        self.spares_ready = gauge("cohort_spares_ready", "Warm spares ready to take a lost rank")
+        self.promotions = gauge(
+            "cohort_spare_promotions",
+            "Spares promoted into a lost rank's place since the job began",
+        )
+
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serve /metrics in a daemon thread; returns the port (useful with port 0)."""
         server, _ = start_http_server(port, addr=addr, registry=self.registry)
@@ -104,7 +125,13 @@ class Metrics:
         self.paused.set(1 if state.paused else 0)
         self.last_step.set(state.last_committed)
         self.inbox_lag.set(lag_seconds)
-        self.failed.set(state.counters.failed)
+        counters = state.counters
+        self.failed.set(counters.failed)
+        self.failed_by["disconnected"].set(counters.disconnected)
+        self.failed_by["exited"].set(counters.exited)
+        self.failed_by["silent"].set(counters.failed - counters.disconnected - counters.exited)
+        self.spares_ready.set(len(spares.ready(state)))
+        self.promotions.set(counters.promotions)
         self.elections.set(state.counters.elections)
         workloads = [w for member in state.members.values() for w in member.workloads]
         self.workloads.set(len(workloads))

@@ -70,6 +70,10 @@ class Counters:
     refused: int = 0
     left: int = 0
     failed: int = 0
+    disconnected: int = 0
+    """Of `failed`, the members failed for connections closed past the grace, and `exited`
+    those a launcher saw exit (WorkerFailed's `cause`); the rest fell silent."""
+    exited: int = 0
     world_changes: int = 0
     steps_committed: int = 0
     epochs_finished: int = 0

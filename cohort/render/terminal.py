@@ -45,7 +45,7 @@ def _summary_lines(body: dict[str, Any]) -> list[str]:
         f"size {body['world_size']}  [bold]data epoch[/] {body['epoch']}{_order(body)}  "
         f"[bold]next step[/] {body['next_step']}  "
         f"{_PHASES[body['phase']]}" + (f" ({body['finished']})" if body["finished"] else ""),
-        f"joined {counters['joined']}  left {counters['left']}  failed {counters['failed']}  "
+        f"joined {counters['joined']}  left {counters['left']}  failed {_failed(counters)}  "
         f"refused {counters['refused']}  steps {counters['steps_committed']}  "
         f"epochs {counters['epochs_finished']}  elections {counters['elections']}  "
         f"facts {body['facts']}  state hash {body['state_hash']}",
@@ -55,6 +55,21 @@ def _summary_lines(body: dict[str, Any]) -> list[str]:
         *_lineage_lines(body),
         *_waiting_lines(body),
     ]
+
+
+def _failed(counters: dict[str, int]) -> str:
+    """How many members failed, and by which sign when any was not silence."""
+    failed, disconnected, exited = (
+        counters.get(k, 0) for k in ("failed", "disconnected", "exited")
+    )
+    if not (disconnected or exited):
+        return str(failed)
+    causes = (
+        ("silent", failed - disconnected - exited),
+        ("disconnected", disconnected),
+        ("exited", exited),
+    )
+    return f"{failed} ({', '.join(f'{n} {cause}' for cause, n in causes if n)})"
 
 
 def _spare_lines(body: dict[str, Any]) -> list[str]:
@@ -88,7 +103,7 @@ def _launcher_lines(body: dict[str, Any]) -> list[str]:
         f"[bold]latest[/] {latest}",
         f"rounds {launcher['rounds']}  runs {launcher['runs']}  restarts "
         f"{launcher['restarts']} (each restarted every worker)  joined {counters['joined']}  "
-        f"left {counters['left']}  failed {counters['failed']}  facts {body['facts']}  "
+        f"left {counters['left']}  failed {_failed(counters)}  facts {body['facts']}  "
         f"state hash {body['state_hash']}",
         "[dim]the workers train with torch.distributed: cohort journals the agents, not "
         "their steps or data[/]",

@@ -15,10 +15,11 @@ import io
 from rich.console import Console
 
 from cohort.coordinator.audit import audit
+from cohort.coordinator.metrics import Metrics
 from cohort.coordinator.replay import view
 from cohort.events.models import Fact, JobConfig, ProcessExited, WorkerFailed, WorldChanged
 from cohort.render.terminal import status_view
-from tests.unit.job import Job, types
+from tests.unit.job import JOB, Job, types
 
 
 def running(**config: float) -> Job:
@@ -188,3 +189,32 @@ def test_cohort_status_flags_a_member_whose_connections_closed() -> None:
     out.print(status_view(body))
     rows = {line.split()[0]: line for line in out.export_text().splitlines() if line.strip()}
     assert "connections closed" in rows["c"] and "connections closed" not in rows["a"]
+
+
+def test_failures_are_counted_by_their_cause_in_the_state_and_the_metrics() -> None:
+    job = running(disconnect_grace=0.3)
+    job.start("d")
+    job.step()
+    exited(job, "c")
+    job.connections(a=1, b=0, d=1)
+    assert types(job.advance(0.5)) == ["WorkerFailed", "WorldChanged"]
+    job.alive("a")
+    job.now += 31
+    job.alive("a")
+    assert types(job.advance(0.1)) == ["WorkerFailed", "WorldChanged"]  # d fell silent
+    counters = job.state.counters
+    assert (counters.failed, counters.disconnected, counters.exited) == (3, 1, 1)
+    assert job.replayed() == job.state
+    metrics = Metrics(JOB, "c1")
+    metrics.update(job.state, True, 0.0, job.now)
+    labels = {"job": JOB, "coordinator": "c1"}
+    by_cause = {
+        cause: metrics.registry.get_sample_value(
+            "cohort_workers_failed_by_cause", {**labels, "cause": cause}
+        )
+        for cause in ("silent", "disconnected", "exited")
+    }
+    assert by_cause == {"silent": 1.0, "disconnected": 1.0, "exited": 1.0}
+    out = Console(width=200, record=True, file=io.StringIO())
+    out.print(status_view(view(job.state)))
+    assert "failed 3 (1 silent, 1 disconnected, 1 exited)" in out.export_text()

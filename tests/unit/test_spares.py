@@ -9,6 +9,7 @@ import io
 from rich.console import Console
 
 from cohort.coordinator.audit import audit
+from cohort.coordinator.metrics import Metrics
 from cohort.coordinator.replay import view
 from cohort.coordinator.spares import replacing
 from cohort.coordinator.state import Member
@@ -232,6 +233,14 @@ def test_status_shows_the_spares_and_the_report_the_promotion() -> None:
     assert body["spares"] == {"ready": [], "syncing": ["s2"]}
     assert body["counters"]["promotions"] == 1 and body["members"]["s1"]["rank"] == 2
     assert "spares syncing s2  promoted 1" in _terminal(body)
+    metrics = Metrics(JOB, "c1")
+    metrics.update(job.state, True, 0.0, job.now)
+    sample = metrics.registry.get_sample_value
+    labels = {"job": JOB, "coordinator": "c1"}
+    assert (sample("cohort_spares_ready", labels), sample("cohort_spare_promotions", labels)) == (
+        0.0,
+        1.0,
+    )
     run = Run(
         JOB, journal=[Entry(f"{i + 1}-0", {FIELD: encode(f)}) for i, f in enumerate(job.journal)]
     )
