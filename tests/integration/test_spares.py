@@ -1,7 +1,8 @@
 """Warm spares under `cohort run --spares`: real launchers, real ranks, a real SIGKILL.
 
 `cohort run -n 3 --spares 1` on tests/integration/transparent_script.py starts three ranks and
-a spare that runs the script up to its first step and waits there. A rank is SIGKILLed while
+a spare that runs the script up to its first step and waits there, its loader's worker
+process started (`job.warm`). A rank is SIGKILLed while
 training runs: in the decision that fails it the leader promotes the spare (the job never
 drops below its three ranks, so it never pauses), the spare trains in the next world from
 its survivors' weights, and the launcher starts the dead rank's replacement as the new
@@ -33,7 +34,7 @@ from cohort.events.models import (  # noqa: E402
     WorkerJoined,
     WorldChanged,
 )
-from tests.helpers import wait_until  # noqa: E402
+from tests.helpers import processes_mentioning, wait_until  # noqa: E402
 from tests.integration.launch import Launch, worker_of  # noqa: E402
 from tests.integration.test_transparency import TOLERANCE, trained  # noqa: E402
 
@@ -48,7 +49,10 @@ JOB = (
     "--placement", "strided", "--epochs", "4",
     "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2",
 )  # fmt: skip
-SETUP = ("--route", "redis", "--optimizer", "sgd", "--schedule", "step", "--pace", "0.3")
+SETUP = (
+    "--route", "redis", "--optimizer", "sgd", "--schedule", "step", "--pace", "0.3",
+    "--loader-workers", "1",
+)  # fmt: skip
 HOLDS = ("--hold-at", "3:4", "--hold-at", "12:4")
 """The failure run's ranks wait inside step 3 until the spare has joined (so it is ready as
 training runs), and inside step 12 until the job has four members again: the dead rank's
@@ -92,6 +96,8 @@ def test_a_spare_takes_a_killed_ranks_place_a_new_spare_starts_and_the_job_learn
     wait_until(training_beside_a_ready_spare, 180, message="three ranks training, a spare ready")
     (spare,) = [m.worker for m in watch.state.spares]
     assert spare == "n-3" and spare not in watch.state.ranks
+    (waiting,) = [p for p in run.ranks(SCRIPT) if worker_of(p) == spare]
+    assert processes_mentioning(SCRIPT, parent=waiting), "the spare waits without its loader"
     victim = watch.state.ranks[1]
     (pid,) = [p for p in run.ranks(SCRIPT) if worker_of(p) == victim]
     os.kill(pid, signal.SIGKILL)

@@ -105,6 +105,7 @@ def main() -> None:
     parser.add_argument("--hold-at", type=pair, action="append", default=[])
     parser.add_argument("--die-at", type=when, default=("job", -1, None))
     parser.add_argument("--pace", type=float, default=0.0)
+    parser.add_argument("--loader-workers", type=int, default=0, help="kept, and warmed")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -122,7 +123,12 @@ def main() -> None:
     sched = scheduler(args.schedule, opt)
     counters = {"epochs_done": 0}
     net, opt = job.wrap(net, opt, scheduler=sched, extra=counters)
-    loader = DataLoader(dataset, batch_size=job.worker.view.config.batch_size)
+    workers = args.loader_workers
+    loader = DataLoader(
+        dataset, batch_size=job.worker.view.config.batch_size, num_workers=workers,
+        persistent_workers=workers > 0,
+    )  # fmt: skip
+    job.warm(loader)  # a spare waits with its loader's workers up
     trace = (args.out / f"trace-{job.worker_id}.jsonl").open("a")
     counted, given = args.die_at[0] == "own", 0
     for _epoch in job.epochs():

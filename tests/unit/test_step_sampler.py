@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from cohort.events import deal
 from cohort.events import models as m
 from cohort.events.shards import Shard
@@ -111,3 +113,84 @@ def test_the_steps_ahead_mapped_at_once_are_each_micro_batch_s_own_samples() -> 
                 tags.append((2, step, index))
     assert got == expected
     assert list(steps.tags) == tags
+
+
+class _Squares:
+    """A map-style dataset: sample i is i squared."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> int:
+        return i * i
+
+
+def test_a_warmed_loader_starts_its_workers_outside_the_world_and_trains_with_them() -> None:
+    """A spare warms its loader while it waits: the workers start then, with no batch to
+    load, and the first step after its promotion reads its samples with the same ones."""
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from cohort.worker.pytorch.loader import StepLoader
+
+    config = m.JobConfig(dataset_size=16, batch_size=4, shuffle=False)
+    waiting = [
+        fact(m.JobConfigured, config=config),
+        fact(
+            m.WorldChanged, version=1, start_step=0, epoch=0, ranks=("a", "b"),
+            shards=(Shard(ranges=((0, 8),)), Shard(ranges=((8, 16),))),
+        ),
+    ]  # fmt: skip
+    member = _Member(fold(waiting, View(worker="s")))
+    loader = DataLoader(_Squares(), batch_size=4, num_workers=2, persistent_workers=True)
+    twin = StepLoader(loader, member)  # type: ignore[arg-type]
+    assert twin.warm()
+    started = twin.loader._iterator
+    assert started is not None
+    pids = sorted(w.pid for w in started._workers)
+    assert all(w.is_alive() for w in started._workers) and not twin.sampler.tags
+    promoted = [
+        *waiting,
+        fact(
+            m.WorldChanged, version=2, start_step=1, epoch=0, ranks=("a", "s"),
+            shards=(Shard(ranges=((4, 8),)), Shard(ranges=((8, 16),))),
+        ),
+    ]  # fmt: skip
+    member.view = fold(promoted, View(worker="s"))
+    try:
+        batch = twin.fetch((2, 1, 0))
+        assert batch.tolist() == [i * i for i in range(8, 12)]  # the first batch of its shard
+        assert twin.loader._iterator is started
+        assert sorted(w.pid for w in started._workers) == pids  # the warmed ones, not new
+    finally:
+        started._shutdown_workers()
+
+
+def test_a_loader_that_keeps_no_workers_has_nothing_to_warm() -> None:
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from cohort.worker.pytorch.loader import StepLoader
+
+    member = _Member(View(worker="s"))
+    for options in ({"num_workers": 0}, {"num_workers": 2, "persistent_workers": False}):
+        twin = StepLoader(DataLoader(_Squares(), batch_size=4, **options), member)  # type: ignore[arg-type]
+        assert not twin.warm()
+        assert twin.loader._iterator is None  # nothing was started
+
+
+def test_warm_tells_the_script_when_its_loader_cannot_keep_workers_started_ahead() -> None:
+    pytest.importorskip("torch")
+    import warnings
+
+    from torch.utils.data import DataLoader
+
+    from cohort.worker.pytorch.elastic import ElasticJob
+
+    job = object.__new__(ElasticJob)  # warm() alone: no job to join
+    job._loaders, job.worker = {}, _Member(View(worker="s"))  # type: ignore[assignment]
+    with pytest.warns(UserWarning, match="persistent_workers=True"):
+        job.warm(DataLoader(_Squares(), batch_size=4, num_workers=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        job.warm(DataLoader(_Squares(), batch_size=4))  # no workers: nothing to say

@@ -515,6 +515,22 @@ class ElasticJob(Elastic):
             self._micro = (0, 1)
             self._put_back(trained)
 
+    def warm(self, *loaders: Any) -> None:
+        """Start each loader's worker processes now, not at the first step. Called before
+        `job.epochs()`, a warm spare (`cohort run --spares`) waits with them up, and a
+        joiner starts them while it takes the weights. Only a loader that keeps its workers
+        (`persistent_workers=True`) can: one without workers has nothing to start."""
+        for loader in loaders:
+            if self._loader_for(loader).warm() or not getattr(loader, "num_workers", 0):
+                continue
+            warnings.warn(
+                f"job.warm(): the loader's {loader.num_workers} worker processes end with "
+                "each iteration (persistent_workers=False), so none can be started ahead; "
+                "give the DataLoader persistent_workers=True",
+                UserWarning,
+                stacklevel=2,
+            )
+
     def _put_back(self, trained: Step | None) -> None:
         """After a step the script ran: if a world change cut it short, nothing was applied
         and the script is where it was (the step it trained last, its scheduler's place)."""

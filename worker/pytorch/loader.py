@@ -68,9 +68,13 @@ class StepSampler:
         self.start: tuple[int, int] = (0, 0)
         """(step, micro-batch) the next iteration begins at."""
         self.tags: collections.deque[Tag] = collections.deque()
+        self.idle = False
+        """Set: an iteration gives no batch (`StepLoader.warm`'s, which only starts workers)."""
 
     def __iter__(self) -> Iterator[list[int]]:
         self.tags.clear()
+        if self.idle:
+            return
         view = self.worker.view
         step, micro = self.start
         try:
@@ -166,6 +170,21 @@ class StepLoader:
             f"the data loader gives no batch for step {want[1]} (micro-batch {want[2]}) of "
             f"world {want[0]}: the journal's plan does not reach it"
         )
+
+    def warm(self) -> bool:
+        """Start the loader's worker processes now, ahead of the first step, where it keeps
+        them (`persistent_workers`): an iteration over no batch starts them, and the first
+        real one resets them instead of forking new ones. False if there are none to keep."""
+        if not (self.loader.num_workers and self.loader.persistent_workers):
+            return False
+        self._batches = None
+        self.sampler.idle = True
+        try:
+            for _ in self.loader:
+                pass  # none: the sampler gives no indices
+        finally:
+            self.sampler.idle = False
+        return True
 
     def close(self) -> None:
         self._batches = None
