@@ -289,6 +289,21 @@ def test_the_quick_healing_run_times_each_way_of_noticing_a_death(
     assert raw["heartbeat"]["training_again"][0] > 5 > raw["spare"]["training_again"][0]
 
 
+def test_the_quick_presence_run_reads_each_member_s_connections_both_ways(
+    tmp_path: Path, quick_bench: QuickBench
+) -> None:
+    """Both readings see every member connected before they are timed (the bench asserts
+    it), and each timing is a positive number of seconds for each size."""
+    (section,) = _measured(quick_bench.quick("presence"), tmp_path).values()
+    assert section["command"] == (
+        "python -m bench.presence --members 10,100 --others 0,100 --readings 20"
+    )
+    assert set(section["raw"]) == {"10/0", "10/100", "100/0", "100/100"}
+    for cell in section["raw"].values():
+        assert cell["cohort_s"] > 0 and cell["peer_s"] > 0
+        assert cell["cohort_server_us"] > 0 and cell["peer_server_us"] > 0
+
+
 def test_the_quick_allreduce_and_cluster_runs_time_each_transport_and_server(
     tmp_path: Path, quick_bench: QuickBench
 ) -> None:
