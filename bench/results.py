@@ -30,9 +30,12 @@ class Section:
     notes: list[str] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict)
     date: str = field(default_factory=lambda: datetime.date.today().isoformat())
+    machine: str = ""
+    """The machine it ran on ("": a section stored before machines were recorded)."""
 
     def markdown(self) -> str:
-        lines = [f"## {self.title}", "", f"`{self.command}` ({self.date})", ""]
+        where = f", {self.machine}" if self.machine else ""
+        lines = [f"## {self.title}", "", f"`{self.command}` ({self.date}{where})", ""]
         lines.append("| " + " | ".join(self.header) + " |")
         lines.append("|" + "---|" * len(self.header))
         lines += ["| " + " | ".join(row) + " |" for row in self.rows]
@@ -119,9 +122,12 @@ def merge(path: Path, sections: list[Section]) -> list[Section]:
 def publish(out: Path, sections: list[Section], command: str, order: Sequence[str]) -> None:
     """Store `sections` beside the page `out` (`--only` runs replace their own sections
     only), and write the page from every stored section, in `order` (the suite's)."""
+    env = environment()
+    for section in sections:
+        section.machine = section.machine or env["machine"]
     every = merge(out.with_suffix(".json"), sections)
     every.sort(key=lambda s: order.index(s.key) if s.key in order else len(order))
-    out.write_text(document(every, environment(), command))
+    out.write_text(document(every, env, command))
 
 
 def document(sections: list[Section], env: dict[str, str], command: str) -> str:
@@ -131,7 +137,9 @@ def document(sections: list[Section], env: dict[str, str], command: str) -> str:
         f"Last written by `{command}` on {env['date']}; each section names the command that",
         "produced it and its date. Every figure is a median of several runs;",
         "where a peer exists it was measured in the same run, on the same machine and data,",
-        "and the ratio is what to compare across machines. Targets are issue 7's.",
+        "and the ratio is what to compare across machines. Targets are issue 7's. The table",
+        "is the last run's machine and versions; a section names the machine it ran on (those",
+        "that name none ran before machines were recorded per section).",
         "",
         "| | |",
         "|---|---|",
