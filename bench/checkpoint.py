@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from bench.fleet import Fleet, coordinator, spawn
-from bench.results import Section
+from bench.results import Section, median_seconds
 from cohort import mlp
 from cohort.events.models import DataPosition, Rewound, StepCommitted
 from cohort.events.shards import Shard
@@ -44,15 +44,6 @@ from cohort.worker.loop import checkpoints
 POSITION = DataPosition(epoch=0, rest=Shard(ranges=((0, 100),)))
 WIDTH, LAYERS, BATCH = 2240, 5, 64  # 5 x (2240 x 2240 + 2240) = 25.1M parameters
 STEPS = 10  # training steps a checkpoint's cost is measured over (longer than one write)
-
-
-def _median_time(fn: Any, runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _torch_model() -> tuple[Any, Any, Any]:
@@ -90,9 +81,9 @@ def _numpy_cost(tmp: Path, runs: int) -> dict[str, float]:
                           checkpoints.tensors_payload(params)())  # fmt: skip
 
     return {
-        "cohort_path": _median_time(cohort_path, runs * 20),
-        "peer": _median_time(peer, runs * 20),
-        "background": _median_time(background, runs * 20),
+        "cohort_path": median_seconds(cohort_path, runs * 20),
+        "peer": median_seconds(peer, runs * 20),
+        "background": median_seconds(background, runs * 20),
         "bytes": (tmp / "x.ckpt").stat().st_size,
     }
 
@@ -130,11 +121,11 @@ def _torch_cost(tmp: Path, runs: int, steps_per_run: int) -> dict[str, float]:
             torch.save(state, tmp / "peer.pt")
             steps()
 
-        quiet = _median_time(steps, runs)
+        quiet = median_seconds(steps, runs)
         return {
             "step": quiet / steps_per_run,
-            "cohort": _median_time(cohort_way, runs) - quiet,
-            "peer": _median_time(peer, runs) - quiet,
+            "cohort": median_seconds(cohort_way, runs) - quiet,
+            "peer": median_seconds(peer, runs) - quiet,
         }
 
     on_cpu = runs_of(train)
@@ -148,8 +139,8 @@ def _torch_cost(tmp: Path, runs: int, steps_per_run: int) -> dict[str, float]:
         "peer": on_cpu["peer"],
         "gpu_cohort": on_gpu["cohort"],
         "gpu_peer": on_gpu["peer"],
-        "cohort_path": _median_time(copy, runs),
-        "background": _median_time(lambda: write(blob), runs),
+        "cohort_path": median_seconds(copy, runs),
+        "background": median_seconds(lambda: write(blob), runs),
         "bytes": (tmp / "x.ckpt").stat().st_size,
         "steps": steps_per_run,
     }

@@ -12,29 +12,15 @@ then indexes.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from bench.results import Section
+from bench.results import Section, median_seconds
 from cohort.events.order import Order
 
 BATCH = 256  # a step's positions on one rank
 SCALAR = 2000  # positions mapped one at a time per run
-
-
-def _seconds(fn: Callable[[], Any], runs: int, number: int = 1) -> float:
-    """The median over `runs` of one call's seconds (each timing `number` calls)."""
-    took = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        for _ in range(number):
-            fn()
-        took.append((time.perf_counter() - start) / number)
-    return statistics.median(took)
 
 
 def _one(size: int, runs: int) -> dict[str, float]:
@@ -45,12 +31,13 @@ def _one(size: int, runs: int) -> dict[str, float]:
     batch = np.random.default_rng(1).integers(0, size, BATCH)
     one = [int(p) for p in np.random.default_rng(2).integers(0, size, SCALAR)]
     return {
-        "epoch": _seconds(lambda: order.take(every), runs) / size,
-        "epoch_peer": _seconds(lambda: np.random.default_rng(0).permutation(size), runs) / size,
-        "batch": _seconds(lambda: order.take(batch), runs, 200) / BATCH,
-        "batch_peer": _seconds(lambda: rng_order[batch], runs, 200) / BATCH,
-        "scalar": _seconds(lambda: [order[p] for p in one], runs) / SCALAR,
-        "scalar_peer": _seconds(lambda: [int(rng_order[p]) for p in one], runs) / SCALAR,
+        "epoch": median_seconds(lambda: order.take(every), runs) / size,
+        "epoch_peer": median_seconds(lambda: np.random.default_rng(0).permutation(size), runs)
+        / size,
+        "batch": median_seconds(lambda: order.take(batch), runs, 200) / BATCH,
+        "batch_peer": median_seconds(lambda: rng_order[batch], runs, 200) / BATCH,
+        "scalar": median_seconds(lambda: [order[p] for p in one], runs) / SCALAR,
+        "scalar_peer": median_seconds(lambda: [int(rng_order[p]) for p in one], runs) / SCALAR,
     }
 
 

@@ -18,14 +18,12 @@ import argparse
 import contextlib
 import resource
 import socket
-import statistics
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import redis
 
-from bench.results import Section
+from bench.results import Section, median_seconds
 from cohort.coordinator.joblog import Durability, RedisJobLog
 from cohort.events.keys import Keys
 from cohort.localredis import LocalRedis
@@ -62,16 +60,6 @@ def _connections(port: int, names: list[str], channels: list[str | None]) -> Ite
             sock.close()
 
 
-def _seconds(fn: Callable[[], Any], readings: int) -> float:
-    """The median seconds of one call, over `readings` calls."""
-    took = []
-    for _ in range(readings):
-        start = time.perf_counter()
-        fn()
-        took.append(time.perf_counter() - start)
-    return statistics.median(took)
-
-
 def _by_names(conn: redis.Redis, prefix: str, members: list[str]) -> dict[str, int]:
     """The peer's reading: each member's named connections, from CLIENT LIST."""
     counts = dict.fromkeys(members, 0)
@@ -95,14 +83,13 @@ def _one(port: int, members: int, others: int, readings: int) -> dict[str, float
     prefix = f"cohort-{JOB}-"
     names = [prefix + w for w in workers] + [f"cohort-other-w{i}" for i in range(others)]
     channels: list[str | None] = [keys.presence(w) for w in workers] + [None] * others
-    conn = redis.Redis(port=port)
-    log = RedisJobLog(conn, JOB, Durability())
-    with _connections(port, names, channels):
+    with redis.Redis(port=port) as conn, _connections(port, names, channels):
+        log = RedisJobLog(conn, JOB, Durability())
         assert log.connected(workers)[1] == dict.fromkeys(workers, 1)
         assert _by_names(conn, prefix, workers) == dict.fromkeys(workers, 1)
         conn.config_resetstat()
-        cohort = _seconds(lambda: log.connected(workers), readings)
-        peer = _seconds(lambda: _by_names(conn, prefix, workers), readings)
+        cohort = median_seconds(lambda: log.connected(workers), readings)
+        peer = median_seconds(lambda: _by_names(conn, prefix, workers), readings)
         return {
             "cohort_s": cohort,
             "peer_s": peer,

@@ -13,8 +13,10 @@ import importlib.metadata
 import json
 import os
 import platform
+import statistics
 import subprocess
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,17 @@ class Section:
         lines.append(json.dumps(self.raw, indent=1, sort_keys=True, default=str))
         lines += ["```", "", "</details>", ""]
         return "\n".join(lines)
+
+
+def median_seconds(fn: Callable[[], Any], runs: int, number: int = 1) -> float:
+    """The median over `runs` of one call's seconds (each run timing `number` calls)."""
+    took = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        took.append((time.perf_counter() - start) / number)
+    return statistics.median(took)
 
 
 def verdict(value: float, target: float, higher_is_better: bool = True) -> str:

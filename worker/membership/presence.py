@@ -36,11 +36,11 @@ from cohort.events.connection import UNAVAILABLE, Client, backoff
 LISTEN = 0.2
 """Seconds each wait for the subscription's traffic lasts: how soon a stop is noticed."""
 RETRY_BASE, RETRY_CAP = 0.01, 0.1
+"""The backoff between tries to take the subscription up again: well inside any grace."""
 REFUSED_RETRY = 60.0
 """Seconds between tries while Redis refuses the subscription (an ACL applied again later)."""
 DROPPED: tuple[type[BaseException], ...] = (*UNAVAILABLE, OSError)
 """What a connection that went away raises (UNAVAILABLE, or the socket's own error)."""
-"""The backoff between tries to take the subscription up again: well inside any grace."""
 
 
 class PresenceThread:
