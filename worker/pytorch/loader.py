@@ -123,8 +123,8 @@ class StepLoader:
 
         if getattr(loader, "dataset", None) is None:
             raise WorkerError(
-                f"job.batches() takes a torch DataLoader over a map-style dataset, not "
-                f"{type(loader).__name__}"
+                "job.batches() and job.warm() take a torch DataLoader over a map-style "
+                f"dataset, not {type(loader).__name__}"
             )
         from torch.utils.data import IterableDataset
 
@@ -132,8 +132,8 @@ class StepLoader:
             loader.dataset, "__getitem__"
         ):
             raise WorkerError(
-                "job.batches() needs a map-style dataset (one with __getitem__): the job "
-                "chooses which samples each rank reads"
+                "job.batches() and job.warm() need a map-style dataset (one with "
+                "__getitem__): the job chooses which samples each rank reads"
             )
         self.sampler = StepSampler(worker)
         options = {k: getattr(loader, k) for k in LOADER_OPTIONS if hasattr(loader, k)}
