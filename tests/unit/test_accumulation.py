@@ -1,5 +1,6 @@
-"""A constant global batch in PyTorch: micro-batches accumulated in place give the gradient
-of the rank's whole share, weighted for the world's mean (worker/pytorch/elastic.py)."""
+"""A constant global batch in PyTorch: micro-batches accumulated give the gradient of the
+rank's whole share, weighted for the world's mean, and the script's code after each backward
+sees what DDP with `no_sync` would show it (worker/pytorch/micro.py)."""
 
 from __future__ import annotations
 
@@ -7,45 +8,134 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cohort.events.order import Order  # noqa: E402
-from cohort.worker.loop.elastic import Step  # noqa: E402
-from cohort.worker.pytorch.elastic import ElasticJob  # noqa: E402
 
 
-def test_micro_batches_accumulate_to_the_share_s_gradient_times_its_weight() -> None:
+def trained_share(
+    order: str, clip: float | None = None, sizes: tuple[int, ...] = (4, 4, 3)
+) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """A share of 11 samples in micro-batches of `sizes`, run as a script writes its loop
+    (`order`: where it zeroes), with `job.batches()`'s MicroBatches under it and the world
+    being this rank alone (`on_last` scales by the step's weight). The gradients after the
+    step's last backward (clipped if `clip`), and what the script saw after each backward."""
+    from cohort.worker.pytorch.micro import MicroBatches
+
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 3)
     x, y = torch.randn(11, 5), torch.randint(0, 3, (11,))
-    sizes = (4, 4, 3)  # a share of 11 in micro-batches of at most 4
-    job = object.__new__(ElasticJob)  # the accumulation arithmetic alone, no job to join
-    job._sizes = sizes
-    step = Step(
-        step=0,
-        world=1,
-        epoch=0,
-        rank=0,
-        world_size=3,
-        ranges=((0, 11),),
-        order=Order.identity(11),
-        weight=11 * 3 / 30,
-    )  # 11 of a step's 30 samples
-    model.zero_grad()
+    micro = MicroBatches(model, on_last=lambda: scale(model, 3 * sizes[-1] / 30))
+    micro.begin_step(sizes)
+    seen: list[list[torch.Tensor]] = []
     start = 0
     for index, size in enumerate(sizes):
+        micro.begin(index)
+        if order == "zero first":
+            model.zero_grad()
         loss = torch.nn.functional.cross_entropy(
             model(x[start : start + size]), y[start : start + size]
         )
         loss.backward()
+        seen.append([p.grad.clone() for p in model.parameters()])
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        got = [p.grad.clone() for p in model.parameters()]
+        if order == "zero last":
+            model.zero_grad()
+        micro.end()
         start += size
-        if index < len(sizes) - 1:
-            job._carry(model, index)
-    job._scale(model, job._last_factor(step))
-    got = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
+    micro.end_step()
+    return got, seen
+
+
+def scale(model: torch.nn.Module, factor: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.grad.mul_(factor)
+
+
+def whole_share_gradient(clip: float | None = None) -> list[torch.Tensor]:
+    """The share's summed gradient times n / total: its part of the world's mean."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    x, y = torch.randn(11, 5), torch.randint(0, 3, (11,))
     torch.nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
-    # the share's summed gradient times n / total: its part of the world's mean
-    for mine, whole in zip(got, (p.grad * 3 / 30 for p in model.parameters()), strict=True):
+    scale(model, 3 / 30)
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("order", ["zero first", "zero last"])
+def test_micro_batches_accumulate_to_the_share_s_gradient_times_its_weight(order: str) -> None:
+    """Wherever the script zeroes its gradients, the step's last backward leaves the whole
+    share's gradient, weighted for the world's mean; before it the script sees zeros."""
+    got, seen = trained_share(order)
+    for mine, whole in zip(got, whole_share_gradient(), strict=True):
         assert torch.allclose(mine, whole, atol=1e-6)
+    for before_last in seen[:-1]:
+        assert all(not g.any() for g in before_last)
+
+
+def test_a_clip_in_every_micro_batch_clips_the_step_s_whole_gradient_once() -> None:
+    """`clip_grad_norm_` after each backward, as a plain loop has it, acts on the step's
+    whole gradient only (before the last micro-batch it sees zeros, which it leaves)."""
+    got, _ = trained_share("zero last", clip=0.05)
+    clipped = whole_share_gradient(clip=0.05)
+    assert torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in got])) == pytest.approx(
+        0.05, rel=1e-5
+    )
+    for mine, whole in zip(got, clipped, strict=True):
+        assert torch.allclose(mine, whole, atol=1e-6)
+
+
+def test_a_scheduler_handed_over_steps_once_per_applied_update() -> None:
+    """A scheduler stepped in every micro-batch, as a plain loop steps it, advances once per
+    step's update; outside the micro-batches (an epoch scheduler) it steps as called."""
+    from cohort.worker.pytorch.micro import MicroBatches, gate_scheduler
+
+    model = torch.nn.Linear(2, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(sgd, lambda n: 1 / (n + 1))
+    micro = MicroBatches(model, on_last=lambda: None)
+    gate_scheduler(schedule, lambda: not micro.inside or micro.applied)
+    for _ in range(2):  # two steps of three micro-batches
+        micro.begin_step((2, 2, 2))
+        for index in range(3):
+            micro.begin(index)
+            if micro.last:  # what job's optimizer.step() does
+                sgd.step()
+                micro.applied = True
+            schedule.step()
+            micro.end()
+        micro.end_step()
+    assert schedule.last_epoch == 2
+    assert sgd.param_groups[0]["lr"] == pytest.approx(1 / 3)
+    schedule.step()  # between epochs
+    assert schedule.last_epoch == 3
+
+
+def test_a_grad_scaler_handed_over_counts_updates_not_micro_batches() -> None:
+    """unscale_, step and update act in a step's last micro-batch only: the growth count
+    (and so the scale) follows updates, and an inf found there skips the step."""
+    from cohort.worker.pytorch.micro import MicroBatches, gate_scaler
+
+    model = torch.nn.Linear(2, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2)
+    micro = MicroBatches(model, on_last=lambda: None)
+    gate_scaler(scaler, lambda: not micro.inside or micro.last)
+    for _ in range(2):  # two steps of three micro-batches
+        micro.begin_step((1, 1, 1))
+        for index in range(3):
+            micro.begin(index)
+            scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            scaler.unscale_(sgd)
+            scaler.step(sgd)
+            scaler.update()
+            sgd.zero_grad()
+            micro.end()
+        micro.end_step()
+    assert scaler.get_scale() == 16.0  # grown once: after 2 updates, not 6 micro-batches
+    assert scaler.state_dict()["_growth_tracker"] == 0
 
 
 def test_a_loader_over_an_iterable_dataset_is_refused_by_name() -> None:

@@ -40,6 +40,7 @@ from cohort.worker.errors import WorkerError, WorldChangedError
 from cohort.worker.loop.elastic import POLL, Elastic, EpochEnd, Step, reducible
 from cohort.worker.pytorch import sync as torch_sync
 from cohort.worker.pytorch.loader import Stale, StepLoader
+from cohort.worker.pytorch.micro import MicroBatches, gate_scaler, gate_scheduler
 from cohort.worker.pytorch.overlap import OverlappedGradients
 
 log = logging.getLogger("cohort.torch")
@@ -68,7 +69,8 @@ def compression_setting(
 
 
 class TorchState:
-    """A model, its optimizer, an LR scheduler and any extra state, as one training state."""
+    """A model, its optimizer, an LR scheduler, a GradScaler and any extra state, as one
+    training state."""
 
     def __init__(
         self,
@@ -76,20 +78,26 @@ class TorchState:
         optimizer: torch.optim.Optimizer,
         scheduler: Any = None,
         extra: MutableMapping[str, Any] | None = None,
+        scaler: Any = None,
     ) -> None:
-        self.model = model
+        self.model = plain_module(model)
+        """The module itself, also when the script compiled it first: its state_dict keys
+        are the plain model's (no `_orig_mod.`), in checkpoints and `job.save` alike."""
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.scaler = scaler
         self.extra = extra
         """The script's own dict, not a copy: what it changes is what travels, and what a
         world or checkpoint brings is what it reads."""
         self.initial = self.snapshot()
-        self._held: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
+        self._held: tuple[Any, list[dict[str, Any]], Any] | None = None
 
     def _extra(self) -> dict[str, Any]:
         state: dict[str, Any] = {"rng": torch.get_rng_state()}
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
         if self.extra is not None:
             state["user"] = self.extra
         return state
@@ -99,6 +107,8 @@ class TorchState:
             torch.set_rng_state(extra["rng"])
         if self.scheduler is not None and "scheduler" in extra:
             self.scheduler.load_state_dict(extra["scheduler"])
+        if self.scaler is not None and "scaler" in extra:
+            self.scaler.load_state_dict(extra["scaler"])
         if self.extra is not None and "user" in extra:
             self.extra.clear()
             self.extra.update(extra["user"])
@@ -132,26 +142,48 @@ class TorchState:
         self.load(self.initial)
 
     def hold(self) -> None:
-        """As a step begins: remember where the scheduler is, and the optimizer's settings
-        it changes (learning rates, momenta), so that `unwind` can put them back."""
-        if self.scheduler is None:
+        """As a step begins: remember where the scheduler is, the optimizer's settings it
+        changes (learning rates, momenta), and the GradScaler's scale and growth count, so
+        that `unwind` can put them back."""
+        if self.scheduler is None and self.scaler is None:
             return
         groups = [
             {k: v.clone() if torch.is_tensor(v) else v for k, v in group.items() if k != "params"}
             for group in self.optimizer.param_groups
         ]
-        self._held = (copy.deepcopy(self.scheduler.state_dict()), groups)
+        scheduled = copy.deepcopy(self.scheduler.state_dict()) if self.scheduler else None
+        self._held = (scheduled, groups, [t.clone() for t in _scaler_tensors(self.scaler)])
 
     def unwind(self) -> None:
         """The step was cut short by a world change and comes again: a scheduler step the
         script took after its `optimizer.step()` (which applied nothing) is undone, so the
-        schedule counts applied steps only, as in a run without the failure."""
+        schedule counts applied steps only, as in a run without the failure; so is the
+        scaler's update of a step its world did not finish."""
         if self._held is None:
             return
-        scheduled, groups = self._held
-        self.scheduler.load_state_dict(copy.deepcopy(scheduled))
+        scheduled, groups, scaled = self._held
+        if scheduled is not None:
+            self.scheduler.load_state_dict(copy.deepcopy(scheduled))
         for group, held in zip(self.optimizer.param_groups, groups, strict=True):
             group.update(held)
+        live = _scaler_tensors(self.scaler)
+        if len(live) == len(scaled):  # else the scaler began in this step: as it began
+            for now, then in zip(live, scaled, strict=True):
+                now.copy_(then)
+
+
+def _scaler_tensors(scaler: Any) -> tuple[torch.Tensor, ...]:
+    """A GradScaler's scale and growth count, as the tensors it keeps on its device (read
+    as numbers, through its state_dict, they would wait for the GPU at every step); none
+    before its first scale."""
+    tensors = (getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None))
+    return tuple(t for t in tensors if t is not None)
+
+
+def plain_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a `torch.compile` wrapper (an OptimizedModule) holds, else `model`."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
 
 
 class ElasticJob(Elastic):
@@ -183,17 +215,17 @@ class ElasticJob(Elastic):
         """Whether the current world's DDP agreed on its buckets (`_buckets_rebuilt`)."""
         self._seed: int | None = None
         """`seed_steps`'s seed: each step's draws then depend on it, the step and the rank."""
-        self._micro: tuple[int, int] = (0, 1)
-        """(index, count) of the micro-batch being trained in the current step."""
-        self._sizes: tuple[int, ...] = ()
-        """The current step's micro-batch sizes."""
+        self.micro: MicroBatches | None = None
+        """The current step's micro-batches and the gradients parked between them (`wrap`)."""
+        self._averaged: tuple[Step, bool] | None = None
+        """The step whose gradients were made the world's mean, and whether that held."""
+        self._warned_schedule = False
         self._loaders: dict[int, tuple[Any, StepLoader]] = {}
         self.compressor: feedback.Compressor | None = None
         """Set by `wrap(compression=...)`; its state restarts at every world start."""
         self._bucket_bytes = torch_sync.DEFAULT_BUCKET_BYTES
         self._optimizer_step: Callable[..., Any] = lambda *args, **kwargs: None
-        self._optimizer_zero_grad: Callable[..., Any] = lambda *args, **kwargs: None
-        """The optimizer's own step and zero_grad, which `wrap` puts cohort's in front of."""
+        """The optimizer's own step, which `wrap` puts cohort's in front of."""
         if backend is not None:
             from cohort.worker.pytorch.dist import ElasticProcessGroup
 
@@ -209,9 +241,17 @@ class ElasticJob(Elastic):
         overlap: bool = True,
         compression: Compression | None = None,
         rank: int = DEFAULT_RANK,
+        scaler: Any = None,
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """Train `model` with `optimizer` (and `scheduler`, and `extra` state that travels
-        with them, e.g. an EMA or counters: a dict changed in place) on every rank alike.
+        """Train `model` with `optimizer` (and `scheduler`, a `torch.amp.GradScaler`, and
+        `extra` state that travels with them, e.g. an EMA or counters: a dict changed in
+        place) on every rank alike.
+
+        As with DDP, the gradients are the world's mean once the step's last `backward()`
+        returns (`job.sync_gradients` says whether this micro-batch is that one; before it
+        the script sees zeros), so `clip_grad_norm_` and NaN checks see the global gradient.
+        The scheduler steps once per applied update, the scaler's `unscale_`, `step` and
+        `update` act in the last micro-batch only, whatever the number of micro-batches.
 
         Through Redis, gradients are averaged bucket by bucket while backward runs
         (`overlap=False`: all after backward, as gradient accumulation over several
@@ -220,14 +260,19 @@ class ElasticJob(Elastic):
         the same update (docs/compression.md). Through Redis only: a `backend` refuses it.
         Unset, $COHORT_COMPRESSION says (int8, powersgd or powersgd:RANK)."""
         self.compressor = self._compressor(*compression_setting(compression, rank))
-        self.attach(TorchState(model, optimizer, scheduler, extra))
+        self.attach(TorchState(model, optimizer, scheduler, extra, scaler))
         self._bucket_bytes = bucket_bytes
+        micro = self.micro = MicroBatches(plain_module(model), self._last_backward_ended)
+        if scheduler is not None:
+            gate_scheduler(scheduler, lambda: not micro.inside or micro.applied)
+        if scaler is not None:
+            gate_scaler(scaler, lambda: not micro.inside or micro.last)
         config = self.worker.view.config
         accumulating = config is not None and config.global_batch is not None
         if self.backend is None and overlap and not accumulating and self.compressor is None:
             self.overlapped = OverlappedGradients(model, self.collective, bucket_bytes)
-        self._optimizer_step, self._optimizer_zero_grad = optimizer.step, optimizer.zero_grad
-        take_over(optimizer, self._step_optimizer, self._zero_grad)
+        self._optimizer_step = optimizer.step
+        take_over(optimizer, self._step_optimizer)
         if self.backend is not None:
             return _under_ddp(model, self), optimizer
         return model, optimizer
@@ -292,27 +337,49 @@ class ElasticJob(Elastic):
             )
         return compressor
 
-    def _zero_grad(self, *args: Any, **kwargs: Any) -> Any:
-        """The script's `optimizer.zero_grad()`: inside a step's micro-batches the gradients
-        accumulate, so only the first micro-batch clears them."""
-        if self._micro[0] > 0:
-            return None
-        return self._optimizer_zero_grad(*args, **kwargs)
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether this micro-batch is its step's last: after its `backward()` the gradients
+        are the world's mean and `optimizer.step()` applies the update (Accelerate's name).
+        Before it the script sees zero gradients and its `optimizer.step()` does nothing;
+        outside `job.batches()`, True."""
+        return self.micro is None or not self.micro.inside or self.micro.last
 
     def _step_optimizer(self, *args: Any, **kwargs: Any) -> Any:
-        """The script's `optimizer.step()`: after a step's last micro-batch, the gradients'
-        mean over the world first, then the optimizer's own step; nothing if the world
-        changed meanwhile (the step is retried in the next world)."""
+        """The script's `optimizer.step()`: in a step's last micro-batch, the optimizer's own
+        step on the gradients' mean over the world (made as the last backward ended, or now);
+        nothing before the last micro-batch, nor if the world changed meanwhile (the step is
+        retried in the next world)."""
         current = self.current
         if current is None:
             raise WorkerError("optimizer.step() outside a step of job.batches()")
-        index, count = self._micro
-        if index < count - 1:
-            self._carry(self._model(), index)
+        micro = self.micro
+        if micro is not None and not micro.last:
             return None  # the update comes after the step's last micro-batch
-        if not self._gradients_averaged(current):
+        if not self._averaged_for(current):
             return None
-        return self._optimizer_step(*args, **kwargs)
+        result = self._optimizer_step(*args, **kwargs)
+        if micro is not None:
+            micro.applied = True
+        return result
+
+    def _averaged_for(self, current: Step) -> bool:
+        """Whether `current`'s gradients are the world's mean, made so now if the step's
+        last backward did not already (a script that ran none, or a route that averages
+        later); False, and the step aborted, when its world is over."""
+        if self._averaged is None or self._averaged[0] is not current:
+            if self.micro is not None:
+                self.micro.restore()  # micro-batches' gradients parked with no backward after
+            self._averaged = (current, self._gradients_averaged(current))
+        return self._averaged[1]
+
+    def _last_backward_ended(self) -> None:
+        """The step's last backward ended (an autograd callback, before `backward()`
+        returns): through Redis, the gradients become the world's mean now, so the script's
+        code after backward sees them, as under DDP (whose reducer ran already)."""
+        current = self.current
+        if current is not None and self.backend is None:
+            self._averaged = (current, self._gradients_averaged(current))
 
     def _gradients_averaged(self, current: Step) -> bool:
         """Make the gradients the world's mean for `current`; False (and the step aborted)
@@ -400,20 +467,13 @@ class ElasticJob(Elastic):
             self._mean.aborted = True
         return False
 
-    def _carry(self, model: torch.nn.Module, index: int) -> None:
-        """After micro-batch `index` (not the last): the gradients, which hold W / m_index
-        (W: the sum of every sample's gradient so far, m: micro-batch sizes, the loss a mean
-        over each), are rescaled to W / m_next, so that the next backward adds its own mean
-        at the right weight. In place: no second copy of the gradients."""
-        sizes = self._sizes
-        self._scale(model, sizes[index] / sizes[index + 1])
-
     def _last_factor(self, current: Step) -> float:
         """What the gradients (W / m_last) are multiplied by before the ranks' mean, so the
         mean weighs every sample of the global batch alike: m_last * n / total, i.e. the
         step's weight (this rank's share times n) over its share, times m_last."""
-        mine = sum(self._sizes)
-        return current.weight * self._sizes[-1] / mine if mine else 0.0
+        sizes = self.micro.sizes if self.micro is not None else ()
+        mine = sum(sizes)
+        return current.weight * sizes[-1] / mine if mine else 0.0
 
     @staticmethod
     def _scale(model: torch.nn.Module, factor: float) -> None:
@@ -496,11 +556,11 @@ class ElasticJob(Elastic):
                 self._empty_step(dataset, collate)
                 self._put_back(trained)
                 continue
-            self._sizes = tuple(sum(b - a for a, b in part) for part in step.micro)
-            count = len(step.micro)
-            for index in range(count):
-                self._micro = (index, count)
-                if index == count - 1 and self._mean is not None:
+            micro = self._micro_batches()
+            micro.begin_step(tuple(sum(b - a for a, b in part) for part in step.micro))
+            for index in range(micro.count):
+                micro.begin(index)
+                if micro.last and self._mean is not None:
                     self._mean.scale = self._last_factor(step)
                 try:
                     batch = twin.fetch((step.world, step.step, index))
@@ -509,10 +569,16 @@ class ElasticJob(Elastic):
                         self.overlapped.cancel()
                     self.abort()  # its world is over: the step is retried in the next
                     break
+                rates = learning_rates(self._optimizer())
                 yield batch
+                micro.end()
+                if not (micro.applied or self.aborted or self.current is not step):
+                    self._check_schedule(rates)
+                    if micro.last:  # no update applied (a GradScaler's inf): still the
+                        self._averaged_for(step)  # world's step, every rank alike
                 if self.aborted or self.current is not step:
                     break  # the world changed under this step: it is retried whole
-            self._micro = (0, 1)
+            micro.end_step()
             self._put_back(trained)
 
     def warm(self, *loaders: Any) -> None:
@@ -567,8 +633,33 @@ class ElasticJob(Elastic):
 
     def _accumulating(self) -> bool:
         """Inside a micro-batch before a step's last (DDP must not reduce its gradients)."""
-        index, count = self._micro
-        return index < count - 1
+        return not self.sync_gradients
+
+    def _micro_batches(self) -> MicroBatches:
+        if self.micro is None:
+            raise WorkerError("job.batches() before job.wrap(model, optimizer)")
+        return self.micro
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        state = self.state
+        assert isinstance(state, TorchState)
+        return state.optimizer
+
+    def _check_schedule(self, rates: tuple[Any, ...]) -> None:
+        """After a micro-batch whose `optimizer.step()` applied nothing: a learning rate that
+        changed anyway was set by a scheduler cohort does not gate. It would step once per
+        micro-batch, whose count follows the world size: said once, with the fix."""
+        if self._warned_schedule or learning_rates(self._optimizer()) == rates:
+            return
+        self._warned_schedule = True
+        warnings.warn(
+            "the learning rate changed in a micro-batch whose optimizer.step() applied no "
+            "update: an LR scheduler stepped there counts micro-batches, whose number follows "
+            "the world size. Hand it to job.wrap(model, optimizer, scheduler=scheduler) (it "
+            "then steps once per update), or step it only `if job.sync_gradients`",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _empty_step(self, dataset: Any, collate: Any) -> None:
         """No sample for this rank this step: zero gradients still go into the average.
@@ -607,6 +698,14 @@ class ElasticJob(Elastic):
         return taken
 
 
+def learning_rates(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
+    """Each parameter group's learning rate, as numbers (a tensor's read on its device)."""
+    return tuple(
+        group["lr"].item() if torch.is_tensor(group["lr"]) else group["lr"]
+        for group in optimizer.param_groups
+    )
+
+
 def step_seed(seed: int, step: int, rank: int) -> int:
     """A 64-bit seed for `step` on `rank`, from the job's `seed`: the same three give the
     same seed in any process, and any two that differ give unrelated ones (numpy's
@@ -614,10 +713,8 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence((seed, step, rank)).generate_state(1, np.uint64)[0])
 
 
-def take_over(
-    optimizer: torch.optim.Optimizer, step: Callable[..., Any], zero_grad: Callable[..., Any]
-) -> None:
-    """`optimizer.step()` and `zero_grad()` call `step` and `zero_grad` from now on.
+def take_over(optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> None:
+    """`optimizer.step()` calls `step` from now on.
 
     An LR scheduler made before this wrapped the optimizer's step to see it called; the new
     step keeps that promise (it marks the optimizer called, and is marked as wrapped), so
@@ -630,7 +727,6 @@ def take_over(
 
     optimizer.step = _method_of(optimizer, stepped)  # type: ignore[method-assign]
     optimizer.step.__func__._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.zero_grad = _method_of(optimizer, zero_grad)  # type: ignore[method-assign]
 
 
 def _method_of(optimizer: torch.optim.Optimizer, call: Callable[..., Any]) -> Any:

@@ -1,0 +1,170 @@
+"""A step's micro-batches as the script sees them: what DDP with `no_sync` and Accelerate's
+`sync_gradients` show, whatever the number of micro-batches the job deals this rank.
+
+A constant global batch comes to a rank as one or more micro-batches (their count follows
+the world size), and the script's loop runs once per micro-batch. After each backward the
+script's own code runs (`clip_grad_norm_`, a NaN check, gradient logging, a GradScaler's
+`unscale_`), and it must act on what DDP would show it: zeros-and-nothing-applied before
+the step's last micro-batch, the world's mean after it. So at the end of every backward
+but the last, the gradients accumulated so far are parked out of the script's sight (the
+script sees zeros), and the next backward takes them back as it accumulates; at the end of
+the last backward the `on_last` callback makes the gradients the world's mean before
+`backward()` returns.
+
+The arithmetic is the accumulation's own: after micro-batch i the gradients hold W / m_i
+(W: the sum of every sample's gradient so far, m: the micro-batch sizes, the loss a mean
+over each); when parked they are rescaled to W / m_(i+1), so that the next backward adds
+its own mean at the right weight, and taken back by that backward's own addition.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class MicroBatches:
+    """The micro-batches of the current step of `model`'s training, and the gradients
+    parked between them; `on_last()` runs as the step's last backward ends."""
+
+    def __init__(self, model: torch.nn.Module, on_last: Callable[[], None]) -> None:
+        self.on_last = on_last
+        self.index, self.count = 0, 1
+        self.sizes: tuple[int, ...] = ()
+        self.inside = False
+        """Whether the script is inside one of a step's micro-batches (between the job
+        giving it a batch and asking for the next)."""
+        self.applied = False
+        """Whether this micro-batch's `optimizer.step()` applied an update."""
+        self.backward_done = False
+        """Whether this micro-batch's backward ran (and so its end was handled)."""
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._parked: dict[int, torch.Tensor] = {}
+        self._queued = False
+        self._lock = threading.Lock()
+        for param in self._params:
+            param.register_hook(self._hook_for(param))
+            param.register_post_accumulate_grad_hook(self._accumulated)
+
+    @property
+    def last(self) -> bool:
+        """Whether this micro-batch is its step's last: its `optimizer.step()` applies."""
+        return self.index >= self.count - 1
+
+    def begin_step(self, sizes: tuple[int, ...]) -> None:
+        self.sizes, self.count = sizes, max(len(sizes), 1)
+        self._parked.clear()
+
+    def begin(self, index: int) -> None:
+        """Micro-batch `index` of the step is given to the script."""
+        if index > 0 and not self.backward_done:
+            self._rescale_parked(self.carry(index - 1))  # the one before ran no backward
+        self.index, self.inside = index, True
+        self.applied = self.backward_done = False
+
+    def end(self) -> None:
+        """The script asked past the micro-batch (or the step ended)."""
+        self.inside = False
+
+    def end_step(self) -> None:
+        self.index, self.count, self.inside = 0, 1, False
+        self._parked.clear()
+
+    def carry(self, index: int) -> float:
+        """The factor that turns gradients of weight 1 / m_index into 1 / m_(index+1)."""
+        return self.sizes[index] / self.sizes[index + 1]
+
+    # ------------------------------------------------------------ backward's side
+    def _hook_for(self, param: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        key = id(param)
+
+        def take_back(grad: torch.Tensor) -> torch.Tensor | None:
+            """Before this backward accumulates into `param`: the parked gradient joins the
+            new one (the script's zeros are dropped, so nothing else is added)."""
+            parked = self._parked.pop(key, None)
+            if parked is None:
+                return None
+            param.grad = None
+            return grad + parked
+
+        return take_back
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        if not self.inside:
+            return  # a backward outside the step's micro-batches (an evaluation's, say)
+        with self._lock:
+            if self._queued:
+                return
+            self._queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        with self._lock:
+            self._queued = False
+        self.backward_done = True
+        if self.last:
+            self.on_last()
+        else:
+            self._park()
+
+    def _park(self) -> None:
+        """Keep the gradients so far, rescaled for the next micro-batch, and show the script
+        zeros: nothing it does before the next backward touches the accumulation."""
+        factor = self.carry(self.index)
+        with torch.no_grad():
+            for param in self._params:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if factor != 1.0:
+                    grad.mul_(factor)
+                self._parked[id(param)] = grad
+                param.grad = torch.zeros_like(grad)
+
+    def _rescale_parked(self, factor: float) -> None:
+        if factor == 1.0:
+            return
+        with torch.no_grad():
+            for parked in self._parked.values():
+                parked.mul_(factor)
+
+    def restore(self) -> None:
+        """Put the parked gradients back where the script (or a step's end) reads them:
+        used when a micro-batch ends without a backward of its own."""
+        with torch.no_grad():
+            for param in self._params:
+                parked = self._parked.pop(id(param), None)
+                if parked is not None:
+                    param.grad = parked
+
+
+def gate_scheduler(scheduler: Any, applies: Callable[[], bool]) -> None:
+    """`scheduler.step()` from now on steps only where `applies()`: after an
+    `optimizer.step()` that applied the update, or outside a step's micro-batches (an epoch
+    scheduler's). Accelerate's prepared scheduler does the same."""
+    own = scheduler.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if not applies():
+            return None
+        return own(*args, **kwargs)
+
+    scheduler.step = step
+
+
+def gate_scaler(scaler: Any, last: Callable[[], bool]) -> None:
+    """A `torch.amp.GradScaler`'s `unscale_`, `step` and `update` act only in a step's last
+    micro-batch: before it the script's gradients are zeros, and the scale and its growth
+    count follow updates, not micro-batches (whose number follows the world size)."""
+    for name in ("unscale_", "step", "update"):
+        own = getattr(scaler, name)
+
+        def gated(*args: Any, _own: Callable[..., Any] = own, **kwargs: Any) -> Any:
+            if not last():
+                return None
+            return _own(*args, **kwargs)
+
+        setattr(scaler, name, gated)
