@@ -144,15 +144,17 @@ class MicroBatches:
 def gate_scheduler(scheduler: Any, applies: Callable[[], bool]) -> None:
     """`scheduler.step()` from now on steps only where `applies()`: after an
     `optimizer.step()` that applied the update, or outside a step's micro-batches (an epoch
-    scheduler's). Accelerate's prepared scheduler does the same."""
-    own = scheduler.step
+    scheduler's). Accelerate's prepared scheduler does the same. The scheduler's class is
+    replaced by a subclass of it: an attribute of the instance would travel in its
+    state_dict (a scheduler's state is its `__dict__`)."""
+    base = type(scheduler)
 
-    def step(*args: Any, **kwargs: Any) -> Any:
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not applies():
             return None
-        return own(*args, **kwargs)
+        return base.step(self, *args, **kwargs)
 
-    scheduler.step = step
+    scheduler.__class__ = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
 
 
 def gate_scaler(scaler: Any, last: Callable[[], bool]) -> None:
