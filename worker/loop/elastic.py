@@ -38,7 +38,7 @@ from cohort.events import deal
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.errors import InvalidValueError
 from cohort.events.keys import ENV_JOB, check_job
-from cohort.events.models import DataRefused, Dataset, Metrics, Node
+from cohort.events.models import DataRefused, Dataset, JobConfig, Metrics, Node
 from cohort.events.order import Order
 from cohort.events.shards import Range
 from cohort.worker.collective import calls
@@ -425,6 +425,48 @@ class Elastic:
             return self._given.epoch
         plan = self.worker.view.plan
         return plan.epoch if plan is not None else 0
+
+    # ------------------------------------------------------------ the job's settings
+    @property
+    def batch_size(self) -> int:
+        """Samples a rank computes in one forward and backward (`--batch-size`): the size
+        to give the DataLoader, so the script never states it a second time."""
+        return self._config().batch_size
+
+    @property
+    def global_batch(self) -> int | None:
+        """Samples of one update over the whole world (`--global-batch`), None: a
+        `batch_size` per rank."""
+        return self._config().global_batch
+
+    @property
+    def dataset_size(self) -> int | None:
+        """Samples of a data epoch, as the job was configured (None: the workers' data set
+        says)."""
+        return self._config().dataset_size
+
+    @property
+    def total_steps(self) -> int | None:
+        """The job's length in updates where its settings fix it whatever the world's size
+        (`--max-steps`, or `--epochs` of a `--global-batch` with `--placement strided` and
+        a known data set size): what an LR schedule spans. None where the length follows
+        the world's size."""
+        config = self._config()
+        lengths = [config.max_steps] if config.max_steps is not None else []
+        size, per_step = config.dataset_size, config.global_batch
+        known = config.epochs is not None and size is not None and per_step is not None
+        if known and config.placement == "strided":
+            lengths.append(config.epochs * -(-size // per_step))  # type: ignore[operator]
+        return min(lengths) if lengths else None
+
+    def _config(self) -> JobConfig:
+        config = self.worker.view.config
+        if config is None:
+            raise WorkerError(
+                f"job {self.worker.job!r}: its settings are not known, since this process "
+                "never joined it (stopped first, or the job had finished)"
+            )
+        return config
 
     # ------------------------------------------------------------ figures of the world
     def mean(self, value: Any) -> Any:
@@ -936,9 +978,11 @@ def reducible(numbers: list[float], how: str) -> None:
 
 
 def _number(name: str, value: Any) -> float:
-    """`value` as a float for `record`, or InvalidValueError naming it."""
+    """`value` as a float for `record`, or InvalidValueError naming it. A tensor that
+    carries a graph (a loss, a clipped norm) is read without it, as `loss.item()` would."""
+    detached = getattr(value, "detach", None)
     try:
-        return float(value)
+        return float(detached() if callable(detached) else value)
     except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of many values
         raise InvalidValueError(
             f"job.record({name}=...): {value!r:.80} is not a number; record one number a name"

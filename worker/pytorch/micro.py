@@ -154,7 +154,9 @@ def gate_scheduler(scheduler: Any, applies: Callable[[], bool]) -> None:
             return None
         return base.step(self, *args, **kwargs)
 
-    scheduler.__class__ = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
+    scheduler.__class__ = type(
+        base.__name__, (base,), {"step": step, "__module__": base.__module__}
+    )
 
 
 def gate_scaler(scaler: Any, last: Callable[[], bool]) -> None:
