@@ -19,6 +19,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=48)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=10, help="warmup updates")
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--seed", type=int, default=0)
@@ -45,7 +46,7 @@ def main() -> None:
             optimizer.zero_grad()
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             lr = optimizer.param_groups[0]["lr"]
             scaler.step(optimizer)
             scaler.update()
