@@ -133,7 +133,8 @@ def test_the_lm_example_through_a_sigkill_learns_what_ddp_with_no_sync_learns(
     export, saved = tmp_path / "run.export", tmp_path / "final.pt"
     run = Launch(
         "-n", "2", "--spares", "1", "--node", "n", *JOB, "--export", str(export),
-        SCRIPT, "--warmup", str(WARMUP), "--clip", str(CLIP), "--log-every", "1", "--save", str(saved), cwd=tmp_path,
+        SCRIPT, "--warmup", str(WARMUP), "--clip", str(CLIP), "--log-every", "1",
+        "--save", str(saved), cwd=tmp_path,
     )  # fmt: skip
     watch = run.journal()
 
