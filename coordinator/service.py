@@ -227,6 +227,7 @@ class Coordinator:
         self._troubled_at = -1e18  # server time of the last InboxRepaired journaled
         self._unjournaled: list[InboxRepaired] = []  # found since, waiting for TROUBLE_EVERY
         self._clean_at = 0.0  # server time of the last read that found the inbox in order
+        self._repair_refused = False  # Redis refused the last repair (said once)
         self._marks: InboxMarks | None = None  # the inbox's marks at the last look
         self._marks_refused: str | None = None  # why Redis refused the look, once said
         self.archiving = archiving.Archiving(settings.journal_hot, joblog.entries)
@@ -727,15 +728,18 @@ class Coordinator:
             self._resync()
             return
         except redis.ResponseError as exc:  # no XSETID (fakeredis), an older coordinator user
-            log.error(
-                "could not repair the inbox of job %r (%s): until it is, commands wait "
-                "behind the entry ahead; on Redis >= 7 apply the coordinator role again "
-                "(cohort acl --job %s --role coordinator --apply)",
-                self.settings.job,
-                exc,
-                self.settings.job,
-            )
+            if not self._repair_refused:  # tried every turn: said once until one works
+                log.error(
+                    "could not repair the inbox of job %r (%s): until it is, commands wait "
+                    "behind the entry ahead; on Redis >= 7 apply the coordinator role again "
+                    "(cohort acl --job %s --role coordinator --apply)",
+                    self.settings.job,
+                    exc,
+                    self.settings.job,
+                )
+            self._repair_refused = True
             return
+        self._repair_refused = False
         log.warning(
             "inbox of job %r repaired: %d unread entries moved behind the server's clock, "
             "%d read ones ahead of it dropped; cursor %s -> %s",

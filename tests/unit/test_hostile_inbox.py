@@ -315,3 +315,29 @@ def test_an_entry_ahead_soon_after_the_last_repair_is_repaired_in_the_turn_that_
     repaired = facts_of(setup, InboxRepaired)
     assert len(repaired) + sum(r.more for r in repaired) == 5
     assert not facts_of(setup, WorkerFailed)
+
+
+def test_a_repair_redis_refuses_is_tried_every_turn_and_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The repair runs in every turn that finds the inbox out of order: where Redis refuses it
+    (fakeredis, an older coordinator user), the error is said once, not once a turn."""
+    setup = Signed()
+    leader = training(setup)
+    tried = 0
+
+    def refused(token: str, cursor: str, limit: str) -> tuple[str, int, int]:
+        nonlocal tried
+        tried += 1
+        raise redis.ResponseError("ERR unknown command 'XSETID'")
+
+    monkeypatch.setattr(setup.log, "repair_inbox", refused)
+    setup.log.send_at(f"{now_ms(setup) + HOUR_MS}-0", {FIELD: b"x"})
+    with caplog.at_level(logging.ERROR, logger="cohort.coordinator"):
+        for _ in range(5):
+            setup.clock.advance(0.1)
+            leader.step()
+
+    assert tried == 5
+    said = [r for r in caplog.records if "could not repair the inbox" in r.getMessage()]
+    assert len(said) == 1
