@@ -25,8 +25,9 @@ to the server's time of the read, and an entry further ahead than `SKEW` stops t
 read there; the leader moves every unread entry behind the server's clock in the same
 turn (fencing.lua's cohort_repair_inbox) and journals `InboxRepaired` (rate-limited,
 the rest counted), so a worker's XADD with an explicit ID, even the largest a stream
-allows, costs a turn; and the time from the last read that found the inbox in order to
-the repair is nobody's silence (`Liveness.blind`): no worker could be heard meanwhile.
+allows, costs a turn; and the time from the earliest the entry can have come (the last
+read that found the inbox in order, or the entry before it) to the repair is nobody's
+silence (`Liveness.blind`): no worker could be heard meanwhile.
 Unread entries deleted by someone else are found the same way (once a second) and
 journaled. A dead letter is a bounded record, tallied by sender and journaled
 (`refusals.py`); a command the core cannot decide is a dead letter too, never a crash.
@@ -463,6 +464,8 @@ class Coordinator:
                 break
         if turn.drained:  # anything ahead from now on arrived after this read began
             self._clean_at = asked_at
+        elif turn.ahead is not None and entries:  # it came after the entries before it
+            self._clean_at = max(self._clean_at, min(entries[-1].ms / 1000, asked_at))
         turn.cursor = entries[-1].id if entries else None
         turn.read_at = max(asked_at, min(entries[-1].ms / 1000, newest)) if entries else asked_at
         for entry, command in zip(entries, self._commands_of(entries), strict=True):

@@ -341,3 +341,22 @@ def test_a_repair_redis_refuses_is_tried_every_turn_and_said_once(
     assert tried == 5
     said = [r for r in caplog.records if "could not repair the inbox" in r.getMessage()]
     assert len(said) == 1
+
+
+def test_the_span_excused_by_a_repair_starts_no_earlier_than_the_entry_ahead_could_arrive() -> None:
+    """The entry ahead came after the last read that found the inbox in order, and after every
+    entry before it: only from then on is silence excused, so an attacker who keeps the inbox
+    out of order cannot keep a dead member alive for longer than the inbox was unusable."""
+    setup = Signed()
+    leader = training(setup)
+    setup.clock.advance(0.5)
+    leader.step()  # a read that found the inbox in order
+    setup.clock.advance(2.0)
+    heard = setup.clock.now()
+    beat(setup, "a")  # read in the same turn as the entry ahead that follows it
+    setup.log.send_at(f"{now_ms(setup) + HOUR_MS}-0", {FIELD: b"x"})
+    setup.clock.advance(0.1)
+
+    leader.step()
+
+    assert leader.core.seen.blinded == [(heard, setup.clock.now())]
