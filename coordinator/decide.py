@@ -18,7 +18,8 @@ The rules (docs/design.md "Membership", "Data shards and the epoch order"):
   the world changes if its membership did.
 - Leave: not in the world → WorkerLeft now; in it and `after_step` still to
   commit → WorkerLeaving (left at that boundary); else WorkerLeft and a new world now.
-- tick: a member silent for `heartbeat_timeout`, or whose connections closed and
+- tick: a member silent for `heartbeat_timeout` (time the inbox could take no honest
+  entry not counted: `Liveness.silence`), or whose connections closed and
   stayed closed for `disconnect_grace` → WorkerFailed (with its cause); a launcher's
   ProcessExited fails the member at once, the same way; if it held a
   rank the running step is aborted unless a rank already finished it (then all
@@ -453,7 +454,8 @@ def _fail(plan: _DecisionPlan, seen: Liveness, lost: list[WorkerFailed]) -> None
 def _lost(state: JobState, config: JobConfig, seen: Liveness, now: float) -> list[WorkerFailed]:
     """The members taken for dead as of `now`, each with its evidence: without any
     connection since a reading at least the disconnect grace ago (and not heard from since
-    that reading), or silent for longer than the heartbeat timeout."""
+    that reading), or silent for longer than the heartbeat timeout while the inbox could
+    have heard them (`Liveness.silence`)."""
     timeout, grace = config.heartbeat_timeout, config.disconnect_grace
     lost = []
     for worker, member in state.members.items():
@@ -462,7 +464,7 @@ def _lost(state: JobState, config: JobConfig, seen: Liveness, now: float) -> lis
         if closed_at is not None and now - closed_at >= grace and last_seen <= closed_at:
             evidence: dict[str, Any] = {"cause": "disconnected", "closed_at": closed_at}
             evidence["grace"] = grace
-        elif now - last_seen > timeout:
+        elif now - last_seen > timeout and seen.silence(last_seen, now) > timeout:
             evidence = {}
         else:
             continue  # (the hot path: nothing is built for a member that is fine)

@@ -211,7 +211,7 @@ def _changes(state: JobState, fact: Fact) -> dict[str, object]:  # noqa: C901 - 
             total = sum(r.count for r in fact.refusals)
             return {"counters": _count(state.counters, dead_letters=total, forged=forged)}
         case InboxRepaired():
-            return {"counters": _count(state.counters, inbox_repairs=1)}
+            return {"counters": _count(state.counters, inbox_repairs=1 + fact.more)}
         case JournalArchived():
             return {"archived": (*state.archived, fact)}
     raise TypeError(f"evolve has no branch for {type(fact).__name__}")  # pragma: no cover

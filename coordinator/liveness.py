@@ -16,6 +16,11 @@ job's slot (`connected`). A member seen subscribed and then without one is "clos
 that reading on; one never seen subscribed (an older worker, a simulated one) is judged by
 its silence alone. A reading from another server (a restart, a failover: every client lost
 its connections at once) starts the count again instead of closing anybody.
+
+Silence is counted only while the inbox could take entries: from an entry ahead of the
+server's clock arriving to the leader's repair of it, no worker could be heard (its XADDs
+were refused, or took IDs the leader does not read yet), so that time is nobody's silence
+(`blind`, `silence`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from cohort.events.models import (
 
 KEEP_STEPS = 256  # step reports and times older than this many steps are dropped
 KEEP_REFUSALS = 1024  # (world, accused) pairs whose refusals are kept, the oldest dropped
+KEEP_BLIND = 1024  # spans of an unusable inbox kept (an attack every turn: the oldest dropped)
 
 
 class Liveness:
@@ -60,6 +66,9 @@ class Liveness:
         """Members seen subscribed to their presence channel on `server`."""
         self.closed: dict[str, float] = {}
         """Member -> server time of the first reading that found none of its connections."""
+        self.blinded: list[tuple[float, float]] = []
+        """Server-time spans (from, until), in order and apart, when the inbox could not
+        take an honest entry (`blind`): not counted as anybody's silence."""
 
     def observe(self, command: Command, received_at: float) -> None:
         """Record what `command` says about its sender, received at server time `received_at`."""
@@ -168,6 +177,29 @@ class Liveness:
             self._medians.pop(step, None)
         for step in [s for s in self.digests if s < horizon]:
             del self.digests[step]
+
+    def blind(self, since: float, until: float) -> None:
+        """The inbox could not take honest entries from `since` to `until` (server time):
+        an entry ahead of the clock arrived after `since`, and was repaired at `until`."""
+        if until <= since:
+            return
+        spans = self.blinded
+        if spans and since <= spans[-1][1]:  # overlaps the last span (or comes before it)
+            since = min(since, spans[-1][0])
+            until = max(until, spans.pop()[1])
+        spans.append((since, until))
+        if len(spans) > KEEP_BLIND:
+            del spans[0]
+
+    def silence(self, last_seen: float, now: float) -> float:
+        """Seconds from `last_seen` to `now` that the inbox could take entries in: a worker's
+        silence, without the spans when nobody could be heard (`blind`)."""
+        quiet = now - last_seen
+        for since, until in reversed(self.blinded):  # (usually none; the newest first)
+            if until <= last_seen:
+                break
+            quiet -= max(0.0, min(until, now) - max(since, last_seen))
+        return quiet
 
     def grace(self, workers: list[str], since: float) -> None:
         """Members this view has never heard from count as seen at `since` (a new leader)."""

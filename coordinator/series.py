@@ -24,6 +24,7 @@ from cohort.events.models import (
     GpuAdviceCleared,
     GpuAdviceIssued,
     GpuReading,
+    InboxRepaired,
     JobFinished,
     LeaderElected,
     Rewound,
@@ -184,11 +185,15 @@ class _FactSeries:
     discarded: int = 0
     evals: dict[tuple[str, str], list[Point]] = field(default_factory=lambda: defaultdict(list))
     refused: Totals = field(default_factory=Totals)
+    repairs: int = 0
+    """Inbox repairs: one per InboxRepaired, and those it counts (`more`)."""
 
     def add(self, entry_id: str, fact: Fact) -> None:
         at = fact.at
         name = type(fact).__name__
         self.counts[name] += 1
+        if isinstance(fact, InboxRepaired):
+            self.repairs += 1 + fact.more
         self.times.append(at)
         self.timeline.add(entry_id, fact)
         if isinstance(fact, WorkerJoined | WorkerLeft | WorkerFailed):
@@ -292,7 +297,7 @@ def _summary(facts: _FactSeries, inbox: _InboxSeries, run: Run) -> Summary:
         rewinds=counts["Rewound"],
         discarded_steps=facts.discarded,
         dead_letters=len(run.dead),
-        inbox_repairs=counts["InboxRepaired"],
+        inbox_repairs=facts.repairs,
         inbox_entries=len(run.inbox),
         inbox_skipped=inbox.skipped,
         final_world_size=facts.world_size,

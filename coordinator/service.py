@@ -22,12 +22,15 @@ heartbeats are still in the queue or arrived while it decided.
 The inbox is untrusted (docs/identity.md): anyone who may XADD to it may choose an
 entry's ID. No ID moves the leader's clock: an entry is decided as of its ID only up
 to the server's time of the read, and an entry further ahead than `SKEW` stops the
-read there; the leader journals `InboxRepaired` and moves every unread entry behind
-the server's clock (fencing.lua's cohort_repair_inbox), so a worker's XADD with an
-explicit ID, even the largest a stream allows, costs a turn. Unread entries deleted
-by someone else are found the same way (once a second) and journaled. A dead letter
-is a bounded record, tallied by sender and journaled (`refusals.py`); a command the
-core cannot decide is a dead letter too, never a crash.
+read there; the leader moves every unread entry behind the server's clock in the same
+turn (fencing.lua's cohort_repair_inbox) and journals `InboxRepaired` (rate-limited,
+the rest counted), so a worker's XADD with an explicit ID, even the largest a stream
+allows, costs a turn; and the time from the earliest the entry can have come (the last
+read that found the inbox in order, or the entry before it) to the repair is nobody's
+silence (`Liveness.blind`): no worker could be heard meanwhile.
+Unread entries deleted by someone else are found the same way (once a second) and
+journaled. A dead letter is a bounded record, tallied by sender and journaled
+(`refusals.py`); a command the core cannot decide is a dead letter too, never a crash.
 """
 
 from __future__ import annotations
@@ -170,7 +173,7 @@ class Turn:
     limit: str = ZERO
     """The newest inbox ID the server's clock allowed at the read."""
     repair: bool = False
-    """Once saved, put the inbox back in order (`_repair`)."""
+    """Put the inbox back in order (`_repair`) in this turn, after saving what it writes."""
     tallied: bool = False
     """`facts` holds the refusals' tally (`refusals.Refusals.fact`)."""
     dead: list[DeadLetter] = field(default_factory=list)
@@ -224,6 +227,8 @@ class Coordinator:
         self._reported: set[str] = set()  # inbox entries an InboxRepaired named
         self._troubled_at = -1e18  # server time of the last InboxRepaired journaled
         self._unjournaled: list[InboxRepaired] = []  # found since, waiting for TROUBLE_EVERY
+        self._clean_at = 0.0  # server time of the last read that found the inbox in order
+        self._repair_refused = False  # Redis refused the last repair (said once)
         self._marks: InboxMarks | None = None  # the inbox's marks at the last look
         self._marks_refused: str | None = None  # why Redis refused the look, once said
         self.archiving = archiving.Archiving(settings.journal_hot, joblog.entries)
@@ -386,6 +391,7 @@ class Coordinator:
         self._refresh_trust(force=True)
         now = self.clock.now()
         self._rebuild_liveness(now)
+        self._clean_at = now  # how the inbox was before this leader read it is not known
         epoch = epoch_of(token)
         settings = self.settings
         facts = self.core.take_over(settings.job, settings.config, settings.coordinator, epoch, now)
@@ -437,8 +443,8 @@ class Coordinator:
             self._decide(turn)
             self._save(turn)
         self._account(turn)
-        if turn.repair and turn.saved:
-            self._repair(turn.limit)
+        if turn.repair and (turn.saved or not turn.writes):  # never waits for a fact
+            self._repair(turn)
         self._housekeeping()
 
     def _load(self) -> Turn:
@@ -456,6 +462,10 @@ class Coordinator:
             if entry.ms > limit_ms:  # (IDs only grow: none is ahead if the last is not)
                 turn.ahead, turn.drained, entries = entry, False, entries[:index]
                 break
+        if turn.drained:  # anything ahead from now on arrived after this read began
+            self._clean_at = asked_at
+        elif turn.ahead is not None and entries:  # it came after the entries before it
+            self._clean_at = max(self._clean_at, min(entries[-1].ms / 1000, asked_at))
         turn.cursor = entries[-1].id if entries else None
         turn.read_at = max(asked_at, min(entries[-1].ms / 1000, newest)) if entries else asked_at
         for entry, command in zip(entries, self._commands_of(entries), strict=True):
@@ -582,8 +592,8 @@ class Coordinator:
 
     def _note_trouble(self, turn: Turn) -> None:
         """An inbox out of order (this turn's read) or losing entries (housekeeping's look)
-        is repaired once the turn is saved, every time, and journaled once per entry that
-        shows it, at most once per TROUBLE_EVERY s (the first waits; the rest are counted)."""
+        is repaired in this turn, every time, and journaled once per entry that shows it,
+        at most once per TROUBLE_EVERY s (the first waits; the rest are counted in it)."""
         found, self._trouble = self._trouble, None
         if turn.ahead is not None:
             found = InboxRepaired(
@@ -606,7 +616,7 @@ class Coordinator:
             first, more = self._unjournaled[0], len(self._unjournaled) - 1
             if more:
                 why = f"{first.reason}; and {more} more troubles since, repaired alike"
-                first = first.model_copy(update={"reason": why[:1024]})
+                first = first.model_copy(update={"reason": why[:1024], "more": more})
             self._unjournaled.clear()
             self._troubled_at = turn.read_at
             self._note(turn, first)
@@ -709,25 +719,30 @@ class Coordinator:
         if acked.aof is False:
             log.warning("WAITAOF: the AOF was not fsynced within %d ms", self.settings.wait_ms)
 
-    def _repair(self, limit: str) -> None:
-        """Put the inbox back in order behind `limit` (the journal already says why)."""
+    def _repair(self, turn: Turn) -> None:
+        """Put the inbox back in order behind `turn.limit` (the trouble is journaled, or
+        counted to be); from the last read that found it in order until now, no worker
+        could be heard: that time is not counted as their silence."""
         assert self.token is not None
         try:
-            cursor, moved, dropped = self.joblog.repair_inbox(self.token, self.cursor, limit)
+            cursor, moved, dropped = self.joblog.repair_inbox(self.token, self.cursor, turn.limit)
         except Fenced:
             self.token = None
             self._resync()
             return
         except redis.ResponseError as exc:  # no XSETID (fakeredis), an older coordinator user
-            log.error(
-                "could not repair the inbox of job %r (%s): until it is, commands wait "
-                "behind the entry ahead; on Redis >= 7 apply the coordinator role again "
-                "(cohort acl --job %s --role coordinator --apply)",
-                self.settings.job,
-                exc,
-                self.settings.job,
-            )
+            if not self._repair_refused:  # tried every turn: said once until one works
+                log.error(
+                    "could not repair the inbox of job %r (%s): until it is, commands wait "
+                    "behind the entry ahead; on Redis >= 7 apply the coordinator role again "
+                    "(cohort acl --job %s --role coordinator --apply)",
+                    self.settings.job,
+                    exc,
+                    self.settings.job,
+                )
+            self._repair_refused = True
             return
+        self._repair_refused = False
         log.warning(
             "inbox of job %r repaired: %d unread entries moved behind the server's clock, "
             "%d read ones ahead of it dropped; cursor %s -> %s",
@@ -739,6 +754,11 @@ class Coordinator:
         )
         self.cursor = cursor
         self._marks = None
+        self._reported.clear()  # repaired: an entry at the same ID again is a new trouble
+        if turn.ahead is not None:
+            repaired_at = self.clock.now()
+            self.core.seen.blind(self._clean_at, repaired_at)
+            self._clean_at = repaired_at
 
     def _look_at_inbox(self) -> None:
         """Find unread entries someone else deleted: the inbox gone, recreated below the

@@ -854,7 +854,9 @@ class InboxRepaired(Event):
     moved behind the server's time (the first was `entry`, `ahead_s` ahead, by `sender`
     as its fields claim) and decided as of it. `lost`: unread entries after `entry` were
     deleted by someone else (the inbox deleted, or trimmed by an XADD with MAXLEN);
-    their commands are gone, and workers that miss an answer send again."""
+    their commands are gone, and workers that miss an answer send again. `more`: the
+    troubles found and repaired after this one and before it was journaled (one fact
+    per few seconds at most), counted here."""
 
     type: Literal["InboxRepaired"] = "InboxRepaired"
     trouble: Literal["ahead", "lost"]
@@ -862,6 +864,7 @@ class InboxRepaired(Event):
     ahead_s: Seconds = 0.0
     sender: Annotated[str, StringConstraints(max_length=128)] | None = None
     reason: Text = ""
+    more: Count = 0
 
 
 class JournalArchived(Event):

@@ -15,8 +15,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,7 @@ from cohort.events.models import (
     WorkerLeft,
 )
 from cohort.localredis import LocalRedis
+from tests.helpers import wait_until
 from tests.integration.cluster import Cluster
 
 pytestmark = pytest.mark.redis_server
@@ -47,6 +51,7 @@ KEYS = Keys(JOB)
 PASSWORDS: dict[acl.Role, str] = {"coordinator": "c-secret", "worker": "w-secret", "viewer": "v"}
 STEPS = 400
 MAX_ID = f"{2**64 - 1}-{2**64 - 1}"
+HOUR_MS = 3_600_000
 
 
 def _cohort(*args: str) -> subprocess.CompletedProcess[str]:
@@ -61,9 +66,9 @@ def _server_ms(conn: redis.Redis) -> int:
     return seconds * 1000 + micros // 1000
 
 
-def _train(server: LocalRedis, tmp: Path, attack: Any = None) -> tuple[list[str], Cluster]:
-    """a and b train STEPS steps on their own credentials (m holds one too); `attack(run,
-    m)` runs once they train, with m's own connection. The workers' final digests."""
+def _credentials(server: LocalRedis, tmp: Path) -> tuple[Cluster, dict[str, str], dict[str, str]]:
+    """The job's roles applied and a, b and m issued credentials of their own: the cluster
+    (as the coordinator role), each worker's URL, each worker's secret."""
     tmp.mkdir()
     admin = server.client()
     acl.apply(admin, JOB, PASSWORDS)
@@ -71,15 +76,26 @@ def _train(server: LocalRedis, tmp: Path, attack: Any = None) -> tuple[list[str]
     load_library(admin)
     own = {w: acl.url_as(server.url, identity.worker_user(JOB, w), s) for w, s in secrets.items()}
     coordinator_url = acl.role_url(server.url, JOB, "coordinator", PASSWORDS["coordinator"])
-    run = Cluster(url=coordinator_url, conn=admin, job=JOB, tmp=tmp)
+    return Cluster(url=coordinator_url, conn=admin, job=JOB, tmp=tmp), own, secrets
+
+
+def _honest(run: Cluster, own: dict[str, str]) -> dict[str, Any]:
+    """a and b, example workers at a 0.05 s pace on their own credentials."""
+    return {
+        w: run.python(w, "-m", "cohort", "--redis-url", own[w], "example-worker",
+                      "--job", JOB, "--id", w, "--pace", "0.05")
+        for w in ("a", "b")
+    }  # fmt: skip
+
+
+def _train(server: LocalRedis, tmp: Path, attack: Any = None) -> tuple[list[str], Cluster]:
+    """a and b train STEPS steps on their own credentials (m holds one too); `attack(run,
+    m)` runs once they train, with m's own connection. The workers' final digests."""
+    run, own, secrets = _credentials(server, tmp)
     m = connect(RedisSettings(url=own["m"], client_name="m"))
     try:
         leader = run.trainer_coordinator("c1", "--max-steps", str(STEPS), workers=2)
-        workers = {
-            w: run.python(w, "-m", "cohort", "--redis-url", own[w], "example-worker",
-                          "--job", JOB, "--id", w, "--pace", "0.05")
-            for w in ("a", "b")
-        }  # fmt: skip
+        workers = _honest(run, own)
         run.until(lambda s: len(s.ranks) == 2 and s.last_committed >= 5, 90, "a and b train")
         if attack is not None:
             attack(run, m, secrets["m"])
@@ -223,3 +239,85 @@ def test_a_rank_that_writes_malformed_data_is_named_and_removed_and_the_others_t
     finally:
         run.stop()
         admin.close()
+
+
+ROUNDS = 8  # every ROUND_S s: 30 s of it
+ROUND_S = 4.0
+
+
+def _after_repair(admin: redis.Redis, bad: str, since_ms: int) -> tuple[int, int | None] | None:
+    """When (server ms) the leader repaired `bad` (an entry m added ahead of the clock: the
+    ID of its moved copy, whose `o` field names it) and when the inbox took the first honest
+    entry after that copy (a's or b's; None while none came); None before the repair."""
+    rows: Any = admin.xrange(KEYS.inbox, f"{since_ms}-0", "+")
+    repaired = None
+    for entry_id, fields in rows:
+        at = int(entry_id.split(b"-")[0])
+        if fields.get(b"o") == bad.encode():
+            repaired = at
+        elif repaired is not None and fields.get(identity.SIGNER) in (b"a", b"b"):
+            return repaired, at
+    return None if repaired is None else (repaired, None)
+
+
+def _jam(run: Cluster, m: redis.Redis, bad: str) -> tuple[int, int]:
+    """m XADDs an entry at ID `bad`: when (server ms) it did, and when the leader repaired
+    the inbox."""
+    before = _server_ms(run.conn)
+    m.xadd(KEYS.inbox, {"e": "x"}, id=bad)
+    found = wait_until(lambda: _after_repair(run.conn, bad, before), 10, 0.005, f"{bad} repaired")
+    return before, found[0]
+
+
+def _unusable(run: Cluster, bad: str, at: int) -> float:
+    """Seconds from m's XADD of `bad` at `at` (server ms) to the first honest entry after its
+    repair: how long the inbox could take no entry the leader reads at its real time."""
+    found = wait_until(
+        lambda: (_after_repair(run.conn, bad, at) or (0, None))[1], 10, 0.01, "an honest entry"
+    )
+    return (found - at) / 1000
+
+
+def test_entries_ahead_of_the_clock_every_4_s_fail_no_worker_and_steps_keep_committing(
+    server: LocalRedis, tmp_path: Path
+) -> None:
+    """Issue 48: worker m, on its own credential, XADDs an entry an hour ahead and, within
+    1 s of its repair, one at the largest ID a stream allows, every 4 s for 30 s, under a
+    3 s heartbeat timeout. Each is repaired in the turn that finds it (the evidence
+    rate-limited, never the repair): no worker is failed, steps commit after every round,
+    every repair is journaled or counted. The inbox's unusable windows are printed."""
+    run, own, _ = _credentials(server, tmp_path / "run")
+    m = connect(RedisSettings(url=own["m"], client_name="m"))
+    windows: list[float] = []
+    try:
+        run.trainer_coordinator("c1", workers=2, interval=1.0, timeout=3.0)
+        _honest(run, own)
+        run.until(lambda s: len(s.ranks) == 2 and s.last_committed >= 5, 90, "a and b train")
+        pace = threading.Event()
+        started = time.monotonic()
+        for round_ in range(ROUNDS):
+            pace.wait(max(0.0, started + round_ * ROUND_S - time.monotonic()))
+            ahead = f"{_server_ms(run.conn) + HOUR_MS}-0"
+            ahead_at, repaired = _jam(run, m, ahead)
+            largest_at, _ = _jam(run, m, MAX_ID)
+            assert largest_at - repaired < 1000  # the largest ID within 1 s of the last repair
+            windows += [_unusable(run, ahead, ahead_at), _unusable(run, MAX_ID, largest_at)]
+            since = run.pull().last_committed
+            run.until(lambda s, c=since: s.last_committed > c, 10, f"a step after round {round_}")
+
+        repairs = lambda: [f for _, f in run.of_type(InboxRepaired)]  # noqa: E731
+        run.until(lambda s: sum(1 + r.more for r in repairs()) >= 2 * ROUNDS, 15, "the counts")
+        assert sum(1 + r.more for r in repairs()) == 2 * ROUNDS
+        assert all(r.trouble == "ahead" for r in repairs())
+        assert run.of_type(WorkerFailed) == []
+        assert run.of_type(WorkerLeft) == []
+        assert set(run.pull().ranks) == {"a", "b"}
+    finally:
+        m.close()
+        run.stop()
+    ordered = sorted(windows)
+    print(
+        f"inbox unusable after an entry ahead (s, {len(ordered)} entries): min {ordered[0]:.3f}"
+        f" median {statistics.median(ordered):.3f} max {ordered[-1]:.3f}; hour ahead "
+        f"{sorted(windows[0::2])}, largest ID {sorted(windows[1::2])}"
+    )

@@ -17,9 +17,10 @@ import pytest
 import redis
 
 from cohort.coordinator import decide, refusals
+from cohort.coordinator.liveness import Liveness
 from cohort.coordinator.service import MAX_ENTRY_BYTES, Coordinator
 from cohort.coordinator.stores import DeadLetter
-from cohort.events.codec import FIELD
+from cohort.events.codec import FIELD, encode
 from cohort.events.models import (
     CommandsRefused,
     Heartbeat,
@@ -27,8 +28,9 @@ from cohort.events.models import (
     Refusal,
     WorkerFailed,
 )
+from tests.unit.job import Job
 from tests.unit.memory import MAX_ID
-from tests.unit.test_identity_service import Signed, training
+from tests.unit.test_identity_service import Signed, signer, training
 from tests.unit.test_service import JOB, Setup, leader_of
 
 HOUR_MS = 3_600_000
@@ -245,3 +247,116 @@ def test_a_leader_whose_user_may_not_look_at_the_inbox_says_how_to_fix_it_and_le
     said = [r.getMessage() for r in caplog.records if "look at the inbox" in r.getMessage()]
     assert len(said) == 1 and "--role coordinator --apply" in said[0]
     assert leader.leading and not facts_of(setup, WorkerFailed)
+
+
+# ---------------------------------------------------------------- issue 48: an unusable inbox
+
+
+def test_time_the_inbox_could_take_no_entry_is_nobodys_silence() -> None:
+    """From an entry ahead of the clock to its repair no worker can be heard: that span is
+    left out of every member's silence, and only that span (a fake clock, the pure rule)."""
+    job = Job(min_workers=1, heartbeat_interval=1, heartbeat_timeout=3)
+    job.start("a", "b")
+    job.step()
+    job.alive("a", "b")
+    heard = job.now
+    job.core.seen.blind(heard + 1.0, heard + 3.5)  # 2.5 s the inbox refused every XADD
+
+    assert job.advance(4.0) == ()  # 4 s since heard, 1.5 s of it silence
+    job.alive("a")
+    assert job.advance(1.4) == ()  # b: 2.9 s of silence
+    facts = job.advance(0.2)  # b: 3.1 s
+
+    failed = next(f for f in facts if isinstance(f, WorkerFailed))
+    assert (failed.worker, failed.last_seen) == ("b", heard)
+    assert job.state.ranks == ("a",)
+
+
+def test_spans_of_an_unusable_inbox_add_up_and_overlapping_ones_count_once() -> None:
+    seen = Liveness()
+    seen.blind(10.0, 11.0)
+    seen.blind(12.0, 13.0)
+    seen.blind(12.5, 13.5)  # seen again before the first repair of it was recorded
+    seen.blind(14.0, 14.0)  # nothing
+
+    assert seen.blinded == [(10.0, 11.0), (12.0, 13.5)]
+    assert seen.silence(9.0, 16.0) == pytest.approx(7.0 - 1.0 - 1.5)
+    assert seen.silence(12.5, 13.0) == pytest.approx(0.0)  # heard inside a span
+    assert seen.silence(13.5, 16.0) == pytest.approx(2.5)  # heard after them all
+
+
+def test_an_entry_ahead_soon_after_the_last_repair_is_repaired_in_the_turn_that_sees_it() -> None:
+    """The repair never waits for the rate-limited InboxRepaired (issue 48): the largest ID,
+    half a second after an hour-ahead entry was repaired, jams the inbox for one turn; the
+    trouble is journaled once the rate limit lets it through, and every one is counted.
+    (a's own heartbeats, signed: no dead letter makes the turn write anything.)"""
+    setup = Signed()
+    leader = training(setup)
+
+    def ahead(entry_id: str) -> None:
+        fields = signer("a").fields(encode(Heartbeat(at=0, job=JOB, worker="a", step=0, world=1)))
+        setup.log.send_at(entry_id, fields)
+
+    ahead(f"{now_ms(setup) + HOUR_MS}-0")
+    leader.step()
+    run_for(leader, setup, 0.5, beating=("a", "b"))
+    ahead(f"{MAX_ID}-{MAX_ID}")
+
+    leader.step()
+
+    beat(setup, "a", "b")  # taken at once: the inbox is in order again
+    assert len(facts_of(setup, InboxRepaired)) == 1  # the second's evidence waits its turn
+    for _ in range(3):  # the same ID again, each time within a second of the last repair
+        setup.clock.advance(0.5)
+        ahead(f"{MAX_ID}-{MAX_ID}")
+        leader.step()
+        beat(setup, "a", "b")
+    run_for(leader, setup, 6, beating=("a", "b"))
+    repaired = facts_of(setup, InboxRepaired)
+    assert len(repaired) + sum(r.more for r in repaired) == 5
+    assert not facts_of(setup, WorkerFailed)
+
+
+def test_a_repair_redis_refuses_is_tried_every_turn_and_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The repair runs in every turn that finds the inbox out of order: where Redis refuses it
+    (fakeredis, an older coordinator user), the error is said once, not once a turn."""
+    setup = Signed()
+    leader = training(setup)
+    tried = 0
+
+    def refused(token: str, cursor: str, limit: str) -> tuple[str, int, int]:
+        nonlocal tried
+        tried += 1
+        raise redis.ResponseError("ERR unknown command 'XSETID'")
+
+    monkeypatch.setattr(setup.log, "repair_inbox", refused)
+    setup.log.send_at(f"{now_ms(setup) + HOUR_MS}-0", {FIELD: b"x"})
+    with caplog.at_level(logging.ERROR, logger="cohort.coordinator"):
+        for _ in range(5):
+            setup.clock.advance(0.1)
+            leader.step()
+
+    assert tried == 5
+    said = [r for r in caplog.records if "could not repair the inbox" in r.getMessage()]
+    assert len(said) == 1
+
+
+def test_the_span_excused_by_a_repair_starts_no_earlier_than_the_entry_ahead_could_arrive() -> None:
+    """The entry ahead came after the last read that found the inbox in order, and after every
+    entry before it: only from then on is silence excused, so an attacker who keeps the inbox
+    out of order cannot keep a dead member alive for longer than the inbox was unusable."""
+    setup = Signed()
+    leader = training(setup)
+    setup.clock.advance(0.5)
+    leader.step()  # a read that found the inbox in order
+    setup.clock.advance(2.0)
+    heard = setup.clock.now()
+    beat(setup, "a")  # read in the same turn as the entry ahead that follows it
+    setup.log.send_at(f"{now_ms(setup) + HOUR_MS}-0", {FIELD: b"x"})
+    setup.clock.advance(0.1)
+
+    leader.step()
+
+    assert leader.core.seen.blinded == [(heard, setup.clock.now())]

@@ -11,6 +11,7 @@ import pytest
 from cohort.events import models as m
 from cohort.worker.errors import Stopped, WorkerError
 from cohort.worker.membership.outbox import Outbox
+from tests.helpers import wait_until
 
 
 def done(step: int) -> m.StepDone:
@@ -175,3 +176,20 @@ def test_while_the_thread_has_commands_the_wire_waits_so_nothing_overtakes_them(
     outbox.flush()
     assert wire.written == [2] and sent == [0, 1]
     outbox.close()
+
+
+def test_a_posted_command_redis_refused_is_sent_again_once_its_reply_is_asked_for() -> None:
+    """A loop awaiting its step's commit posts nothing more: `land` reads the StepDone's
+    reply, and one an inbox jammed by another writer refused goes out again at once."""
+    delivered: list[int] = []
+    wire = FakeWire()
+    outbox = Outbox(lambda c: delivered.append(step_of(c)), "test-outbox", wire)
+    outbox.post(done(0))
+    wire.lose = True  # the XADD was refused
+
+    outbox.land()
+
+    wait_until(lambda: delivered == [0], 10, message="the refused StepDone sent again")
+    outbox.land()  # nothing on the wire now: nothing to do
+    outbox.close()
+    outbox.land()  # closed: nothing either

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cohort.cli import main
+from cohort.coordinator.fold import fold
 from cohort.coordinator.replay import Run, export
 from cohort.coordinator.series import MAX_POINTS, TIMELINE_ROWS, ReportData, Series, series
 from cohort.events.codec import FIELD, encode
@@ -44,7 +45,7 @@ from cohort.events.models import (
     WorldChanged,
 )
 from cohort.events.shards import Shard
-from cohort.events.streams import Entry
+from cohort.events.streams import Entry, Journal
 from cohort.render.page import render
 
 JOB = "rep"
@@ -512,12 +513,14 @@ def test_what_the_leaders_refused_is_listed_by_sender_with_the_inbox_repairs() -
             )
         )  # fmt: skip
     s.fact(InboxRepaired(at=T0 + 6, job=JOB, trouble="ahead", entry="9-0", ahead_s=3600.0))
+    s.fact(InboxRepaired(at=T0 + 11, job=JOB, trouble="ahead", entry="19-0", more=3))
 
     data = series(s.run)
     page = render(data, "t")
 
     assert data.refused == (("b", False, "forged", 42, 4200), ("m", True, "forged", 2, 180))
-    assert data.summary.inbox_repairs == 1
+    assert data.summary.inbox_repairs == 5  # the second counts 3 more it was held back for
+    assert fold(Journal.decode_page(s.run.journal)).counters.inbox_repairs == 5
     table = page[page.index('<table id="refused">') :]
     assert "<td>b</td><td>claimed</td><td>forged</td>" in table
     assert "<td>m</td><td>its signature</td>" in table

@@ -13,7 +13,13 @@ import redis
 from cohort.events.clock import ManualClock
 from cohort.events.errors import SettingsError
 from cohort.worker.errors import OutageTooLongError, RedisUnreachableError
-from cohort.worker.membership.retry import DEFAULT_RIDE_OUT, Link, ride_out_of, with_retry
+from cohort.worker.membership.retry import (
+    DEFAULT_RIDE_OUT,
+    JAMMED_RETRY,
+    Link,
+    ride_out_of,
+    with_retry,
+)
 
 
 def test_the_link_counts_outage_time_across_outages() -> None:
@@ -123,3 +129,28 @@ def test_an_append_to_a_stream_whose_ids_ran_out_waits_for_the_repair_and_is_sai
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):  # other refusals: at once
         with_retry(lambda: (_ for _ in ()).throw(redis.ResponseError("WRONGTYPE")),
                    threading.Event(), link, "x")  # fmt: skip
+
+
+class Waits:
+    """A stop event that is never set and records how long each wait asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[float] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.asked.append(timeout or 0.0)
+        return False
+
+
+def test_an_append_a_jammed_stream_refused_is_tried_again_soon_after_the_repair() -> None:
+    """The leader repairs a jammed inbox in the turn that sees it (issue 48): however long
+    the jam lasted, the worker's next attempt comes within JAMMED_RETRY, not a backoff grown
+    to seconds that its heartbeat timeout would count as silence."""
+    exhausted = redis.ResponseError("The stream has exhausted the last possible ID")
+    waits = Waits()
+    op = answering(*[exhausted] * 30, "id")
+
+    got = with_retry(op, waits, Link(logging.getLogger("test"), "redis://r:1/0"), "x")
+
+    assert got == "id"
+    assert len(waits.asked) == 30 and max(waits.asked) <= JAMMED_RETRY

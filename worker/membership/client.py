@@ -425,6 +425,7 @@ class Worker:
     def wait_committed(self, step: int, timeout: float) -> None:
         """Return once `step` committed; raise WorldChangedError if a new world aborted it,
         Finished if the job ended before it."""
+        self._delivery.land()  # its StepDone, if refused on the wire, is retried now
         progress = self._progress
         ran_in = progress[1] if progress is not None and progress[0] == step else None
         if ran_in is None:

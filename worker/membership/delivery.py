@@ -35,6 +35,10 @@ class Delivery:
         """Queue `command` and return at once; raises what ended delivery, if it ended."""
         self._outbox.post(command)
 
+    def land(self) -> None:
+        """Read the posted command's reply now: if Redis refused it, it is retried at once."""
+        self._outbox.land()
+
     def close(self) -> None:
         """Drop what was posted and not delivered yet, as at a crash; what is posted after
         this (a join after a stop) goes out through a new outbox."""

@@ -90,6 +90,15 @@ class Outbox:
             self._thread.start()
         self._cond.notify_all()
 
+    def land(self) -> None:
+        """Read the reply of the command on the wire now, if one is: one Redis refused (an
+        inbox jammed by another writer's ID) goes to the thread and is tried again at once,
+        not at the next post or flush (a training loop awaiting its step's commit posts
+        nothing meanwhile)."""
+        with self._cond:
+            if not self._closed:
+                self._land()
+
     def flush(self) -> None:
         """Return once every command posted before this call is delivered."""
         with self._cond:

@@ -23,6 +23,10 @@ from cohort.worker.errors import OutageTooLongError, Stopped
 T = TypeVar("T")
 
 ENV_RIDE_OUT = "COHORT_RIDE_OUT"
+JAMMED_RETRY = 0.1
+"""Seconds at most between attempts at an append that a jammed stream refused: the leader
+repairs the inbox in the turn that sees it, so the next attempt after that should come at
+once (a refused XADD costs Redis one short reply)."""
 DEFAULT_RIDE_OUT = 300.0
 """Seconds one Redis outage may last before a worker's collective gives up (a coordinator
 waits outages out without a limit). 5 minutes: a Redis restart with a big AOF, a host
@@ -195,11 +199,12 @@ def with_retry(
             refused = _refused(exc, wait_for_memory)
             if refused is None:
                 raise
-            (link.full if refused == "is full" else link.jammed)(exc, what)
+            full = refused == "is full"
+            (link.full if full else link.jammed)(exc, what)
             attempt += 1
             if deadline is not None and time.monotonic() + cap > deadline:
                 raise
-            if stop.wait(backoff(attempt, cap=cap)):
+            if stop.wait(backoff(attempt, cap=cap if full else min(cap, JAMMED_RETRY))):
                 raise Stopped(f"stopped while {what} (Redis at {link.where} {refused})") from exc
             continue
         except UNAVAILABLE as exc:
