@@ -67,10 +67,14 @@ def run(ranks: int, steps: int, precision: str, spares: int, kills: Sequence[int
         _until(run_json.exists, 60, "run.json", lambda: time.sleep(0.1))
         body = json.loads(run_json.read_text())
         watch = JournalWatch.of(connect(RedisSettings.resolve(body["redis_url"])), body["job"])
+
+        def pull() -> None:
+            watch.pull(block_ms=100)
+
         for at in kills:
             _until(
                 lambda at=at: watch.state.last_committed >= at,  # type: ignore[misc]
-                600, f"step {at}", lambda: watch.pull(block_ms=100) and None,
+                600, f"step {at}", pull,
             )  # fmt: skip
             member = watch.state.members.get(watch.state.ranks[0])
             if member is not None and member.pid:
