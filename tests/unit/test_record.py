@@ -47,3 +47,17 @@ def test_a_figure_that_is_no_number_or_badly_named_is_refused_naming_it(
     _, elastic, _ = job
     with pytest.raises(InvalidValueError, match=named[:20]):
         elastic.record(**figures)
+
+
+def test_a_loss_that_carries_its_graph_is_recorded_without_a_warning(job) -> None:  # noqa: F811
+    """`job.record(loss=loss)` with the tensor backward just ran on, as a loop writes it:
+    read as `loss.item()` would, with no "requires_grad" warning on every step."""
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    _, elastic, _ = job
+    loss = (torch.ones(2, requires_grad=True) * 0.25).sum()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        elastic.record(loss=loss, norm=loss * 2)
+    assert (elastic._loss, elastic._figures) == (0.5, {"norm": 1.0})
