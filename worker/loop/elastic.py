@@ -46,6 +46,7 @@ from cohort.worker.collective.redis_collective import Collective, World
 from cohort.worker.errors import (
     CorruptDataError,
     Finished,
+    JobFinishedError,
     JoinRefusedError,
     NotAssignedError,
     Stopped,
@@ -433,9 +434,11 @@ class Elastic:
         or trained last: inside a step, or between epochs after `batches`. Every rank of
         that world must make the same reductions in the same order, as with any
         collective. It returns a float for a number, else the kind it was given. A world
-        change does not stop it, a rank of its world leaving or failing does: it raises
-        WorldChangedError (that rank will never answer). Exact: the numbers travel whole
-        and are summed with `math.fsum`."""
+        change does not stop it, a rank of its world leaving or failing before it answered
+        does: it raises WorldChangedError (that rank will never answer), JobFinishedError
+        (a kind of it) once the job finished. A rank that answered and then left (its loops
+        ended with the job) still counts. Exact: the numbers travel whole and are summed
+        with `math.fsum`."""
         return self._reduce(value, "mean")
 
     def sum(self, value: Any) -> Any:
@@ -487,7 +490,13 @@ class Elastic:
         )
         world = World(given.world, given.rank, given.world_size, members)
         call = calls.call_id(given.step, calls.FIGURES, count)
-        rows = self.collective.gather(numbers, call, world, standing)
+        try:
+            rows = self.collective.gather(numbers, call, world, standing)
+        except WorldChangedError:
+            end = self.worker.view.finished
+            if end is None:
+                raise
+            raise JobFinishedError(how, given.step, self.worker.job, end) from None
         columns = list(zip(*rows, strict=True))
         if how == "max":
             return rebuild([max(column) for column in columns])
