@@ -43,8 +43,7 @@ def numpy_route(args: argparse.Namespace) -> dict[str, Any]:
     x, y = rng.normal(size=(SAMPLES, FEATURES)), rng.normal(size=SAMPLES)
     job = cohort.NumpyElasticJob(dataset=cohort.Dataset(size=SAMPLES, fingerprint="end"))
     params = job.wrap({"w": np.zeros(FEATURES)})
-    trained = 0
-    for step in job.steps():
+    for trained, step in enumerate(job.steps(), 1):
         if step.step == args.hold_last_step:
             print("AT_LAST", flush=True)
             wait_for(args.out / "go")
@@ -52,7 +51,6 @@ def numpy_route(args: argparse.Namespace) -> dict[str, Any]:
             xs, ys = x[step.samples], y[step.samples]
             grad = xs.T @ (xs @ params["w"] - ys) / max(len(ys), 1)
             params["w"] -= 0.1 * job.allreduce({"w": grad})["w"]
-        trained += 1
         if trained == args.quit_after:
             break
     job.close()
