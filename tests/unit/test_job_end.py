@@ -47,6 +47,18 @@ def late(tmp_path: Path) -> Iterator[tuple[Leader, Elastic, Number]]:
     elastic.worker.stop()
 
 
+def alone(**config: Any) -> tuple[Leader, Elastic]:
+    """ME joined a job of 16 samples, 4 a step, and is its only rank from step 0."""
+    leader, elastic = joined(m.JobConfig(dataset_size=16, batch_size=4, **config))
+    elastic.attach(Number())
+    leader.say(
+        fact(m.WorkerSynced, worker=ME, step=0),
+        fact(m.WorkerActivated, worker=ME),
+        fact(m.WorldChanged, version=1, start_step=0, epoch=0, ranks=(ME,), shards=WHOLE),
+    )
+    return leader, elastic
+
+
 def finish(leader: Leader, *before: Any) -> None:
     leader.say(
         fact(m.StepCommitted, step=0, world=1),
@@ -114,13 +126,7 @@ def test_a_late_rank_takes_the_final_weights_from_the_job_s_last_checkpoint(
 
 
 def test_a_rank_that_trained_the_last_step_holds_the_final_weights(tmp_path: Path) -> None:
-    leader, elastic = joined(m.JobConfig(dataset_size=16, batch_size=4, max_steps=1))
-    elastic.attach(Number())
-    leader.say(
-        fact(m.WorkerSynced, worker=ME, step=0),
-        fact(m.WorkerActivated, worker=ME),
-        fact(m.WorldChanged, version=1, start_step=0, epoch=0, ranks=(ME,), shards=WHOLE),
-    )
+    leader, elastic = alone(max_steps=1)
     try:
         walk = elastic.steps()
         assert isinstance(next(walk), Step)
@@ -162,13 +168,7 @@ def test_a_script_epoch_count_other_than_the_job_s_is_refused_by_name(
 
 
 def test_a_signal_before_the_end_marks_the_job_interrupted() -> None:
-    leader, elastic = joined(m.JobConfig(dataset_size=16, batch_size=4))
-    elastic.attach(Number())
-    leader.say(
-        fact(m.WorkerSynced, worker=ME, step=0),
-        fact(m.WorkerActivated, worker=ME),
-        fact(m.WorldChanged, version=1, start_step=0, epoch=0, ranks=(ME,), shards=WHOLE),
-    )
+    leader, elastic = alone()
     try:
         walk = elastic.steps()
         next(walk)  # step 0 of 4 in the epoch
