@@ -83,3 +83,18 @@ def test_run_leaves_the_first_world_s_size_to_what_it_was_told(
     given = _settings(**flags)
     _start_with_every_rank(given, ranks)
     assert given.flags["start_workers"] == flags.get("start_workers")
+
+
+def test_a_launcher_s_own_first_world_wait_is_no_conflict_with_the_journaled_job() -> None:
+    """Each node's launcher gives --start-workers from its own -n; once the job is journaled
+    its first world's wait is the journal's, and no coordinator is refused over it."""
+    from cohort.coordinator.errors import ConfigConflictError
+    from cohort.events.models import JobConfig
+
+    journaled = JobConfig(start_workers=3, batch_size=8)
+    given = JobConfig(start_workers=2, start_wait=5.0, batch_size=8)
+    names = {"start_workers", "start_wait", "batch_size"}
+    assert ConfigConflictError.between("j", journaled, given, names) is None
+    other = JobConfig(start_workers=2, batch_size=16)
+    conflict = ConfigConflictError.between("j", journaled, other, names)
+    assert conflict is not None and "--batch-size 16" in str(conflict)
