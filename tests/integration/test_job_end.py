@@ -121,3 +121,15 @@ def test_ctrl_c_mid_epoch_tells_the_script_its_epoch_did_not_end(
     got = report(trainer)
     assert got["interrupted"] and not got["finished"] and got["epochs_done"] == []
     assert "EPOCH_LOOP_ENDED interrupted=True" in trainer.output()
+
+
+def test_run_on_its_own_redis_trains_step_0_with_every_rank(tmp_path: Path) -> None:
+    """`cohort run -n 3` does not start its first world with the first rank to be ready."""
+    run = Launch(
+        "-n", "3", *FAST, "--max-steps", "4", "--batch-size", "4",
+        SCRIPT, "numpy", str(tmp_path), cwd=tmp_path,
+    )  # fmt: skip
+    assert run.wait(240) == Exit.OK, run.output[-3000:]
+    starts = [line for line in run.lines if "trains as rank" in line]
+    assert len(starts) == 3, starts
+    assert all("of 3 (world 1) from step 0" in line for line in starts), starts
