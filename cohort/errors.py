@@ -27,5 +27,8 @@ class Exit(IntEnum):
     DATA = 4
     """The job says no: an unreadable journal or export, a failed audit, a coordinator or
     worker error (Redis without an AOF, a refused join)."""
+    UNFINISHED = 5
+    """`cohort run`: every rank's script ended by itself before the job reached its length
+    (`--epochs`/`--max-steps`; a job given neither never does): the model is not final."""
     INTERRUPTED = 130
     """A second SIGINT/SIGTERM: exit now (128 + SIGINT, as shells report it)."""

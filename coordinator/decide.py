@@ -25,6 +25,8 @@ The rules (docs/design.md "Membership", "Data shards and the epoch order"):
   rank the running step is aborted unless a rank already finished it (then all
   ranks contributed, so it commits), and a new world starts at the next step.
 - The world below `min_workers` → TrainingPaused; enough ready again → TrainingResumed.
+  The first world also waits for `start_workers` ready trainers, at most `start_wait` s
+  after the first was ready (a tick ends the wait); its reason names any missing.
 - Weight lineage (coordinator/lineage.py): every WorldChanged names the weights it starts
   from. When none of its ranks holds the last committed weights, the leader rewinds to the
   latest checkpoint (Rewound, with the data position of that step), or, with none,
@@ -409,13 +411,16 @@ def _gpu(plan: _DecisionPlan, reading: GpuReading) -> None:
 
 def tick(state: JobState, seen: Liveness, now: float) -> Decision:
     """Facts that follow from time passing: members silent too long, or whose connections
-    closed and stayed closed for the grace, have failed."""
+    closed and stayed closed for the grace, have failed; the first world's wait for
+    `start_workers` ran out."""
     plan = _DecisionPlan(state, now)
     if not state.configured:
         return plan.decision()
     lost = _lost(state, plan.config, seen, now)
     if lost:
         _fail(plan, seen, lost)
+    if not plan.state.started and plan.state.paused and plan.config.start_workers:
+        _pace(plan)  # the first world's wait for start_workers may have run out
     return plan.decision()
 
 
@@ -656,15 +661,39 @@ def _pace(plan: _DecisionPlan) -> None:
     standby = spares.making_up(state, missing) if state.started else ()
     if missing > len(standby):
         return
+    short = 0 if state.started else _short_of_start(plan, len(ready) + len(unranked))
+    if short is None:
+        return
     for worker in standby:
         plan.emit(SparePromoted, worker=worker, replaces=None)
     if ready or unranked or standby:
         for member in ready:
             plan.emit(WorkerActivated, worker=member.worker)
         joined = [m.worker for m in ready] + unranked + list(standby)
-        _new_world(plan, _bounded_list(joined) + " joined")
+        said = (
+            f" ({short} of start_workers={config.start_workers} did not come within "
+            f"start_wait={config.start_wait:g} s)"
+            if short
+            else ""
+        )
+        _new_world(plan, _bounded_list(joined) + " joined" + said)
         return
     plan.emit(TrainingResumed, active=active)
+
+
+def _short_of_start(plan: _DecisionPlan, ready: int) -> int | None:
+    """Before the first world, with `ready` trainers ready: how many of `start_workers` it
+    starts without (0: none missing), or None while it still waits for them. It waits at
+    most `start_wait` s after the first became ready, so a rank that cannot start delays
+    the job by that much and no more; the world's reason then says how many are missing."""
+    config = plan.config
+    missing = (config.start_workers or 0) - ready
+    if missing <= 0:
+        return 0
+    since = [m.synced_at for m in plan.state.joiners("ready") if m.synced_at is not None]
+    if since and plan.now - min(since) >= config.start_wait:
+        return missing
+    return None
 
 
 # ---------------------------------------------------------------- the end

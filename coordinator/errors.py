@@ -39,6 +39,10 @@ class Conflict(CoordinatorError):
         self.actual_last = actual_last
 
 
+STARTUP = frozenset({"start_workers", "start_wait"})
+"""Settings of the first world's wait only: a later coordinator's value conflicts with none."""
+
+
 class ConfigConflictError(CoordinatorError):
     """The job's journaled config differs from the settings this coordinator was given."""
 
@@ -57,13 +61,15 @@ class ConfigConflictError(CoordinatorError):
         cls, job: str, journaled: JobConfig | None, config: JobConfig, given: Iterable[str]
     ) -> ConfigConflictError | None:
         """The conflict of the settings `given` in `config` with the journaled ones (None:
-        nothing journaled yet, or they agree)."""
+        nothing journaled yet, or they agree). The first world's wait (`start_workers`,
+        `start_wait`) is no conflict: it is over once the job is journaled and has begun,
+        and a launcher sets it from its own number of ranks."""
         if journaled is None:
             return None
         differ = [
             (name, getattr(config, name), getattr(journaled, name))
             for name in sorted(given)
-            if getattr(config, name) != getattr(journaled, name)
+            if name not in STARTUP and getattr(config, name) != getattr(journaled, name)
         ]
         return cls(job, differ) if differ else None
 

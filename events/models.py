@@ -408,6 +408,13 @@ class JobConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     min_workers: Annotated[int, Field(ge=1, le=100_000)] = 1
+    start_workers: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    """Ready trainers the job's first world waits for, at most `start_wait` seconds after
+    the first was ready; it then starts with those there (None: `min_workers`). `cohort run
+    -n N` on its own Redis gives N, so no step is trained by fewer ranks than it started."""
+    start_wait: Annotated[float, Field(ge=0, le=86_400, allow_inf_nan=False)] = 30.0
+    """How long the first world waits for `start_workers` after the first trainer is ready: a
+    rank that cannot start holds the job up no longer."""
     max_workers: Annotated[int, Field(ge=1, le=100_000)] = 64
     heartbeat_interval: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] = 1.0
     heartbeat_timeout: Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)] = 5.0
@@ -486,10 +493,12 @@ class JobConfigured(Event):
     """The job's settings, journaled by its first leader. v2 added `shuffle` and `seed` to
     the config (a v1 config is upcast with `shuffle` False: its epochs were not shuffled);
     v3 `placement` and `global_batch`, and let `dataset_size` be None (declared by workers);
-    v4 `disconnect_grace` (a v3 config is upcast with 0: no connection watch)."""
+    v4 `disconnect_grace` (a v3 config is upcast with 0: no connection watch); v5
+    `start_workers` and `start_wait` (a v4 job's first world waited for `min_workers`, as
+    None says)."""
 
     type: Literal["JobConfigured"] = "JobConfigured"
-    v: Literal[4] = 4
+    v: Literal[5] = 5
     config: JobConfig
 
 

@@ -99,6 +99,12 @@ def _config_gained_disconnect_grace(body: Body) -> Body:
     return {**body, "config": {**config, "disconnect_grace": 0.0}}
 
 
+@upcaster("JobConfigured", 4)
+def _config_gained_start_workers(body: Body) -> Body:
+    """A v4 job's first world started once `min_workers` were ready (start_workers None)."""
+    return body
+
+
 @upcaster("WorkerFailed", 1)
 def _failure_was_silence(body: Body) -> Body:
     """Every failure before v2 was a silence of `timeout` s (the default cause)."""

@@ -90,6 +90,22 @@ class WorldChangedError(WorkerError):
         self.assignment = assignment
 
 
+class JobFinishedError(WorldChangedError):
+    """A reduction (`job.mean`/`sum`/`max`) could not complete because the job finished:
+    a rank of the step's world left (or failed) before it answered. A WorldChangedError
+    too, so a script that catches that skips the figure as before; no world follows."""
+
+    def __init__(self, how: str, step: int, job: str, end: str) -> None:
+        WorkerError.__init__(
+            self,
+            f"job.{how}() of step {step}: job {job!r} finished ({end}) and a rank of that "
+            "step's world left before it answered; every rank must make the same reductions "
+            "(skip this figure, or make it before the job's last step)",
+        )
+        self.step = step
+        self.assignment = None
+
+
 class Finished(WorkerError):
     """The job finished: no step trains after `step`, its last. Not a failure but control
     flow, hence no `Error` in its name: a loop waiting for a rank or a commit ends here,

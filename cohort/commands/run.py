@@ -150,9 +150,11 @@ def _launch_settings(
     _check_node(node)
     argv = _command(command)
     ranks = _ranks(params["nproc"])
+    redis_url = ctx.obj.get("redis_url")
+    if not redis_url:
+        _start_with_every_rank(job_settings_given, ranks)
     spares = _spares(params["spares"], ranks, config.max_workers)
     coordinators = 0 if params["no_coordinator"] else params["coordinators"]
-    redis_url = ctx.obj.get("redis_url")
     if redis_url:
         _check_shared_redis(ctx, job, node, job_settings_given, params["wait_for_redis"])
         _check_credentials(ctx, job, node, params["worker_credentials"])
@@ -181,6 +183,16 @@ def _launch_settings(
         spares=spares,
         exit_reports=params["exit_reports"],
     )
+
+
+def _start_with_every_rank(given: JobSettings, ranks: int) -> None:
+    """On its own Redis the launcher runs every rank of the job: its first world waits for
+    all `ranks` (--start-workers N, bounded by --start-wait), so step 0 is not trained by
+    one rank alone. Not where --start-workers or --min-workers says otherwise, nor on a
+    shared Redis, whose other nodes' ranks this node cannot count."""
+    flags = given.flags
+    if ranks > 1 and flags.get("start_workers") is None and flags.get("min_workers") is None:
+        flags["start_workers"] = ranks
 
 
 def _command(command: tuple[str, ...]) -> tuple[str, ...]:

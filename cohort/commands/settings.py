@@ -26,6 +26,18 @@ OPTIONS = [
         "flags win over the file.",
     ),
     click.option("--min-workers", type=int, help="Pause training below this many (default 1)."),
+    click.option(
+        "--start-workers",
+        type=int,
+        help="Ready workers the first world waits for, at most --start-wait seconds after "
+        "the first (default: --min-workers; `cohort run -n N` on its own Redis: N).",
+    ),
+    click.option(
+        "--start-wait",
+        type=float,
+        help="Seconds the first world waits for --start-workers once one worker is ready; "
+        "it then starts with those there, saying how many are missing (default 30).",
+    ),
     click.option("--max-workers", type=int, help="Refuse joins beyond this many (default 64)."),
     click.option(
         "--heartbeat-interval", type=float, help="Seconds between heartbeats (default 1)."

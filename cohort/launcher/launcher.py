@@ -643,13 +643,14 @@ class Launcher:
         return out
 
     def _verdict(self, report: Audit) -> Exit:
+        """0 only for a job that reached its length (and passed the audit)."""
         if self.stopping:
             return Exit.INTERRUPTED
         if self.finished:
             return Exit.OK if report.ok else Exit.DATA
         if any(m.slot.state is State.GIVEN_UP for m in self.ranks):
             return Exit.FAILED
-        return Exit.OK  # every rank's script ended by itself before the job did
+        return Exit.UNFINISHED  # every rank's script ended by itself before the job did
 
     def _summarise(self, report: Audit, exported: Path | None, code: Exit) -> None:
         state = self.watch.state
@@ -670,6 +671,12 @@ class Launcher:
         self.say(f"logs: {self.settings.run_dir}" + (f"; export: {exported}" if exported else ""))
         if code is Exit.FAILED:
             self.say("every local rank was given up on: see its log above")
+        elif code is Exit.UNFINISHED:
+            self.say(
+                f"exit {int(code)}: the ranks' scripts ended before the job reached its length "
+                "(give it once, to cohort run: --epochs N or --max-steps N; the script's "
+                "job.epochs() then trains to it)"
+            )
 
     def _spares_said(self, live: bool = False) -> str:
         """The spares' part of the summary or (`live`) the status line; nothing without."""

@@ -9,7 +9,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 
-
 def trained_share(
     order: str, clip: float | None = None, sizes: tuple[int, ...] = (4, 4, 3)
 ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:

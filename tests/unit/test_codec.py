@@ -85,7 +85,7 @@ def test_only_a_trainer_joins_as_a_spare() -> None:
 def test_a_v2_job_config_deals_contiguously_with_no_global_batch() -> None:
     fact = decode_fact((FIXTURES / "JobConfigured.v2.msgpack").read_bytes())
     assert isinstance(fact, JobConfigured)
-    assert fact.v == 4 and fact.config.shuffle is True
+    assert fact.v == 5 and fact.config.shuffle is True
     assert (fact.config.dataset_size, fact.config.seed, fact.config.epochs) == (2000, 5, 2)
     assert (fact.config.placement, fact.config.global_batch) == ("contiguous", None)
 
@@ -103,7 +103,7 @@ def test_a_v3_job_config_watches_no_connections() -> None:
     today, silence alone fails its members."""
     fact = decode_fact((FIXTURES / "JobConfigured.v3.msgpack").read_bytes())
     assert isinstance(fact, JobConfigured)
-    assert fact.v == 4 and fact.config.disconnect_grace == 0
+    assert fact.v == 5 and fact.config.disconnect_grace == 0
     assert JobConfig().disconnect_grace == 0.3  # a new job watches them
 
 
@@ -125,7 +125,7 @@ def test_a_v1_job_config_keeps_its_unshuffled_epochs() -> None:
     positions still are its samples, whatever today's default says."""
     fact = decode_fact((FIXTURES / "JobConfigured.v1.msgpack").read_bytes())
     assert isinstance(fact, JobConfigured)
-    assert fact.v == 4 and fact.config.shuffle is False
+    assert fact.v == 5 and fact.config.shuffle is False
     assert (fact.config.dataset_size, fact.config.epochs) == (1000, 3)
     assert fact.config.order(1).samples(((0, 5),)).tolist() == [0, 1, 2, 3, 4]
     assert JobConfig().shuffle is True  # a new job shuffles
@@ -359,3 +359,10 @@ def test_a_leader_election_is_found_by_what_an_entry_is_never_by_its_bytes() -> 
     assert not elects([decode_fact(GOOD), named])
     assert elects([DecodeError("invalid 'LeaderElected' fact", event_type="LeaderElected")])
     assert not elects([DecodeError("entry mentions LeaderElected but names no type")])
+
+
+def test_a_v4_job_config_started_its_first_world_at_min_workers() -> None:
+    fact = decode_fact((FIXTURES / "JobConfigured.v4.msgpack").read_bytes())
+    assert isinstance(fact, JobConfigured)
+    assert fact.v == 5 and fact.config.disconnect_grace == 0.5 and fact.config.min_workers == 2
+    assert (fact.config.start_workers, fact.config.start_wait) == (None, 30.0)

@@ -16,11 +16,17 @@ import fakeredis
 import numpy as np
 import pytest
 
+from cohort.events import models as m
 from cohort.events.errors import InvalidValueError
+from cohort.events.keys import Keys
+from cohort.events.shards import Shard
 from cohort.worker.collective.redis_collective import Collective, World
-from cohort.worker.errors import WorkerError, WorldChangedError
+from cohort.worker.errors import JobFinishedError, WorkerError, WorldChangedError
 from cohort.worker.loop.elastic import Step
-from tests.unit.test_capture_point import commit, job  # noqa: F401  (job: the fixture)
+from tests.helpers import wait_until
+from tests.unit.test_capture_point import Number, commit, job  # noqa: F401  (job: the fixture)
+from tests.unit.test_elastic_gate import ME, joined
+from tests.unit.test_worker_client import fact
 
 
 class Rank:
@@ -66,6 +72,51 @@ def test_a_rank_gone_from_the_job_ends_the_wait_at_once() -> None:
     collective = Collective(fakeredis.FakeRedis(), "figs", Rank(0, 2, 2), timeout=30)
     with pytest.raises(WorldChangedError):
         collective.gather([1.0], 7, World(1, 0, 2, ("w0", "w1")), standing=lambda: False)
+
+
+def test_a_rank_that_answered_and_then_left_still_counts() -> None:
+    """The end of a job: the quicker rank's reduction completes (it read the other's
+    answer), its loops end and it leaves; the other rank, still in the same reduction,
+    finds the leaver's answer and completes too, rather than a WorldChangedError."""
+    server = fakeredis.FakeServer()
+    world = ("w0", "w1")
+
+    def collective(rank: int) -> Collective:
+        return Collective(fakeredis.FakeRedis(server=server), "figs", Rank(rank, 2), timeout=10)
+
+    with ThreadPoolExecutor(1) as pool:
+        quick = pool.submit(collective(1).gather, [2.0], 7, World(1, 1, 2, world), lambda: True)
+        events = Keys("figs").step_events(1, 7, "gather", "w1")
+        wait_until(lambda: fakeredis.FakeRedis(server=server).xlen(events), message="w1 answered")
+        # w1 has answered and is now gone from the job before w0 reduces
+        slow = collective(0).gather([1.0], 7, World(1, 0, 2, world), standing=lambda: False)
+        assert slow == [(1.0,), (2.0,)]
+        assert quick.result(timeout=30) == [(1.0,), (2.0,)]
+
+
+def test_a_rank_that_never_answers_a_finished_job_s_reduction_says_the_job_finished() -> None:
+    leader, elastic = joined(m.JobConfig(dataset_size=16, batch_size=4, max_steps=1))
+    elastic.attach(Number())
+    halves = (Shard(ranges=((0, 8),)), Shard(ranges=((8, 16),)))
+    leader.say(
+        fact(m.WorkerSynced, worker=ME, step=0),
+        fact(m.WorkerActivated, worker=ME),
+        fact(
+            m.WorldChanged, version=1, start_step=0, epoch=0, ranks=(ME, "w-other"), shards=halves
+        ),
+    )
+    walk = elastic.steps()
+    next(walk)  # step 0, in a world of two
+    leader.say(
+        fact(m.StepCommitted, step=0, world=1),
+        fact(m.JobFinished, step=0, epoch=0, reason="max_steps=1 reached"),
+    )
+    elastic.worker.wait_for(lambda view: view.finished is not None, 3)
+    with pytest.raises(JobFinishedError, match="finished .max_steps=1 reached"):
+        elastic.sum(1.0)  # w-other is no member: it will never answer
+    assert issubclass(JobFinishedError, WorldChangedError)  # caught where that is
+    walk.close()
+    elastic.worker.stop()
 
 
 # ---------------------------------------------------------------- the job's side (one rank)

@@ -334,3 +334,25 @@ def test_a_departing_worker_takes_its_gpu_advice_with_it() -> None:
     assert job.state.advice
     job.leave("a")
     assert job.state.advice == frozenset()
+
+
+def test_the_first_world_waits_for_start_workers_so_step_0_is_trained_by_all() -> None:
+    """`cohort run -n 3` gives start_workers=3: the first ready rank does not train step 0
+    alone (issue 47, item 4)."""
+    job = Job(start_workers=3, dataset_size=90, batch_size=10)
+    assert "WorldChanged" not in types(job.start("a") + job.start("b"))
+    assert job.state.paused and not job.state.started
+    world = [f for f in job.start("c") if isinstance(f, WorldChanged)]
+    assert [w.ranks for w in world] == [("a", "b", "c")] and world[0].start_step == 0
+
+
+def test_the_first_world_starts_with_those_ready_once_start_wait_runs_out() -> None:
+    """A rank that cannot start holds the job up for start_wait seconds, no longer, and the
+    world says who is missing."""
+    job = Job(start_workers=3, start_wait=10.0, heartbeat_timeout=60.0)
+    job.start("a", "b")
+    assert "WorldChanged" not in types(job.advance(9.0))
+    world = [f for f in job.advance(1.0) if isinstance(f, WorldChanged)]
+    assert [w.ranks for w in world] == [("a", "b")]
+    assert "1 of start_workers=3 did not come within start_wait=10 s" in world[0].reason
+    assert job.replayed() == job.state  # the journal tells the same story

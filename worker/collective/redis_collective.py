@@ -434,6 +434,9 @@ class _Call:
                 raise WorldChangedError(calls.training_step(self.step), assignment)
 
     def _read(self, phase: str, pending: set[int]) -> None:
+        if self.standing is not None and not self.standing():
+            self._last_look(phase, pending)
+            return
         self.check_world()
         remaining = self.remaining()
         if remaining <= 0:
@@ -446,6 +449,24 @@ class _Call:
             lambda: self.owner.conn.xread(self.positions, block=block),  # type: ignore[arg-type]
             "waiting for peers",
         )
+        self._take(reply)
+
+    def _last_look(self, phase: str, pending: set[int]) -> None:
+        """A rank of the call's world is gone from the job: what the `pending` ranks sent
+        before they went still counts, so read what is there (without waiting) before
+        giving up. A finished job's ranks leave as their loops end, right after their
+        last reduction: the one still reducing finds their answers here, not a world change.
+        WorldChangedError only if one of them never answered."""
+        reply = self.retry(
+            lambda: self.owner.conn.xread(self.positions),  # type: ignore[arg-type]
+            "reading what the ranks sent",
+        )
+        self._take(reply)
+        if pending - self.notices.get(phase, {}).keys():
+            raise WorldChangedError(calls.training_step(self.step), self.owner.worker.assignment)
+
+    def _take(self, reply: Any) -> None:
+        """The notices and journal entries of an XREAD reply, noted."""
         for key, rows in read_reply(reply).items():
             if rows:
                 self.positions[key] = rows[-1].id

@@ -38,7 +38,7 @@ from cohort.events import deal
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.errors import InvalidValueError
 from cohort.events.keys import ENV_JOB, check_job
-from cohort.events.models import DataRefused, Dataset, JobConfig, Metrics, Node
+from cohort.events.models import CheckpointSaved, DataRefused, Dataset, JobConfig, Metrics, Node
 from cohort.events.order import Order
 from cohort.events.shards import Range
 from cohort.worker.collective import calls
@@ -46,6 +46,7 @@ from cohort.worker.collective.redis_collective import Collective, World
 from cohort.worker.errors import (
     CorruptDataError,
     Finished,
+    JobFinishedError,
     JoinRefusedError,
     NotAssignedError,
     Stopped,
@@ -301,6 +302,10 @@ class Elastic:
         self._writer: checkpoints.CheckpointWriter | None = None
         self._world_callbacks: list[Callable[[int, int], None]] = []
         self._left = False
+        self._final = False
+        """Whether this process ended the loops holding the job's final weights."""
+        self._epoch_whole = False
+        """Whether the script's last loop over an epoch's batches ran to the epoch's end."""
 
     def _join(self, timeout: float | None) -> bool:
         """Become a member of the job, waiting for a coordinator however late one starts
@@ -357,8 +362,43 @@ class Elastic:
 
     @property
     def finished(self) -> bool:
-        """The job reached its length: the loop ended with the final weights."""
+        """The job reached its length (whether this process holds the final weights:
+        `has_final_weights`)."""
         return self.worker.finished
+
+    @property
+    def has_final_weights(self) -> bool:
+        """After the loops of a finished job: whether this process holds its final weights
+        (it trained the last step, or took them from the final checkpoint). False in a
+        process that joined or waited as a spare until after the last world began, and so
+        trained none of it: `save` is then not its to do."""
+        return self._final
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the first SIGINT/SIGTERM stopped this process before the job finished,
+        and before the epoch its `batches()` loop was in ended: the script's code between
+        epochs would run on a part of one (`if job.interrupted: break` skips it)."""
+        return self.stopping and not self.finished and not self._epoch_whole
+
+    def check_epochs(self, count: int | None) -> None:
+        """InvalidValueError if the script bounds the epochs at `count` where the job's
+        length (its coordinators' --epochs) says otherwise: the job's length is said once,
+        to `cohort run`/`cohort coordinator`, and the script reads it from the job."""
+        config = self.worker.view.config
+        if count is None or config is None or count == config.epochs:
+            return
+        job = (
+            f"the job's length is --epochs {config.epochs}"
+            if config.epochs is not None
+            else "the job was given no --epochs"
+            + (f" (it ends after --max-steps {config.max_steps})" if config.max_steps else "")
+        )
+        raise InvalidValueError(
+            f"job.epochs({count!r}): {job}; the job's length is set once, where the job is: "
+            f"drop the argument (job.epochs() trains to the job's end) or give "
+            f"`cohort run --epochs {count}` (`cohort coordinator --epochs {count}`)"
+        )
 
     # ------------------------------------------------------------ who am I
     @property
@@ -475,9 +515,11 @@ class Elastic:
         or trained last: inside a step, or between epochs after `batches`. Every rank of
         that world must make the same reductions in the same order, as with any
         collective. It returns a float for a number, else the kind it was given. A world
-        change does not stop it, a rank of its world leaving or failing does: it raises
-        WorldChangedError (that rank will never answer). Exact: the numbers travel whole
-        and are summed with `math.fsum`."""
+        change does not stop it, a rank of its world leaving or failing before it answered
+        does: it raises WorldChangedError (that rank will never answer), JobFinishedError
+        (a kind of it) once the job finished. A rank that answered and then left (its loops
+        ended with the job) still counts. Exact: the numbers travel whole and are summed
+        with `math.fsum`."""
         return self._reduce(value, "mean")
 
     def sum(self, value: Any) -> Any:
@@ -529,7 +571,13 @@ class Elastic:
         )
         world = World(given.world, given.rank, given.world_size, members)
         call = calls.call_id(given.step, calls.FIGURES, count)
-        rows = self.collective.gather(numbers, call, world, standing)
+        try:
+            rows = self.collective.gather(numbers, call, world, standing)
+        except WorldChangedError:
+            end = self.worker.view.finished
+            if end is None:
+                raise
+            raise JobFinishedError(how, given.step, self.worker.job, end) from None
         columns = list(zip(*rows, strict=True))
         if how == "max":
             return rebuild([max(column) for column in columns])
@@ -560,6 +608,14 @@ class Elastic:
         and a process stopped before the job finished, writes nothing and gets False."""
         if not self.finished:
             log.warning("%s: job.save(%r) skipped: the job did not finish", self.worker_id, uri)
+            return False
+        if not self._final:
+            log.info(
+                "%s: job.save(%r) skipped: this process does not hold the final weights "
+                "(it trained no step of the job's last world)",
+                self.worker_id,
+                uri,
+            )
             return False
         if not self.is_chief or self.step != self.worker.view.last_committed:
             return False  # the chief of the world that trained the job's last step writes
@@ -614,12 +670,7 @@ class Elastic:
                 try:
                     assignment = self.worker.wait_active(POLL)
                 except Finished as end:
-                    ends = (
-                        "waited as a spare to the end"
-                        if self.spare
-                        else "ends with the final weights"
-                    )
-                    log.info("%s: %s; it %s", self.worker.id, end, ends)
+                    self._ended(end)
                     return
                 except WaitTimeoutError:
                     lost_logged = self._say_if_lost(lost_logged)
@@ -640,6 +691,57 @@ class Elastic:
                 yield from self._after(step, time.monotonic() - started)
         finally:
             self._settle()
+
+    def _ended(self, end: Finished) -> None:
+        """The job finished: whether this process holds the final weights, said plainly. A
+        process that trained the last step does; one that did not (it joined, or waited as
+        a spare, until after the last world began) takes them from the final checkpoint
+        where the job writes one, and otherwise ends without them."""
+        trained = self._given is not None and self._given.step == end.step
+        self._final = trained or self._final_checkpoint(end.step)
+        if trained:
+            said = "it ends with the final weights"
+        elif self._final:
+            said = "it took the final weights from the job's last checkpoint"
+        else:
+            was = "waited as a spare" if self.spare else "trained no step of the last world"
+            said = (
+                f"it {was} and does not hold the final weights (no checkpoint of step "
+                f"{end.step} to take them from): job.save() is not its to do"
+            )
+        log.info("%s: %s; %s", self.worker.id, end, said)
+
+    def _final_checkpoint(self, step: int) -> bool:
+        """Load the checkpoint of the job's last `step`: a job that checkpoints asks a rank
+        of its last world for one as it finishes, which writes it before it leaves. Waits
+        for it while a rank of that world is still a member, up to the collective's
+        timeout; False if the job writes none, or it does not come."""
+        assert self.state is not None
+        view = self.worker.view
+        if view.config is None or view.config.checkpoint_uri is None:
+            return False
+        writers = view.plan.ranks if view.plan is not None else ()
+
+        def saved(view: View) -> CheckpointSaved | None:
+            return next((c for c in view.checkpoints if c.step == step), None)
+
+        def settled(view: View) -> bool:
+            writing = any(w in view.members and w not in view.gone for w in writers)
+            return saved(view) is not None or not writing
+
+        try:
+            self.worker.wait_for(settled, self.collective.timeout)
+        except (WaitTimeoutError, Stopped):
+            return False
+        final = saved(self.worker.view)
+        if final is None:
+            return False
+        try:
+            self.state.load(checkpoints.read(final.uri, final.sha256).payload)
+        except checkpoints.CheckpointError as exc:
+            log.warning("%s: the final checkpoint does not load: %s", self.worker.id, exc)
+            return False
+        return final.digest is None or self.state.digest() == final.digest
 
     def _after(self, step: Step, took: float) -> Generator[EpochEnd, None, None]:
         """`step` applied: report it, and copy what a checkpoint of it needs as the caller

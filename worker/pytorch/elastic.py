@@ -2,7 +2,7 @@
 
     job = cohort.torch.ElasticJob("mnist")
     model, optimizer = job.wrap(model, optimizer)
-    for epoch in job.epochs(EPOCHS):
+    for epoch in job.epochs():  # to the job's length: `cohort run --epochs N`
         for x, y in job.batches(loader):
             loss_fn(model(x), y).backward(); optimizer.step(); optimizer.zero_grad()
 
@@ -522,9 +522,12 @@ class ElasticJob(Elastic):
         return self._launch
 
     def epochs(self, count: int | None = None) -> Iterator[int]:
-        """The data epochs this job trains, from the one it is in, up to `count` of them
-        (None: until the job ends); leaves the job when they are done."""
+        """The data epochs this job trains, from the one it is in, to the job's end (its
+        coordinators' --epochs or --max-steps); leaves the job when they are done, or on the
+        first SIGINT/SIGTERM (`interrupted` then says the epoch did not end). `count`, if
+        given, must be the job's --epochs: InvalidValueError names any other."""
         try:
+            self.check_epochs(count)
             while not self.stopping:
                 upcoming = self._peek()
                 if upcoming is None or (count is not None and upcoming.epoch >= count):
@@ -543,9 +546,11 @@ class ElasticJob(Elastic):
         collate = getattr(loader, "collate_fn", None) or torch.utils.data.default_collate
         dataset = loader.dataset
         first = self._peek()
+        self._epoch_whole = False
         while first is not None and not self.stopping:
             step = self._next()
             if not isinstance(step, Step):
+                self._epoch_whole = step is not None  # its end, not the walk's
                 return  # the epoch's end (the walk waits for the script's code after it)
             if step.epoch != first.epoch:
                 self._peeked = step  # a world that starts in a later epoch (a rewind)
