@@ -312,7 +312,7 @@ def _membership_marker(fact: Fact) -> tuple[str, str] | None:
     """(kind, label) of a fact about who trains: failures, leaders, worlds, pauses, stragglers."""
     match fact:
         case WorkerFailed():
-            return "failure", f"{fact.worker} failed (silent {fact.timeout:g}s)"
+            return "failure", f"{fact.worker} failed: {fact.reason}"
         case LeaderElected():
             return "leader", f"leader {fact.coordinator} (epoch {fact.epoch})"
         case SparePromoted():

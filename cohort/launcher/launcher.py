@@ -653,7 +653,8 @@ class Launcher:
 
     def _summarise(self, report: Audit, exported: Path | None, code: Exit) -> None:
         state = self.watch.state
-        failures = sum(1 for _, fact in self.watch.facts if isinstance(fact, WorkerFailed))
+        failures = [fact for _, fact in self.watch.facts if isinstance(fact, WorkerFailed)]
+        failed = failures_said(failures, state.finished is not None)
         took = self.clock() - self.started
         end = (
             f"job {self.settings.job!r} finished ({state.finished})"
@@ -663,9 +664,9 @@ class Launcher:
         )
         self.say(
             f"cohort run: {end}: {state.counters.steps_committed} steps committed over "
-            f"{state.counters.epochs_finished} epochs in {took:.0f} s; {failures} failure(s) "
-            f"survived, {self.restarts} rank(s) restarted{self._spares_said()}; audit (every "
-            f"sample exactly once per epoch): {'passed' if report.ok else 'FAILED'}"
+            f"{state.counters.epochs_finished} epochs in {took:.0f} s; {failed}, "
+            f"{self.restarts} rank(s) restarted{self._spares_said()}; audit (every sample "
+            f"exactly once per epoch): {'passed' if report.ok else 'FAILED'}"
         )
         self.say(f"logs: {self.settings.run_dir}" + (f"; export: {exported}" if exported else ""))
         if code is Exit.FAILED:
@@ -722,6 +723,18 @@ def _wait_for(proc: Proc, timeout: float) -> bool:
     except subprocess.TimeoutExpired:
         return False
     return True
+
+
+def failures_said(failures: list[WorkerFailed], finished: bool, named: int = 3) -> str:
+    """The failures of a run for its summary, each as journaled (WorkerFailed.reason), the
+    first `named` by worker: "survived" only when the job finished after them (the summary
+    already says that a job did not finish)."""
+    if not failures:
+        return "no failures"
+    said = "; ".join(f"{f.worker} {f.reason}" for f in failures[:named])
+    more = f"; and {len(failures) - named} more" if len(failures) > named else ""
+    outcome = " survived" if finished else ""
+    return f"{len(failures)} failure(s){outcome} ({said}{more})"
 
 
 def _last_line(text: str) -> str:
