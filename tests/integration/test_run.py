@@ -10,6 +10,7 @@ it started is left.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,7 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
+from cohort.coordinator.replay import from_redis
+from cohort.coordinator.series import series
 from cohort.errors import Exit
 from cohort.events.keys import Keys
 from cohort.events.models import LeaderElected, WorkerFailed, WorkerJoined
@@ -89,6 +93,30 @@ def test_a_script_that_cannot_start_ends_the_launcher_naming_its_log(tmp_path: P
     assert "every local rank was given up on" in run.output
     assert run.output.count("replacing it in 1 s") == 2  # one restart each, then given up
     wait_until(lambda: run.left() == [], 10, message="no process of the launcher's left")
+
+
+def test_a_figure_recorded_after_the_last_step_shows_in_status_and_the_reports_series(
+    server: LocalRedis, tmp_path: Path
+) -> None:
+    job = "recorded-last"
+    run = Launch(
+        "--redis-url", server.url, "--job", job, "-n", "2", *FAST, "--max-steps", "4",
+        SCRIPT, "0.01", "--record-at-end", cwd=tmp_path,
+    )  # fmt: skip
+    assert run.wait(120) == Exit.OK, run.output[-3000:]
+    status = subprocess.run(
+        [sys.executable, "-m", "cohort", "status", "--job", job, "--redis-url", server.url,
+         "--json"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert status.returncode == 0, status.stdout + status.stderr
+    evals = json.loads(status.stdout)["evals"]
+    assert len(evals) == 2, evals  # one a rank
+    assert all(e["step"] == 3 and e["metrics"] == {"val_loss": 0.125} for e in evals), evals
+    data = series(from_redis(redis.Redis.from_url(server.url), job))
+    figures = dict(data.figures)
+    assert sorted(line.label for line in figures["val_loss"]) == sorted(e["worker"] for e in evals)
+    assert all([v for _, v in line.points] == [0.125] for line in figures["val_loss"])
 
 
 # ---------------------------------------------------------------- two nodes
