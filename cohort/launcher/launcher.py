@@ -39,7 +39,7 @@ from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.keys import Keys
 from cohort.events.models import ProcessExited, WorkerFailed
 from cohort.events.streams import Inbox
-from cohort.launcher import supervision
+from cohort.launcher import shadowing, supervision
 from cohort.launcher.credentials import Credentials
 from cohort.launcher.reaper import Reaper
 from cohort.launcher.supervision import Exited, Policy, Slot, State
@@ -363,10 +363,11 @@ class Launcher:
             wait = max(0.0, (member.slot.restart_at or now) - now)
             self.say(f"{kind} {proc.name} {exited.how}: replacing it in {wait:.0f} s")
         elif member.slot.state is State.GIVEN_UP:
+            tail = proc.tail(15)
             self.say(
                 f"{kind} {proc.name} {exited.how}, its {member.slot.quick_failures}th failure "
                 f"in a row within {self.settings.policy.stable_after:g} s of starting: giving "
-                f"up on it. Its log ({proc.log}) ends:\n{proc.tail(15)}"
+                f"up on it. Its log ({proc.log}) ends:\n{tail}{shadowing.hint(tail)}"
             )
 
     def _report_exit(self, worker: str, code: int, how: str) -> None:

@@ -119,6 +119,34 @@ def test_a_figure_recorded_after_the_last_step_shows_in_status_and_the_reports_s
     assert all([v for _, v in line.points] == [0.125] for line in figures["val_loss"])
 
 
+def test_a_clone_named_cohort_beside_the_script_is_refused_naming_it_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    """git's default name for a clone of cohort's repository shadows the (editable)
+    installed package in every rank: each would fail at import, restart after restart."""
+    (tmp_path / "cohort" / "cohort").mkdir(parents=True)
+    (tmp_path / "cohort" / "cohort" / "__init__.py").write_text("")
+    script = tmp_path / "train.py"
+    script.write_text(Path(SCRIPT).read_text())
+    run = Launch("-n", "2", "train.py", cwd=tmp_path)
+    assert run.wait(60) == Exit.USAGE, run.output
+    assert f"the folder {tmp_path / 'cohort'} shadows the installed cohort package" in run.output
+    assert "mv cohort cohort-src" in run.output and "Traceback" not in run.output
+    assert not (tmp_path / "cohort-runs").exists() and run.seen == set()
+
+
+def test_a_rank_given_up_after_failing_at_import_cohort_is_told_what_may_shadow_it(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import cohort\n\ncohort.NoSuchJob()\n")
+    run = Launch("-n", "1", "--max-restarts", "0", "train.py", cwd=tmp_path)
+    assert run.wait(120) == Exit.FAILED, run.output[-3000:]
+    assert "module 'cohort' has no attribute 'NoSuchJob'" in run.output
+    given_up = run.output[run.output.index("giving up on it") :]
+    assert "it shadows the installed package: rename that folder" in given_up
+
+
 # ---------------------------------------------------------------- two nodes
 
 
