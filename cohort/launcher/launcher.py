@@ -34,6 +34,7 @@ from cohort.acl import AclError
 from cohort.coordinator.audit import Audit, audit
 from cohort.coordinator.progress import progress
 from cohort.coordinator.replay import JournalWatch, export, from_redis
+from cohort.coordinator.timeline import failures_said
 from cohort.errors import CohortError, Exit
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.keys import Keys
@@ -724,18 +725,6 @@ def _wait_for(proc: Proc, timeout: float) -> bool:
     except subprocess.TimeoutExpired:
         return False
     return True
-
-
-def failures_said(failures: list[WorkerFailed], finished: bool, named: int = 3) -> str:
-    """The failures of a run for its summary, each as journaled (WorkerFailed.reason), the
-    first `named` by worker: "survived" only when the job finished after them (the summary
-    already says that a job did not finish)."""
-    if not failures:
-        return "no failures"
-    said = "; ".join(f"{f.worker} {f.reason}" for f in failures[:named])
-    more = f"; and {len(failures) - named} more" if len(failures) > named else ""
-    outcome = " survived" if finished else ""
-    return f"{len(failures)} failure(s){outcome} ({said}{more})"
 
 
 def _last_line(text: str) -> str:

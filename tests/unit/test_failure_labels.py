@@ -10,9 +10,8 @@ import pytest
 from cohort.coordinator.audit import LauncherAudit
 from cohort.coordinator.series import _marker
 from cohort.coordinator.state import JobState, Member
-from cohort.coordinator.timeline import lines
+from cohort.coordinator.timeline import failures_said, lines
 from cohort.events.models import WorkerFailed
-from cohort.launcher.launcher import failures_said
 
 KILLED = WorkerFailed(
     at=2.0, job="j", worker="vm-1", last_seen=1.9, timeout=5.0, cause="exited",
@@ -52,7 +51,7 @@ def test_a_torchrun_agents_failure_ends_its_run_as_journaled_in_the_audit() -> N
     assert report.ended == {"vm-1": "failed: process exited (killed by SIGKILL)"}
 
 
-def test_the_launchers_summary_says_survived_only_of_a_job_that_finished() -> None:
+def test_a_runs_summary_says_survived_only_of_a_job_that_finished() -> None:
     finished = failures_said([KILLED], finished=True)
     assert finished == "1 failure(s) survived (vm-1 process exited (killed by SIGKILL))"
     crashed = failures_said([KILLED, CLOSED], finished=False)
