@@ -1,9 +1,10 @@
 """A training script as a user writes it for `cohort run`: numpy, nothing of cohort's on its
 command line, each step paced so that a test can kill a rank mid-epoch.
 
-    python run_script.py [PACE_SECONDS] [--fail-at-import] [--record-at-end]
+    python run_script.py [PACE_SECONDS] [--fail-at-import] [--record-at-end] [--crash-at STEP]
 
-`--record-at-end` records a figure after the loop (a final validation's, as a script does).
+`--record-at-end` records a figure after the loop (a final validation's, as a script does);
+`--crash-at STEP` exits 1 as it is given that step (a script with a bug).
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ def main() -> None:
     x, y = rng.normal(size=(SAMPLES, FEATURES)), rng.normal(size=SAMPLES)
     job = cohort.NumpyElasticJob(dataset=cohort.Dataset(size=SAMPLES, fingerprint="run-itest"))
     params = job.wrap({"w": np.zeros(FEATURES)})
+    crash_at = int(sys.argv[sys.argv.index("--crash-at") + 1]) if "--crash-at" in sys.argv else -1
     for step in job.steps():
+        if step.step == crash_at:
+            sys.exit(1)
         with job.attempt(step):
             xs, ys = x[step.samples], y[step.samples]
             grad = xs.T @ (xs @ params["w"] - ys) / max(len(ys), 1)

@@ -95,6 +95,19 @@ def test_a_script_that_cannot_start_ends_the_launcher_naming_its_log(tmp_path: P
     wait_until(lambda: run.left() == [], 10, message="no process of the launcher's left")
 
 
+def test_a_run_whose_every_rank_crashed_says_its_failures_as_journaled_and_none_survived(
+    tmp_path: Path,
+) -> None:
+    run = Launch(
+        "-n", "2", "--max-restarts", "0", *FAST, "--epochs", "100", SCRIPT, "0.01",
+        "--crash-at", "3", cwd=tmp_path,
+    )  # fmt: skip
+    assert run.wait(120) != Exit.OK, run.output[-3000:]
+    summary = next(line for line in run.lines if " steps committed over " in line)
+    assert "did not finish" in summary and "survived" not in summary, summary
+    assert "2 failure(s) (" in summary and summary.count("process exited (exit code 1)") == 2
+
+
 def test_a_figure_recorded_after_the_last_step_shows_in_status_and_the_reports_series(
     server: LocalRedis, tmp_path: Path
 ) -> None:
