@@ -208,7 +208,7 @@ def fact_details(fact: Fact) -> str:
             f"ranks {list(fact.ranks)}, shard sizes {sizes}{_weights(fact)} - {fact.reason}"
         )
     if isinstance(fact, WorkerFailed):
-        return f"{fact.worker} failed: {fact.reason}"
+        return f"worker={fact.worker} {fact.reason}"  # why, as journaled (cause, how, ...)
     body = fact.model_dump(exclude={"v", "at", "job", "type"}, exclude_none=True)
     parts = []
     for key, value in body.items():

@@ -38,7 +38,7 @@ def test_a_failure_is_labelled_by_its_journaled_cause_in_the_report_and_the_time
     marker = _marker("1-0", failed)
     assert marker is not None and marker.label == f"{failed.worker} failed: {says}"
     (line,) = lines([("1-0", failed)])
-    assert line.text == f"{failed.worker} failed: {says}"
+    assert line.text == f"worker={failed.worker} {says}"
     if failed.cause != "silent":
         assert "silent" not in marker.label + line.text
 
