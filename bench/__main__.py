@@ -3,6 +3,7 @@
     python -m bench                 # the full suite (about 50 min on 2 cores), writes BENCHMARKS.md
     python -m bench --quick         # smaller sizes and fewer runs; prints, writes nothing
     python -m bench --only replay,failover   # re-runs these two, keeps the other sections
+    python -m bench --page          # writes BENCHMARKS.md again from BENCHMARKS.json, runs nothing
 
 A benchmark that fails is reported by name and the others still run; the exit
 code is 1 if any failed.
@@ -41,7 +42,7 @@ from bench import (
     soak,
     throughput,
 )
-from bench.results import Section, publish
+from bench.results import Section, publish, rewrite
 
 FULL: dict[str, Callable[[], Section]] = {
     "ingest": lambda: control_plane.measure(100_000, 1000, 3),
@@ -115,7 +116,15 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer runs")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(FULL)}")
     parser.add_argument("--out", type=Path, help="write here (default: BENCHMARKS.md, full only)")
+    parser.add_argument(
+        "--page", action="store_true", help="write the page again from its JSON; run nothing"
+    )
     args = parser.parse_args()
+    if args.page:
+        out = args.out or Path("BENCHMARKS.md")
+        rewrite(out, list(FULL))
+        print(f"wrote {out} from {out.with_suffix('.json')}")
+        return 0
     suite = QUICK if args.quick else FULL
     chosen = [name.strip() for name in args.only.split(",") if name.strip()] or list(suite)
     unknown = [name for name in chosen if name not in suite]

@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -143,9 +144,38 @@ def publish(out: Path, sections: list[Section], command: str, order: Sequence[st
     out.write_text(document(every, env, command))
 
 
+def rewrite(out: Path, order: Sequence[str]) -> None:
+    """Write the page `out` again from its JSON, running nothing: the machine table and the
+    command of its last run stay as the page has them."""
+    out.write_text(again(out.read_text(), list(load(out.with_suffix(".json")).values()), order))
+
+
+def again(page: str, sections: list[Section], order: Sequence[str]) -> str:
+    """The page `page` as `document` writes it from `sections`, in `order`, with the machine
+    table and the command of its last run read from `page`."""
+    ran = re.search(r"^Last written by `(.+?)` on ", page, re.MULTILINE)
+    if ran is None:
+        raise ValueError("the page says no 'Last written by `COMMAND` on DATE'")
+    table = page.split("| | |\n|---|---|\n", 1)[1].split("\n\n", 1)[0]
+    env: dict[str, str] = {}
+    for line in table.splitlines():
+        name, value = line.strip("| ").split(" | ", 1)
+        env[name] = value
+    ordered = sorted(sections, key=lambda s: order.index(s.key) if s.key in order else len(order))
+    return document(ordered, env, ran.group(1))
+
+
 def document(sections: list[Section], env: dict[str, str], command: str) -> str:
+    from bench.headline import table  # it reads Sections: imported here, not in a cycle
+
     head = [
         "# Benchmarks",
+        "",
+        "How cohort compares, in one table: each headline figure beside its peer measured in",
+        "the same run, cohort's figure over the peer's, the target and the section below it",
+        "comes from (made from BENCHMARKS.json by bench/headline.py).",
+        "",
+        *table(sections),
         "",
         f"Last written by `{command}` on {env['date']}; each section names the command that",
         "produced it and its date. Every figure is a median of several runs;",

@@ -16,7 +16,9 @@ Everything a training script needs is here::
 `cohort.checkpoints` writes and reads checkpoint files (through fsspec). `cohort.torch`
 holds the PyTorch helpers (gradient averaging, state broadcast, local SGD) and
 `cohort.ElasticProcessGroup` keeps torch.distributed with cohort as its membership service;
-both need the `torch` extra and import torch only when first used. Names load on first use,
+both need the `torch` extra and import torch only when first used (without it, they raise
+ModuleNotFoundError naming `pip install 'cohort-elastic[torch]'`, and `from cohort import *`
+leaves them out). Names load on first use,
 so `import cohort` (and the `cohort` command) stays quick.
 
 The public names are listed three times, for three readers: the imports under
@@ -28,8 +30,10 @@ tests/unit/test_public_api.py holds the three to the same names and modules.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
+from cohort.errors import torch_missing
 from cohort.events.renames import warn_renamed
 
 if TYPE_CHECKING:
@@ -183,6 +187,12 @@ _HOMES: dict[str, tuple[str, ...]] = {
 _MODULES = {"checkpoints": "cohort.worker.loop.checkpoints", "torch": "cohort.torch"}
 """Public names that are modules: name -> module."""
 
+_NEEDS_TORCH = ("ElasticProcessGroup", "torch")
+"""Public names that need the `torch` extra."""
+
+if importlib.util.find_spec("torch") is None:  # `from cohort import *` works without torch
+    __all__ = [name for name in __all__ if name not in _NEEDS_TORCH]
+
 _DEPRECATED: dict[str, tuple[str, str]] = {
     "ElasticJob": ("NumpyElasticJob", " (a PyTorch script wants cohort.torch.ElasticJob)"),
     "Rendezvous": (
@@ -217,12 +227,15 @@ def __getattr__(name: str) -> Any:
         new, why = _DEPRECATED[name]
         warn_renamed(f"cohort.{name}", f"cohort.{new}", why)
         return __getattr__(new)
-    if name in _MODULES:
-        value: Any = importlib.import_module(_MODULES[name])
-    elif name in _HOME_OF:
-        value = getattr(importlib.import_module(_HOME_OF[name]), name)
-    else:
-        raise AttributeError(f"module 'cohort' has no attribute {name!r}")
+    try:
+        if name in _MODULES:
+            value: Any = importlib.import_module(_MODULES[name])
+        elif name in _HOME_OF:
+            value = getattr(importlib.import_module(_HOME_OF[name]), name)
+        else:
+            raise AttributeError(f"module 'cohort' has no attribute {name!r}")
+    except ModuleNotFoundError as exc:
+        raise torch_missing(f"cohort.{name}", exc) from exc
     globals()[name] = value  # the next lookup is a plain attribute
     return value
 

@@ -29,6 +29,7 @@ from rich.table import Table
 
 from cohort.coordinator.audit import Audit, audit
 from cohort.coordinator.replay import JournalWatch, export, fact_details, from_redis
+from cohort.coordinator.timeline import failures_said
 from cohort.errors import CohortError, Exit
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.deal import leftover
@@ -198,7 +199,10 @@ class Demo:
         finished = [e for e in ends if e and e["steps"] > 0]
         idle = [e["worker"] for e in ends if e and e["steps"] == 0]
         state = self.watch.state
-        failed = sum(1 for _, f in self.watch.facts if isinstance(f, WorkerFailed))
+        failed = failures_said(
+            [f for _, f in self.watch.facts if isinstance(f, WorkerFailed)],
+            state.finished is not None,
+        )
         took = f"{self.failover:.2f} s" if self.failover is not None else "not observed"
         digests = {e["weights_digest"] for e in finished}
         loss = finished[0]["loss"] if finished else float("nan")
@@ -206,7 +210,7 @@ class Demo:
         console.print(
             f"\n[bold]summary[/]: {state.counters.steps_committed} steps committed over "
             f"{state.counters.epochs_finished} finished epochs; loss {loss}, accuracy {accuracy}; "
-            f"{failed} worker failure(s) survived without restarting anyone; new leader {took} "
+            f"{failed}, without restarting anyone; new leader {took} "
             f"after the leader's SIGKILL; {state.counters.checkpoints} checkpoints written in "
             f"the background; {len(finished)} workers finished with "
             f"{'identical' if len(digests) == 1 else 'DIFFERENT'} weights"

@@ -11,7 +11,10 @@ from enum import IntEnum
 
 from cohort.events.errors import CohortError
 
-__all__ = ["CohortError", "Exit"]
+__all__ = ["TORCH_EXTRA", "CohortError", "Exit", "torch_missing"]
+
+TORCH_EXTRA = "pip install 'cohort-elastic[torch]'"
+"""What installs PyTorch beside cohort: its `torch` extra."""
 
 
 class Exit(IntEnum):
@@ -32,3 +35,14 @@ class Exit(IntEnum):
     (`--epochs`/`--max-steps`; a job given neither never does): the model is not final."""
     INTERRUPTED = 130
     """A second SIGINT/SIGTERM: exit now (128 + SIGINT, as shells report it)."""
+
+
+def torch_missing(what: str, exc: ModuleNotFoundError) -> ModuleNotFoundError:
+    """`exc` (torch could not be imported) as a script should read it: what needs torch,
+    and how to install it. Any other missing module is `exc` itself."""
+    if exc.name != "torch" or TORCH_EXTRA in str(exc):  # another module, or said already
+        return exc
+    return ModuleNotFoundError(
+        f"{what} needs PyTorch, which this Python cannot import ({exc}): {TORCH_EXTRA}",
+        name="torch",
+    )

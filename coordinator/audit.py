@@ -79,7 +79,7 @@ class LauncherAudit:
     rounds: int = 0
     runs: int = 0
     ended: dict[str, str] = field(default_factory=dict)
-    """agent -> how it left the last run: its Leave reason, or "failed" (silent)"""
+    """agent -> how it left the last run: its Leave reason, or "failed: " and why"""
     running: list[str] = field(default_factory=list)
     """Agents still members at the journal's end."""
     covers: str = LAUNCHER_COVERS
@@ -99,7 +99,7 @@ class LauncherAudit:
             case WorkerLeft() if member is not None and member.role == "agent":
                 self.ended[fact.worker] = fact.reason
             case WorkerFailed() if member is not None and member.role == "agent":
-                self.ended[fact.worker] = f"failed: silent {fact.timeout:g} s"
+                self.ended[fact.worker] = f"failed: {fact.reason}"
 
     def problems(self) -> list[str]:
         """A run that ended with no agent whose workers succeeded."""

@@ -47,7 +47,8 @@ The rules (docs/design.md "Membership", "Data shards and the epoch order"):
   that fails or leaves changes no world; after the end nothing is promoted.
 - Roles: an evaluator joins as a member "evaluating": it is never synced, activated or
   ranked, so it counts toward no world and no `min_workers`, and its failure changes no
-  world; its EvalDone of a committed step → EvalReported (also after the end).
+  world; its EvalDone of a committed step → EvalReported (also after the end), as is a
+  trainer's (the figures it recorded after its last step).
 - RegisterWorkload of a member, new or changed → WorkloadRegistered; TransfersWaiting is
   telemetry (observed only).
 - RoundStarted of an agent member (torchrun's), of a round after the last journaled →
@@ -290,10 +291,11 @@ def _round_started(plan: _DecisionPlan, command: RoundStarted) -> None:
 
 
 def _evaluated(plan: _DecisionPlan, command: EvalDone) -> None:
-    """An evaluator's metrics of committed weights are journaled; a trainer's, or metrics of
-    a step that never committed, are not evaluations of this job's lineage."""
+    """An evaluator's metrics of committed weights are journaled, and so are a trainer's
+    figures recorded after its last step (they ride on no next step's report); an agent's,
+    or metrics of a step that never committed, are not evaluations of this job's lineage."""
     member = plan.state.members.get(command.worker)
-    if member is None or member.role != "evaluator" or command.step > plan.state.last_committed:
+    if member is None or member.role == "agent" or command.step > plan.state.last_committed:
         return
     plan.emit(EvalReported, worker=command.worker, step=command.step, metrics=command.metrics)
 

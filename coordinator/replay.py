@@ -26,7 +26,7 @@ from cohort.events.codec import gc_paused
 from cohort.events.connection import Client
 from cohort.events.errors import DecodeError
 from cohort.events.keys import Keys
-from cohort.events.models import Fact, WorldChanged
+from cohort.events.models import Fact, WorkerFailed, WorldChanged
 from cohort.events.streams import ZERO, Entry, Journal, Stream, id_after
 
 EXPORT_FORMAT = "cohort-export"
@@ -207,6 +207,8 @@ def fact_details(fact: Fact) -> str:
             f"world {fact.version} from step {fact.start_step} (epoch {fact.epoch}): "
             f"ranks {list(fact.ranks)}, shard sizes {sizes}{_weights(fact)} - {fact.reason}"
         )
+    if isinstance(fact, WorkerFailed):
+        return f"worker={fact.worker} {fact.reason}"  # why, as journaled (cause, how, ...)
     body = fact.model_dump(exclude={"v", "at", "job", "type"}, exclude_none=True)
     parts = []
     for key, value in body.items():

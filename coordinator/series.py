@@ -103,7 +103,8 @@ class ReportData:
     step_time: tuple[Series, ...] = ()
     loss: tuple[Series, ...] = ()
     figures: tuple[tuple[str, tuple[Series, ...]], ...] = ()
-    """The scripts' own figures (`job.record`, retained inbox): (name, a line per worker),
+    """The scripts' own figures (`job.record`: with the steps' reports in the retained inbox,
+    and those recorded after a trainer's last step as journaled): (name, a line per worker),
     by name."""
     evaluation: tuple[Series, ...] = ()
     """Each evaluator's metrics (journaled, so never trimmed), one line per evaluator and
@@ -142,6 +143,7 @@ def series(run: Run) -> ReportData:
     inbox = _InboxSeries()
     for entry in run.inbox:
         inbox.add(entry)
+    inbox.take(facts.recorded)
     times = facts.times + inbox.times
     end = max(times, default=0.0)
     timeline = facts.timeline.done()
@@ -184,6 +186,12 @@ class _FactSeries:
     world_size: int = 0
     discarded: int = 0
     evals: dict[tuple[str, str], list[Point]] = field(default_factory=lambda: defaultdict(list))
+    recorded: dict[str, dict[str, list[Point]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(list))
+    )
+    """name -> trainer -> (time, value) of the figures a trainer recorded after its last
+    step (journaled as EvalReported: they had no next step's report to ride on)."""
+    evaluators: set[str] = field(default_factory=set)
     refused: Totals = field(default_factory=Totals)
     repairs: int = 0
     """Inbox repairs: one per InboxRepaired, and those it counts (`more`)."""
@@ -200,6 +208,8 @@ class _FactSeries:
             before = len(self.present)
             if isinstance(fact, WorkerJoined):
                 self.present.add(fact.worker)
+                if fact.role == "evaluator":
+                    self.evaluators.add(fact.worker)
             else:
                 self.present.discard(fact.worker)
             if len(self.present) != before or not self.members:
@@ -207,9 +217,7 @@ class _FactSeries:
         if isinstance(fact, Rewound):
             self.discarded += fact.from_step - fact.to_step
         if isinstance(fact, EvalReported):
-            for name, value in fact.metrics.items():
-                if math.isfinite(value):
-                    self.evals[(fact.worker, name)].append((at, value))
+            self._evaluated(fact)
         if isinstance(fact, CommandsRefused):
             self.refused.add(fact)
         if isinstance(fact, WorldChanged):
@@ -218,6 +226,18 @@ class _FactSeries:
         marker = _marker(entry_id, fact)
         if marker is not None:
             self.markers.append(marker)
+
+    def _evaluated(self, fact: EvalReported) -> None:
+        """An evaluator's metrics are its own lines; a trainer's (recorded after its last
+        step) join the figures it recorded with its steps."""
+        trainer = fact.worker not in self.evaluators
+        for name, value in fact.metrics.items():
+            if not math.isfinite(value):
+                continue
+            if trainer:
+                self.recorded[name][fact.worker].append((fact.at, value))
+            else:
+                self.evals[(fact.worker, name)].append((fact.at, value))
 
     def membership(self, end: float) -> tuple[Series, ...]:
         """Active ranks and members as step lines held up to `end`."""
@@ -278,6 +298,14 @@ class _InboxSeries:
                 if device.temperature is not None:
                     self.temperature[key].append((at, device.temperature))
 
+    def take(self, recorded: dict[str, dict[str, list[Point]]]) -> None:
+        """The figures trainers recorded after their last step (journaled), in the lines of
+        the figures they recorded with their steps: "loss" with the losses."""
+        for name, by_worker in recorded.items():
+            into = self.loss if name == "loss" else self.figures[name]
+            for worker, points in by_worker.items():
+                into[worker].extend(points)
+
 
 def _summary(facts: _FactSeries, inbox: _InboxSeries, run: Run) -> Summary:
     counts = facts.counts
@@ -317,7 +345,7 @@ def _membership_marker(fact: Fact) -> tuple[str, str] | None:
     """(kind, label) of a fact about who trains: failures, leaders, worlds, pauses, stragglers."""
     match fact:
         case WorkerFailed():
-            return "failure", f"{fact.worker} failed (silent {fact.timeout:g}s)"
+            return "failure", f"{fact.worker} failed: {fact.reason}"
         case LeaderElected():
             return "leader", f"leader {fact.coordinator} (epoch {fact.epoch})"
         case SparePromoted():

@@ -102,3 +102,15 @@ def recent(timeline: Sequence[Line], limit: int) -> list[Line]:
     """The last `limit` lines, and every membership line before them, in order."""
     cut = max(0, len(timeline) - limit)
     return [line for line in timeline[:cut] if line.membership] + list(timeline[cut:])
+
+
+def failures_said(failures: list[WorkerFailed], finished: bool, named: int = 3) -> str:
+    """The failures of a run for its summary, each as journaled (WorkerFailed.reason), the
+    first `named` by worker: "survived" only when the job finished after them (the summary
+    already says that a job did not finish)."""
+    if not failures:
+        return "no failures"
+    said = "; ".join(f"{f.worker} {f.reason}" for f in failures[:named])
+    more = f"; and {len(failures) - named} more" if len(failures) > named else ""
+    outcome = " survived" if finished else ""
+    return f"{len(failures)} failure(s){outcome} ({said}{more})"

@@ -308,7 +308,9 @@ class DataRefused(Event):
 
 
 class EvalDone(Event):
-    """An evaluator evaluated the weights after `step` (a checkpoint's): its `metrics`."""
+    """An evaluator evaluated the weights after `step` (a checkpoint's): its `metrics`. A
+    trainer sends one too, when its loops end, with the figures it recorded after its last
+    step `step` (`job.record`: they had no next step's report to ride on)."""
 
     type: Literal["EvalDone"] = "EvalDone"
     worker: WorkerId
@@ -789,7 +791,8 @@ class WorkloadRegistered(Event):
 
 class EvalReported(Event):
     """Evaluator `worker` evaluated the weights after `step`: its `metrics`, journaled as it
-    sent them (the report plots them)."""
+    sent them (the report plots them); or trainer `worker`'s figures recorded after its last
+    step `step` (the report draws them with its other figures)."""
 
     type: Literal["EvalReported"] = "EvalReported"
     worker: WorkerId

@@ -149,6 +149,7 @@ def _launch_settings(
     node = params["node"] or _host_name()
     _check_node(node)
     argv = _command(command)
+    _check_shadowing(argv)
     ranks = _ranks(params["nproc"])
     redis_url = ctx.obj.get("redis_url")
     if not redis_url:
@@ -210,6 +211,17 @@ def _command(command: tuple[str, ...]) -> tuple[str, ...]:
     if shutil.which(first) is None:
         fail(f"command {first!r} is not found on PATH nor a file: give its path")
     return command
+
+
+def _check_shadowing(argv: tuple[str, ...]) -> None:
+    """Exit 2, starting nothing, where a folder named `cohort` would shadow the installed
+    package in every rank (each would fail at import, restart after restart)."""
+    from cohort.launcher.shadowing import shadow, shadowing_said
+
+    package = Path(__file__).resolve().parents[1]  # this code's own package: cohort/
+    folder = shadow(argv, Path.cwd(), package)
+    if folder is not None:
+        fail(shadowing_said(folder, package, argv))
 
 
 def _ranks(text: str, count_gpus: Callable[[], int] | None = None) -> int:

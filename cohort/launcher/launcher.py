@@ -34,12 +34,13 @@ from cohort.acl import AclError
 from cohort.coordinator.audit import Audit, audit
 from cohort.coordinator.progress import progress
 from cohort.coordinator.replay import JournalWatch, export, from_redis
+from cohort.coordinator.timeline import failures_said
 from cohort.errors import CohortError, Exit
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.keys import Keys
 from cohort.events.models import ProcessExited, WorkerFailed
 from cohort.events.streams import Inbox
-from cohort.launcher import supervision
+from cohort.launcher import shadowing, supervision
 from cohort.launcher.credentials import Credentials
 from cohort.launcher.reaper import Reaper
 from cohort.launcher.supervision import Exited, Policy, Slot, State
@@ -363,10 +364,11 @@ class Launcher:
             wait = max(0.0, (member.slot.restart_at or now) - now)
             self.say(f"{kind} {proc.name} {exited.how}: replacing it in {wait:.0f} s")
         elif member.slot.state is State.GIVEN_UP:
+            tail = proc.tail(15)
             self.say(
                 f"{kind} {proc.name} {exited.how}, its {member.slot.quick_failures}th failure "
                 f"in a row within {self.settings.policy.stable_after:g} s of starting: giving "
-                f"up on it. Its log ({proc.log}) ends:\n{proc.tail(15)}"
+                f"up on it. Its log ({proc.log}) ends:\n{tail}{shadowing.hint(tail)}"
             )
 
     def _report_exit(self, worker: str, code: int, how: str) -> None:
@@ -654,7 +656,8 @@ class Launcher:
 
     def _summarise(self, report: Audit, exported: Path | None, code: Exit) -> None:
         state = self.watch.state
-        failures = sum(1 for _, fact in self.watch.facts if isinstance(fact, WorkerFailed))
+        failures = [fact for _, fact in self.watch.facts if isinstance(fact, WorkerFailed)]
+        failed = failures_said(failures, state.finished is not None)
         took = self.clock() - self.started
         end = (
             f"job {self.settings.job!r} finished ({state.finished})"
@@ -664,9 +667,9 @@ class Launcher:
         )
         self.say(
             f"cohort run: {end}: {state.counters.steps_committed} steps committed over "
-            f"{state.counters.epochs_finished} epochs in {took:.0f} s; {failures} failure(s) "
-            f"survived, {self.restarts} rank(s) restarted{self._spares_said()}; audit (every "
-            f"sample exactly once per epoch): {'passed' if report.ok else 'FAILED'}"
+            f"{state.counters.epochs_finished} epochs in {took:.0f} s; {failed}, "
+            f"{self.restarts} rank(s) restarted{self._spares_said()}; audit (every sample "
+            f"exactly once per epoch): {'passed' if report.ok else 'FAILED'}"
         )
         self.say(f"logs: {self.settings.run_dir}" + (f"; export: {exported}" if exported else ""))
         if code is Exit.FAILED:

@@ -1,7 +1,10 @@
 """A training script as a user writes it for `cohort run`: numpy, nothing of cohort's on its
 command line, each step paced so that a test can kill a rank mid-epoch.
 
-    python run_script.py [PACE_SECONDS] [--fail-at-import]
+    python run_script.py [PACE_SECONDS] [--fail-at-import] [--record-at-end] [--crash-at STEP]
+
+`--record-at-end` records a figure after the loop (a final validation's, as a script does);
+`--crash-at STEP` exits 1 as it is given that step (a script with a bug).
 """
 
 from __future__ import annotations
@@ -25,12 +28,17 @@ def main() -> None:
     x, y = rng.normal(size=(SAMPLES, FEATURES)), rng.normal(size=SAMPLES)
     job = cohort.NumpyElasticJob(dataset=cohort.Dataset(size=SAMPLES, fingerprint="run-itest"))
     params = job.wrap({"w": np.zeros(FEATURES)})
+    crash_at = int(sys.argv[sys.argv.index("--crash-at") + 1]) if "--crash-at" in sys.argv else -1
     for step in job.steps():
+        if step.step == crash_at:
+            sys.exit(1)
         with job.attempt(step):
             xs, ys = x[step.samples], y[step.samples]
             grad = xs.T @ (xs @ params["w"] - ys) / max(len(ys), 1)
             params["w"] -= 0.1 * job.allreduce({"w": grad})["w"]
             job.worker.stopping.wait(pace)
+    if "--record-at-end" in sys.argv:
+        job.record(val_loss=0.125)  # after the last step: no next step's report to ride on
     job.close()
     print(json.dumps({"worker": job.worker.id, "steps": job.steps_done}))
 

@@ -10,6 +10,7 @@ it started is left.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,7 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
+from cohort.coordinator.replay import from_redis
+from cohort.coordinator.series import series
 from cohort.errors import Exit
 from cohort.events.keys import Keys
 from cohort.events.models import LeaderElected, WorkerFailed, WorkerJoined
@@ -59,7 +63,8 @@ def test_a_killed_rank_is_replaced_the_others_keep_their_processes_and_the_job_e
     assert run.wait() == Exit.OK, run.output[-3000:]
     assert "1 rank(s) restarted" in run.output and "finished" in run.output
     assert "audit (every sample exactly once per epoch): passed" in run.output
-    assert "1 failure(s) survived" in run.output
+    summary = next(line for line in run.lines if " steps committed over " in line)
+    assert "1 failure(s) survived (" in summary and "silent" not in summary, summary
     replayed = subprocess.run(
         [sys.executable, "-m", "cohort", "replay", "--file", str(tmp_path / "run.export"),
          "--audit", "-q"],
@@ -89,6 +94,71 @@ def test_a_script_that_cannot_start_ends_the_launcher_naming_its_log(tmp_path: P
     assert "every local rank was given up on" in run.output
     assert run.output.count("replacing it in 1 s") == 2  # one restart each, then given up
     wait_until(lambda: run.left() == [], 10, message="no process of the launcher's left")
+
+
+def test_a_run_whose_every_rank_crashed_says_its_failures_as_journaled_and_none_survived(
+    tmp_path: Path,
+) -> None:
+    run = Launch(
+        "-n", "2", "--max-restarts", "0", *FAST, "--epochs", "100", SCRIPT, "0.01",
+        "--crash-at", "3", cwd=tmp_path,
+    )  # fmt: skip
+    assert run.wait(120) != Exit.OK, run.output[-3000:]
+    summary = next(line for line in run.lines if " steps committed over " in line)
+    assert "did not finish" in summary and "survived" not in summary, summary
+    assert "2 failure(s) (" in summary and summary.count("process exited (exit code 1)") == 2
+
+
+def test_a_figure_recorded_after_the_last_step_shows_in_status_and_the_reports_series(
+    server: LocalRedis, tmp_path: Path
+) -> None:
+    job = "recorded-last"
+    run = Launch(
+        "--redis-url", server.url, "--job", job, "-n", "2", *FAST, "--max-steps", "4",
+        SCRIPT, "0.01", "--record-at-end", cwd=tmp_path,
+    )  # fmt: skip
+    assert run.wait(120) == Exit.OK, run.output[-3000:]
+    status = subprocess.run(
+        [sys.executable, "-m", "cohort", "status", "--job", job, "--redis-url", server.url,
+         "--json"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert status.returncode == 0, status.stdout + status.stderr
+    evals = json.loads(status.stdout)["evals"]
+    assert len(evals) == 2, evals  # one a rank
+    assert all(e["step"] == 3 and e["metrics"] == {"val_loss": 0.125} for e in evals), evals
+    data = series(from_redis(redis.Redis.from_url(server.url), job))
+    figures = dict(data.figures)
+    assert sorted(line.label for line in figures["val_loss"]) == sorted(e["worker"] for e in evals)
+    assert all([v for _, v in line.points] == [0.125] for line in figures["val_loss"])
+
+
+def test_a_clone_named_cohort_beside_the_script_is_refused_naming_it_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    """git's default name for a clone of cohort's repository shadows the (editable)
+    installed package in every rank: each would fail at import, restart after restart."""
+    (tmp_path / "cohort" / "cohort").mkdir(parents=True)
+    (tmp_path / "cohort" / "cohort" / "__init__.py").write_text("")
+    script = tmp_path / "train.py"
+    script.write_text(Path(SCRIPT).read_text())
+    run = Launch("-n", "2", "train.py", cwd=tmp_path)
+    assert run.wait(60) == Exit.USAGE, run.output
+    assert f"the folder {tmp_path / 'cohort'} shadows the installed cohort package" in run.output
+    assert "mv cohort cohort-src" in run.output and "Traceback" not in run.output
+    assert not (tmp_path / "cohort-runs").exists() and run.seen == set()
+
+
+def test_a_rank_given_up_after_failing_at_import_cohort_is_told_what_may_shadow_it(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import cohort\n\ncohort.NoSuchJob()\n")
+    run = Launch("-n", "1", "--max-restarts", "0", "train.py", cwd=tmp_path)
+    assert run.wait(120) == Exit.FAILED, run.output[-3000:]
+    assert "module 'cohort' has no attribute 'NoSuchJob'" in run.output
+    given_up = run.output[run.output.index("giving up on it") :]
+    assert "it shadows the installed package: rename that folder" in given_up
 
 
 # ---------------------------------------------------------------- two nodes

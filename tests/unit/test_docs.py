@@ -144,3 +144,33 @@ def test_every_invariant_names_test_files_that_exist() -> None:
             f"invariant {number}: {t} does not exist" for t in named if not (ROOT / t).exists()
         ]
     assert not problems, "docs/design.md, Invariants:\n" + "\n".join(problems)
+
+
+CLASS_NAMED = re.compile(r"`(cohort\.(?:torch\.)?[A-Z]\w*)")
+"""A class named in code quotes: `cohort.Name` or `cohort.torch.Name`."""
+
+
+def test_the_pages_name_the_classes_cohort_exports_by_their_names() -> None:
+    """A page names a class as a script imports it (`cohort.NumpyElasticJob`), not by a
+    name that only a DeprecationWarning keeps alive (`cohort.ElasticJob`) or none at all;
+    where it or the line before says it is an old name, it may name it."""
+    import cohort
+    import cohort.torch
+
+    exported = {f"cohort.{n}" for n in cohort.__all__} | {
+        f"cohort.torch.{n}" for n in cohort.torch.__all__
+    }
+    problems = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        previous = ""
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            for name in CLASS_NAMED.findall(line):
+                if name not in exported and "old name" not in previous + line:
+                    problems.append(f"{relative(path)}:{number}: {name}")
+            previous = line
+    assert not problems, "classes cohort does not export by these names:\n" + "\n".join(problems)
+
+
+def test_the_elastic_api_page_is_titled_with_both_jobs_by_their_names() -> None:
+    title = (ROOT / "docs" / "elastic-api.md").read_text().splitlines()[0]
+    assert title == "# The elastic loop: `cohort.torch.ElasticJob` and `cohort.NumpyElasticJob`"

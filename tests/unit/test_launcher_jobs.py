@@ -87,7 +87,10 @@ def test_the_audit_says_it_covers_membership_and_fails_a_run_whose_agents_all_fa
     report = audit(job.journal)
     assert report.launcher is not None and report.launcher.covers == LAUNCHER_COVERS
     assert "no steps, data or weights" in LAUNCHER_COVERS
-    assert report.launcher.ended == {"a": "failed: silent 5 s", "b": "failed: silent 5 s"}
+    assert report.launcher.ended == {
+        "a": "failed: silent 5 s (no heartbeat)",
+        "b": "failed: silent 5 s (no heartbeat)",
+    }
     assert not report.ok and "no agent whose workers succeeded" in report.problems[0]
 
 
@@ -97,7 +100,7 @@ def test_the_audit_passes_a_run_an_agent_finished_and_says_how_each_ended() -> N
     report = audit(job.journal)
     assert report.ok, report.problems
     assert report.launcher is not None and report.launcher.restarts == 1
-    assert report.launcher.ended == {"a": "failed: silent 5 s", "b": AGENT_SUCCEEDED}
+    assert report.launcher.ended == {"a": "failed: silent 5 s (no heartbeat)", "b": AGENT_SUCCEEDED}
 
 
 def test_the_audit_of_a_run_still_going_judges_no_outcome() -> None:
@@ -127,5 +130,5 @@ def test_status_and_the_audit_print_the_agents_rounds_and_what_the_audit_covers(
     text = " ".join(shown.get().split())
     assert "(torchrun)" in text and "1 agent(s) in the job" in text and "world" not in text
     assert "round 1 with 1 agent(s) (b)" in text and "restarts 1" in text
-    assert "failed: silent 5 s" in text and "audit passed" in text
+    assert "failed: silent 5 s (no heartbeat)" in text and "audit passed" in text
     assert "exactly-once data and the weights' lineage are not audited" in text

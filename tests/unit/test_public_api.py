@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
 import pkgutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -219,9 +222,42 @@ def test_errors_are_named_error_and_the_rest_say_they_are_control_flow() -> None
     ],
 )
 def test_cohort_torch_is_one_real_module_however_a_script_reaches_it(code: str) -> None:
-    import subprocess
-    import sys
-
     pytest.importorskip("torch")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def _without_torch(tmp_path: Path, code: str) -> subprocess.CompletedProcess[str]:
+    """`code` run by a Python that cannot import torch (a sitecustomize blocks it)."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+
+
+def test_star_import_works_without_torch_and_leaves_the_torch_names_out(tmp_path: Path) -> None:
+    done = _without_torch(
+        tmp_path, "from cohort import *\nprint(NumpyElasticJob.__name__, 'torch' in dir())"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["NumpyElasticJob", "False"]
+
+
+@pytest.mark.parametrize(
+    "code, what",
+    [
+        ("import cohort.torch", "cohort.torch"),
+        ("from cohort.torch import ElasticJob", "cohort.torch"),
+        ("import cohort; cohort.torch.ElasticJob", "cohort.torch"),
+        ("import cohort; cohort.ElasticProcessGroup", "cohort.ElasticProcessGroup"),
+    ],
+)
+def test_what_needs_torch_names_the_extra_that_installs_it(
+    tmp_path: Path, code: str, what: str
+) -> None:
+    done = _without_torch(tmp_path, code)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ModuleNotFoundError: {what} needs PyTorch"), last
+    assert last.endswith("pip install 'cohort-elastic[torch]'") and last.count("needs") == 1

@@ -5,11 +5,16 @@ The test is the leader of a one-rank job (tests/unit/test_capture_point.py's `jo
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
+from cohort.events import models as m
 from cohort.events.errors import InvalidValueError
 from tests.unit.test_capture_point import commit, job  # noqa: F401  (job: the fixture)
+from tests.unit.test_elastic_gate import ME
+from tests.unit.test_worker_client import fact
 
 
 def test_recorded_figures_travel_in_the_report_of_their_own_step(job) -> None:  # noqa: F811
@@ -27,6 +32,30 @@ def test_recorded_figures_travel_in_the_report_of_their_own_step(job) -> None:  
     assert (quiet.step, quiet.loss, quiet.metrics) == (1, None, None)
     commit(leader, 1)
     walk.close()
+
+
+def test_figures_recorded_after_the_last_step_go_as_their_own_report_before_the_leave(
+    job,  # noqa: F811
+) -> None:
+    """The last epoch's validation has no next step to ride on: closing sends it (EvalDone
+    of the last step, which the leader journals) before the Leave."""
+    leader, elastic, _ = job
+    walk = elastic._walk()
+    for step in range(4):  # one epoch, the job's only
+        assert next(walk).step == step
+        elastic.record(loss=0.5)
+        commit(leader, step, *([fact(m.JobFinished, step=3, epoch=0)] if step == 3 else []))
+    assert [type(x).__name__ for x in walk] == ["EpochEnd"]  # then the loops end
+    assert [done.loss for done in leader.commands("StepDone")] == [0.5] * 4
+    elastic.record(val_loss=np.float32(0.25), loss=0.75)
+    closing = threading.Thread(target=elastic.close)
+    closing.start()
+    last = leader.expect("EvalDone")
+    assert (last.worker, last.step, last.metrics) == (ME, 3, {"val_loss": 0.25, "loss": 0.75})
+    leader.expect("Leave")
+    leader.say(fact(m.WorkerLeft, worker=ME, reason="finished"))
+    closing.join(10)
+    assert not closing.is_alive()
 
 
 @pytest.mark.parametrize(

@@ -49,13 +49,14 @@ def test_a_silent_evaluator_fails_without_a_new_world_or_an_aborted_step() -> No
     assert types(job.done("b", step=0))[0] == "StepCommitted"
 
 
-def test_an_evaluators_metrics_of_a_committed_step_are_journaled_and_nobody_elses() -> None:
+def test_an_evaluators_metrics_of_a_committed_step_are_journaled_and_no_agents() -> None:
     job = Job()
     _evaluator(job)
+    job.send(Join(at=job.now, job=JOB, worker="g", role="agent"))
     job.start("a")
     job.step()
     assert _eval(job, "e", 1, loss=0.5) == ()  # step 1 never committed
-    assert _eval(job, "a", 0, loss=0.5) == ()  # a trainer is no evaluator
+    assert _eval(job, "g", 0, loss=0.5) == ()  # a torchrun agent evaluates nothing
     (fact,) = _eval(job, "e", 0, loss=0.5, accuracy=0.9)
     assert isinstance(fact, EvalReported) and fact.metrics == {"loss": 0.5, "accuracy": 0.9}
     assert job.state.evals == (fact,) and job.replayed() == job.state
@@ -112,3 +113,30 @@ def test_an_evaluators_bad_report_is_refused_naming_the_value() -> None:
         evaluator.report(-1, {"loss": 1.0})
     with pytest.raises(ValueError, match="every=0"):
         Evaluator(fakeredis.FakeRedis(), JOB, every=0)
+
+
+def test_a_trainers_figures_after_its_last_step_are_journaled_and_plotted_with_its_own() -> None:
+    """What a script records after the job's last step (the last epoch's validation) comes
+    as EvalDone when its loops end: journaled after the end, shown in `status --json`'s
+    evals and drawn in the report with the figures the trainer recorded with its steps."""
+    from cohort.coordinator.replay import Run
+    from cohort.events.codec import FIELD, encode
+    from cohort.events.streams import Entry
+
+    job = Job(max_steps=1)
+    job.start("a")
+    job.step()
+    assert job.state.finished
+    (fact,) = _eval(job, "a", 0, val_loss=0.25, loss=0.5)
+    assert isinstance(fact, EvalReported)
+    said = view(job.state)["evals"][-1]
+    assert (said["worker"], said["step"], said["metrics"]) == ("a", 0, fact.metrics)
+    run = Run(
+        JOB, journal=[Entry(f"{i + 1}-0", {FIELD: encode(f)}) for i, f in enumerate(job.journal)]
+    )
+    data = series(run)
+    assert data.evaluation == ()  # a trainer's figures are no evaluator's line
+    ((name, (line,)),) = data.figures
+    assert (name, line.label, [v for _, v in line.points]) == ("val_loss", "a", [0.25])
+    (loss,) = data.loss
+    assert (loss.label, [v for _, v in loss.points]) == ("a", [0.5])

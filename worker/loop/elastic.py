@@ -38,7 +38,15 @@ from cohort.events import deal
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.errors import InvalidValueError
 from cohort.events.keys import ENV_JOB, check_job
-from cohort.events.models import CheckpointSaved, DataRefused, Dataset, JobConfig, Metrics, Node
+from cohort.events.models import (
+    CheckpointSaved,
+    DataRefused,
+    Dataset,
+    EvalDone,
+    JobConfig,
+    Metrics,
+    Node,
+)
 from cohort.events.order import Order
 from cohort.events.shards import Range
 from cohort.worker.collective import calls
@@ -296,6 +304,8 @@ class Elastic:
         self._loss: float | None = None
         self._figures: dict[str, float] = {}
         """What the script recorded of the current step besides its loss."""
+        self._reported: int | None = None
+        """The step this rank reported last (None: none yet)."""
         self._due = False
         """Whether the leader will ask for a checkpoint of the step reported last."""
         self._snapshot: bytes | None = None
@@ -958,6 +968,7 @@ class Elastic:
             metrics=self._figures,
         )
         self._loss, self._figures = None, {}
+        self._reported = step.step
         return ends_epoch, ends_job
 
     def _capture(self, between_epochs: bool) -> None:
@@ -1050,14 +1061,27 @@ class Elastic:
 
     # ------------------------------------------------------------ the end
     def close(self) -> None:
-        """Finish background checkpoint writes, then leave the job (once)."""
+        """Send what the script recorded after its last step, finish background checkpoint
+        writes, then leave the job (once)."""
         if self._left:
             return
         self._left = True
+        self._report_last_figures()
         if self._writer is not None:
             self._writer.close()
         reason = "finished" if self.worker.finished else "stopped" if self.stopping else "done"
         self.worker.leave(reason=reason)
+
+    def _report_last_figures(self) -> None:
+        """Figures recorded after the last step (a final validation, the last epoch's
+        figures) have no next step to ride on: they go as a report of their own, EvalDone of
+        that step, which the leader journals (EvalReported), so `cohort status` and the
+        report show them after the job ended. A recorded `loss` goes as the figure "loss"."""
+        figures = {**self._figures, **({"loss": self._loss} if self._loss is not None else {})}
+        self._loss, self._figures = None, {}
+        if self._reported is None or not figures or not self.worker.view.member:
+            return
+        self.worker.send(EvalDone, step=self._reported, metrics=figures)
 
     def __enter__(self) -> Elastic:
         return self

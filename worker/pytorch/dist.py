@@ -118,6 +118,13 @@ def lost(view: View, world: DistWorld) -> str | None:
     return None
 
 
+def ends_quietly(view: View) -> bool:
+    """Whether a world's end is no news: the job finished (its ranks leave), or this worker
+    left it by itself (nothing to join again for). With no collective waiting, such an end
+    is logged at DEBUG only."""
+    return view.finished is not None or view.left
+
+
 class Watchdog:
     """Follows the worker's view; trips once the journal says this world's peers changed.
 
@@ -160,19 +167,22 @@ class Watchdog:
             except WaitTimeoutError:
                 continue
             except RemovedError as exc:
-                self.trip(str(exc))
+                self.trip(str(exc), quiet=ends_quietly(self.worker.view))
                 return
             except Stopped:
-                self.trip("the worker was stopped")
+                self.trip("the worker was stopped", quiet=ends_quietly(self.worker.view))
                 return
             if self._stop.is_set():  # closed: the world ends with no collective left to break
                 return
             reason = lost(view, self.world)
             if reason is not None:
-                self.trip(reason)
+                self.trip(reason, quiet=ends_quietly(view))
                 return
 
-    def trip(self, reason: str) -> None:
+    def trip(self, reason: str, quiet: bool = False) -> None:
+        """The world is over for `reason`: wake every waiter, break the group. Said as a
+        warning when a collective was cut short, else at INFO, or at DEBUG when `quiet` (a
+        finished job's last world, ended by its ranks leaving)."""
         with self._lock:
             if self.tripped.is_set():
                 return
@@ -185,8 +195,9 @@ class Watchdog:
             log.warning(
                 "world %d is over: %s; breaking its collectives", self.world.version, reason
             )
-        else:  # e.g. peers leaving at the end of a job: nothing was broken
-            log.info("world %d is over: %s", self.world.version, reason)
+        else:  # nothing was broken; at the end of a job, not even news
+            level = logging.DEBUG if quiet else logging.INFO
+            log.log(level, "world %d is over: %s", self.world.version, reason)
         for event in waiters:
             event.set()
         for callback in callbacks:
