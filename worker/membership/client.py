@@ -427,9 +427,7 @@ class Worker:
         Finished if the job ended before it."""
         self._delivery.land()  # its StepDone, if refused on the wire, is retried now
         progress = self._progress
-        ran_in = progress[1] if progress is not None and progress[0] == step else None
-        if ran_in is None:
-            ran_in = self.world_version
+        ran_in = progress[1] if progress is not None and progress[0] == step else self.world_version
 
         def settled(v: View) -> bool:
             return v.last_committed >= step or v.world_version > ran_in or v.finished is not None
