@@ -129,6 +129,8 @@ def coordinator(
     from cohort.events.archive import ArchiveError
 
     config, given = JobSettings.of(params).config()
+    if config.checkpoint_uri is not None:
+        _claim(config.checkpoint_uri, job)
     if archive_uri is not None:
         check_storage_uri("--archive-uri", archive_uri)
     if not 0.2 <= lease <= 600:
@@ -160,6 +162,16 @@ def coordinator(
         Coordinator.on_redis(conn, settings, metrics=metrics).run(stop)
     except (CoordinatorError, ArchiveError) as exc:
         fail(str(exc), Exit.DATA)
+
+
+def _claim(uri: str, job: str) -> None:
+    """The checkpoint location is this job's from now on; exit 2 if another job's."""
+    from cohort.events.storage import StorageError, claim
+
+    try:
+        claim(uri, job)
+    except StorageError as exc:
+        fail(str(exc))
 
 
 def _serve_metrics(job: str, name: str, port: int) -> Metrics:
