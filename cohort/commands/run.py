@@ -82,6 +82,7 @@ if TYPE_CHECKING:
 @click.option(
     "--run-dir",
     type=click.Path(path_type=Path, file_okay=False),
+    metavar="DIR",
     help="Where each rank's log, the coordinators', run.json and the private Redis's AOF go "
     "(default: the job's unfinished run under ./cohort-runs, resumed, else a new folder "
     "there, printed).",

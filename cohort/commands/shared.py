@@ -112,6 +112,7 @@ def run_dir_option() -> Callable[[F], F]:
     return click.option(
         "--run-dir",
         type=click.Path(path_type=Path, file_okay=False),
+        metavar="DIR",
         expose_value=False,
         callback=_keep_run_dir,
         help="Read the run `cohort run` kept in DIR (its 'logs in' directory; its job unless "

@@ -69,6 +69,8 @@ def test_a_launcher_sigkilled_mid_run_is_resumed_by_the_same_command_at_its_last
     assert step >= lost_at >= 20
     assert run_dirs(tmp_path) == [Path(body["run_dir"])]  # its run directory, no other
     assert "audit (every sample exactly once per epoch): passed" in again.output
+    # its ranks are new workers, never taken for the lost ones the journal still holds
+    assert "is already a member" not in again.output and "Traceback" not in again.output
     # item 9: the lineage's steps and epochs, the steps a rewind discarded counted once
     out = tmp_path / "run.export"
     assert (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import re
 from pathlib import Path
 from typing import Any
 
@@ -127,9 +128,9 @@ def test_a_run_directory_another_launcher_holds_is_busy_until_it_ends(tmp_path: 
         assert ready.wait(30)
         why = rundir.busy(tmp_path)
         assert why is not None and f"pid {holder.pid}" in why and str(tmp_path) in why
-        with pytest.raises(rundir.RunDirError, match="in use by another launcher"):
-            with rundir.held(tmp_path):
-                pass
+        refused = pytest.raises(rundir.RunDirError, match="in use by another launcher")
+        with refused, rundir.held(tmp_path):
+            pass
     finally:
         done.set()
         holder.join(30)
@@ -150,9 +151,8 @@ def test_a_directory_without_a_readable_journal_is_refused_saying_why(
 ) -> None:
     if body is not None:
         (tmp_path / "run.json").write_text(json.dumps(body))
-    with pytest.raises(rundir.RunDirError, match=says.replace("(", r"\(").replace(")", r"\)")):
-        with rundir.open_read_only(tmp_path):
-            pass
+    with pytest.raises(rundir.RunDirError, match=re.escape(says)), rundir.open_read_only(tmp_path):
+        pass
 
 
 # ---------------------------------------------------------------- checkpoint locations
