@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 ONE_SOURCE = (
-    "give one source: --job J (from Redis), --run-dir DIR (a `cohort run`'s run directory) "
-    "or --file F (from `cohort export`)"
+    "give exactly one source: --job J (from Redis), --run-dir DIR (a `cohort run`'s run "
+    "directory) or --file F (from `cohort export`)"
 )
 
 
