@@ -7,7 +7,6 @@ import re
 import shutil
 import socket
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -242,8 +241,7 @@ def _run_dir(
             fail(f"job {job!r} runs already: {why}")
         if previous.journaled:
             return job, previous.dir, True
-    run_dir = given or rundir.RUNS_ROOT / f"{job}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return job, run_dir.resolve(), False
+    return job, (given or rundir.new_run_dir(job)).resolve(), False
 
 
 def _check_checkpoint_owner(uri: str, job: str) -> None:

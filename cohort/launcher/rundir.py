@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,17 @@ def previous_runs(root: Path = RUNS_ROOT) -> list[Previous]:
         if body is not None:
             found.append(Previous(path.parent.resolve(), body))
     return found
+
+
+def new_run_dir(job: str, root: Path = RUNS_ROOT) -> Path:
+    """A directory for a new run of `job` under `root`, named after it and the time (a
+    suffix where a run of the same second has it already)."""
+    base = f"{job}-{time.strftime('%Y%m%d-%H%M%S')}"
+    chosen, more = root / base, 1
+    while chosen.exists():
+        more += 1
+        chosen = root / f"{base}-{more}"
+    return chosen
 
 
 def read_run_json(run_dir: Path) -> dict[str, Any] | None:

@@ -54,6 +54,8 @@ def test_a_launcher_sigkilled_mid_run_is_resumed_by_the_same_command_at_its_last
         lambda: training(watch, 2, steps=20) and watch.state.last_committed % 8 in range(1, 5),
         60, message="two ranks past step 20, between two checkpoints",
     )  # fmt: skip
+    live = cohort("status", "--run-dir", body["run_dir"], "--json", cwd=tmp_path)
+    assert live.returncode == 0 and f'"job": "{body["job"]}"' in live.stdout, live.stderr
     first.children()  # remembered: each must die with the launcher
     os.kill(first.popen.pid, signal.SIGKILL)
     watch.pull(0)
@@ -136,23 +138,34 @@ def test_a_finished_run_is_read_from_its_directory_with_no_redis_running(
 
 
 def test_a_finished_jobs_command_run_again_says_so_and_runs_nothing(finished: Finished) -> None:
+    before = run_dirs(finished.cwd)
     again = Launch(*finished.args, cwd=finished.cwd)
     assert again.wait(60) == Exit.OK, again.output
     assert f"job {finished.job!r} finished (max_steps=4 reached)" in again.output
     assert "nothing to run; `--fresh` starts it over" in again.output
-    assert run_dirs(finished.cwd) == [finished.run_dir] and again.seen == set()
+    assert run_dirs(finished.cwd) == before and again.seen == set()
 
 
 def test_another_job_is_refused_the_first_jobs_checkpoint_location_by_name(
     finished: Finished,
 ) -> None:
-    uri = f"file://{finished.cwd}/ckpt"
+    uri, before = f"file://{finished.cwd}/ckpt", run_dirs(finished.cwd)
     other = Launch("--job", "other", *finished.args, cwd=finished.cwd)
     assert other.wait(60) == Exit.USAGE, other.output
     assert f"checkpoint location {uri!r} belongs to job {finished.job!r}" in other.output
-    assert run_dirs(finished.cwd) == [finished.run_dir]  # nothing started
+    assert run_dirs(finished.cwd) == before  # nothing started
     by_hand = cohort(
         "coordinator", "--job", "other", "--checkpoint-uri", uri, "--redis-url",
         "redis://127.0.0.1:1/0", cwd=finished.cwd,
     )  # fmt: skip
     assert by_hand.returncode == Exit.USAGE and "belongs to job" in by_hand.stderr
+
+
+def test_fresh_starts_a_finished_job_over_in_a_new_run_directory(finished: Finished) -> None:
+    before = run_dirs(finished.cwd)
+    fresh = Launch("--fresh", *finished.args, cwd=finished.cwd)
+    body = fresh.run_json()
+    assert fresh.wait() == Exit.OK, fresh.output[-3000:]
+    assert body["job"] == finished.job and Path(body["run_dir"]) not in before
+    assert "resuming" not in fresh.output and "4 steps committed" in fresh.output
+    assert run_dirs(finished.cwd) == sorted([*before, Path(body["run_dir"])])

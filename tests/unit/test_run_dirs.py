@@ -203,3 +203,10 @@ def test_every_command_of_a_job_takes_redis_url_after_the_subcommand_too(
 @pytest.mark.parametrize("name", ["status", "replay", "report", "export", "checkpoints"])
 def test_every_command_that_reads_a_run_takes_its_run_directory(name: str) -> None:
     assert {"--run-dir", "--redis-url", "--job"} <= _options(main.commands[name])
+
+
+def test_a_new_run_of_a_job_never_takes_an_earlier_runs_directory(tmp_path: Path) -> None:
+    first = rundir.new_run_dir("j", tmp_path)
+    first.mkdir(parents=True)
+    second = rundir.new_run_dir("j", tmp_path)
+    assert second != first and second.name.startswith("j-")
