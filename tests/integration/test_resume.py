@@ -45,17 +45,20 @@ def test_a_launcher_sigkilled_mid_run_is_resumed_by_the_same_command_at_its_last
     tmp_path: Path,
 ) -> None:
     args = (
-        "-n", "2", *FAST, "--max-steps", "40", "--checkpoint-uri", f"file://{tmp_path}/ckpt",
+        "-n", "2", *FAST, "--max-steps", "60", "--checkpoint-uri", f"file://{tmp_path}/ckpt",
         "--checkpoint-every", "8", SCRIPT, "0.05",
     )  # fmt: skip
     first = Launch(*args, cwd=tmp_path)
     body, watch = first.run_json(), first.journal()
     wait_until(
+        lambda: watch.pull(100) is not None and watch.state.config, 60, message="the job's settings"
+    )
+    live = cohort("status", "--run-dir", body["run_dir"], "--json", cwd=tmp_path)
+    assert live.returncode == 0 and f'"job": "{body["job"]}"' in live.stdout, live.stderr
+    wait_until(
         lambda: training(watch, 2, steps=20) and watch.state.last_committed % 8 in range(1, 5),
         60, message="two ranks past step 20, between two checkpoints",
     )  # fmt: skip
-    live = cohort("status", "--run-dir", body["run_dir"], "--json", cwd=tmp_path)
-    assert live.returncode == 0 and f'"job": "{body["job"]}"' in live.stdout, live.stderr
     first.children()  # remembered: each must die with the launcher
     os.kill(first.popen.pid, signal.SIGKILL)
     watch.pull(0)
@@ -79,7 +82,7 @@ def test_a_launcher_sigkilled_mid_run_is_resumed_by_the_same_command_at_its_last
         cohort("export", "--run-dir", body["run_dir"], "-o", str(out), cwd=tmp_path).returncode == 0
     )
     epochs = {f.epoch for _, f in from_file(out).facts() if isinstance(f, EpochFinished)}
-    assert f"40 steps committed over {len(epochs)} epochs (" in again.output, again.output[-600:]
+    assert f"60 steps committed over {len(epochs)} epochs (" in again.output, again.output[-600:]
     assert "redone after a rewind" in again.output
 
 
