@@ -74,7 +74,7 @@ def job_for(command: Sequence[str], flags: Sequence[str], cwd: str) -> str:
     the same job (and resumes it) and any other command is another job."""
     script = next((Path(a).stem for a in command if a.endswith(".py")), Path(command[0]).name)
     stem = re.sub(r"[^A-Za-z0-9._-]", "-", script).strip(".-_")[:40] or "run"
-    digest = hashlib.sha256("\0".join([cwd, *command, "--", *flags]).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps([cwd, list(command), list(flags)]).encode()).hexdigest()
     return f"{stem}-{digest[:8]}"
 
 
