@@ -129,10 +129,7 @@ def coordinator(
     from cohort.events.archive import ArchiveError
 
     config, given = JobSettings.of(params).config()
-    if config.checkpoint_uri is not None:
-        _claim(config.checkpoint_uri, job)
-    if archive_uri is not None:
-        check_storage_uri("--archive-uri", archive_uri)
+    _check_storage(job, config.checkpoint_uri, archive_uri)
     if not 0.2 <= lease <= 600:
         fail(f"--lease {lease} is out of range; use 0.2 to 600 seconds")
     name = coordinator_id or f"{os.uname().nodename}-{os.getpid()}"
@@ -164,12 +161,16 @@ def coordinator(
         fail(str(exc), Exit.DATA)
 
 
-def _claim(uri: str, job: str) -> None:
-    """The checkpoint location is this job's from now on; exit 2 if another job's."""
+def _check_storage(job: str, checkpoint_uri: str | None, archive_uri: str | None) -> None:
+    """The archive's URI is one fsspec knows, and the checkpoint location is this job's from
+    now on; else exit 2 naming the URI (and the job that holds the location)."""
     from cohort.events.storage import StorageError, claim
 
+    if archive_uri is not None:
+        check_storage_uri("--archive-uri", archive_uri)
     try:
-        claim(uri, job)
+        if checkpoint_uri is not None:
+            claim(checkpoint_uri, job)
     except StorageError as exc:
         fail(str(exc))
 
