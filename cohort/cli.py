@@ -65,6 +65,7 @@ def main(
       cohort worker --job J             a simulated worker (your script uses cohort.Worker)
       cohort example-worker --job J     a worker training a real (numpy) model
       cohort status --job J             who leads, the world, every worker
+      cohort status --run-dir DIR       the same of a `cohort run`'s run, finished or not
       cohort replay --job J             rebuild and explain a run from its journal
       cohort checkpoints --job J        the job's checkpoints; `cohort resume` after a loss
       cohort reset --job J              delete a job's keys, so its name starts a new run

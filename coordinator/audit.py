@@ -129,6 +129,17 @@ class Audit:
         return sum(frm - to for frm, to, _ in self.rewinds)
 
     @property
+    def steps(self) -> int:
+        """Committed steps on the lineage the final model descends from: a job's length,
+        where the journal's counters also count the steps rewinds discarded."""
+        return sum(e.steps for e in self.epochs.values())
+
+    @property
+    def epochs_finished(self) -> int:
+        """Epochs that lineage finished (an epoch finished again after a rewind counts once)."""
+        return sum(e.finished for e in self.epochs.values())
+
+    @property
     def ok(self) -> bool:
         return not self.problems and all(e.ok for e in self.epochs.values())
 

@@ -76,3 +76,47 @@ def _remove(fs: Any, path: str) -> bool:
         log.warning("could not delete %s: %s", path, exc)
         return False
     return True
+
+
+OWNER_FILE = "cohort-job.json"
+"""Under a checkpoint location: the job that claimed it, so no other job writes its step
+files beside (or over) this one's."""
+
+
+def owner_uri(base: str) -> str:
+    return f"{base.rstrip('/')}/{OWNER_FILE}"
+
+
+def owner(base: str) -> str | None:
+    """The job that claimed the location `base`, or None where none did (or it cannot be
+    read: the checkpoint writers then say why)."""
+    import json
+
+    try:
+        body = json.loads(read_whole(owner_uri(base), "owner file"))
+    except (StorageError, ValueError):
+        return None
+    job = body.get("job") if isinstance(body, dict) else None
+    return job if isinstance(job, str) else None
+
+
+def check_owner(base: str, job: str) -> None:
+    """Return if the location `base` is `job`'s or nobody's; else StorageError naming its
+    owner and the fix."""
+    held = owner(base)
+    if held is not None and held != job:
+        raise StorageError(
+            f"checkpoint location {base!r} belongs to job {held!r}; give this job its own "
+            f"--checkpoint-uri, or delete {owner_uri(base)!r} if job {held!r}'s checkpoints "
+            "there may be overwritten"
+        )
+
+
+def claim(base: str, job: str) -> None:
+    """Mark the location `base` as `job`'s (once: a job that holds it already writes
+    nothing); StorageError if another job holds it, or it cannot be written."""
+    import json
+
+    check_owner(base, job)
+    if owner(base) is None:
+        write_whole(owner_uri(base), [json.dumps({"job": job}).encode()], "owner file")

@@ -129,8 +129,7 @@ def coordinator(
     from cohort.events.archive import ArchiveError
 
     config, given = JobSettings.of(params).config()
-    if archive_uri is not None:
-        check_storage_uri("--archive-uri", archive_uri)
+    _check_storage(job, config.checkpoint_uri, archive_uri)
     if not 0.2 <= lease <= 600:
         fail(f"--lease {lease} is out of range; use 0.2 to 600 seconds")
     name = coordinator_id or f"{os.uname().nodename}-{os.getpid()}"
@@ -160,6 +159,20 @@ def coordinator(
         Coordinator.on_redis(conn, settings, metrics=metrics).run(stop)
     except (CoordinatorError, ArchiveError) as exc:
         fail(str(exc), Exit.DATA)
+
+
+def _check_storage(job: str, checkpoint_uri: str | None, archive_uri: str | None) -> None:
+    """The archive's URI is one fsspec knows, and the checkpoint location is this job's from
+    now on; else exit 2 naming the URI (and the job that holds the location)."""
+    from cohort.events.storage import StorageError, claim
+
+    if archive_uri is not None:
+        check_storage_uri("--archive-uri", archive_uri)
+    try:
+        if checkpoint_uri is not None:
+            claim(checkpoint_uri, job)
+    except StorageError as exc:
+        fail(str(exc))
 
 
 def _serve_metrics(job: str, name: str, port: int) -> Metrics:

@@ -9,7 +9,15 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from cohort.commands.shared import fail, job_option, or_fail, redis_client, redis_url_option
+from cohort.commands.shared import (
+    fail,
+    job_of,
+    job_option,
+    or_fail,
+    redis_client,
+    redis_url_option,
+    run_dir_option,
+)
 from cohort.errors import Exit
 
 if TYPE_CHECKING:
@@ -20,15 +28,17 @@ RESUME_WAIT = 30.0
 
 
 @click.command()
-@job_option()
+@job_option(required=False)
 @redis_url_option()
+@run_dir_option()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
 @click.pass_context
-def checkpoints(ctx: click.Context, job: str, as_json: bool) -> None:
+def checkpoints(ctx: click.Context, job: str | None, as_json: bool) -> None:
     """The checkpoints of JOB as its journal indexes them, oldest first, and its rewinds."""
     from cohort.coordinator.replay import from_redis, read_once, rebuild
     from cohort.events.models import Rewound
 
+    job = job_of(ctx, job)
     conn = redis_client(ctx, "cohort-checkpoints")
     with read_once():
         state, timeline = or_fail(lambda: rebuild(from_redis(conn, job, with_inbox=False)))

@@ -7,7 +7,6 @@ import re
 import shutil
 import socket
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,7 +50,9 @@ if TYPE_CHECKING:
     "on cohort's elastic loop (ElasticJob, NumpyElasticJob).",
 )
 @job_option(
-    "The job (default $COHORT_JOB, else a new name, printed); nodes of one job name the same.",
+    "The job (default $COHORT_JOB, else a name made from the script, its arguments, the job "
+    "settings and the working directory: the same command is the same job); nodes of one "
+    "job name the same.",
     required=False,
 )
 @redis_url_option()
@@ -80,8 +81,16 @@ if TYPE_CHECKING:
 @click.option(
     "--run-dir",
     type=click.Path(path_type=Path, file_okay=False),
-    help="Where each rank's log, the coordinators' and run.json go (default: a new folder "
-    "under ./cohort-runs, printed).",
+    metavar="DIR",
+    help="Where each rank's log, the coordinators', run.json and the private Redis's AOF go "
+    "(default: the job's unfinished run under ./cohort-runs, resumed, else a new folder "
+    "there, printed).",
+)
+@click.option(
+    "--fresh",
+    is_flag=True,
+    help="Start the job over from step 0 in a new run directory, even where an earlier run "
+    "of it did not finish or finished (default: resume the one that did not finish).",
 )
 @click.option("--export", type=FILE, help="At the end, export the job's journal to this file.")
 @click.option(
@@ -120,6 +129,10 @@ def run(ctx: click.Context, command: tuple[str, ...], **params: Any) -> None:
     """Run COMMAND as the job's ranks on this node, with a coordinator and (where no Redis
     is given) a private Redis; replace a rank that fails; end when the job does.
 
+    The same command again resumes its job where a launcher was lost (killed, Ctrl-C, a
+    reboot): from the run directory its unfinished run left under ./cohort-runs, on that
+    run's Redis AOF. A job that finished says so and runs nothing; --fresh starts over.
+
     \b
       cohort run -n 3 --epochs 4 examples/numpy_train.py        a .py runs with this Python
       cohort run -n 4 --job J -- python train.py --lr 0.1      on every node of job J
@@ -141,17 +154,23 @@ def _launch_settings(
     """Every flag checked, nothing started yet: the launcher's settings, or exit 2 (3 when
     the Redis given does not answer) naming the bad value."""
     from cohort.launcher.launcher import LaunchSettings
+    from cohort.launcher.rundir import job_for
     from cohort.launcher.supervision import Policy
 
     job_settings_given = JobSettings.of(params)
     config, _ = job_settings_given.config()  # bad settings: exit 2 before anything starts
-    job = params["job"] or _new_job_name()
     node = params["node"] or _host_name()
     _check_node(node)
     argv = _command(command)
     _check_shadowing(argv)
     ranks = _ranks(params["nproc"])
     redis_url = ctx.obj.get("redis_url")
+    # the job's name comes from the settings as given: -n (and the start-up wait it sets) may
+    # change between the runs of one job
+    job = params["job"] or job_for(command, job_settings_given.argv(), os.getcwd())
+    job, run_dir, resuming = _run_dir(ctx, job, params, shared=bool(redis_url))
+    if config.checkpoint_uri is not None:
+        _check_checkpoint_owner(config.checkpoint_uri, job)
     if not redis_url:
         _start_with_every_rank(job_settings_given, ranks)
     spares = _spares(params["spares"], ranks, config.max_workers)
@@ -159,8 +178,6 @@ def _launch_settings(
     if redis_url:
         _check_shared_redis(ctx, job, node, job_settings_given, params["wait_for_redis"])
         _check_credentials(ctx, job, node, params["worker_credentials"])
-    run_dir = params["run_dir"] or Path("cohort-runs") / f"{job}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = run_dir.resolve()
     kept = f" and {spares} spare(s)" if spares else ""
     click.echo(
         f"cohort run: job {job!r}, {ranks} rank(s){kept} on node {node!r}, logs in {run_dir}"
@@ -183,6 +200,7 @@ def _launch_settings(
         worker_credentials=params["worker_credentials"],
         spares=spares,
         exit_reports=params["exit_reports"],
+        resuming=resuming,
     )
 
 
@@ -194,6 +212,62 @@ def _start_with_every_rank(given: JobSettings, ranks: int) -> None:
     flags = given.flags
     if ranks > 1 and flags.get("start_workers") is None and flags.get("min_workers") is None:
         flags["start_workers"] = ranks
+
+
+def _run_dir(
+    ctx: click.Context, job: str, params: dict[str, Any], shared: bool
+) -> tuple[str, Path, bool]:
+    """The job, its run directory and whether the run resumes one: --run-dir as given (the
+    job of the run it holds, if --job is not given); else, on a private Redis, the job's
+    latest run under ./cohort-runs unless it finished (then exit 0 saying so) or --fresh;
+    else a new directory. Exit 2 where another launcher runs in the directory."""
+    from cohort.launcher import rundir
+
+    given, fresh = params["run_dir"], params["fresh"]
+    if fresh and shared:
+        fail(
+            f"--fresh starts a job over on its private Redis; on a shared Redis (--redis-url) "
+            f"`cohort reset --job {job}` deletes the job's journal so its name starts again"
+        )
+    if given is not None:
+        earlier = rundir.read_run_json(given)
+        if earlier is not None and fresh:
+            fail(f"--fresh starts a new run: give a new --run-dir, not {str(given)!r}, or none")
+        if earlier is not None and earlier.get("job") != job:
+            if params["job"] is not None:
+                fail(
+                    f"--run-dir {str(given)!r} holds a run of job {earlier.get('job')!r}, not "
+                    f"{job!r}: give another --run-dir, or leave out --job to resume that one"
+                )
+            job = str(earlier.get("job"))
+        previous = rundir.Previous(given.resolve(), earlier) if earlier is not None else None
+    else:
+        runs = [] if shared or fresh else rundir.previous_runs()
+        previous = rundir.latest(runs, job)
+    if previous is not None and not shared:
+        if previous.finished:
+            click.echo(
+                f"cohort run: job {job!r} finished ({previous.body['finished']}) in "
+                f"{previous.dir}: nothing to run; `--fresh` starts it over from step 0, "
+                f"`cohort status --run-dir {previous.dir}` shows it"
+            )
+            ctx.exit(0)
+        if (why := rundir.busy(previous.dir)) is not None:
+            fail(f"job {job!r} runs already: {why}")
+        if previous.journaled:
+            return job, previous.dir, True
+    return job, (given or rundir.new_run_dir(job)).resolve(), False
+
+
+def _check_checkpoint_owner(uri: str, job: str) -> None:
+    """The checkpoint location is this job's or nobody's (claimed by the coordinator as it
+    starts); else exit 2 naming its owner, before anything starts."""
+    from cohort.events.storage import StorageError, check_owner
+
+    try:
+        check_owner(uri, job)
+    except StorageError as exc:
+        fail(str(exc))
 
 
 def _command(command: tuple[str, ...]) -> tuple[str, ...]:
@@ -314,10 +388,6 @@ def _check_credentials(ctx: click.Context, job: str, node: str, asked: bool) -> 
             f"(needed where the job signs its commands, or with --worker-credentials): {exc}",
             Exit.REDIS,
         )
-
-
-def _new_job_name() -> str:
-    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000:04d}"
 
 
 def _host_name() -> str:

@@ -14,12 +14,15 @@ import click
 
 from cohort.commands.shared import (
     FILE,
+    NO_JOB,
     F,
     fail,
+    job_of,
     job_option,
     or_fail,
     redis_client,
     redis_url_option,
+    run_dir_option,
 )
 from cohort.errors import Exit
 from cohort.events.connection import Client, where
@@ -29,7 +32,10 @@ if TYPE_CHECKING:
     from cohort.coordinator.replay import Run
 
 T = TypeVar("T")
-ONE_SOURCE = "give exactly one of --job J (from Redis) or --file F (from `cohort export`)"
+ONE_SOURCE = (
+    "give exactly one source: --job J (from Redis), --run-dir DIR (a `cohort run`'s run "
+    "directory) or --file F (from `cohort export`)"
+)
 
 
 def reads_whole_run(command: F) -> F:
@@ -56,14 +62,22 @@ def _output_option(help: str) -> Callable[[F], F]:
 
 
 def run_from(
-    ctx: click.Context, job: str | None, path: Path | None, name: str, with_inbox: bool
+    ctx: click.Context,
+    job: str | None,
+    path: Path | None,
+    name: str,
+    with_inbox: bool,
+    missing: str = ONE_SOURCE,
 ) -> Run:
-    """The run in the export file `path`, else JOB's in Redis (connecting as `name`)."""
+    """The run in the export file `path`, else JOB's in Redis or in --run-dir (connecting
+    as `name`); exit 2 unless exactly one source is given."""
     from cohort.coordinator.replay import from_file, from_redis
 
     if path is not None:
+        if job is not None or ctx.obj.get("run_dir") is not None:
+            fail(ONE_SOURCE)
         return or_fail(lambda: from_file(path))
-    assert job is not None
+    job = job_of(ctx, job, missing)
     conn = redis_client(ctx, name)
     known(conn, job)
     return from_redis(conn, job, with_inbox=with_inbox)
@@ -99,6 +113,8 @@ def write_whole(output: Path, write: Callable[[IO[bytes]], T]) -> T:
 
 @click.command()
 @job_option("Replay this job's journal from Redis.", required=False)
+@redis_url_option()
+@run_dir_option()
 @_file_option("Replay an exported file instead (no Redis needed).")
 @click.option("--until", metavar="ID", help="Stop at this journal entry ID (inclusive).")
 @click.option("--json", "as_json", is_flag=True, help="State and timeline as JSON.")
@@ -129,8 +145,6 @@ def replay(
     from cohort.coordinator.replay import fact_details, rebuild, view
     from cohort.render.terminal import audit_table, state_summary
 
-    if (job is None) == (path is None):
-        fail(ONE_SOURCE)
     if until is not None and not _is_stream_id(until):
         fail(f"--until {until!r} is not a stream entry ID; use MS-SEQ as shown in the timeline")
     if quiet and timeline:
@@ -187,16 +201,18 @@ def _is_stream_id(value: str) -> bool:
 
 
 @click.command("export")
-@job_option()
+@job_option(required=False)
 @redis_url_option()
+@run_dir_option()
 @_output_option("File to write (msgpack; `cohort replay --file` reads it).")
 @click.pass_context
 @reads_whole_run
-def export_cmd(ctx: click.Context, job: str, output: Path) -> None:
+def export_cmd(ctx: click.Context, job: str | None, output: Path) -> None:
     """Write JOB's journal, retained inbox and dead letters to a file."""
     from cohort.coordinator.replay import export
 
-    run = run_from(ctx, job, None, "cohort-export", with_inbox=True)
+    run = run_from(ctx, job, None, "cohort-export", with_inbox=True, missing=NO_JOB)
+    job = run.job
     count = write_whole(output, lambda out: export(run, out, time.time()))
     click.echo(
         f"wrote {count} entries ({len(run.journal)} facts, {len(run.inbox)} inbox, "
@@ -207,6 +223,7 @@ def export_cmd(ctx: click.Context, job: str, output: Path) -> None:
 @click.command("report")
 @job_option("Report on this job, read from Redis.", required=False)
 @redis_url_option()
+@run_dir_option()
 @_file_option("Report on an exported file instead (no Redis needed).")
 @_output_option("HTML file to write (self-contained: opens offline in any browser).")
 @click.option("--title", metavar="TEXT", help="Page title (default: cohort report: JOB).")
@@ -220,8 +237,6 @@ def report_cmd(
     from cohort.coordinator.series import series
     from cohort.render.page import render
 
-    if (job is None) == (path is None):
-        fail(ONE_SOURCE)
     run = run_from(ctx, job, path, "cohort-report", with_inbox=True)
     page = render(or_fail(lambda: series(run)), title or f"cohort report: {run.job}")
     write_whole(output, lambda out: out.write(page.encode("utf-8")))

@@ -1,8 +1,10 @@
 """What every cohort subcommand shares: options, the Redis connection, signals, failing.
 
 Each option is declared once here. `--redis-url` is accepted on the group (with the
-$COHORT_REDIS_URL fallback) and again on each command that talks to Redis, so
-`cohort --redis-url U status` and `cohort status --redis-url U` both work.
+$COHORT_REDIS_URL fallback) and again on every command that talks to Redis, so
+`cohort --redis-url U status` and `cohort status --redis-url U` both work. The commands
+that read a run (status, replay, report, export, checkpoints) take `--run-dir DIR` in its
+place: the journal of the run `cohort run` kept there, opened read-only.
 """
 
 from __future__ import annotations
@@ -99,14 +101,78 @@ def redis_url_option(*, on_group: bool = False) -> Callable[[F], F]:
     )
 
 
+def _keep_run_dir(ctx: click.Context, param: click.Parameter, value: Path | None) -> None:
+    if value is not None:
+        ctx.ensure_object(dict)["run_dir"] = value
+
+
+def run_dir_option() -> Callable[[F], F]:
+    """--run-dir DIR on a command that reads a run: the journal of the run `cohort run`
+    kept in DIR (its job too, unless --job is given), opened read-only; see `opened_run`."""
+    return click.option(
+        "--run-dir",
+        type=click.Path(path_type=Path, file_okay=False),
+        metavar="DIR",
+        expose_value=False,
+        callback=_keep_run_dir,
+        help="Read the run `cohort run` kept in DIR (its 'logs in' directory; its job unless "
+        "--job is given): a finished run's journal is opened read-only from its AOF, no "
+        "Redis to start by hand. Instead of --redis-url.",
+    )
+
+
+NO_JOB = "give the job: --job J (or $COHORT_JOB), or the run's directory: --run-dir DIR"
+
+
+def job_of(ctx: click.Context, job: str | None, missing: str = NO_JOB) -> str:
+    """The job a command reads: --job as given on the command line, else the --run-dir's,
+    else $COHORT_JOB; else exit 2 naming the ways to give one."""
+    given = job is not None and ctx.get_parameter_source("job") not in (
+        click.core.ParameterSource.ENVIRONMENT,
+        click.core.ParameterSource.DEFAULT,
+    )
+    if not given and ctx.obj.get("run_dir") is not None:
+        return opened_run(ctx).job
+    if job is None:
+        fail(missing)
+    return job
+
+
+def opened_run(ctx: click.Context) -> Any:
+    """The run in --run-dir, opened read-only until the command ends (`rundir.Opened`);
+    exit 2 naming the directory if it holds no run that can be read."""
+    from cohort.launcher.rundir import RunDirError, open_read_only
+
+    obj = ctx.find_root().ensure_object(dict)
+    if "opened" not in obj:
+        if _url_given(ctx):
+            fail("give --run-dir DIR or --redis-url URL, not both: the run's journal is in one")
+        try:
+            obj["opened"] = ctx.find_root().with_resource(open_read_only(obj["run_dir"]))
+        except RunDirError as exc:
+            fail(str(exc))
+    return obj["opened"]
+
+
+def _url_given(ctx: click.Context) -> bool:
+    """Whether --redis-url is on the command line (before or after the subcommand); the
+    environment's $COHORT_REDIS_URL gives way to --run-dir."""
+    return any(
+        c.get_parameter_source("redis_url") is click.core.ParameterSource.COMMANDLINE
+        for c in (ctx, ctx.find_root())
+    )
+
+
 # ---------------------------------------------------------------- Redis
 
 
 def redis_settings(ctx: click.Context, name: str) -> RedisSettings:
-    """The chosen URL and TLS files, checked, with `name` as the client name; else exit 2."""
+    """The chosen URL (a --run-dir's journal, else --redis-url) and TLS files, checked, with
+    `name` as the client name; else exit 2."""
+    url = opened_run(ctx).url if ctx.obj.get("run_dir") is not None else ctx.obj["redis_url"]
     try:
         tls = ctx.obj.get("redis_tls", {})
-        return RedisSettings.resolve(ctx.obj["redis_url"], client_name=name, **tls)
+        return RedisSettings.resolve(url, client_name=name, **tls)
     except SettingsError as exc:
         fail(str(exc))
 
@@ -129,9 +195,23 @@ def redis_client(ctx: click.Context, name: str, wait: float = 0.0) -> Client:
                 "for a client certificate",
                 Exit.REDIS,
             )
-        fail(str(exc), Exit.REDIS)
+        fail(str(exc) + _stopped_run(settings.display_url), Exit.REDIS)
     except redis.AuthenticationError as exc:
         fail(f"Redis at {settings.display_url} refused the credentials: {exc}", Exit.REDIS)
+
+
+def _stopped_run(url: str) -> str:
+    """Where `url` was the private Redis of a run under ./cohort-runs (gone with its
+    launcher): how to read that run instead."""
+    from cohort.launcher.rundir import previous_runs
+
+    run = next((r for r in previous_runs() if r.body.get("redis_url") == url), None)
+    if run is None or not run.body.get("private_redis"):
+        return ""
+    return (
+        f"; it was the private Redis of run {run.dir} (job {run.job!r}), which stops with its "
+        f"launcher: read the run with --run-dir {run.dir}"
+    )
 
 
 def wait_for_redis_option() -> Callable[[F], F]:

@@ -12,10 +12,12 @@ import click
 
 from cohort.commands.shared import (
     fail,
+    job_of,
     job_option,
     or_fail,
     redis_client,
     redis_url_option,
+    run_dir_option,
     stop_on_signals,
 )
 from cohort.events.connection import UNAVAILABLE, Client, text
@@ -30,8 +32,9 @@ RECENT_WINDOW = 5000
 
 
 @click.command()
-@job_option()
+@job_option(required=False)
 @redis_url_option()
+@run_dir_option()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, for scripts.")
 @click.option("--watch", "-w", is_flag=True, help="Keep the view live until Ctrl-C.")
 @click.option(
@@ -42,13 +45,17 @@ RECENT_WINDOW = 5000
     help="Seconds between refreshes with --watch.",
 )
 @click.pass_context
-def status(ctx: click.Context, job: str, as_json: bool, watch: bool, interval: float) -> None:
-    """Leader, epoch, world and every worker of JOB, from the journal and the leader's view."""
+def status(
+    ctx: click.Context, job: str | None, as_json: bool, watch: bool, interval: float
+) -> None:
+    """Leader, epoch, world and every worker of JOB, from the journal and the leader's view
+    (of a run `cohort run` kept in a directory, finished or not: --run-dir DIR)."""
     from cohort.coordinator.replay import from_redis, read_once, rebuild
     from cohort.render.terminal import status_table
 
     if watch and as_json:
         fail("--watch and --json do not go together; use --json in a loop for scripts")
+    job = job_of(ctx, job)
     conn = redis_client(ctx, "cohort-status")
     if watch:
         _watch(conn, job, interval)

@@ -38,9 +38,9 @@ from cohort.coordinator.timeline import failures_said
 from cohort.errors import CohortError, Exit
 from cohort.events.connection import Client, RedisSettings, connect
 from cohort.events.keys import Keys
-from cohort.events.models import ProcessExited, WorkerFailed
+from cohort.events.models import ProcessExited, WorkerFailed, WorkerJoined
 from cohort.events.streams import Inbox
-from cohort.launcher import shadowing, supervision
+from cohort.launcher import rundir, shadowing, supervision
 from cohort.launcher.credentials import Credentials
 from cohort.launcher.reaper import Reaper
 from cohort.launcher.supervision import Exited, Policy, Slot, State
@@ -97,6 +97,9 @@ class LaunchSettings:
     spares: int = 0
     """Warm spares to keep on this node besides `ranks` (their scripts wait, synced, for a
     lost rank's place)."""
+    resuming: bool = False
+    """`run_dir` holds an earlier run of the job that did not finish: its private Redis is
+    started again on the run's AOF and the job goes on from there."""
 
 
 @dataclass
@@ -163,8 +166,12 @@ class Launcher:
             return self._finish()
 
     def _prepare(self) -> None:
-        """The run directory, the reaper, Redis, and the journal followed."""
-        self.settings.run_dir.mkdir(parents=True, exist_ok=True)
+        """The run directory (held: one launcher in it), the reaper, Redis, and the journal
+        followed."""
+        try:
+            self.stack.enter_context(rundir.held(self.settings.run_dir))
+        except rundir.RunDirError as exc:
+            raise LaunchError(str(exc), code=Exit.USAGE) from None
         self.reaper = Reaper()
         self.stack.callback(self.reaper.release)
         self.stack.callback(self._kill_all)
@@ -173,9 +180,37 @@ class Launcher:
         self.conn: Client = connect(RedisSettings.resolve(self.redis_url))
         self.watch = JournalWatch.of(self.conn, self.settings.job)
         self.watch.pull(0)
+        self._skip_used_worker_ids()
+        if self.settings.resuming:
+            self._say_resuming()
         self._prepare_credentials()
+        self.started_at = time.time()
         self._write_run_json()
         self.started = self.clock()
+
+    def _skip_used_worker_ids(self) -> None:
+        """Each slot's first process gets a worker id the journal has not seen: after a lost
+        launcher, its ranks are still members until failed, and a new process under one
+        of their ids would be taken for it."""
+        used = {fact.worker for _, fact in self.watch.facts if isinstance(fact, WorkerJoined)}
+        for index, member in enumerate(self.ranks):
+            base = f"{self.settings.node}-{index}"
+            member.slot = replace(member.slot, generation=supervision.unused_generation(base, used))
+
+    def _say_resuming(self) -> None:
+        """One line: which run goes on, from which step (and, where the job keeps no
+        checkpoint, that its weights went with the ranks)."""
+        state, job = self.watch.state, self.settings.job
+        self.say(
+            f"cohort run: resuming job {job!r} from {self.settings.run_dir} at step "
+            f"{state.last_committed}"
+            + (
+                ""
+                if state.checkpoints or state.last_committed < 0
+                else f" (it keeps no checkpoint: it pauses until `cohort resume --redis-url "
+                f"{self.redis_url} --job {job} --from-scratch`)"
+            )
+        )
 
     def _prepare_credentials(self) -> None:
         """Where the job signs its commands, the first rank's credential is issued now: a
@@ -243,6 +278,7 @@ class Launcher:
             "spares": settings.spares,
             "command": list(settings.command),
             "run_dir": str(settings.run_dir),
+            "started": self.started_at,
             **more,
         }
         path = settings.run_dir / "run.json"
@@ -665,9 +701,10 @@ class Launcher:
             else f"job {self.settings.job!r} did not finish (last committed step "
             f"{state.last_committed})"
         )
+        redone = f" ({report.discarded} redone after a rewind)" if report.discarded else ""
         self.say(
-            f"cohort run: {end}: {state.counters.steps_committed} steps committed over "
-            f"{state.counters.epochs_finished} epochs in {took:.0f} s; {failed}, "
+            f"cohort run: {end}: {report.steps} steps committed over "
+            f"{report.epochs_finished} epochs{redone} in {took:.0f} s; {failed}, "
             f"{self.restarts} rank(s) restarted{self._spares_said()}; audit (every sample "
             f"exactly once per epoch): {'passed' if report.ok else 'FAILED'}"
         )

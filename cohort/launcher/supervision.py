@@ -17,6 +17,7 @@ a trainer (`replacement_role`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -114,6 +115,19 @@ def due(slot: Slot, now: float) -> bool:
 def started(slot: Slot) -> Slot:
     """The slot once a new process runs in it."""
     return replace(slot, state=State.RUNNING, generation=slot.generation + 1, restart_at=None)
+
+
+def unused_generation(base: str, used: Iterable[str]) -> int:
+    """The generation a slot whose worker ids are `base`, `base.1`, `base.2`... starts at so
+    that none of its ids is one in `used` or older: a launcher that resumes a job (or
+    starts again on a shared Redis) is never taken for the lost one's processes, whose
+    members the journal still holds until they are failed."""
+    taken = [
+        0 if worker == base else int(worker[len(base) + 1 :])
+        for worker in used
+        if worker == base or (worker.startswith(f"{base}.") and worker[len(base) + 1 :].isdigit())
+    ]
+    return max(taken) + 1 if taken else 0
 
 
 def stopped_waiting(slot: Slot) -> Slot:

@@ -95,7 +95,7 @@ def test_status_export_and_replay_agree_on_the_state(cluster: Cluster, tmp_path:
         ),
         (["--redis-url", "http://h", "status", "--job", "j"], "scheme 'http'"),
         (["status", "--job", "j", "--redis-url", "redis://127.0.0.1:1/0"], "cannot reach Redis"),
-        (["replay"], "exactly one of --job"),
+        (["replay"], "exactly one source: --job J"),
         (["replay", "--file", "/no/such/file"], "cannot open export file"),
         (["replay", "--file", "/etc/hostname"], "not a `cohort export` file"),
         (["replay", "--job", "j", "--until", "yesterday"], "'yesterday' is not a stream"),

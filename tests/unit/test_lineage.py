@@ -166,6 +166,26 @@ def test_the_lineage_audit_holds_through_a_rewind_to_the_end_of_the_epoch() -> N
     assert report.epochs[1].used == 100  # steps 5-9 of epoch 1, 2 x 10 each
 
 
+def test_the_audit_counts_a_rewound_jobs_steps_and_epochs_on_its_lineage_once() -> None:
+    """A resumed run rewinds to its checkpoint and commits some steps (and an epoch's end)
+    again: its length is the lineage's, not the journal's counters (issue 47, item 9)."""
+    job = checkpointed(min_workers=2)
+    job.start("a", "b")
+    facts = steps(job, 7)  # 5 steps an epoch: epoch 0 ends at step 4
+    for request in of(CheckpointRequested, facts):
+        if request.step <= 3:  # step 5's checkpoint never lands
+            job.checkpoint_written(request)
+    all_fail(job)
+    job.start("c", "d")  # back to step 3: steps 4-6 are done again, and epoch 0's end
+    steps(job, 6)  # steps 4-9: epoch 0 ends again, then epoch 1
+    report = audit(job.journal)
+    assert report.ok, report.problems
+    counters = job.state.counters
+    assert (counters.steps_committed, counters.epochs_finished) == (13, 3)
+    assert (report.steps, report.epochs_finished, report.discarded) == (10, 2, 3)
+    assert report.steps == job.state.last_committed + 1
+
+
 def test_without_a_checkpoint_a_lost_world_pauses_until_resumed_from_scratch() -> None:
     job = checkpointed(checkpoint_uri=None)
     job.start("a")

@@ -429,7 +429,7 @@ def test_report_command_needs_exactly_one_source(tmp_path: Path) -> None:
     for args in ([], ["--job", "a", "--file", str(tmp_path / "f")]):
         result: Any = runner.invoke(main, ["report", *args, "-o", str(tmp_path / "r.html")])
         assert result.exit_code == 2
-        assert "exactly one of --job" in result.output
+        assert "exactly one source: --job J" in result.output
     missing = runner.invoke(main, ["report", "--file", str(tmp_path / "nope"), "-o", "r.html"])
     assert missing.exit_code == 4 and "cannot open export file" in missing.output
 
