@@ -4,6 +4,7 @@ with weight decay on the matrices, and a linear warmup then cosine decay."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import tempfile
@@ -110,3 +111,17 @@ def loss_of(
     with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         logits = model(x)
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options both scripts take: the data, the optimizer and the schedule, precision."""
+    parser.add_argument("--corpus", type=Path, help="a byte file (default: the docs, joined)")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=10, help="warmup updates")
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=10, help="updates between log lines")
+    parser.add_argument("--save", help="write the final state_dict here (torch.save)")
+    return parser

@@ -5,26 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
-from lm import Windows, build, corpus, loss_of, schedule
+from lm import Windows, build, corpus, loss_of, options, schedule
 from torch.utils.data import DataLoader
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--corpus", type=Path, help="a byte file (default: the docs, joined)")
+    parser = options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=48)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=10, help="warmup updates")
-    parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
-    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=10, help="updates between log lines")
-    parser.add_argument("--save", help="write the final state_dict here (torch.save)")
     args = parser.parse_args()
     torch.use_deterministic_algorithms(True)
 

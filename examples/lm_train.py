@@ -18,26 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
-from lm import Windows, build, corpus, loss_of, schedule
+from lm import Windows, build, corpus, loss_of, options, schedule
 from torch.utils.data import DataLoader
 
 import cohort
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--corpus", type=Path, help="a byte file (default: the docs, joined)")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=10, help="warmup updates")
-    parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
-    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=10, help="updates between log lines")
-    parser.add_argument("--save", help="write the final state_dict here (torch.save)")
+    parser = options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     args = parser.parse_args()
     torch.use_deterministic_algorithms(True)
 
@@ -74,6 +64,8 @@ def main() -> None:
             applied = job.sync_gradients and not job.aborted
             if applied and job.is_chief and job.step % args.log_every == 0:
                 print(json.dumps({"step": job.step, "lr": lr, "norm": float(norm)}), flush=True)
+        if job.interrupted:  # cohort: a signal ended this epoch early: not a whole epoch
+            break
         model.eval()
         total, count = 0.0, 0
         with torch.no_grad():
