@@ -74,6 +74,38 @@ def test_micro_batches_accumulate_to_the_share_s_gradient_times_its_weight(order
         assert all(not g.any() for g in before_last)
 
 
+def test_two_backward_passes_in_a_micro_batch_accumulate_as_one() -> None:
+    """A loop that calls backward() once per loss (here each half of a micro-batch) in the
+    micro-batches before the last accumulates as with one backward of their sum. (In the
+    last one the first backward averages over the world: the job refuses a second.)"""
+    from cohort.worker.pytorch.micro import MicroBatches
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    x, y = torch.randn(11, 5), torch.randint(0, 3, (11,))
+    sizes = (4, 4, 3)
+    micro = MicroBatches(model, on_last=lambda: scale(model, 3 * sizes[-1] / 30))
+    micro.begin_step(sizes)
+    start = 0
+    for index, size in enumerate(sizes):
+        micro.begin(index)
+        model.zero_grad()
+        half = size // 2 if index < len(sizes) - 1 else size
+        for part in ((start, start + half), (start + half, start + size)):
+            if part[0] == part[1]:
+                continue
+            a, b = part
+            loss = torch.nn.functional.cross_entropy(model(x[a:b]), y[a:b], reduction="sum")
+            (loss / size).backward()
+        micro.end()
+        start += size
+    micro.end_step()
+    for mine, whole in zip(
+        [p.grad for p in model.parameters()], whole_share_gradient(), strict=True
+    ):
+        assert torch.allclose(mine, whole, atol=1e-6)
+
+
 def test_a_clip_in_every_micro_batch_clips_the_step_s_whole_gradient_once() -> None:
     """`clip_grad_norm_` after each backward, as a plain loop has it, acts on the step's
     whole gradient only (before the last micro-batch it sees zeros, which it leaves)."""

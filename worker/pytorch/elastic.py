@@ -36,7 +36,7 @@ from cohort.events.errors import InvalidValueError
 from cohort.worker.collective import compressors as feedback
 from cohort.worker.collective.compressors import DEFAULT_RANK, Compression
 from cohort.worker.collective.redis_collective import Collective
-from cohort.worker.errors import WorkerError, WorldChangedError
+from cohort.worker.errors import AccumulationError, WorkerError, WorldChangedError
 from cohort.worker.loop.elastic import POLL, Elastic, EpochEnd, Step, reducible
 from cohort.worker.pytorch import sync as torch_sync
 from cohort.worker.pytorch.loader import Stale, StepLoader
@@ -378,8 +378,15 @@ class ElasticJob(Elastic):
         returns): through Redis, the gradients become the world's mean now, so the script's
         code after backward sees them, as under DDP (whose reducer ran already)."""
         current = self.current
-        if current is not None and self.backend is None:
-            self._averaged = (current, self._gradients_averaged(current))
+        if current is None or self.backend is not None:
+            return
+        if self._averaged is not None and self._averaged[0] is current:
+            raise AccumulationError(
+                "a second backward() in a step's last micro-batch, after its gradients were "
+                "averaged over the world: add the losses and call backward() once (in the "
+                "micro-batches before it, several backward passes accumulate)"
+            )
+        self._averaged = (current, self._gradients_averaged(current))
 
     def _gradients_averaged(self, current: Step) -> bool:
         """Make the gradients the world's mean for `current`; False (and the step aborted)

@@ -13,8 +13,9 @@ the last backward the `on_last` callback makes the gradients the world's mean be
 
 The arithmetic is the accumulation's own: after micro-batch i the gradients hold W / m_i
 (W: the sum of every sample's gradient so far, m: the micro-batch sizes, the loss a mean
-over each); when parked they are rescaled to W / m_(i+1), so that the next backward adds
-its own mean at the right weight, and taken back by that backward's own addition.
+over each); as micro-batch i+1 begins they are rescaled to W / m_(i+1), so that its
+backward adds its own mean at the right weight, and taken back by that backward's own
+addition.
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ class MicroBatches:
         self._parked.clear()
 
     def begin(self, index: int) -> None:
-        """Micro-batch `index` of the step is given to the script."""
-        if index > 0 and not self.backward_done:
-            self._rescale_parked(self.carry(index - 1))  # the one before ran no backward
+        """Micro-batch `index` of the step is given to the script: what the ones before it
+        accumulated is rescaled for its size."""
+        if index > 0:
+            self._rescale_parked(self.carry(index - 1))
         self.index, self.inside = index, True
         self.applied = self.backward_done = False
 
@@ -111,16 +113,14 @@ class MicroBatches:
             self._park()
 
     def _park(self) -> None:
-        """Keep the gradients so far, rescaled for the next micro-batch, and show the script
-        zeros: nothing it does before the next backward touches the accumulation."""
-        factor = self.carry(self.index)
+        """Keep the gradients so far and show the script zeros: nothing it does before the
+        next backward touches the accumulation (a second backward in this micro-batch takes
+        it back and adds to it, as a plain loop's would)."""
         with torch.no_grad():
             for param in self._params:
                 grad = param.grad
                 if grad is None:
                     continue
-                if factor != 1.0:
-                    grad.mul_(factor)
                 self._parked[id(param)] = grad
                 param.grad = torch.zeros_like(grad)
 
