@@ -50,11 +50,13 @@ def _until(
 
 def run(ranks: int, steps: int, precision: str, spares: int, kills: Sequence[int]) -> Path:
     """One `cohort run` of the example; the chief SIGKILLed once the job committed each step
-    of `kills`. The final weights' path."""
+    of `kills`. The first world waits for every rank; later ones train with whoever is there
+    (`--min-workers 1`), so without a spare a kill leaves a smaller world until the
+    replacement joins. The final weights' path."""
     tmp = Path(tempfile.mkdtemp(prefix="cohort-drift-"))
     launcher = subprocess.Popen(
         [sys.executable, "-m", "cohort", "run", "-n", str(ranks), "--spares", str(spares),
-         "--min-workers", str(ranks), "--run-dir", str(tmp / "run"),
+         "--min-workers", "1", "--start-workers", str(ranks), "--run-dir", str(tmp / "run"),
          "--dataset-size", "2048", "--batch-size", str(BATCH),
          "--global-batch", str(BATCH * PER_RANK_MICRO * ranks), "--placement", "strided",
          "--max-steps", str(steps), EXAMPLE, "--precision", precision,
@@ -82,6 +84,9 @@ def run(ranks: int, steps: int, precision: str, spares: int, kills: Sequence[int
                     os.kill(member.pid, signal.SIGKILL)
         if launcher.wait(1800) != 0:
             raise RuntimeError(f"cohort run failed: {(tmp / 'launcher.out').read_text()[-3000:]}")
+        smaller = f"of {ranks - 1} (world"
+        if not spares and kills and smaller not in (tmp / "launcher.out").read_text():
+            raise RuntimeError(f"no world of {ranks - 1} ranks trained: {tmp / 'launcher.out'}")
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
