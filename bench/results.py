@@ -175,7 +175,7 @@ def document(sections: list[Section], env: dict[str, str], command: str) -> str:
         "the same run, cohort's figure over the peer's, the target and the section below it",
         "comes from (made from BENCHMARKS.json by bench/headline.py).",
         "",
-        *table(sections),
+        *table(sections, strict=False),
         "",
         f"Last written by `{command}` on {env['date']}; each section names the command that",
         "produced it and its date. Every figure is a median of several runs;",
