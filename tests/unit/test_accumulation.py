@@ -106,6 +106,31 @@ def test_two_backward_passes_in_a_micro_batch_accumulate_as_one() -> None:
         assert torch.allclose(mine, whole, atol=1e-6)
 
 
+def test_a_parameter_one_micro_batch_leaves_unused_keeps_what_the_others_gave_it() -> None:
+    """A branch later micro-batches do not take (conditional computation) keeps the first
+    micro-batch's gradient: a backward that leaves a parameter alone parks nothing over its
+    accumulation."""
+    import copy
+
+    from cohort.worker.pytorch.micro import MicroBatches
+
+    torch.manual_seed(0)
+    trunk, branch = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+    twin = copy.deepcopy(branch)
+    micro = MicroBatches(torch.nn.ModuleList([trunk, branch]), on_last=lambda: None)
+    micro.begin_step((2, 2, 2))
+    x = torch.randn(6, 3)
+    for index in range(3):
+        micro.begin(index)
+        out = trunk(x[2 * index : 2 * index + 2])
+        (branch(out).mean() if index == 0 else out.mean()).backward()
+        micro.end()
+    micro.end_step()
+    twin(trunk(x[:2]).detach()).mean().backward()  # micro-batch 0's part, carried to size 2
+    for got, want in zip(branch.parameters(), twin.parameters(), strict=True):
+        assert got.grad is not None and torch.allclose(got.grad, want.grad)
+
+
 def test_a_clip_in_every_micro_batch_clips_the_step_s_whole_gradient_once() -> None:
     """`clip_grad_norm_` after each backward, as a plain loop has it, acts on the step's
     whole gradient only (before the last micro-batch it sees zeros, which it leaves)."""

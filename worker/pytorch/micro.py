@@ -108,6 +108,7 @@ class MicroBatches:
             self._queued = False
         self.backward_done = True
         if self.last:
+            self.restore()  # what parameters this backward left alone had accumulated
             self.on_last()
         else:
             self._park()
@@ -119,8 +120,8 @@ class MicroBatches:
         with torch.no_grad():
             for param in self._params:
                 grad = param.grad
-                if grad is None:
-                    continue
+                if grad is None or id(param) in self._parked:
+                    continue  # no gradient, or one this backward left alone (still parked)
                 self._parked[id(param)] = grad
                 param.grad = torch.zeros_like(grad)
 
@@ -132,8 +133,9 @@ class MicroBatches:
                 parked.mul_(factor)
 
     def restore(self) -> None:
-        """Put the parked gradients back where the script (or a step's end) reads them:
-        used when a micro-batch ends without a backward of its own."""
+        """Put the parked gradients back where the script (or a step's end) reads them: as
+        the last backward ends, those of parameters it left alone; at the step's update, all
+        of them if the last micro-batch ran no backward."""
         with torch.no_grad():
             for param in self._params:
                 parked = self._parked.pop(id(param), None)
