@@ -747,11 +747,22 @@ class Elastic:
         if final is None:
             return False
         try:
-            self.state.load(checkpoints.read(final.uri, final.sha256).payload)
+            self._load_checkpoint(final.uri, final.sha256, final.digest)
         except checkpoints.CheckpointError as exc:
             log.warning("%s: the final checkpoint does not load: %s", self.worker.id, exc)
             return False
-        return final.digest is None or self.state.digest() == final.digest
+        return True
+
+    def _load_checkpoint(self, uri: str, sha256: str | None, digest: str | None) -> None:
+        """Take the state of the checkpoint at `uri`; CheckpointError if it cannot be read
+        or holds other weights than the journaled `digest`."""
+        assert self.state is not None
+        self.state.load(checkpoints.read(uri, sha256).payload)
+        if digest is not None and self.state.digest() != digest:
+            raise checkpoints.CheckpointError(
+                f"checkpoint {uri!r} holds weights {self.state.digest()}, not the journaled "
+                f"{digest}"
+            )
 
     def _after(self, step: Step, took: float) -> Generator[EpochEnd, None, None]:
         """`step` applied: report it, and copy what a checkpoint of it needs as the caller
@@ -884,12 +895,7 @@ class Elastic:
                 self.state.reset()
             else:
                 assert weights.uri is not None
-                self.state.load(checkpoints.read(weights.uri, weights.sha256).payload)
-                if weights.digest is not None and self.state.digest() != weights.digest:
-                    raise checkpoints.CheckpointError(
-                        f"checkpoint {weights.uri!r} holds weights {self.state.digest()}, not "
-                        f"the journaled {weights.digest}"
-                    )
+                self._load_checkpoint(weights.uri, weights.sha256, weights.digest)
                 log.info("rank 0 loaded the state of step %d from %s", weights.step, weights.uri)
         try:
             self.state.broadcast(self.collective, assignment.start_step, assignment.world_version)
