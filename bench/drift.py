@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -113,6 +114,8 @@ def measure(ranks: int, steps: int, precisions: Sequence[str]) -> Section:
                 changed, clean
             ),
         }
+        for weights in (clean, constant, changed):  # a run that failed keeps its directory
+            shutil.rmtree(weights.parent, ignore_errors=True)
         raw[precision] = figures
         rows += [[precision, what, f"{value:.2g}"] for what, value in figures.items()]
     return Section(
