@@ -152,7 +152,7 @@ def test_a_scheduler_handed_over_steps_once_per_applied_update() -> None:
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(sgd, lambda n: 1 / (n + 1))
     micro = MicroBatches(model, on_last=lambda: None)
-    gate_scheduler(schedule, lambda: not micro.inside or micro.applied)
+    gate_scheduler(schedule, micro)
     for _ in range(2):  # two steps of three micro-batches
         micro.begin_step((2, 2, 2))
         for index in range(3):
@@ -178,7 +178,7 @@ def test_a_grad_scaler_handed_over_counts_updates_not_micro_batches() -> None:
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2)
     micro = MicroBatches(model, on_last=lambda: None)
-    gate_scaler(scaler, lambda: not micro.inside or micro.last)
+    gate_scaler(scaler, micro)
     for _ in range(2):  # two steps of three micro-batches
         micro.begin_step((1, 1, 1))
         for index in range(3):

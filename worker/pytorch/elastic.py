@@ -264,9 +264,9 @@ class ElasticJob(Elastic):
         self._bucket_bytes = bucket_bytes
         micro = self.micro = MicroBatches(plain_module(model), self._last_backward_ended)
         if scheduler is not None:
-            gate_scheduler(scheduler, lambda: not micro.inside or micro.applied)
+            gate_scheduler(scheduler, micro)
         if scaler is not None:
-            gate_scaler(scaler, lambda: not micro.inside or micro.last)
+            gate_scaler(scaler, micro)
         config = self.worker.view.config
         accumulating = config is not None and config.global_batch is not None
         if self.backend is None and overlap and not accumulating and self.compressor is None:
@@ -343,7 +343,7 @@ class ElasticJob(Elastic):
         are the world's mean and `optimizer.step()` applies the update (Accelerate's name).
         Before it the script sees zero gradients and its `optimizer.step()` does nothing;
         outside `job.batches()`, True."""
-        return self.micro is None or not self.micro.inside or self.micro.last
+        return self.micro is None or self.micro.syncing
 
     def _step_optimizer(self, *args: Any, **kwargs: Any) -> Any:
         """The script's `optimizer.step()`: in a step's last micro-batch, the optimizer's own

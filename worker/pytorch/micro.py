@@ -55,6 +55,18 @@ class MicroBatches:
         """Whether this micro-batch is its step's last: its `optimizer.step()` applies."""
         return self.index >= self.count - 1
 
+    @property
+    def syncing(self) -> bool:
+        """Whether the gradients the script sees are the world's mean and an update may
+        apply: in a step's last micro-batch, and outside the micro-batches."""
+        return not self.inside or self.last
+
+    @property
+    def updated(self) -> bool:
+        """Whether a once-per-update step may go: after an `optimizer.step()` that applied
+        the update, or outside the micro-batches (between epochs)."""
+        return not self.inside or self.applied
+
     def begin_step(self, sizes: tuple[int, ...]) -> None:
         self.sizes, self.count = sizes, max(len(sizes), 1)
         self._parked.clear()
@@ -143,8 +155,8 @@ class MicroBatches:
                     param.grad = parked
 
 
-def gate_scheduler(scheduler: Any, applies: Callable[[], bool]) -> None:
-    """`scheduler.step()` from now on steps only where `applies()`: after an
+def gate_scheduler(scheduler: Any, micro: MicroBatches) -> None:
+    """`scheduler.step()` from now on steps only where `micro.updated`: after an
     `optimizer.step()` that applied the update, or outside a step's micro-batches (an epoch
     scheduler's). Accelerate's prepared scheduler does the same. The scheduler's class is
     replaced by a subclass of it: an attribute of the instance would travel in its
@@ -152,7 +164,7 @@ def gate_scheduler(scheduler: Any, applies: Callable[[], bool]) -> None:
     base = type(scheduler)
 
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not applies():
+        if not micro.updated:
             return None
         return base.step(self, *args, **kwargs)
 
@@ -161,7 +173,7 @@ def gate_scheduler(scheduler: Any, applies: Callable[[], bool]) -> None:
     )
 
 
-def gate_scaler(scaler: Any, last: Callable[[], bool]) -> None:
+def gate_scaler(scaler: Any, micro: MicroBatches) -> None:
     """A `torch.amp.GradScaler`'s `unscale_`, `step` and `update` act only in a step's last
     micro-batch: before it the script's gradients are zeros, and the scale and its growth
     count follow updates, not micro-batches (whose number follows the world size)."""
@@ -169,7 +181,7 @@ def gate_scaler(scaler: Any, last: Callable[[], bool]) -> None:
         own = getattr(scaler, name)
 
         def gated(*args: Any, _own: Callable[..., Any] = own, **kwargs: Any) -> Any:
-            if not last():
+            if not micro.syncing:
                 return None
             return _own(*args, **kwargs)
 
