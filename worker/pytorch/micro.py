@@ -107,9 +107,9 @@ class MicroBatches:
         return take_back
 
     def _accumulated(self, param: torch.Tensor) -> None:
-        if not self.inside:
-            return  # a backward outside the step's micro-batches (an evaluation's, say)
-        with self._lock:
+        if not self.inside or self._queued:
+            return  # outside the step's micro-batches (an evaluation's), or queued already
+        with self._lock:  # the first parameter of a backward: queue its end once
             if self._queued:
                 return
             self._queued = True
