@@ -57,6 +57,9 @@ COORDINATOR_EXIT_WAIT = 10.0
 FATE_MARGIN = 10.0
 """With spares: beyond the heartbeat timeout, how long a dead rank's replacement waits for
 its fate (and a spare's promotion) to be journaled before it picks its role anyway."""
+FATE_WAIT = 5.0
+"""At the end of an unfinished run, how long the leader may take to journal the deaths the
+launcher told it."""
 
 
 class LaunchError(CohortError):
@@ -148,6 +151,8 @@ class Launcher:
         self.next_chaos: float | None = None
         self.chaos_rng = random.Random(settings.job)
         self.chaos_victims: set[int] = set()
+        self.reported: set[str] = set()
+        """Workers whose process's end the launcher told the leader (ProcessExited)."""
         """Pids the launcher killed on purpose (--chaos)."""
         self.log_dir = settings.run_dir
 
@@ -418,6 +423,7 @@ class Launcher:
         command = ProcessExited(at=time.time(), job=self.settings.job, worker=worker, how=how)
         try:
             Inbox(self.conn, Keys(self.settings.job).inbox, signer).send(command)
+            self.reported.add(worker)
         except redis.RedisError as exc:
             self.say(f"could not tell the leader that {worker} exited ({exc}): its closed "
                      "connections or its silence will")  # fmt: skip
@@ -640,6 +646,7 @@ class Launcher:
 
     def _finish(self) -> Exit:
         """Stop the coordinators, export, audit and summarise; the launcher's exit code."""
+        self._await_reported_fates()
         self._stop_coordinators()
         self._pull(0)
         report = audit(fact for _, fact in self.watch.facts)
@@ -655,6 +662,18 @@ class Launcher:
             exit=int(code), finished=state.finished, promotions=state.counters.promotions
         )
         return code
+
+    def _await_reported_fates(self) -> None:
+        """Ranks that all died together were each told to the leader, but the last ones'
+        ProcessExited may still wait in its inbox: let it journal them (up to FATE_WAIT)
+        before the coordinators stop, so the summary and the journal name every failure."""
+        if self.finished or self.stopping:
+            return
+        deadline = self.clock() + FATE_WAIT
+        while self.clock() < deadline and any(w in self.watch.state.members for w in self.reported):
+            if not any(m.proc is not None and m.proc.alive() for m in self.coordinators):
+                return
+            self._pull(100)
 
     def _stop_coordinators(self) -> None:
         """After the job finished they exit on their own once its last worker left; else,
