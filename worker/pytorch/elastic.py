@@ -39,6 +39,7 @@ from cohort.worker.collective.redis_collective import Collective
 from cohort.worker.errors import AccumulationError, WorkerError, WorldChangedError
 from cohort.worker.loop.elastic import POLL, Elastic, EpochEnd, Step, reducible
 from cohort.worker.pytorch import sync as torch_sync
+from cohort.worker.pytorch.devices import rank_device
 from cohort.worker.pytorch.loader import Stale, StepLoader
 from cohort.worker.pytorch.micro import MicroBatches, gate_scaler, gate_scheduler
 from cohort.worker.pytorch.overlap import OverlappedGradients
@@ -200,6 +201,11 @@ class ElasticJob(Elastic):
     def __init__(self, job: str | None = None, backend: str | None = None, **options: Any):
         super().__init__(job, **options)
         backend = backend or os.environ.get(BACKEND_ENV) or None
+        self.device = rank_device(self.local_rank)
+        """The device this rank trains on (`model.to(job.device)`): its own GPU, which is
+        CUDA's current device from now on, or the CPU (worker/pytorch/devices.py)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self._steps: Iterator[Step | EpochEnd] = self._walk()
         self._peeked: Step | EpochEnd | None = None
         self.backend = backend
