@@ -92,15 +92,24 @@ def job_env(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> Cluster:
     return cluster
 
 
-@pytest.mark.parametrize("route", ["redis", "gloo"])
+def use_route(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The twins' route, from their environment: "gloo", or "gloo+device", NCCL's step
+    protocol on gloo (each bucket's result goes to DDP as its allreduce is issued, as NCCL's
+    future completes at enqueue; the step waits for the data before it applies)."""
+    if route.startswith("gloo"):
+        monkeypatch.setenv("COHORT_TORCH_BACKEND", "gloo")
+    if route == "gloo+device":
+        monkeypatch.setenv("COHORT_TORCH_COMPLETION", "device")
+
+
+@pytest.mark.parametrize("route", ["redis", "gloo", "gloo+device"])
 def test_two_twins_end_with_the_parameters_of_ddp_over_gloo(
     job_env: Cluster, route: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Through Redis, and through torch.distributed (the twin unchanged: the route is the
-    environment's)."""
+    environment's), also with NCCL's asynchrony."""
     cluster = job_env
-    if route == "gloo":
-        monkeypatch.setenv("COHORT_TORCH_BACKEND", "gloo")
+    use_route(route, monkeypatch)
     coordinator = cluster.coordinator(
         "c1", "--min-workers", "2", "--dataset-size", str(DATASET), "--batch-size", str(BATCH),
         "--epochs", str(EPOCHS),
@@ -173,15 +182,16 @@ def test_twins_on_their_own_credentials_train_with_nothing_refused(
         admin.close()
 
 
-@pytest.mark.parametrize("route", ["redis", "gloo"])
+@pytest.mark.parametrize("route", ["redis", "gloo", "gloo+device"])
 def test_a_twin_killed_mid_epoch_leaves_the_others_equal_and_every_sample_used_once(
     job_env: Cluster, route: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Through gloo, the survivors' backward is not left hanging on the dead peer: the
-    watchdog completes the collective and the step is redone in the next world."""
+    watchdog completes the collective and the step is redone in the next world. With
+    NCCL's asynchrony (gloo+device) DDP's backward returns before the data arrived: the
+    step's fence sees the dead peer, and the survivors skip the step all the same."""
     cluster = job_env
-    if route == "gloo":
-        monkeypatch.setenv("COHORT_TORCH_BACKEND", "gloo")
+    use_route(route, monkeypatch)
     cluster.coordinator(
         "c1", "--min-workers", "2", "--dataset-size", str(DATASET), "--batch-size", str(BATCH),
         "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2", "--epochs", "2",

@@ -4,7 +4,8 @@ here does not import torch until it is used). `api.py` is what `cohort.torch` sh
 them (the gradients parked between them, the scheduler and GradScaler gated); `sync.py`
 gradient averaging, state broadcast and local SGD; `loader.py` the data loader's sampler;
 `overlap.py` gradient accumulation overlapped with the backward pass; `dist.py`
-torch.distributed process groups made anew at every world; `torchrun/` the
+torch.distributed process groups made anew at every world; `completion.py` when a bucket's
+allreduce is done (on the host for gloo, on the device for NCCL); `torchrun/` the
 `--rdzv-backend=cohort` plug-in.
 
 May import: `cohort.events`, `cohort.worker.errors` and every room below it.

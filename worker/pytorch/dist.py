@@ -26,6 +26,15 @@ gloo in 2.13).
 
 Tensors handed to an abandoned collective may still be written by it later; drop them
 (the aborted step is rolled back anyway).
+
+NCCL (docs/gpu.md, "The NCCL route's step protocol"): the watchdog aborts the group only
+when a collective of the world is in flight as it ends (a waiter, or a tracked work not
+complete on its device): a world that merely moved on after its works completed keeps its
+group until `close` destroys it, so no abort ever cuts a committed step's kernels. Before
+the group exists, `nccl_environment` sets TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (clean up
+only): an NCCL error or timeout aborts the communicator but never tears the process down,
+so the journal, not a SIGABRT, decides what a peer's death means. A group abandoned with
+works in flight is aborted, not pinned (gloo's is pinned, as above).
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -45,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from cohort.events.connection import Client
+from cohort.events.errors import InvalidValueError
 from cohort.events.keys import Keys, by
 from cohort.worker.errors import (
     RemovedError,
@@ -92,6 +102,69 @@ def store_key(job: str, world: int, writer: str) -> str:
 def default_host() -> str:
     """The address peers dial for this host's store: $COHORT_DIST_HOST, else the FQDN."""
     return os.environ.get("COHORT_DIST_HOST") or socket.getfqdn()
+
+
+ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+"""How ProcessGroupNCCL's own watchdog acts on an NCCL error or timeout (torch 2.13: 0
+nothing, 1 abort the communicators and tear the process down, 2 abort them only, 3, the
+default, tear down without aborting)."""
+CLEAN_UP_ONLY = "2"
+BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
+"""Set, NCCL's `work.wait()` blocks the host and replaces the asynchronous error handling."""
+
+
+def nccl_environment(environ: Mapping[str, str]) -> tuple[dict[str, str], str | None]:
+    """What NCCL's process group needs set in `environ` before it is made, and what to say
+    about it (None: nothing). TORCH_NCCL_ASYNC_ERROR_HANDLING=2: an error or a timeout aborts
+    the communicator, which ends its kernels (a peer's death cannot hang the GPU, nor an
+    abandoned group's work outlive `collective_timeout`), and never tears the process down
+    (1 and the default 3 would SIGABRT a survivor before the journal says a peer died). A
+    value the user set (or the old NCCL_ASYNC_ERROR_HANDLING) stays, and is said.
+    InvalidValueError for TORCH_NCCL_BLOCKING_WAIT on: cohort's step protocol waits for
+    NCCL's works itself, off the training thread."""
+    for name in (BLOCKING_WAIT, "NCCL_BLOCKING_WAIT"):
+        if environ.get(name, "0").strip() not in ("", "0"):
+            raise InvalidValueError(
+                f"${name}={environ[name]!r}: cohort waits for NCCL's collectives itself, "
+                "on a thread its watchdog can break; a blocking wait would hang the training "
+                f"thread on a dead peer. Unset {name} (or set it to 0)"
+            )
+    for name in (ASYNC_ERROR_HANDLING, "NCCL_ASYNC_ERROR_HANDLING"):
+        if environ.get(name):
+            return {}, (
+                f"${name}={environ[name]} is the user's: kept (cohort would set "
+                f"{ASYNC_ERROR_HANDLING}={CLEAN_UP_ONLY}, abort the communicator on an error "
+                "without tearing the process down)"
+            )
+    return {ASYNC_ERROR_HANDLING: CLEAN_UP_ONLY}, None
+
+
+def group_options(backend: str, device: torch.device) -> dict[str, Any]:
+    """`init_process_group`'s options for `backend` with this rank on `device`: NCCL's
+    group is bound to the rank's GPU (`device_id`: its communicator is formed at once, on
+    that GPU, not at the first collective on whatever device is current)."""
+    if backend == "nccl" and device.type == "cuda":
+        return {"device_id": device}
+    return {}
+
+
+def ddp_devices(devices: Iterable[torch.device]) -> dict[str, Any]:
+    """DDP's `device_ids` and `output_device` for a module whose parameters are on
+    `devices`: its GPU for a module on one GPU, None for a CPU or multi-device module
+    (as DDP requires)."""
+    found = set(devices)
+    if len(found) == 1:
+        (device,) = found
+        if device.type == "cuda":
+            return {"device_ids": [device.index], "output_device": device.index}
+    return {"device_ids": None, "output_device": None}
+
+
+def aborts_when_abandoned(backend: str) -> bool:
+    """Whether a group left with works in flight is aborted rather than pinned: NCCL's abort
+    ends its kernels; gloo's (2.13) is a no-op, and its destructor would wait for the
+    work (see the module doc)."""
+    return backend == "nccl"
 
 
 @dataclass(frozen=True)
@@ -144,6 +217,8 @@ class Watchdog:
         self._lock = threading.Lock()
         self._waiters: set[threading.Event] = set()
         self._on_trip: list[Callable[[], None]] = []
+        self.in_flight: Callable[[], bool] = lambda: False
+        """Whether a work of the world's group is not complete (on its device)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"cohort-watchdog-{world.version}", daemon=True
@@ -202,11 +277,19 @@ class Watchdog:
             event.set()
         for callback in callbacks:
             callback()
-        if self.group is not None:
-            try:
-                self.group.abort()  # unblocks NCCL; gloo ignores it (see the module doc)
-            except Exception:
-                log.debug("abort of world %d's group failed", self.world.version, exc_info=True)
+        if self.group is not None and (waiters or self.in_flight()):
+            self.abort()
+
+    def abort(self) -> None:
+        """Abort the world's group: what unblocks NCCL's kernels (gloo ignores it, see the
+        module doc). Only when a collective is in flight: a world that moved on after its
+        works completed keeps its group, so no abort cuts a committed step's kernels."""
+        if self.group is None:
+            return
+        try:
+            self.group.abort()
+        except Exception:
+            log.debug("abort of world %d's group failed", self.world.version, exc_info=True)
 
     def on_trip(self, callback: Callable[[], None]) -> None:
         """Call `callback()` when the watchdog trips (at once if it has)."""
@@ -264,6 +347,8 @@ class ElasticProcessGroup:
         self.world: DistWorld | None = None
         self.watchdog: Watchdog | None = None
         self.group: dist.ProcessGroup | None = None
+        self.backend = "gloo"
+        """The current (or last) world's backend."""
         self.graveyard: list[tuple[Any, list[dist.Work]]] = []
         """Abandoned (group, store) pairs with their unfinished works: see the module doc."""
         self._works: list[dist.Work] = []
@@ -281,9 +366,14 @@ class ElasticProcessGroup:
         view = self.worker.view
         if view.world_version != assignment.world_version:  # moved on meanwhile: start over
             return self.init_process_group(backend, **options)
+        if backend == "nccl":
+            self._nccl_environment()
         world = self._store(view, deadline)
         self.world = world
-        self.watchdog = Watchdog(self.worker, world).start()
+        self.backend = backend
+        self.watchdog = Watchdog(self.worker, world)
+        self.watchdog.in_flight = self._in_flight
+        self.watchdog.start()
         self._arrive(world, deadline)
         try:
             dist.init_process_group(
@@ -300,7 +390,7 @@ class ElasticProcessGroup:
         self.group = dist.distributed_c10d._get_default_group()
         self.watchdog.group = self.group
         if self.watchdog.tripped.is_set():
-            self.watchdog.trip(self.watchdog.reason)  # tripped before the group existed: abort it
+            self.watchdog.abort()  # tripped before the group existed: nothing of it may run
         log.info("rank %d of %d in world %d (%s)", world.rank, world.size, world.version, backend)
         return world
 
@@ -400,13 +490,28 @@ class ElasticProcessGroup:
         config = self.worker.view.config
         return (config.heartbeat_timeout if config is not None else 5.0) + 2.0
 
+    def _nccl_environment(self) -> None:
+        """TORCH_NCCL_ASYNC_ERROR_HANDLING as `nccl_environment` decides, before the group."""
+        updates, said = nccl_environment(os.environ)
+        os.environ.update(updates)
+        if said is not None:
+            log.info("%s", said)
+
+    def _in_flight(self) -> bool:
+        """Whether a tracked work of the current group is not complete (NCCL: on the GPU)."""
+        return any(not w.is_completed() for w in self._works)
+
     def close(self) -> None:
-        """Leave the current world's group; a group with unfinished works is pinned."""
+        """Leave the current world's group. One with unfinished works is aborted (NCCL:
+        its kernels end, at once rather than at `collective_timeout`) or pinned (gloo)."""
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.group is not None:
             pending = [w for w in self._works if not w.is_completed()]
-            if pending:
+            if pending and aborts_when_abandoned(self.backend):
+                assert self.watchdog is not None
+                self.watchdog.abort()
+            elif pending:
                 assert self.world is not None
                 self.graveyard.append((_pin((self.group, self.world.store)), pending))
             if dist.is_initialized():

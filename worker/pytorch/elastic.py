@@ -39,6 +39,7 @@ from cohort.worker.collective.redis_collective import Collective
 from cohort.worker.errors import AccumulationError, WorkerError, WorldChangedError
 from cohort.worker.loop.elastic import POLL, Elastic, EpochEnd, Step, reducible
 from cohort.worker.pytorch import sync as torch_sync
+from cohort.worker.pytorch.completion import HostCompletion, completion_of
 from cohort.worker.pytorch.devices import rank_device
 from cohort.worker.pytorch.loader import Stale, StepLoader
 from cohort.worker.pytorch.micro import MicroBatches, gate_scaler, gate_scheduler
@@ -400,7 +401,8 @@ class ElasticJob(Elastic):
         model = self._model()
         if self.backend is None:
             self._scale(model, self._last_factor(current))
-        if (self._mean is not None and self._mean.aborted) or not self.before_apply():
+        mean = self._mean
+        if (mean is not None and not mean.settle(current.step)) or not self.before_apply():
             if self.overlapped is not None:
                 self.overlapped.cancel()
             self.abort()  # a dead peer's world, or the job moved on: built again
@@ -427,11 +429,14 @@ class ElasticJob(Elastic):
             return
         from torch.nn.parallel import DistributedDataParallel
 
+        from cohort.worker.pytorch.dist import ddp_devices, group_options
+
         self.ddp = self._mean = None  # the old world's reducer and hooks go before new ones
         self._rebuilt = False
-        self.rdzv.init_process_group(self.backend)
+        self.rdzv.init_process_group(self.backend, **group_options(self.backend, self.device))
         state = self.state
         assert isinstance(state, TorchState)
+        devices = {p.device for p in state.model.parameters()}
         # The state was broadcast already; buffers travel with it at each world start. The
         # gradients are views into DDP's buckets: the comm hook's division is then the only
         # pass over them besides the allreduce (DDP's own hook fuses it with a copy in, and
@@ -441,9 +446,21 @@ class ElasticJob(Elastic):
             init_sync=False,
             forward_sync_buffers=False,
             gradient_as_bucket_view=True,
+            **ddp_devices(devices),
         )
-        self._mean = GuardedMean(self.rdzv, self._may_launch)
+        device = next(iter(devices)) if devices else self.device
+        self._mean = GuardedMean(self.rdzv, self._may_launch, completion_of(device))
         self.ddp.register_comm_hook(self._mean, _guarded_allreduce)
+
+    def close(self) -> None:
+        """Leave the job (see the base job's `close`), then destroy the last world's process
+        group (an NCCL one with works in flight is aborted first: dist.py)."""
+        try:
+            super().close()
+        finally:
+            if self.rdzv is not None:
+                self.ddp = self._mean = None
+                self.rdzv.close()
 
     def _buckets_rebuilt(self, ddp: Any) -> bool:
         """Under DDP, before a forward: DDP's one collective outside the comm hook, the
@@ -524,7 +541,7 @@ class ElasticJob(Elastic):
         if self._seed is not None:
             torch.manual_seed(step_seed(self._seed, current.step, current.rank))
         if self._mean is not None:
-            self._mean.aborted = False
+            self._mean.begin()
         if self.overlapped is not None:
             self.overlapped.begin(current.step, current.world, self._gate)
 
@@ -788,15 +805,22 @@ def _under_ddp(model: torch.nn.Module, job: ElasticJob) -> torch.nn.Module:
 class GuardedMean:
     """DDP's bucket allreduce in one world (the mean over its ranks), each completed with
     zeros if the journal says the world ended first: a dead peer never hangs backward, and
-    `aborted` says the step's gradients are not the world's (it is skipped)."""
+    `aborted` says the step's gradients are not the world's (it is skipped).
 
-    def __init__(self, rdzv: Any, may_launch: Callable[[], bool]) -> None:
+    Where a result goes to DDP before its data is there (NCCL: `completion` is deferred),
+    the step's works are kept, and `settle` waits for them on the device before the step
+    applies (docs/gpu.md, "The NCCL route's step protocol")."""
+
+    def __init__(
+        self, rdzv: Any, may_launch: Callable[[], bool], completion: HostCompletion
+    ) -> None:
         import torch.distributed as dist
 
         self.rdzv = rdzv
         self.may_launch = may_launch
         """Whether this step's collective may start (a stale step's must not: its retry
         brings this rank's part)."""
+        self.completion = completion
         self.dog = rdzv.watchdog
         self.size = dist.get_world_size()
         self.scale = 1.0
@@ -804,13 +828,15 @@ class GuardedMean:
         self.aborted = False
         self._pending: dict[int, tuple[torch.futures.Future[torch.Tensor], torch.Tensor]] = {}
         """The results DDP waits for, by id, with their buckets: what a trip completes."""
+        self._works: list[Any] = []
+        """The step's works whose data a deferred completion has not seen arrive yet."""
         self._lock = threading.Lock()
         self.dog.on_trip(self._trip)  # once per world: a bucket's result leaves no callback
 
     def reduce(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         import torch.distributed as dist
 
-        result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        result = self.completion.result(tensor)
         if self.dog.tripped.is_set() or not self.may_launch():
             self._zeros(result, tensor)
             return result
@@ -819,9 +845,11 @@ class GuardedMean:
         self.rdzv.track(work)  # pinned with its group if the world is abandoned
         with self._lock:
             self._pending[id(result)] = (result, tensor)
+            if self.completion.deferred:
+                self._works.append(work)
         if self.dog.tripped.is_set():  # tripped before the result was pending: not drained
             self._trip()
-        work.get_future().add_done_callback(lambda done: self._finish(result, done))
+        self.completion.hand_over(work, tensor, lambda done: self._finish(result, done))
         return result
 
     def _finish(self, result: torch.futures.Future[torch.Tensor], done: Any) -> None:
@@ -832,7 +860,7 @@ class GuardedMean:
         with self._lock:
             if self._pending.pop(id(result), None) is None:
                 return  # the world ended first: completed with zeros
-        result.set_result(value)
+        result.set_result(value)  # on CUDA: in the callback's streams, after NCCL's kernel
 
     def _trip(self) -> None:
         with self._lock:
@@ -843,6 +871,46 @@ class GuardedMean:
     def _zeros(self, result: torch.futures.Future[torch.Tensor], tensor: torch.Tensor) -> None:
         self.aborted = True
         result.set_result(torch.zeros_like(tensor))
+
+    def begin(self) -> None:
+        """A step begins: nothing of it aborted, no work of it in flight."""
+        with self._lock:
+            self.aborted = False
+            self._works = []
+
+    def settle(self, step: int) -> bool:
+        """Before the step applies: whether its collectives completed on their devices in
+        a world that stands. A deferred completion's works are fenced on a side thread the
+        watchdog guards (a trip aborts the group, which ends the kernels: False). A work
+        that failed while the journal says nothing yet waits for it: WorldChangedError
+        (False here) if it explains within the grace, else the error stands."""
+        with self._lock:
+            works, self._works = self._works, []
+        if self.aborted or not works:
+            return not self.aborted
+        done, failed = threading.Event(), []
+
+        def fence() -> None:
+            try:
+                self.completion.fence(works)
+            except Exception as error:  # gloo: "Connection closed by peer"; NCCL: aborted
+                failed.append(error)
+            finally:
+                done.set()
+
+        threading.Thread(target=fence, name="cohort-step-fence", daemon=True).start()
+        if self.dog.wait(done) and not failed:
+            return True
+        self.aborted = True
+        if failed:
+            log.warning("world %d broke in step %d's allreduce: %s", self.dog.world.version,
+                        step, failed[0])  # fmt: skip
+            try:
+                self.rdzv._world_changed(failed[0], step)
+            except WorldChangedError:
+                return False
+            raise failed[0]
+        return False
 
 
 def _guarded_allreduce(mean: GuardedMean, bucket):  # type: ignore[no-untyped-def]
