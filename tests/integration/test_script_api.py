@@ -157,12 +157,14 @@ def test_the_gloo_routes_clean_finish_says_no_world_is_over(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its ranks leaving a finished job end the last world: no news, and nothing to join
-    again for (it said "world 1 is over: ... join again to return")."""
+    again for (it said "world 1 is over: ... join again to return"). The job's close
+    destroys the last world's process group."""
     _torch()
     monkeypatch.setenv("COHORT_TORCH_BACKEND", "gloo")
-    run, _ = launch("torch", tmp_path, "--max-steps", "12", "--batch-size", "16")
+    run, reports = launch("torch", tmp_path, "--max-steps", "12", "--batch-size", "16")
     assert "finished at step 11" in run.output
     assert not [line for line in run.lines if "is over" in line or "join again" in line]
+    assert [r["process_group"] for r in reports] == [False, False]
 
 
 def test_a_copy_started_after_the_job_finished_says_so_in_one_line_and_exits_0(

@@ -74,6 +74,7 @@ def torch_route(out: Path) -> tuple[Any, dict[str, Any]]:
         report["epochs"].append([epoch, seen(job)])  # after the epoch's loop: that epoch's
         report["validations"].append(validate(job))
     report["after"] = seen(job)
+    report["process_group"] = torch.distributed.is_initialized()  # the job closed: destroyed
     report["saved"] = job.save(out / "final.pt")
     report["weights"] = [p.detach().flatten().tolist() for p in model.parameters()]
     return job, report
