@@ -1,12 +1,13 @@
 """GPU rules: which advice a worker's GPU reading calls for, with hysteresis and priorities.
 
-A rule watches one metric of a reading (`memory_pct` = used/total memory in %,
-`temperature` in °C, `power_w`, `utilization_gpu`, `utilization_memory` in %)
-and advises the worker's data loader (`reduce_prefetch` by a factor,
-`delay_transfers` by some seconds, `prioritise_model_files`), after the
-SeaweedFS GPU coordinator seed. Everything here is pure: `decide` asks
-`evaluate` what changed and journals the answer as `GpuAdviceIssued` /
-`GpuAdviceCleared`; `fold` keeps the active set with `next_active`.
+A rule watches one metric of a reading (`memory_pct` = used/total memory in %, less
+PyTorch's cache where the reading tells it, `temperature` in °C, `power_w`,
+`utilization_gpu`, `utilization_memory` in %) and advises the worker's data loader
+(`reduce_prefetch` by a factor, `delay_transfers` by some seconds,
+`prioritise_model_files`), after the SeaweedFS GPU coordinator seed. Everything
+here is pure: `decide` asks `evaluate` what changed and journals the answer as
+`GpuAdviceIssued` / `GpuAdviceCleared`; `fold` keeps the active set with
+`next_active`.
 
 Exact semantics of `evaluate(rules, active, reading)`, per rule and per target
 (each device of the reading for scope "device"; the worker as a whole, device
@@ -324,11 +325,14 @@ class Clear:
 
 
 def metric_value(device: GpuDevice, metric: GpuMetric) -> float | None:
-    """The metric of one device; None when the device does not report it."""
+    """The metric of one device; None when the device does not report it. Memory in use
+    leaves out PyTorch's cache (`memory_cached`), which the process reuses before it asks
+    the GPU for more: a process that merely caches is under no pressure."""
     if metric == "memory_pct":
         if device.memory_total <= 0:
             return None
-        return min(100.0, 100.0 * device.memory_used / device.memory_total)
+        used = max(0, device.memory_used - (device.memory_cached or 0))
+        return min(100.0, 100.0 * used / device.memory_total)
     value: float | None = getattr(device, metric)
     return None if value is None or math.isnan(value) else float(value)
 

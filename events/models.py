@@ -219,6 +219,9 @@ class GpuDevice(BaseModel):
     power_w: Annotated[float, Field(ge=0, le=100_000)] | None = None
     memory_free: Count | None = None
     processes: tuple[GpuProcess, ...] = Field(default=(), max_length=MAX_GPU_PROCESSES)
+    memory_cached: Count | None = None
+    """Of `memory_used`, what the reporting process's PyTorch caching allocator holds with no
+    tensor in it (reserved - allocated); None where that process does not run torch on CUDA."""
 
 
 class Workload(BaseModel):
@@ -259,6 +262,10 @@ class TransfersWaiting(Event):
 
 
 class GpuReading(Event):
+    """The GPUs a worker's process was given, read through NVML (each under its NVML index).
+    Still v1 as its devices gained fields (`memory_free`, `processes`, `memory_cached`):
+    each may be missing, from older workers (docs/wire-format.md)."""
+
     type: Literal["GpuReading"] = "GpuReading"
     worker: WorkerId
     devices: tuple[GpuDevice, ...] = Field(default=(), max_length=64)

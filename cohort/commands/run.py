@@ -7,7 +7,7 @@ import re
 import shutil
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ from cohort.commands.shared import (
 from cohort.errors import Exit
 
 if TYPE_CHECKING:
+    from cohort.launcher.gpus import NodeGpus
     from cohort.launcher.launcher import LaunchSettings
 
 
@@ -37,7 +38,9 @@ if TYPE_CHECKING:
     default="1",
     show_default=True,
     metavar="N|gpu",
-    help="Ranks to run on this node; `gpu`: one per GPU NVML sees.",
+    help="Ranks to run on this node; `gpu`: one per GPU a process can open (those "
+    "CUDA_VISIBLE_DEVICES names, else NVML's), less the --spares. With GPUs, each process "
+    "(spares too) gets one of its own through CUDA_VISIBLE_DEVICES.",
 )
 @click.option(
     "--spares",
@@ -46,8 +49,9 @@ if TYPE_CHECKING:
     metavar="K",
     help="Warm spares to keep on this node besides its ranks: each runs the script up to its "
     "first step (imports, model, loader) and waits there, synced, in no world; when a rank "
-    "is lost a spare takes its place at once and a new spare starts behind it. For scripts "
-    "on cohort's elastic loop (ElasticJob, NumpyElasticJob).",
+    "is lost a spare takes its place at once and a new spare starts behind it. With GPUs, "
+    "each spare has a GPU of its own. For scripts on cohort's elastic loop (ElasticJob, "
+    "NumpyElasticJob).",
 )
 @job_option(
     "The job (default $COHORT_JOB, else a name made from the script, its arguments, the job "
@@ -163,7 +167,8 @@ def _launch_settings(
     _check_node(node)
     argv = _command(command)
     _check_shadowing(argv)
-    ranks = _ranks(params["nproc"])
+    gpus = node_gpus()
+    ranks = _ranks(params["nproc"], lambda: gpus, _spare_count(params["spares"]))
     redis_url = ctx.obj.get("redis_url")
     # the job's name comes from the settings as given: -n (and the start-up wait it sets) may
     # change between the runs of one job
@@ -174,13 +179,15 @@ def _launch_settings(
     if not redis_url:
         _start_with_every_rank(job_settings_given, ranks)
     spares = _spares(params["spares"], ranks, config.max_workers)
+    placement = _placement(gpus, ranks, spares)
     coordinators = 0 if params["no_coordinator"] else params["coordinators"]
     if redis_url:
         _check_shared_redis(ctx, job, node, job_settings_given, params["wait_for_redis"])
         _check_credentials(ctx, job, node, params["worker_credentials"])
     kept = f" and {spares} spare(s)" if spares else ""
+    each = f", one GPU each ({gpus.source})" if placement else ""
     click.echo(
-        f"cohort run: job {job!r}, {ranks} rank(s){kept} on node {node!r}, logs in {run_dir}"
+        f"cohort run: job {job!r}, {ranks} rank(s){kept} on node {node!r}{each}, logs in {run_dir}"
     )
     return LaunchSettings(
         job=job,
@@ -199,6 +206,7 @@ def _launch_settings(
         stop_grace=params["stop_grace"],
         worker_credentials=params["worker_credentials"],
         spares=spares,
+        gpus=placement,
         exit_reports=params["exit_reports"],
         resuming=resuming,
     )
@@ -298,24 +306,32 @@ def _check_shadowing(argv: tuple[str, ...]) -> None:
         fail(shadowing_said(folder, package, argv))
 
 
-def _ranks(text: str, count_gpus: Callable[[], int] | None = None) -> int:
-    """-n: a number of ranks >= 1, or `gpu` for one per GPU NVML sees."""
+def _ranks(text: str, gpus: Callable[[], NodeGpus] | None = None, spares: int = 0) -> int:
+    """-n: a number of ranks >= 1, or `gpu` for one per GPU of the node that `spares` spares
+    leave (launcher/gpus.py)."""
+    from cohort.launcher.gpus import PlacementError, trainers_for
+
     if text == "gpu":
-        count = (count_gpus or gpu_count)()
-        if count == 0:
-            fail("-n gpu: NVML sees no GPU on this machine; give a number of ranks (-n 2)")
-        return count
+        try:
+            return trainers_for((gpus or node_gpus)(), spares)
+        except PlacementError as exc:
+            fail(str(exc))
     if not text.isdigit() or int(text) < 1:
         fail(f"-n {text}: give a number of ranks of 1 or more, or `gpu`")
+    return int(text)
+
+
+def _spare_count(text: str) -> int:
+    """--spares as a number of spares, 0 or more, else exit 2 naming it."""
+    if not text.isdigit():
+        fail(f"--spares {text}: give a number of spares of 0 or more (0: none)")
     return int(text)
 
 
 def _spares(text: str, ranks: int = 1, max_workers: int = 64) -> int:
     """--spares: a number of warm spares, 0 or more, that fits in the job's max_workers
     beside this node's ranks (a spare is a member: one beyond it would be refused)."""
-    if not text.isdigit():
-        fail(f"--spares {text}: give a number of spares of 0 or more (0: none)")
-    if ranks + int(text) > max_workers:
+    if ranks + _spare_count(text) > max_workers:
         fail(
             f"--spares {text}: {ranks} rank(s) and {text} spare(s) are more members than the "
             f"job's max_workers={max_workers}; raise --max-workers or keep fewer spares"
@@ -323,17 +339,31 @@ def _spares(text: str, ranks: int = 1, max_workers: int = 64) -> int:
     return int(text)
 
 
-def gpu_count(nvml: Any = None) -> int:
-    """The GPUs NVML sees here (0 without a driver or NVML); `nvml` stands in for pynvml."""
-    import logging
+def node_gpus(env: Mapping[str, str] | None = None, nvml: Any = None) -> NodeGpus:
+    """The devices this node's processes may use, one CUDA_VISIBLE_DEVICES entry each: the
+    ones an inherited CUDA_VISIBLE_DEVICES names, as CUDA reads it (trusted as given: the
+    launcher opens no GPU), else each device NVML sees (a GPU, or each MIG instance of one in
+    MIG mode) by UUID; none without NVML. `env` and `nvml` stand in for the process's own."""
+    from cohort.launcher.gpus import NodeGpus
+    from cohort.worker.telemetry.gpu import read_gpus
+    from cohort.worker.telemetry.visible import VISIBLE_ENV, cuda_devices, visible_entries
 
-    from cohort.worker.telemetry.gpu import probe
+    env = os.environ if env is None else env
+    given = env.get(VISIBLE_ENV)
+    if given is not None:
+        return NodeGpus(visible_entries(given), f"{VISIBLE_ENV}={given!r}")
+    found, said = read_gpus(nvml)
+    return NodeGpus(cuda_devices(found), said)
 
-    found = probe(logging.getLogger("cohort.run"), nvml=nvml)
+
+def _placement(gpus: NodeGpus, ranks: int, spares: int) -> tuple[str, ...]:
+    """Each slot's own GPU (launcher/gpus.py), or exit 2 saying which -n and --spares fit."""
+    from cohort.launcher.gpus import PlacementError, place
+
     try:
-        return len(found.sample()) if found.available else 0
-    finally:
-        found.close()
+        return place(gpus, ranks, spares)
+    except PlacementError as exc:
+        fail(str(exc))
 
 
 def _check_shared_redis(

@@ -100,6 +100,10 @@ class LaunchSettings:
     spares: int = 0
     """Warm spares to keep on this node besides `ranks` (their scripts wait, synced, for a
     lost rank's place)."""
+    gpus: tuple[str, ...] = ()
+    """Each slot's own GPU, its process's CUDA_VISIBLE_DEVICES (slot i, trainer or spare, and
+    every process that replaces it: the i-th; launcher/gpus.py). Empty: the node has no GPU,
+    and the processes' environment is left as it is."""
     resuming: bool = False
     """`run_dir` holds an earlier run of the job that did not finish: its private Redis is
     started again on the run's AOF and the job goes on from there."""
@@ -281,6 +285,7 @@ class Launcher:
             "node": settings.node,
             "ranks": settings.ranks,
             "spares": settings.spares,
+            "gpus": list(settings.gpus),
             "command": list(settings.command),
             "run_dir": str(settings.run_dir),
             "started": self.started_at,
@@ -478,6 +483,7 @@ class Launcher:
             "COHORT_WORKER_ID": worker,
             "COHORT_SPARE": "1" if spare else "0",
             "PYTHONUNBUFFERED": "1",
+            **({"CUDA_VISIBLE_DEVICES": self.settings.gpus[index]} if self.settings.gpus else {}),
         }
         log = self.log_dir / f"rank-{index}.log"
         with log.open("a") as handle:

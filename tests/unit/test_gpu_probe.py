@@ -1,8 +1,11 @@
-"""GPU probes against a fake pynvml (the real module's names and error classes), and the sampler."""
+"""GPU probes against a fake pynvml (the real module's names and error classes), and the sampler;
+each process reads the GPUs CUDA_VISIBLE_DEVICES gives it (a GPU UUID, a MIG UUID, an index)."""
 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -13,9 +16,18 @@ import pytest
 
 from cohort.events.clock import ManualClock
 from cohort.events.models import GpuDevice
-from cohort.worker.telemetry.gpu import GpuProbe, GpuSampler, NoGpuProbe, NvmlProbe, probe
+from cohort.worker.telemetry.gpu import (
+    GpuProbe,
+    GpuSampler,
+    NoGpuProbe,
+    NvmlProbe,
+    probe,
+    torch_cache,
+)
 
 GiB = 2**30
+Handle = int | tuple[int, int]
+"""A fake NVML handle: a GPU's index, or (its index, a slot) for a MIG instance."""
 
 
 @dataclass
@@ -31,15 +43,37 @@ class FakeGpu:
     errors: dict[str, type[Exception]] = field(default_factory=dict)
     """pynvml function name -> the NVMLError subclass it raises for this device."""
     lost: bool = False
+    uuid: str = ""
+    """Default: GPU-fake-<its index>."""
+    pci_bus_id: str = ""
+    """Default: 00000000:<its index, 2 hex digits>:00.0 (NVML's order is PCI bus order)."""
+    migs: list[FakeGpu] | None = None
+    """None: MIG mode off; else its MIG instances (their UUIDs MIG-…), one per slot."""
+
+
+def mig(uuid: str, total: int = 5 * GiB, used: int = GiB) -> FakeGpu:
+    """A MIG instance: its own memory; utilisation, temperature and power unsupported, as
+    NVML says of MIG devices."""
+    unsupported = ("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetTemperature",
+                   "nvmlDeviceGetPowerUsage")  # fmt: skip
+    return FakeGpu(
+        name="NVIDIA A100-SXM4-40GB MIG 1g.5gb", total=total, used=used, uuid=uuid,
+        errors=dict.fromkeys(unsupported, pynvml.NVMLError_NotSupported),
+    )  # fmt: skip
 
 
 class FakeNvml:
     """Stands in for the `pynvml` module: same function names, the real NVMLError classes."""
 
     NVML_TEMPERATURE_GPU = pynvml.NVML_TEMPERATURE_GPU
+    NVML_DEVICE_MIG_ENABLE = pynvml.NVML_DEVICE_MIG_ENABLE
+    NVML_DEVICE_MIG_DISABLE = pynvml.NVML_DEVICE_MIG_DISABLE
 
     def __init__(self, *gpus: FakeGpu) -> None:
         self.gpus = list(gpus)
+        for index, gpu in enumerate(self.gpus):
+            gpu.uuid = gpu.uuid or f"GPU-fake-{index}"
+            gpu.pci_bus_id = gpu.pci_bus_id or f"00000000:{index:02X}:00.0"
         self.driver_loaded = True
         self.initialised = False
         self.init_calls = 0
@@ -56,9 +90,15 @@ class FakeNvml:
         if not self.initialised:
             raise pynvml.NVMLError_Uninitialized()
 
-    def _gpu(self, handle: int, fn: str) -> FakeGpu:
+    def _gpu(self, handle: Handle, fn: str) -> FakeGpu:
+        """The device of `handle`: an index, or (index, slot) for a MIG instance."""
         self._ready()
-        gpu = self.gpus[handle]
+        if isinstance(handle, tuple):
+            parent = self.gpus[handle[0]]
+            assert parent.migs is not None
+            gpu = parent.migs[handle[1]]
+        else:
+            gpu = self.gpus[handle]
         if gpu.lost:
             raise pynvml.NVMLError_GpuIsLost()
         if fn in gpu.errors:
@@ -91,27 +131,55 @@ class FakeNvml:
         self._gpu(index, "nvmlDeviceGetHandleByIndex")
         return index
 
-    def nvmlDeviceGetName(self, handle: int) -> str:
+    def nvmlDeviceGetUUID(self, handle: Handle) -> str:
+        return self._gpu(handle, "nvmlDeviceGetUUID").uuid
+
+    def nvmlDeviceGetPciInfo(self, handle: int) -> SimpleNamespace:
+        return SimpleNamespace(busId=self._gpu(handle, "nvmlDeviceGetPciInfo").pci_bus_id)
+
+    def nvmlDeviceGetMigMode(self, handle: int) -> list[int]:
+        on = self._gpu(handle, "nvmlDeviceGetMigMode").migs is not None
+        mode = pynvml.NVML_DEVICE_MIG_ENABLE if on else pynvml.NVML_DEVICE_MIG_DISABLE
+        return [mode, mode]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: int) -> int:
+        self._gpu(handle, "nvmlDeviceGetMaxMigDeviceCount")
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: int, slot: int) -> tuple[int, int]:
+        migs = self._gpu(handle, "nvmlDeviceGetMigDeviceHandleByIndex").migs or []
+        if slot >= len(migs):
+            raise pynvml.NVMLError_NotFound()
+        return (handle, slot)
+
+    def nvmlDeviceGetName(self, handle: Handle) -> str:
         return self._gpu(handle, "nvmlDeviceGetName").name
 
-    def nvmlDeviceGetMemoryInfo(self, handle: int) -> SimpleNamespace:
+    def nvmlDeviceGetMemoryInfo(self, handle: Handle) -> SimpleNamespace:
         gpu = self._gpu(handle, "nvmlDeviceGetMemoryInfo")
         return SimpleNamespace(total=gpu.total, used=gpu.used, free=gpu.total - gpu.used)
 
-    def nvmlDeviceGetUtilizationRates(self, handle: int) -> SimpleNamespace:
+    def nvmlDeviceGetUtilizationRates(self, handle: Handle) -> SimpleNamespace:
         gpu = self._gpu(handle, "nvmlDeviceGetUtilizationRates")
         return SimpleNamespace(gpu=gpu.util_gpu, memory=gpu.util_memory)
 
-    def nvmlDeviceGetTemperature(self, handle: int, sensor: int) -> int:
+    def nvmlDeviceGetTemperature(self, handle: Handle, sensor: int) -> int:
         assert sensor == pynvml.NVML_TEMPERATURE_GPU
         return self._gpu(handle, "nvmlDeviceGetTemperature").temperature
 
-    def nvmlDeviceGetPowerUsage(self, handle: int) -> int:
+    def nvmlDeviceGetPowerUsage(self, handle: Handle) -> int:
         return self._gpu(handle, "nvmlDeviceGetPowerUsage").power_mw
 
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[SimpleNamespace]:
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Handle) -> list[SimpleNamespace]:
         gpu = self._gpu(handle, "nvmlDeviceGetComputeRunningProcesses")
         return [SimpleNamespace(pid=pid, usedGpuMemory=mem) for pid, mem in gpu.processes]
+
+
+@pytest.fixture(autouse=True)
+def no_devices_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe reads what this test gives it, not a CUDA_VISIBLE_DEVICES of the machine's."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
 
 
 @pytest.fixture
@@ -278,6 +346,95 @@ def test_this_machine_without_a_gpu_says_so_once(
     said = [r for r in caplog.records if r.name == "test.gpu"]
     assert len(said) == 1 and said[0].levelno == logging.INFO
     assert "NVML library not found: no NVIDIA driver on this machine" in said[0].getMessage()
+
+
+# ---------------------------------------------------------------- one process, its own GPUs
+
+
+def four_gpus() -> FakeNvml:
+    return FakeNvml(*(FakeGpu(used=(1 + i) * GiB) for i in range(4)))
+
+
+def test_a_process_given_one_gpu_by_uuid_reads_that_one_under_its_nvml_index(
+    log: logging.Logger,
+) -> None:
+    nvml = four_gpus()
+    gpu = NvmlProbe(nvml, clock=ManualClock(), log=log, env={"CUDA_VISIBLE_DEVICES": "GPU-fake-2"})
+
+    (device,) = gpu.sample()
+
+    assert device.index == 2 and device.memory_used == 3 * GiB
+    assert gpu.status == "NVML: 1 device(s)"
+
+
+def test_four_ranks_of_a_node_send_four_readings_not_sixteen(log: logging.Logger) -> None:
+    nvml = four_gpus()
+    readings = [
+        NvmlProbe(nvml, clock=ManualClock(), log=log, env={"CUDA_VISIBLE_DEVICES": f"{i}"}).sample()
+        for i in range(4)
+    ]
+    assert [[d.index for d in r] for r in readings] == [[0], [1], [2], [3]]
+
+
+def test_a_process_given_a_mig_instance_reads_its_memory_alone(log: logging.Logger) -> None:
+    nvml = FakeNvml(FakeGpu(), FakeGpu(migs=[mig("MIG-one"), mig("MIG-two", used=4 * GiB)]))
+    gpu = NvmlProbe(nvml, clock=ManualClock(), log=log, env={"CUDA_VISIBLE_DEVICES": "MIG-two"})
+
+    (device,) = gpu.sample()
+
+    assert device.index == 1  # the GPU it is an instance of
+    assert (device.memory_total, device.memory_used) == (5 * GiB, 4 * GiB)
+    assert device.utilization_gpu is None and device.temperature is None
+
+
+def test_a_process_given_a_gpu_nvml_does_not_see_reads_none_and_says_why_once(
+    log: logging.Logger, caplog: pytest.LogCaptureFixture
+) -> None:
+    env = {"CUDA_VISIBLE_DEVICES": "GPU-elsewhere"}
+    with caplog.at_level(logging.INFO):
+        gpu = NvmlProbe(four_gpus(), clock=ManualClock(), log=log, env=env)
+        readings = [gpu.sample() for _ in range(3)]
+    assert readings == [(), (), ()]
+    assert records(caplog, logging.WARNING) == [
+        "GPU readings of this process: CUDA_VISIBLE_DEVICES entry 'GPU-elsewhere' names no "
+        "device NVML sees"
+    ]
+
+
+def test_a_process_hidden_from_every_gpu_reads_none(log: logging.Logger) -> None:
+    gpu = NvmlProbe(four_gpus(), clock=ManualClock(), log=log, env={"CUDA_VISIBLE_DEVICES": "-1"})
+    assert gpu.sample() == () and gpu.available and gpu.status == "NVML: 0 device(s)"
+
+
+def test_the_reading_carries_pytorch_s_cache_of_the_process_s_device(log: logging.Logger) -> None:
+    asked: list[int] = []
+
+    def cache(ordinal: int) -> int | None:
+        asked.append(ordinal)
+        return 6 * GiB
+
+    env = {"CUDA_VISIBLE_DEVICES": "GPU-fake-3"}
+    gpu = NvmlProbe(four_gpus(), clock=ManualClock(), log=log, env=env, cache=cache)
+    (device,) = gpu.sample()
+    assert device.memory_cached == 6 * GiB and asked == [0]  # its cuda:0
+
+
+def test_without_torch_in_the_process_the_cache_is_unknown_and_torch_is_not_imported() -> None:
+    """Run in a fresh interpreter: this test process may have imported torch already."""
+    code = (
+        "import sys\n"
+        "from cohort.worker.telemetry.gpu import torch_cache\n"
+        "assert torch_cache(0) is None\n"
+        "assert 'torch' not in sys.modules, 'the telemetry imported torch'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_with_torch_but_no_cuda_context_the_cache_is_unknown_and_none_is_opened() -> None:
+    torch = pytest.importorskip("torch")
+    assert torch_cache(0) is None
+    assert not torch.cuda.is_initialized()
 
 
 class ScriptedProbe:

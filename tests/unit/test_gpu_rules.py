@@ -225,6 +225,25 @@ def test_memory_pct_is_used_over_total() -> None:
     assert metric_value(GpuDevice(index=0), "memory_pct") is None
 
 
+def test_memory_pct_leaves_out_pytorch_s_cache_of_the_process() -> None:
+    cached = GpuDevice(index=0, memory_total=200, memory_used=180, memory_cached=100)
+    assert metric_value(cached, "memory_pct") == 40.0
+    odd = GpuDevice(index=0, memory_total=200, memory_used=50, memory_cached=80)
+    assert metric_value(odd, "memory_pct") == 0.0  # never below nothing
+
+
+def test_a_process_that_merely_caches_gets_no_memory_advice_by_default() -> None:
+    """PyTorch's allocator keeps freed blocks reserved: NVML says 90 % used, but 40 % of the
+    GPU is cache the process's next tensors reuse. No pressure, no advice; without the cache
+    figure (a reading that cannot tell it) the same 90 % is advised as before."""
+    total = 100 * GiB
+    caching = GpuDevice(index=0, memory_total=total, memory_used=90 * GiB, memory_cached=40 * GiB)
+    assert evaluate(DEFAULT_RULES, frozenset(), reading(caching)) == ([], [])
+    unknown = caching.model_copy(update={"memory_cached": None})
+    issues, _ = evaluate(DEFAULT_RULES, frozenset(), reading(unknown))
+    assert {a.action.kind for a in issues} == {"reduce_prefetch", "prioritise_model_files"}
+
+
 # ---------------------------------------------------------------- properties
 
 METRICS = ("memory_pct", "temperature")

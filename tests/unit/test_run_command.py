@@ -1,13 +1,14 @@
-"""`cohort run -n`: a number of ranks, or one per GPU NVML sees (a fake NVML here);
-`--spares`: a number of warm spares."""
+"""`cohort run -n`: a number of ranks, or one per GPU a process can open (a fake NVML here);
+`--spares`: a number of warm spares; each process's own GPU, or a refusal naming what fits."""
 
 from __future__ import annotations
 
 import pytest
 
-from cohort.commands.run import _ranks, _spares, _start_with_every_rank, gpu_count
+from cohort.commands.run import _placement, _ranks, _spares, _start_with_every_rank, node_gpus
 from cohort.commands.settings import JobSettings
-from tests.unit.test_gpu_probe import FakeGpu, FakeNvml
+from cohort.launcher.gpus import NodeGpus
+from tests.unit.test_gpu_probe import FakeGpu, FakeNvml, mig
 
 
 def test_a_number_of_ranks_is_taken_as_it_is() -> None:
@@ -49,19 +50,80 @@ def test_more_spares_than_max_workers_allow_beside_the_ranks_are_refused_by_name
     assert "--spares 2: 3 rank(s) and 2 spare(s)" in said and "max_workers=4" in said
 
 
-def test_gpu_is_one_rank_per_gpu_nvml_sees() -> None:
-    assert gpu_count(FakeNvml(FakeGpu(), FakeGpu(), FakeGpu())) == 3
-    assert _ranks("gpu", lambda: 3) == 3
+def test_gpu_is_one_rank_per_gpu_nvml_sees_each_given_by_uuid() -> None:
+    gpus = node_gpus({}, FakeNvml(FakeGpu(), FakeGpu(), FakeGpu()))
+    assert gpus == NodeGpus(("GPU-fake-0", "GPU-fake-1", "GPU-fake-2"), "NVML sees 3 GPU(s)")
+    assert _ranks("gpu", lambda: gpus) == 3
+
+
+def test_gpu_with_spares_leaves_each_spare_a_gpu_of_its_own() -> None:
+    gpus = node_gpus({}, FakeNvml(*(FakeGpu() for _ in range(4))))
+    assert _ranks("gpu", lambda: gpus, spares=1) == 3
+
+
+def test_gpu_counts_the_devices_cuda_visible_devices_leaves_not_nvml_s() -> None:
+    nvml = FakeNvml(*(FakeGpu() for _ in range(8)))
+    given = node_gpus({"CUDA_VISIBLE_DEVICES": "4,5"}, nvml)
+    assert given == NodeGpus(("4", "5"), "CUDA_VISIBLE_DEVICES='4,5'")
+    assert nvml.init_calls == 0  # an inherited list is trusted as given
+    assert _ranks("gpu", lambda: given) == 2
+
+
+def test_gpu_counts_each_mig_instance_a_process_can_open() -> None:
+    nvml = FakeNvml(FakeGpu(), FakeGpu(migs=[mig("MIG-x"), mig("MIG-y"), mig("MIG-z")]))
+    gpus = node_gpus({}, nvml)
+    assert gpus.devices == ("GPU-fake-0", "MIG-x", "MIG-y", "MIG-z")
+    assert gpus.source == "NVML sees 2 GPU(s), 3 MIG instance(s)"
+    assert _ranks("gpu", lambda: gpus) == 4
 
 
 def test_gpu_without_a_driver_is_refused_saying_so(capsys: pytest.CaptureFixture[str]) -> None:
     nvml = FakeNvml(FakeGpu())
     nvml.driver_loaded = False
-    assert gpu_count(nvml) == 0
+    gpus = node_gpus({}, nvml)
+    assert gpus == NodeGpus((), "the NVIDIA driver is not loaded")
     with pytest.raises(SystemExit) as exited:
-        _ranks("gpu", lambda: gpu_count(nvml))
+        _ranks("gpu", lambda: gpus)
     assert exited.value.code == 2
-    assert "NVML sees no GPU on this machine" in capsys.readouterr().err
+    assert (
+        "-n gpu: this node has no GPU (the NVIDIA driver is not loaded); give a number of ranks"
+        in capsys.readouterr().err
+    )
+
+
+def test_gpu_where_cuda_visible_devices_hides_them_all_is_refused_saying_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    gpus = node_gpus({"CUDA_VISIBLE_DEVICES": "-1"}, FakeNvml(FakeGpu()))
+    with pytest.raises(SystemExit):
+        _ranks("gpu", lambda: gpus)
+    assert "this node has no GPU (CUDA_VISIBLE_DEVICES='-1')" in capsys.readouterr().err
+
+
+def test_gpu_with_as_many_spares_as_gpus_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    gpus = node_gpus({"CUDA_VISIBLE_DEVICES": "0,1"})
+    with pytest.raises(SystemExit) as exited:
+        _ranks("gpu", lambda: gpus, spares=2)
+    assert exited.value.code == 2
+    assert "2 spare(s) leave none for a rank; keep at most 1 spare(s)" in capsys.readouterr().err
+
+
+def test_a_cpu_machine_gives_its_ranks_no_gpu() -> None:
+    nvml = FakeNvml(FakeGpu())
+    nvml.driver_loaded = False
+    assert _placement(node_gpus({}, nvml), 4, 1) == ()
+    assert _placement(node_gpus({"CUDA_VISIBLE_DEVICES": ""}), 4, 1) == ()
+
+
+def test_a_plan_with_more_processes_than_gpus_exits_2_naming_what_fits(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    gpus = node_gpus({"CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"})
+    assert _placement(gpus, 1, 1) == ("GPU-a", "GPU-b")
+    with pytest.raises(SystemExit) as exited:
+        _placement(gpus, 2, 1)
+    assert exited.value.code == 2
+    assert "give -n 1 --spares 1" in capsys.readouterr().err
 
 
 def _settings(**flags: object) -> JobSettings:

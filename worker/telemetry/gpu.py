@@ -6,14 +6,22 @@ reaches the training loop: a value a device does not support is None, a device
 that fails (lost, needs a reset) is skipped and logged once per change, and a
 driver that goes away makes the probe unavailable until a re-init, retried with
 backoff on the injected clock, brings it back.
+
+A process reads only the GPUs it was given (`CUDA_VISIBLE_DEVICES`, mapped to NVML's devices
+by `visible.py`; every GPU where it is unset), each under its NVML index, so that N ranks of
+a node send N readings and advice reaches the rank whose GPU it is. Where the script imported
+torch and initialised CUDA, each reading also says how much of the memory used is PyTorch's
+cache (`torch_cache`): the memory rules leave it out.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -22,6 +30,15 @@ from cohort.events.clock import Clock, SystemClock
 from cohort.events.errors import InvalidValueError
 from cohort.events.models import MAX_GPU_PROCESSES, GpuDevice, GpuProcess
 from cohort.worker.errors import WorkerError
+from cohort.worker.telemetry.visible import (
+    ORDER_ENV,
+    VISIBLE_ENV,
+    NvmlGpu,
+    NvmlMig,
+    Target,
+    nvml_targets,
+    visible_entries,
+)
 
 LOG = logging.getLogger("cohort.worker.telemetry.gpu")
 
@@ -103,12 +120,98 @@ class _DriverGone(WorkerError):
         self.reason = reason
 
 
+def torch_cache(ordinal: int) -> int | None:
+    """Bytes PyTorch's caching allocator holds on this process's CUDA device `ordinal` with no
+    tensor in them (reserved - allocated): memory NVML counts as used that the process's next
+    tensors reuse. None unless the script imported torch and CUDA is initialised: this never
+    imports torch nor opens a CUDA context itself."""
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    try:
+        if cuda is None or not cuda.is_initialized():
+            return None
+        return max(0, int(cuda.memory_reserved(ordinal)) - int(cuda.memory_allocated(ordinal)))
+    except Exception:  # torch half imported, a device it does not have: no figure
+        return None
+
+
+def nvml_gpus(nvml: Any) -> tuple[NvmlGpu, ...]:
+    """The facts of every GPU an initialised NVML sees (index, UUID, name, PCI bus id, MIG
+    instances). A fact a device cannot tell is left empty; a driver error raises NVMLError."""
+
+    def told(fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except nvml.NVMLError as exc:
+            if _named(nvml, exc, _DRIVER_ERRORS):
+                raise
+            return None
+
+    gpus = []
+    for index in range(int(nvml.nvmlDeviceGetCount())):
+        handle = told(nvml.nvmlDeviceGetHandleByIndex, index)
+        if handle is None:  # lost: read (and skipped, said) with the others
+            gpus.append(NvmlGpu(index, ""))
+            continue
+        pci = told(nvml.nvmlDeviceGetPciInfo, handle)
+        mode = told(nvml.nvmlDeviceGetMigMode, handle)
+        mig = mode is not None and mode[0] == nvml.NVML_DEVICE_MIG_ENABLE
+        slots = int(told(nvml.nvmlDeviceGetMaxMigDeviceCount, handle) or 0) if mig else 0
+        migs = []
+        for slot in range(slots):  # an empty slot raises NotFound: told() makes it None
+            instance = told(nvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot)
+            uuid = told(nvml.nvmlDeviceGetUUID, instance) if instance is not None else None
+            if uuid:
+                migs.append(NvmlMig(slot, _text(uuid)))
+        gpus.append(
+            NvmlGpu(
+                index=index,
+                uuid=_text(told(nvml.nvmlDeviceGetUUID, handle) or ""),
+                name=_text(told(nvml.nvmlDeviceGetName, handle) or ""),
+                pci_bus_id=_text(pci.busId) if pci is not None else "",
+                mig=mig,
+                migs=tuple(migs),
+            )
+        )
+    return tuple(gpus)
+
+
+def read_gpus(nvml: Any = None) -> tuple[tuple[NvmlGpu, ...], str]:
+    """Every GPU NVML sees here, read once (NVML opened and shut), and a few words on what
+    was seen; without NVML, none and why. For a launcher, which opens no CUDA context."""
+    if nvml is None:
+        try:
+            import pynvml
+        except ImportError as exc:
+            return (), f"nvidia-ml-py is not installed ({exc})"
+        nvml = pynvml
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        return (), nvml_failure(nvml, exc)
+    try:
+        gpus = nvml_gpus(nvml)
+    except nvml.NVMLError as exc:
+        return (), nvml_failure(nvml, exc)
+    finally:
+        with contextlib.suppress(nvml.NVMLError):
+            nvml.nvmlShutdown()
+    migs = sum(len(g.migs) for g in gpus if g.mig)
+    return gpus, f"NVML sees {len(gpus)} GPU(s)" + (f", {migs} MIG instance(s)" if migs else "")
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
 class NvmlProbe:
     """GPU readings through NVML. Inject `nvml` (a pynvml-like module) in tests.
 
     NVML is initialised once by `open()` (or the first `sample()`); while it is
     unavailable, `sample()` returns () and retries the init after `retry`
-    seconds, doubling up to `max_retry`.
+    seconds, doubling up to `max_retry`. It reads the devices `env`'s
+    `CUDA_VISIBLE_DEVICES` gives the process (default: this process's
+    environment), and asks `cache` (default `torch_cache`) for each one's
+    PyTorch cache by its CUDA ordinal.
     """
 
     def __init__(
@@ -119,8 +222,17 @@ class NvmlProbe:
         log: logging.Logger | None = None,
         retry: float = 5.0,
         max_retry: float = 300.0,
+        env: Mapping[str, str] | None = None,
+        cache: Callable[[int], int | None] = torch_cache,
     ) -> None:
         self._nvml = nvml
+        env = os.environ if env is None else env
+        given = env.get(VISIBLE_ENV)
+        self._entries = visible_entries(given) if given is not None else None
+        self._pci_order = env.get(ORDER_ENV, "").upper() == "PCI_BUS_ID"
+        self._cache = cache
+        self._targets: tuple[Target, ...] = ()
+        self._problem = ""
         self._clock: Clock = clock or SystemClock()
         self._log = log or LOG
         self._retry = retry
@@ -129,8 +241,8 @@ class NvmlProbe:
         self._retry_at: float | None = None  # None: never tried
         self._initialised = False
         self._reason = "NVML is not initialised yet"
-        self._count = 0
-        self._devices: dict[int, str] = {}  # index -> "" (fine) or why it is skipped
+        self._count = 0  # the GPUs NVML sees (the targets were mapped for this many)
+        self._devices: dict[str, str] = {}  # target label -> "" (fine) or why it is skipped
         self._lock = threading.Lock()
 
     @property
@@ -143,7 +255,7 @@ class NvmlProbe:
             if self._initialised:
                 skipped = sum(1 for why in self._devices.values() if why)
                 extra = f", {skipped} skipped" if skipped else ""
-                return f"NVML: {self._count} device(s){extra}"
+                return f"NVML: {len(self._targets)} device(s){extra}"
             return f"NVML unavailable: {self._reason}"
 
     def open(self, *, quiet: bool = False) -> bool:
@@ -197,7 +309,7 @@ class NvmlProbe:
         self._backoff = self._retry
         self._devices.clear()
         try:
-            self._count = int(nvml.nvmlDeviceGetCount())
+            self._map(nvml)
             driver = nvml.nvmlSystemGetDriverVersion()
         except nvml.NVMLError as exc:
             self._shutdown()
@@ -205,9 +317,29 @@ class NvmlProbe:
         if isinstance(driver, bytes):
             driver = driver.decode(errors="replace")
         again = "" if first else " again"
-        self._log.info("NVML is available%s: driver %s, %d GPU(s)", again, driver, self._count)
+        reads = ", ".join(t.label for t in self._targets) or "none"
+        self._log.info(
+            "NVML is available%s: driver %s, %d GPU(s); this process reads GPU %s",
+            again,
+            driver,
+            self._count,
+            reads,
+        )
         self._retry_at = None
         return True
+
+    def _map(self, nvml: Any) -> None:
+        """The devices this process reads, from NVML's facts now; a variable that names a
+        device NVML does not see is said once."""
+        gpus = nvml_gpus(nvml)
+        self._count = len(gpus)
+        mapped = nvml_targets(self._entries, gpus, self._pci_order)
+        if mapped.problem and mapped.problem != self._problem:
+            self._log.warning("GPU readings of this process: %s", mapped.problem)
+        self._problem = mapped.problem
+        self._targets = mapped.targets
+        for gone in set(self._devices) - {t.label for t in self._targets}:
+            del self._devices[gone]
 
     def _failed(self, reason: str, quiet: bool) -> bool:
         if reason != self._reason and not quiet:
@@ -238,39 +370,39 @@ class NvmlProbe:
     def _read_all(self) -> tuple[GpuDevice, ...]:
         nvml = self._module()
         try:
-            count = int(nvml.nvmlDeviceGetCount())
+            if int(nvml.nvmlDeviceGetCount()) != self._count:  # a GPU came or went
+                self._map(nvml)
         except nvml.NVMLError as exc:
             raise _DriverGone(nvml_failure(nvml, exc)) from exc
-        self._count = count
-        for gone in [i for i in self._devices if i >= count]:
-            del self._devices[gone]
         devices = []
-        for index in range(count):
+        for target in self._targets:
             try:
-                device = self._read(nvml, index)
+                device = self._read(nvml, target)
             except nvml.NVMLError as exc:
                 if _named(nvml, exc, _DRIVER_ERRORS):
                     raise _DriverGone(nvml_failure(nvml, exc)) from exc
-                self._device_state(index, nvml_failure(nvml, exc))
+                self._device_state(target.label, nvml_failure(nvml, exc))
                 continue
             except ValidationError as exc:  # a value no real GPU reports: a broken driver
-                self._device_state(index, f"implausible values: {exc.errors()[0]['msg']}")
+                self._device_state(target.label, f"implausible values: {exc.errors()[0]['msg']}")
                 continue
-            self._device_state(index, "")
+            self._device_state(target.label, "")
             devices.append(device)
         return tuple(devices)
 
-    def _device_state(self, index: int, why: str) -> None:
+    def _device_state(self, label: str, why: str) -> None:
         """Log a device's state when it changes: skipped (and why), or back."""
-        before = self._devices.get(index, "")
-        self._devices[index] = why
+        before = self._devices.get(label, "")
+        self._devices[label] = why
         if why and why != before:
-            self._log.warning("GPU %d skipped: %s", index, why)
+            self._log.warning("GPU %s skipped: %s", label, why)
         elif before and not why:
-            self._log.info("GPU %d is readable again", index)
+            self._log.info("GPU %s is readable again", label)
 
-    def _read(self, nvml: Any, index: int) -> GpuDevice:
-        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    def _read(self, nvml: Any, target: Target) -> GpuDevice:
+        handle = nvml.nvmlDeviceGetHandleByIndex(target.index)
+        if target.mig_slot is not None:
+            handle = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, target.mig_slot)
 
         def optional(fn: Callable[..., Any], *args: Any) -> Any:
             try:
@@ -292,8 +424,9 @@ class NvmlProbe:
             (GpuProcess(pid=int(p.pid), used_memory=p.usedGpuMemory) for p in running),
             key=lambda p: -(p.used_memory or 0),
         )[:MAX_GPU_PROCESSES]
+        cached = self._cache(target.ordinal) if target.ordinal is not None else None
         return GpuDevice(
-            index=index,
+            index=target.index,
             name=(name or "")[:128],
             memory_total=memory.total if memory is not None else 0,
             memory_used=memory.used if memory is not None else 0,
@@ -303,14 +436,20 @@ class NvmlProbe:
             temperature=temperature,
             power_w=milliwatts / 1000.0 if milliwatts is not None else None,
             processes=tuple(processes),
+            memory_cached=cached,
         )
 
 
 def probe(
-    log: logging.Logger | None = None, *, nvml: Any = None, clock: Clock | None = None
+    log: logging.Logger | None = None,
+    *,
+    nvml: Any = None,
+    clock: Clock | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> GpuProbe:
-    """The NVML probe if NVML initialises here, else a NoGpuProbe saying why."""
-    nvml_probe = NvmlProbe(nvml, clock=clock, log=log)
+    """The NVML probe of this process's GPUs (`env`: its environment) if NVML initialises
+    here, else a NoGpuProbe saying why."""
+    nvml_probe = NvmlProbe(nvml, clock=clock, log=log, env=env)
     if nvml_probe.open(quiet=True):
         return nvml_probe
     reason = nvml_probe.status.removeprefix("NVML unavailable: ")
