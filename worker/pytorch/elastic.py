@@ -17,6 +17,7 @@ the leader asks for are written in the background; the job leaves when the loops
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import hashlib
@@ -92,9 +93,10 @@ class TorchState:
         world or checkpoint brings is what it reads."""
         self.initial = self.snapshot()
         self._held: tuple[Any, list[dict[str, Any]], Any] | None = None
+        self._held_buffers: list[torch.Tensor] = []
 
     def _extra(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"rng": torch.get_rng_state()}
+        state: dict[str, Any] = rng_states()
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
@@ -104,21 +106,21 @@ class TorchState:
         return state
 
     def _take(self, extra: Mapping[str, Any]) -> None:
-        if "rng" in extra:
-            torch.set_rng_state(extra["rng"])
+        take_rng_states(extra)
         if self.scheduler is not None and "scheduler" in extra:
             self.scheduler.load_state_dict(extra["scheduler"])
         if self.scaler is not None and "scaler" in extra:
             self.scaler.load_state_dict(extra["scaler"])
         if self.extra is not None and "user" in extra:
+            placed = {k: in_place(v, self.extra.get(k)) for k, v in extra["user"].items()}
             self.extra.clear()
-            self.extra.update(extra["user"])
+            self.extra.update(placed)
 
     def digest(self) -> str:
         h = hashlib.sha256()
         for name, tensor in sorted(self.model.state_dict().items()):
             h.update(name.encode())
-            array = tensor.detach().cpu().contiguous()
+            array = tensor.detach().cpu().contiguous().reshape(-1)  # a 0-dim buffer too
             h.update(memoryview(array.view(torch.uint8).numpy()) if array.numel() else b"")
         return h.hexdigest()[:32]
 
@@ -143,9 +145,11 @@ class TorchState:
         self.load(self.initial)
 
     def hold(self) -> None:
-        """As a step begins: remember where the scheduler is, the optimizer's settings it
-        changes (learning rates, momenta), and the GradScaler's scale and growth count, so
-        that `unwind` can put them back."""
+        """As a step begins: remember the model's buffers (its forwards move BatchNorm's
+        statistics), where the scheduler is, the optimizer's settings it changes (learning
+        rates, momenta), and the GradScaler's scale and growth count, so that `unwind` can
+        put them back."""
+        self._held_buffers = [b.detach().clone() for _, b in torch_sync.state_buffers(self.model)]
         if self.scheduler is None and self.scaler is None:
             return
         groups = [
@@ -159,7 +163,9 @@ class TorchState:
         """The step was cut short by a world change and comes again: a scheduler step the
         script took after its `optimizer.step()` (which applied nothing) is undone, so the
         schedule counts applied steps only, as in a run without the failure; so is the
-        scaler's update of a step its world did not finish."""
+        scaler's update of a step its world did not finish; so are the buffers its forwards
+        moved, which a new world's rank 0 sends and whose digest the journal checks."""
+        self.restore_buffers()
         if self._held is None:
             return
         scheduled, groups, scaled = self._held
@@ -171,6 +177,74 @@ class TorchState:
         if len(live) == len(scaled):  # else the scaler began in this step: as it began
             for now, then in zip(live, scaled, strict=True):
                 now.copy_(then)
+
+    def restore_buffers(self) -> None:
+        """The model's buffers as the step began (`hold`): a forward that must leave no trace
+        (a cut-short step's, an empty share's) moved them."""
+        buffers = torch_sync.state_buffers(self.model)
+        if len(buffers) != len(self._held_buffers):
+            return  # the model gained or lost buffers since: nothing to put back
+        with torch.no_grad():
+            for (_, now), then in zip(buffers, self._held_buffers, strict=True):
+                now.copy_(then)
+
+
+def weights_file(model: torch.nn.Module) -> bytes:
+    """`model`'s state_dict as `torch.save` writes it (`torch.load` reads it back), its
+    tensors copied to the CPU: a file of the live tensors would name their device (cuda:0),
+    which a machine without it cannot load."""
+    weights = model.state_dict()
+    on_cpu = collections.OrderedDict(
+        (k, v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
+        for k, v in weights.items()
+    )
+    on_cpu._metadata = getattr(weights, "_metadata", None)  # type: ignore[attr-defined]
+    out = io.BytesIO()
+    torch.save(on_cpu, out)
+    return out.getvalue()
+
+
+def rng_states(cuda: Any = None) -> dict[str, Any]:
+    """torch's generator states that travel with the training state: the CPU's, and the
+    current CUDA device's where this process has initialised CUDA (dropout on a GPU draws
+    from it; asking an uninitialised process would open a context on every GPU)."""
+    cuda = torch.cuda if cuda is None else cuda
+    states: dict[str, Any] = {"rng": torch.get_rng_state()}
+    if cuda.is_available() and cuda.is_initialized():
+        states["cuda_rng"] = cuda.get_rng_state()
+    return states
+
+
+def take_rng_states(states: Mapping[str, Any], cuda: Any = None) -> None:
+    """Set the generators `rng_states` sent; a CUDA state only where this process uses
+    CUDA (a GPU job's checkpoint loads on a CPU-only machine, without it)."""
+    cuda = torch.cuda if cuda is None else cuda
+    if "rng" in states:
+        torch.set_rng_state(states["rng"])
+    if "cuda_rng" in states and cuda.is_available() and cuda.is_initialized():
+        cuda.set_rng_state(states["cuda_rng"])
+
+
+def in_place(value: Any, live: Any) -> Any:
+    """`value` (from a world's rank 0 or a checkpoint, on the CPU) where this process keeps
+    `live`, the value of the same place in the script's `extra`: a tensor of the same shape
+    and dtype is copied into the live one (the script's references to it, e.g. an EMA
+    model's own state_dict, see the new values); another lands on the live one's device;
+    dicts and lists are placed item by item."""
+    if torch.is_tensor(value) and torch.is_tensor(live):
+        if value.shape == live.shape and value.dtype == live.dtype:
+            with torch.no_grad():
+                live.copy_(value)
+            return live
+        return value.to(live.device)
+    if isinstance(value, dict) and isinstance(live, Mapping):
+        return {k: in_place(v, live.get(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple) and isinstance(live, list | tuple):
+        if len(value) != len(live):
+            return value
+        placed = [in_place(v, w) for v, w in zip(value, live, strict=True)]
+        return placed if isinstance(value, list) else tuple(placed)
+    return value
 
 
 def _scaler_tensors(scaler: Any) -> tuple[torch.Tensor, ...]:
@@ -284,19 +358,18 @@ class ElasticJob(Elastic):
         return model, optimizer
 
     def _final_weights(self) -> bytes:
-        """The model's state_dict as `torch.save` writes it (`torch.load` reads it back)."""
+        """What `job.save` writes: the model's `weights_file`."""
         state = self.state
         assert isinstance(state, TorchState)
-        out = io.BytesIO()
-        torch.save(state.model.state_dict(), out)
-        return out.getvalue()
+        return weights_file(state.model)
 
     def seed_steps(self, seed: int) -> None:
         """From now on, begin every step (and every retry of one) with torch's generators
         seeded from `seed`, the step and this rank (`step_seed`): a step's dropout and other
         draws then depend on where it is, not on the steps before it, so a step redone
         after a rewind, in a world of the same size, draws what it drew the first time
-        (docs/guarantees.md, "Randomness")."""
+        (docs/guarantees.md, "Randomness"). `torch.manual_seed` seeds every CUDA device's
+        generator too."""
         self._seed = seed
 
     def shard(self, data: Any) -> Any:
@@ -405,13 +478,31 @@ class ElasticJob(Elastic):
                 self.overlapped.cancel()
             self.abort()  # a dead peer's world, or the job moved on: built again
             return False
-        if self.backend is None:
-            try:
+        try:
+            if self.backend is None:
                 self._average_gradients(model, current, self._bucket_bytes)
-            except WorldChangedError:
-                self.abort()  # no rank applies a step its world did not finish
-                return False
+            self._average_buffers(model, current)
+        except WorldChangedError:
+            self.abort()  # no rank applies a step its world did not finish
+            return False
         return True
+
+    def _average_buffers(self, model: torch.nn.Module, current: Step) -> None:
+        """Every rank's buffers the world's at the step's end, as its gradients are (before
+        the update applies, so an aborted sync aborts the step): floating-point ones (BatchNorm's
+        running statistics) their mean weighted by each rank's samples, others
+        (`num_batches_tracked`) rank 0's. Through Redis, or DDP's process group; a model
+        without buffers makes no call (docs/elastic-api.md, "Buffers")."""
+        samples = sum(b - a for a, b in current.ranges)
+        if self.backend is None:
+            torch_sync.sync_buffers(model, self.collective, current.step, samples, current.world)
+            return
+        buffers = torch_sync.state_buffers(model)
+        if not buffers:
+            return
+        sums = torch_sync.buffer_sums(buffers, samples, chief=current.rank == 0)
+        self.rdzv.all_reduce(sums, current.step)
+        torch_sync.take_buffer_sums(buffers, sums)
 
     def _model(self) -> torch.nn.Module:
         state = self.state
@@ -432,8 +523,11 @@ class ElasticJob(Elastic):
         self.rdzv.init_process_group(self.backend)
         state = self.state
         assert isinstance(state, TorchState)
-        # The state was broadcast already; buffers travel with it at each world start. The
-        # gradients are views into DDP's buckets: the comm hook's division is then the only
+        # The state was broadcast already; buffers travel with it at each world start, and
+        # are made the world's at each step's end (`_average_buffers`), not broadcast before
+        # each forward: DDP's broadcast is not guarded, and would leave each rank's own
+        # statistics of the last forward in the step's digest. The gradients are views into
+        # DDP's buckets: the comm hook's division is then the only
         # pass over them besides the allreduce (DDP's own hook fuses it with a copy in, and
         # copies the result back out).
         self.ddp = DistributedDataParallel(
@@ -684,7 +778,9 @@ class ElasticJob(Elastic):
 
         Under DDP every rank must run a backward (the others' allreduce waits for it): one
         sample's forward, times zero. The model is given the batch's first element (the
-        inputs of an (inputs, targets) data set)."""
+        inputs of an (inputs, targets) data set), on the model's device; the buffers that
+        forward moved (BatchNorm's statistics and count) are put back, so a rank without
+        samples leaves no trace of that sample."""
         state = self.state
         assert isinstance(state, TorchState)
         if self.ddp is None:
@@ -694,10 +790,11 @@ class ElasticJob(Elastic):
         else:
             batch = collate([dataset[0]])
             inputs = batch[0] if isinstance(batch, tuple | list) else batch
-            out = state.model(inputs)  # through DDP, as the script's own calls go
+            out = state.model(to_device(inputs, model_device(state.model, self.device)))
             outputs = out if isinstance(out, tuple | list) else (out,)
             zero = torch.stack([o.float().sum() for o in outputs if torch.is_tensor(o)]).sum() * 0
             zero.backward()
+            state.restore_buffers()  # as held when the step began (`_start_step`)
         state.optimizer.step()
         state.optimizer.zero_grad()
 
@@ -714,6 +811,27 @@ class ElasticJob(Elastic):
         taken = self._peeked if self._peeked is not None else next(self._steps, None)
         self._peeked = None
         return taken
+
+
+def model_device(model: torch.nn.Module, default: torch.device) -> torch.device:
+    """Where `model` keeps its weights (its first parameter's, else buffer's, device), or
+    `default` for a model without tensors."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return default
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """`value` with its tensors on `device`, through tuples, lists and dicts."""
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(to_device(v, device) for v in value))
+    if isinstance(value, list | tuple):
+        return type(value)(to_device(v, device) for v in value)
+    return value
 
 
 def learning_rates(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
