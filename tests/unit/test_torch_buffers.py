@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -291,3 +292,41 @@ def test_job_save_writes_weights_a_cpu_only_process_loads(
         assert loaded[key].device.type == "cpu" and torch.equal(loaded[key], value), key
     fresh = batchnormed(5)
     fresh.load_state_dict(loaded)  # state_dict's metadata kept: BatchNorm's version too
+
+
+# ------------------------------------------------------------------ a rank without samples
+def test_an_empty_share_s_forward_under_ddp_leaves_no_trace_in_the_buffers() -> None:
+    model = batchnormed()
+    forward(model, seed=1)
+    state = state_of(model)
+    digest = state.digest()
+    job = SimpleNamespace(state=state, ddp=object(), device=torch.device("cpu"))
+    data = torch.utils.data.TensorDataset(torch.randn(3, 4), torch.randn(3, 1))
+    state.hold()  # the step begins
+    model.train()
+    elastic.ElasticJob._empty_step(job, data, torch.utils.data.default_collate)  # type: ignore[arg-type]
+    assert state.digest() == digest
+
+
+def test_an_empty_share_s_sample_goes_to_the_model_s_device() -> None:
+    seen: list[torch.device] = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1, device="meta"))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(x.device)
+            return torch.ones((), device="cpu", requires_grad=True)
+
+    state = SimpleNamespace(
+        model=Probe(), optimizer=SimpleNamespace(step=lambda: None, zero_grad=lambda: None),
+        restore_buffers=lambda: None,
+    )  # fmt: skip
+    job = SimpleNamespace(state=state, ddp=object(), device=torch.device("cpu"))
+    data = torch.utils.data.TensorDataset(torch.randn(3, 4), torch.randn(3, 1))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(elastic, "TorchState", SimpleNamespace)
+        elastic.ElasticJob._empty_step(job, data, torch.utils.data.default_collate)  # type: ignore[arg-type]
+    assert [d.type for d in seen] == ["meta"]

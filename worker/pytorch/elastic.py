@@ -776,11 +776,12 @@ class ElasticJob(Elastic):
     def _empty_step(self, dataset: Any, collate: Any) -> None:
         """No sample for this rank this step: zero gradients still go into the average.
 
-        Under DDP every rank must run a backward (the others' allreduce waits for it): one
-        sample's forward, times zero. The model is given the batch's first element (the
-        inputs of an (inputs, targets) data set), on the model's device; the buffers that
-        forward moved (BatchNorm's statistics and count) are put back, so a rank without
-        samples leaves no trace of that sample."""
+        Under DDP every rank must run a backward (the others' allreduce waits for it): a
+        forward of the data set's first sample (twice: BatchNorm refuses a batch of one),
+        times zero. The model is given the batch's first element (the inputs of an (inputs,
+        targets) data set), on the model's device; the buffers that forward moved
+        (BatchNorm's statistics and count) are put back, so a rank without samples leaves
+        no trace of that sample."""
         state = self.state
         assert isinstance(state, TorchState)
         if self.ddp is None:
@@ -788,7 +789,7 @@ class ElasticJob(Elastic):
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
         else:
-            batch = collate([dataset[0]])
+            batch = collate([dataset[0]] * 2)  # BatchNorm refuses to train on one sample
             inputs = batch[0] if isinstance(batch, tuple | list) else batch
             out = state.model(to_device(inputs, model_device(state.model, self.device)))
             outputs = out if isinstance(out, tuple | list) else (out,)
