@@ -122,6 +122,16 @@ class Member:
     """While its replacement waits for the dead worker's fate to be journaled: until when."""
 
 
+def audit_said(report: Audit) -> str:
+    """The summary's word on the audit: "passed" only where committed steps were checked (a
+    job that committed none passed nothing)."""
+    if not report.ok:
+        return "audit (every sample exactly once per epoch): FAILED"
+    if report.steps == 0:
+        return "audit: nothing to audit (no step committed)"
+    return "audit (every sample exactly once per epoch): passed"
+
+
 class Launcher:
     """One node of a job under `cohort run`."""
 
@@ -730,8 +740,7 @@ class Launcher:
         self.say(
             f"cohort run: {end}: {report.steps} steps committed over "
             f"{report.epochs_finished} epochs{redone} in {took:.0f} s; {failed}, "
-            f"{self.restarts} rank(s) restarted{self._spares_said()}; audit (every sample "
-            f"exactly once per epoch): {'passed' if report.ok else 'FAILED'}"
+            f"{self.restarts} rank(s) restarted{self._spares_said()}; {audit_said(report)}"
         )
         self.say(f"logs: {self.settings.run_dir}" + (f"; export: {exported}" if exported else ""))
         if code is Exit.FAILED:

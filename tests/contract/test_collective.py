@@ -287,10 +287,10 @@ def test_a_call_id_s_errors_name_the_training_step_it_serves(
     connect_more: Callable[[], redis.Redis],
 ) -> None:
     """sync_gradients calls allreduce with a call id per bucket (negative); a person reading
-    its timeout or world change wants step 90, not -377487361."""
+    its timeout or world change wants step 90, not -471859201."""
     members = _members(2)
     call = calls.call_id(90, calls.GRADIENTS, 0)
-    assert call == -377487361
+    assert call == -471859201
 
     def body(c: Collective, m: StandIn) -> Any:
         if m.rank == 0:
@@ -305,7 +305,7 @@ def test_a_call_id_s_errors_name_the_training_step_it_serves(
     timeout, moved = run_ranks(connect_more, members, body)
     assert isinstance(timeout, CollectiveTimeoutError)
     assert str(timeout).startswith("allreduce of step 90 (gradients, bucket 0) in world 1")
-    assert "-377487361" not in str(timeout)
+    assert str(call) not in str(timeout)
     assert isinstance(moved, WorldChangedError) and moved.step == 90
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 from cohort.worker.errors import CollectiveError
 
 MAX_BUCKETS = 1 << 20
-GRADIENTS, WEIGHTS, STATE, FIGURES = 0, 1, 2, 3
-"""Channels of `call_id`: sync_gradients, LocalSGD, broadcast_state and the script's
-reductions of its figures (`job.mean`) never share a call."""
-CHANNELS = ("gradients", "weights", "state", "figures")
+GRADIENTS, WEIGHTS, STATE, FIGURES, BUFFERS = 0, 1, 2, 3, 4
+"""Channels of `call_id`: sync_gradients, LocalSGD, broadcast_state, the script's
+reductions of its figures (`job.mean`) and a step's buffers (BatchNorm's statistics) never
+share a call."""
+CHANNELS = ("gradients", "weights", "state", "figures", "buffers")
 
 
 def call_id(step: int, channel: int, bucket: int = 0) -> int:

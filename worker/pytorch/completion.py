@@ -46,7 +46,11 @@ class HostCompletion:
         work.get_future().add_done_callback(finish)
 
     def fence(self, works: Sequence[Any]) -> None:
-        """Nothing to wait for: DDP waited for every result, and each came with its data."""
+        """Wait for the data of `works` the step issued besides DDP's buckets (whose
+        results DDP waited for, each with its data): their `wait()` on gloo returns once it
+        arrived, or raises what broke them."""
+        for work in works:
+            work.wait()
 
 
 class DeviceCompletion(HostCompletion):

@@ -17,6 +17,7 @@ the leader asks for are written in the background; the job leaves when the loops
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import hashlib
@@ -93,9 +94,10 @@ class TorchState:
         world or checkpoint brings is what it reads."""
         self.initial = self.snapshot()
         self._held: tuple[Any, list[dict[str, Any]], Any] | None = None
+        self._held_buffers: list[torch.Tensor] = []
 
     def _extra(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"rng": torch.get_rng_state()}
+        state: dict[str, Any] = rng_states()
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
@@ -105,21 +107,21 @@ class TorchState:
         return state
 
     def _take(self, extra: Mapping[str, Any]) -> None:
-        if "rng" in extra:
-            torch.set_rng_state(extra["rng"])
+        take_rng_states(extra)
         if self.scheduler is not None and "scheduler" in extra:
             self.scheduler.load_state_dict(extra["scheduler"])
         if self.scaler is not None and "scaler" in extra:
             self.scaler.load_state_dict(extra["scaler"])
         if self.extra is not None and "user" in extra:
+            placed = {k: in_place(v, self.extra.get(k)) for k, v in extra["user"].items()}
             self.extra.clear()
-            self.extra.update(extra["user"])
+            self.extra.update(placed)
 
     def digest(self) -> str:
         h = hashlib.sha256()
         for name, tensor in sorted(self.model.state_dict().items()):
             h.update(name.encode())
-            array = tensor.detach().cpu().contiguous()
+            array = tensor.detach().cpu().contiguous().reshape(-1)  # a 0-dim buffer too
             h.update(memoryview(array.view(torch.uint8).numpy()) if array.numel() else b"")
         return h.hexdigest()[:32]
 
@@ -144,9 +146,11 @@ class TorchState:
         self.load(self.initial)
 
     def hold(self) -> None:
-        """As a step begins: remember where the scheduler is, the optimizer's settings it
-        changes (learning rates, momenta), and the GradScaler's scale and growth count, so
-        that `unwind` can put them back."""
+        """As a step begins: remember the model's buffers (its forwards move BatchNorm's
+        statistics), where the scheduler is, the optimizer's settings it changes (learning
+        rates, momenta), and the GradScaler's scale and growth count, so that `unwind` can
+        put them back."""
+        self._held_buffers = [b.detach().clone() for _, b in torch_sync.state_buffers(self.model)]
         if self.scheduler is None and self.scaler is None:
             return
         groups = [
@@ -160,7 +164,9 @@ class TorchState:
         """The step was cut short by a world change and comes again: a scheduler step the
         script took after its `optimizer.step()` (which applied nothing) is undone, so the
         schedule counts applied steps only, as in a run without the failure; so is the
-        scaler's update of a step its world did not finish."""
+        scaler's update of a step its world did not finish; so are the buffers its forwards
+        moved, which a new world's rank 0 sends and whose digest the journal checks."""
+        self.restore_buffers()
         if self._held is None:
             return
         scheduled, groups, scaled = self._held
@@ -172,6 +178,74 @@ class TorchState:
         if len(live) == len(scaled):  # else the scaler began in this step: as it began
             for now, then in zip(live, scaled, strict=True):
                 now.copy_(then)
+
+    def restore_buffers(self) -> None:
+        """The model's buffers as the step began (`hold`): a forward that must leave no trace
+        (a cut-short step's, an empty share's) moved them."""
+        buffers = torch_sync.state_buffers(self.model)
+        if len(buffers) != len(self._held_buffers):
+            return  # the model gained or lost buffers since: nothing to put back
+        with torch.no_grad():
+            for (_, now), then in zip(buffers, self._held_buffers, strict=True):
+                now.copy_(then)
+
+
+def weights_file(model: torch.nn.Module) -> bytes:
+    """`model`'s state_dict as `torch.save` writes it (`torch.load` reads it back), its
+    tensors copied to the CPU: a file of the live tensors would name their device (cuda:0),
+    which a machine without it cannot load."""
+    weights = model.state_dict()
+    on_cpu = collections.OrderedDict(
+        (k, v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
+        for k, v in weights.items()
+    )
+    on_cpu._metadata = getattr(weights, "_metadata", None)  # type: ignore[attr-defined]
+    out = io.BytesIO()
+    torch.save(on_cpu, out)
+    return out.getvalue()
+
+
+def rng_states(cuda: Any = None) -> dict[str, Any]:
+    """torch's generator states that travel with the training state: the CPU's, and the
+    current CUDA device's where this process has initialised CUDA (dropout on a GPU draws
+    from it; asking an uninitialised process would open a context on every GPU)."""
+    cuda = torch.cuda if cuda is None else cuda
+    states: dict[str, Any] = {"rng": torch.get_rng_state()}
+    if cuda.is_available() and cuda.is_initialized():
+        states["cuda_rng"] = cuda.get_rng_state()
+    return states
+
+
+def take_rng_states(states: Mapping[str, Any], cuda: Any = None) -> None:
+    """Set the generators `rng_states` sent; a CUDA state only where this process uses
+    CUDA (a GPU job's checkpoint loads on a CPU-only machine, without it)."""
+    cuda = torch.cuda if cuda is None else cuda
+    if "rng" in states:
+        torch.set_rng_state(states["rng"])
+    if "cuda_rng" in states and cuda.is_available() and cuda.is_initialized():
+        cuda.set_rng_state(states["cuda_rng"])
+
+
+def in_place(value: Any, live: Any) -> Any:
+    """`value` (from a world's rank 0 or a checkpoint, on the CPU) where this process keeps
+    `live`, the value of the same place in the script's `extra`: a tensor of the same shape
+    and dtype is copied into the live one (the script's references to it, e.g. an EMA
+    model's own state_dict, see the new values); another lands on the live one's device;
+    dicts and lists are placed item by item."""
+    if torch.is_tensor(value) and torch.is_tensor(live):
+        if value.shape == live.shape and value.dtype == live.dtype:
+            with torch.no_grad():
+                live.copy_(value)
+            return live
+        return value.to(live.device)
+    if isinstance(value, dict) and isinstance(live, Mapping):
+        return {k: in_place(v, live.get(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple) and isinstance(live, list | tuple):
+        if len(value) != len(live):
+            return value
+        placed = [in_place(v, w) for v, w in zip(value, live, strict=True)]
+        return placed if isinstance(value, list) else tuple(placed)
+    return value
 
 
 def _scaler_tensors(scaler: Any) -> tuple[torch.Tensor, ...]:
@@ -285,19 +359,18 @@ class ElasticJob(Elastic):
         return model, optimizer
 
     def _final_weights(self) -> bytes:
-        """The model's state_dict as `torch.save` writes it (`torch.load` reads it back)."""
+        """What `job.save` writes: the model's `weights_file`."""
         state = self.state
         assert isinstance(state, TorchState)
-        out = io.BytesIO()
-        torch.save(state.model.state_dict(), out)
-        return out.getvalue()
+        return weights_file(state.model)
 
     def seed_steps(self, seed: int) -> None:
         """From now on, begin every step (and every retry of one) with torch's generators
         seeded from `seed`, the step and this rank (`step_seed`): a step's dropout and other
         draws then depend on where it is, not on the steps before it, so a step redone
         after a rewind, in a world of the same size, draws what it drew the first time
-        (docs/guarantees.md, "Randomness")."""
+        (docs/guarantees.md, "Randomness"). `torch.manual_seed` seeds every CUDA device's
+        generator too."""
         self._seed = seed
 
     def shard(self, data: Any) -> Any:
@@ -396,24 +469,47 @@ class ElasticJob(Elastic):
         self._averaged = (current, self._gradients_averaged(current))
 
     def _gradients_averaged(self, current: Step) -> bool:
-        """Make the gradients the world's mean for `current`; False (and the step aborted)
-        when its world is over or the job moved on."""
+        """Make the gradients (and buffers) the world's mean for `current`; False (and the
+        step aborted) when its world is over or the job moved on."""
         model = self._model()
         if self.backend is None:
             self._scale(model, self._last_factor(current))
         mean = self._mean
+        buffers = self._reduce_buffers(mean, model, current) if mean is not None else None
         if (mean is not None and not mean.settle(current.step)) or not self.before_apply():
             if self.overlapped is not None:
                 self.overlapped.cancel()
             self.abort()  # a dead peer's world, or the job moved on: built again
             return False
-        if self.backend is None:
-            try:
-                self._average_gradients(model, current, self._bucket_bytes)
-            except WorldChangedError:
-                self.abort()  # no rank applies a step its world did not finish
-                return False
+        if buffers is not None:
+            torch_sync.take_buffer_sums(*buffers)
+        if self.backend is not None:
+            return True
+        try:
+            self._average_gradients(model, current, self._bucket_bytes)
+            torch_sync.sync_buffers(model, self.collective, current.step, _samples(current),
+                                    current.world)  # fmt: skip
+        except WorldChangedError:
+            self.abort()  # no rank applies a step its world did not finish
+            return False
         return True
+
+    @staticmethod
+    def _reduce_buffers(
+        mean: GuardedMean, model: torch.nn.Module, current: Step
+    ) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+        """Under DDP: start the sums that make every rank's buffers the world's at the
+        step's end, in the step's collectives, so `settle` fences them with its gradients
+        (before the update applies: an aborted sum aborts the step). Floating-point ones
+        (BatchNorm's running statistics) become their mean weighted by each rank's samples,
+        others (`num_batches_tracked`) rank 0's; a model without buffers makes no call
+        (docs/elastic-api.md, "Buffers"). Through Redis, `sync_buffers` does the same."""
+        buffers = torch_sync.state_buffers(model)
+        if not buffers:
+            return None
+        sums = torch_sync.buffer_sums(buffers, _samples(current), chief=current.rank == 0)
+        mean.reduce_also(sums)
+        return buffers, sums
 
     def _model(self) -> torch.nn.Module:
         state = self.state
@@ -437,8 +533,11 @@ class ElasticJob(Elastic):
         state = self.state
         assert isinstance(state, TorchState)
         devices = {p.device for p in state.model.parameters()}
-        # The state was broadcast already; buffers travel with it at each world start. The
-        # gradients are views into DDP's buckets: the comm hook's division is then the only
+        # The state was broadcast already; buffers travel with it at each world start, and
+        # are made the world's at each step's end (`_average_buffers`), not broadcast before
+        # each forward: DDP's broadcast is not guarded, and would leave each rank's own
+        # statistics of the last forward in the step's digest. The gradients are views into
+        # DDP's buckets: the comm hook's division is then the only
         # pass over them besides the allreduce (DDP's own hook fuses it with a copy in, and
         # copies the result back out).
         self.ddp = DistributedDataParallel(
@@ -699,9 +798,12 @@ class ElasticJob(Elastic):
     def _empty_step(self, dataset: Any, collate: Any) -> None:
         """No sample for this rank this step: zero gradients still go into the average.
 
-        Under DDP every rank must run a backward (the others' allreduce waits for it): one
-        sample's forward, times zero. The model is given the batch's first element (the
-        inputs of an (inputs, targets) data set)."""
+        Under DDP every rank must run a backward (the others' allreduce waits for it): a
+        forward of the data set's first sample (twice: BatchNorm refuses a batch of one),
+        times zero. The model is given the batch's first element (the inputs of an (inputs,
+        targets) data set), on the model's device; the buffers that forward moved
+        (BatchNorm's statistics and count) are put back, so a rank without samples leaves
+        no trace of that sample."""
         state = self.state
         assert isinstance(state, TorchState)
         if self.ddp is None:
@@ -709,12 +811,13 @@ class ElasticJob(Elastic):
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
         else:
-            batch = collate([dataset[0]])
+            batch = collate([dataset[0]] * 2)  # BatchNorm refuses to train on one sample
             inputs = batch[0] if isinstance(batch, tuple | list) else batch
-            out = state.model(inputs)  # through DDP, as the script's own calls go
+            out = state.model(to_device(inputs, model_device(state.model, self.device)))
             outputs = out if isinstance(out, tuple | list) else (out,)
             zero = torch.stack([o.float().sum() for o in outputs if torch.is_tensor(o)]).sum() * 0
             zero.backward()
+            state.restore_buffers()  # as held when the step began (`_start_step`)
         state.optimizer.step()
         state.optimizer.zero_grad()
 
@@ -731,6 +834,32 @@ class ElasticJob(Elastic):
         taken = self._peeked if self._peeked is not None else next(self._steps, None)
         self._peeked = None
         return taken
+
+
+def model_device(model: torch.nn.Module, default: torch.device) -> torch.device:
+    """Where `model` keeps its weights (its first parameter's, else buffer's, device), or
+    `default` for a model without tensors."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return default
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """`value` with its tensors on `device`, through tuples, lists and dicts."""
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(to_device(v, device) for v in value))
+    if isinstance(value, list | tuple):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
+def _samples(step: Step) -> int:
+    """This rank's samples in `step`."""
+    return sum(b - a for a, b in step.ranges)
 
 
 def learning_rates(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
@@ -829,7 +958,8 @@ class GuardedMean:
         self._pending: dict[int, tuple[torch.futures.Future[torch.Tensor], torch.Tensor]] = {}
         """The results DDP waits for, by id, with their buckets: what a trip completes."""
         self._works: list[Any] = []
-        """The step's works whose data a deferred completion has not seen arrive yet."""
+        """The step's works whose data nothing has seen arrive yet: a deferred completion's
+        buckets, and the sums of `reduce_also` (the buffers') on any backend."""
         self._lock = threading.Lock()
         self.dog.on_trip(self._trip)  # once per world: a bucket's result leaves no callback
 
@@ -851,6 +981,20 @@ class GuardedMean:
             self._trip()
         self.completion.hand_over(work, tensor, lambda done: self._finish(result, done))
         return result
+
+    def reduce_also(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` over the world in place, as one more of the step's collectives:
+        `settle` waits for its data (gloo or NCCL) before the step applies; a world already
+        over, or a stale step, aborts the step instead."""
+        import torch.distributed as dist
+
+        if self.dog.tripped.is_set() or not self.may_launch():
+            self.aborted = True
+            return
+        work = dist.all_reduce(tensor, async_op=True)
+        self.rdzv.track(work)
+        with self._lock:
+            self._works.append(work)
 
     def _finish(self, result: torch.futures.Future[torch.Tensor], done: Any) -> None:
         try:

@@ -31,7 +31,7 @@ import torch
 
 from cohort.events.errors import InvalidValueError
 from cohort.worker.collective import tensors as blobs
-from cohort.worker.collective.calls import GRADIENTS, STATE, WEIGHTS, call_id
+from cohort.worker.collective.calls import BUFFERS, GRADIENTS, STATE, WEIGHTS, call_id
 from cohort.worker.collective.compressors import (
     CALLS,
     DEFAULT_RANK,
@@ -197,6 +197,81 @@ def sync_gradients(
     averaged = _average(named, collective, step, GRADIENTS, bucket_bytes, world, compressor)
     for grad, mean in averaged:
         write_back(grad, mean)
+
+
+# ------------------------------------------------------------------ buffers
+def state_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers `model.state_dict()` holds (BatchNorm's running statistics and count; not
+    those registered `persistent=False`), in its order: what the weights digest covers, so
+    what every rank must hold alike at each step's end."""
+    found, seen = [], set()
+    for prefix, module in model.named_modules():
+        for name, buffer in module._buffers.items():  # as Module._save_to_state_dict picks
+            if buffer is None or name in module._non_persistent_buffers_set:
+                continue
+            if id(buffer) not in seen and not buffer.is_complex():
+                seen.add(id(buffer))
+                found.append((f"{prefix}.{name}" if prefix else name, buffer))
+    return found
+
+
+def buffer_sums(
+    buffers: Sequence[tuple[str, torch.Tensor]], samples: int, chief: bool
+) -> torch.Tensor:
+    """This rank's part of a step's buffer sync, one float64 vector on the buffers' device:
+    each floating-point buffer times the rank's `samples` this step, each other buffer (an
+    integer count, a mask) times 1 on rank 0 (`chief`) and 0 elsewhere, then those two
+    weights. Their sum (or mean) over the world, handed to `take_buffer_sums`, gives every
+    rank the samples-weighted mean of the floating-point buffers and rank 0's others."""
+    device = buffers[0][1].device
+    weight, first = float(samples), 1.0 if chief else 0.0
+    parts = []
+    for _, buffer in buffers:
+        flat = buffer.detach().reshape(-1).to(torch.float64)
+        scale = weight if buffer.is_floating_point() else first
+        # times 0 would keep an inf as a nan: a rank that does not count sends zeros
+        parts.append(flat * scale if scale else torch.zeros_like(flat))
+    parts.append(torch.tensor([weight, first], dtype=torch.float64, device=device))
+    return torch.cat(parts)
+
+
+def take_buffer_sums(buffers: Sequence[tuple[str, torch.Tensor]], sums: torch.Tensor) -> None:
+    """Write into `buffers` what `buffer_sums`' sum (or mean) over the world says: a weighted
+    mean of each floating-point buffer, rank 0's value of each other one. Ranks that agreed
+    keep their bits: the float64 sums of equal values are exact."""
+    samples, first = sums[-2], sums[-1]
+    at = 0
+    with torch.no_grad():
+        for _, buffer in buffers:
+            part = sums[at : at + buffer.numel()]
+            at += buffer.numel()
+            value = part / samples if buffer.is_floating_point() else (part / first).round()
+            buffer.copy_(value.reshape(buffer.shape).to(buffer.device))
+
+
+def sync_buffers(
+    model: torch.nn.Module,
+    collective: Collective,
+    step: int,
+    samples: int,
+    world: int | None = None,
+) -> None:
+    """Give every rank of the world the same buffers at `step`'s end, through Redis: the
+    floating-point ones (BatchNorm's running mean and variance) become their mean over the
+    ranks, each weighted by the rank's `samples` this step; the others (BatchNorm's
+    `num_batches_tracked`) rank 0's. Nothing is written if the world changes meanwhile
+    (WorldChangedError). A model without buffers makes no call."""
+    buffers = state_buffers(model)
+    if not buffers:
+        return
+    sums = buffer_sums(buffers, samples, chief=collective.world().rank == 0)
+    try:
+        mean = collective.allreduce(
+            {"buffers": sums.cpu().numpy()}, call_id(step, BUFFERS), world=world
+        )
+    except WorldChangedError as exc:
+        raise WorldChangedError(step, exc.assignment) from exc
+    take_buffer_sums(buffers, torch.from_numpy(np.array(mean["buffers"])))
 
 
 # ------------------------------------------------------------------ state
