@@ -497,7 +497,7 @@ class ElasticJob(Elastic):
     @staticmethod
     def _reduce_buffers(
         mean: GuardedMean, model: torch.nn.Module, current: Step
-    ) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    ) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor] | None:
         """Under DDP: start the sums that make every rank's buffers the world's at the
         step's end, in the step's collectives, so `settle` fences them with its gradients
         (before the update applies: an aborted sum aborts the step). Floating-point ones
