@@ -446,7 +446,7 @@ def run(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu", action="store_true", help="run the table on CPU/gloo")
+    parser.add_argument("--cpu", action="store_true", help="the table on CPU/gloo, GPUs or not")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer rows")
     parser.add_argument("--rows", default="", help=f"only these, of {','.join(ROWS)}")
     args = parser.parse_args(argv)
@@ -454,6 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [r for r in only if r not in ROWS]
     if unknown:
         parser.error(f"--rows {','.join(unknown)}: not a row; the rows are {','.join(ROWS)}")
+    if args.cpu:  # the CPU table, GPUs or not: no rank opens one
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     machine = this_machine()
     if not machine.cuda:
         print("no CUDA device here: the GPU rows need a GPU", flush=True)
