@@ -6,7 +6,8 @@ no other worker module imports it, so cohort itself never needs torch.
 Tensors travel through `Collective` (Redis) as numpy arrays:
 
 - float16/float32/float64 CPU tensors are zero-copy numpy views (`Tensor.numpy()`); CUDA
-  tensors are copied to the CPU first and the result copied back.
+  tensors go bucket by bucket through pinned host buffers, copied non-blocking on a side
+  stream and back on the caller's (`staging.py`, docs/gpu.md "Running on GPUs").
 - bfloat16 has no numpy dtype. Averaging needs arithmetic, so bfloat16 gradients and
   weights are converted to float32 by torch, averaged (the collective sums in float64) and
   rounded back to bfloat16 once at the end. Where no arithmetic is needed (state blobs,
