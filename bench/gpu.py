@@ -7,6 +7,8 @@
 Every row is a real `cohort run` (or torchrun) of bench/gpu_train.py on this machine, a
 small model on synthetic data, each rank on its own device (`job.device`):
 
+- copies: the Redis route's CUDA copies in one process, values checked (the GPU tests of
+  tests/unit/test_staging.py);
 - nccl-N: N ranks on the NCCL route (gloo with --cpu) and a warm spare; a rank SIGKILLed
   once the spare is ready: the spare takes its place, the job finishes, the audit passes.
   N = 2 and 4, as the GPUs allow (a spare needs a GPU of its own: N + 1 GPUs);
@@ -44,7 +46,11 @@ from cohort.events import models as m
 from cohort.events.connection import RedisSettings, connect
 
 SCRIPT = str(Path(__file__).resolve().parent / "gpu_train.py")
-ROWS = ("nccl-2", "nccl-4", "redis", "bn", "dropout", "n-gpu", "nvml", "rewind", "throughput")
+ROWS = (
+    "copies", "nccl-2", "nccl-4", "redis", "bn", "dropout", "n-gpu", "nvml", "rewind",
+    "throughput",
+)  # fmt: skip
+ROOT = Path(__file__).resolve().parents[1]
 EXPECTED_TO_FAIL = {"bn": "BatchNorm's integer buffers: fixed in a parallel branch (issue 49)"}
 """Rows allowed to fail until a fix is merged: their failure is said, not counted."""
 RUN_TIMEOUT = 240.0
@@ -96,7 +102,7 @@ class Row:
 def blocker(row: str, machine: Machine) -> str | None:
     """Why `row` cannot run on `machine` (None: it can). A rank takes a GPU of its own, and
     so does a spare: NCCL refuses two ranks of one world on one GPU."""
-    if row in ("n-gpu", "nvml"):
+    if row in ("copies", "n-gpu", "nvml"):
         return None if machine.cuda else "needs a GPU"
     if not machine.cuda:
         return None
@@ -258,11 +264,26 @@ class Suite:
             "redis": self.redis,
             "bn": lambda: self.model("bn"),
             "dropout": lambda: self.model("dropout"),
+            "copies": self.copies,
             "n-gpu": self.n_gpu,
             "nvml": self.nvml,
             "rewind": self.rewind,
             "throughput": self.throughput,
         }[key]()
+
+    def copies(self) -> Row:
+        got = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+             "tests/unit/test_staging.py", "-k", "pinned or lands"],
+            cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT,
+        )  # fmt: skip
+        last = (got.stdout.strip().splitlines() or [""])[-1]
+        ok = got.returncode == 0 and "2 passed" in last
+        return Row(
+            "Redis route's CUDA copies: pinned, side stream, values",
+            "pass" if ok else "FAIL",
+            last[:120],
+        )
 
     def nccl(self, n: int) -> Row:
         check = f"{self.machine.backend} route, {n} ranks + a spare, one SIGKILLed"

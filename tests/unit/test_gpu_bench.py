@@ -15,7 +15,7 @@ CPU = Machine(cuda=False, gpus=0)
 def test_on_cpu_every_row_runs_on_gloo_but_those_only_a_gpu_can_check() -> None:
     assert CPU.backend == "gloo"
     assert dict(plan(CPU, quick=False)) == {
-        row: ("needs a GPU" if row in ("n-gpu", "nvml") else None) for row in ROWS
+        row: ("needs a GPU" if row in ("copies", "n-gpu", "nvml") else None) for row in ROWS
     }
     assert "nccl-4" not in dict(plan(CPU, quick=True))  # two cores here, not four
     assert dict(plan(CPU, quick=True, only=["nccl-4"])) == {"nccl-4": None}
@@ -28,6 +28,7 @@ def test_each_rank_and_each_spare_needs_a_gpu_of_its_own() -> None:
     assert blocker("nccl-2", one) == "needs 3 GPUs"
     assert blocker("redis", one) == "needs 2 GPUs"
     assert blocker("n-gpu", one) is None and blocker("nvml", one) is None
+    assert blocker("copies", one) is None
     assert blocker("nccl-2", three) is None and blocker("nccl-4", three) == "needs 5 GPUs"
     assert all(why is None for _, why in plan(eight, quick=False))
 

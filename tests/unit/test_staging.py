@@ -198,3 +198,39 @@ def test_overlapped_buckets_wait_for_where_backward_made_their_gradients() -> No
     assert sorted(slot for slot in marking.waited) == [0, 1, 2, 3]  # one tensor a bucket
     assert sorted(m for waited in marking.waited.values() for m in waited) == [1, 2, 3, 4]
     assert all(len(waited) == 1 for waited in marking.waited.values())
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@cuda
+def test_pinned_staging_takes_a_bucket_out_and_its_means_back_on_the_gpu() -> None:
+    """The CUDA path (runs on a GPU only): the host sees the gradients' values, written on
+    another stream before the copy; the means land in the gradients, bfloat16 rounded once;
+    a mean the collective wrote into the pinned buffer itself is taken as it is."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    staging = st.staging_for(device)
+    assert isinstance(staging, st.PinnedStaging)
+    producer = torch.cuda.Stream(device)
+    with torch.cuda.stream(producer):  # made on a stream the copy must wait for
+        grads = [
+            torch.full((64, 64), 2.0, device=device),
+            torch.full((3,), 0.5, device=device, dtype=torch.bfloat16),
+        ]
+        made = staging.ready()
+    for step in range(2):  # the second step reuses the slot's buffers
+        arrays = staging.to_host(0, grads, [made])
+        assert arrays[0].shape == (64, 64) and float(arrays[0].min()) == 2.0 + step
+        assert arrays[1].dtype == np.float32 and arrays[1].tolist() == [0.5 + step] * 3
+        arrays[0] += 1.0  # a compressor's mean, written into the pinned buffer
+        staging.from_host(0, grads, [arrays[0], arrays[1] + 1.0])
+        made = staging.ready()
+    torch.cuda.synchronize(device)
+    assert grads[0].eq(4.0).all() and grads[1].dtype == torch.bfloat16
+    assert grads[1].float().eq(2.5).all()
+
+
+@cuda
+def test_a_recorded_gpu_loss_lands_as_the_same_number() -> None:
+    loss = torch.tensor(0.25, device="cuda") * 2
+    assert float(st.Landing(loss)) == 0.5
