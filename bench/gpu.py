@@ -77,6 +77,8 @@ class Sizes:
     batch: int
     width: int
     ddp_steps: int
+    depth: int = 0
+    """width x width layers (the Redis row trains without them: it carries every byte)."""
     killed_steps: int = 150
     """Steps of a run with a SIGKILL, each at least `PACE` long: time for the spare to get
     ready and the kill to fall mid-run."""
@@ -84,7 +86,7 @@ class Sizes:
 
 FULL = Sizes(steps=40, batch=32, width=256, ddp_steps=60)
 QUICK = Sizes(steps=16, batch=16, width=64, ddp_steps=20, killed_steps=100)
-GPU_SIZES = Sizes(steps=200, batch=256, width=2048, ddp_steps=200)
+GPU_SIZES = Sizes(steps=200, batch=256, width=2048, ddp_steps=200, depth=2)  # 8.5M parameters
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,8 @@ def cohort_run(
         "--run-dir", str(run_dir), "--max-steps", str(steps), "--start-workers", str(start),
         "--dataset-size", samples, "--batch-size", str(sizes.batch),
         "--min-workers", "1", *flags, SCRIPT, "--width", str(sizes.width),
-        "--batch", str(sizes.batch), "--samples", samples, *paced, *script,
+        "--depth", str(sizes.depth), "--batch", str(sizes.batch), "--samples", samples,
+        *paced, *script,
     ]  # fmt: skip
     started = time.monotonic()
     launcher = subprocess.Popen(
@@ -298,7 +301,7 @@ class Suite:
 
     def redis(self) -> Row:
         copies = "pinned copies on a side stream" if self.machine.cuda else "zero-copy views"
-        got = cohort_run(self.dir("redis"), "2", self.sizes)
+        got = cohort_run(self.dir("redis"), "2", self.sizes, ["--depth", "0"])
         figure = f"{self.sizes.steps} steps in {got.seconds:.0f} s"
         return Row(
             f"Redis route, 2 ranks ({copies})",
@@ -375,8 +378,8 @@ class Suite:
         ddp = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
              "--nproc-per-node", str(n), SCRIPT, "--ddp", "--steps", str(self.sizes.ddp_steps),
-             "--width", str(self.sizes.width), "--batch", str(self.sizes.batch),
-             "--times", str(peer)],
+             "--width", str(self.sizes.width), "--depth", str(self.sizes.depth),
+             "--batch", str(self.sizes.batch), "--times", str(peer)],
             capture_output=True, text=True, timeout=RUN_TIMEOUT,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )  # fmt: skip

@@ -4,7 +4,8 @@ the rank's own device (`job.device`).
     cohort run -n 2 bench/gpu_train.py --model bn      # ElasticJob; $COHORT_TORCH_BACKEND
     torchrun --nproc-per-node 2 bench/gpu_train.py --ddp --steps 60   # plain DDP, the peer
 
-`--model`: mlp, bn (Linear, BatchNorm1d, ReLU, Linear) or dropout (seeded steps). With
+`--model`: mlp, bn (Linear, BatchNorm1d, ReLU, Linear) or dropout (seeded steps), with
+`--depth` more width x width layers before the last. With
 `--times DIR` each rank writes `DIR/<pid>.json`: its device, the steps it timed after the
 warm-up and their seconds (the suite's throughput row reads them).
 """
@@ -24,7 +25,7 @@ WARMUP = 5
 FEATURES, CLASSES = 32, 4
 
 
-def build(kind: str, width: int) -> torch.nn.Module:
+def build(kind: str, width: int, depth: int = 0) -> torch.nn.Module:
     torch.manual_seed(0)
     middles: dict[str, list[torch.nn.Module]] = {
         "mlp": [torch.nn.ReLU()],
@@ -32,8 +33,11 @@ def build(kind: str, width: int) -> torch.nn.Module:
         "dropout": [torch.nn.ReLU(), torch.nn.Dropout(0.2)],
     }
     middle = middles[kind]
+    hidden: list[torch.nn.Module] = []
+    for _ in range(depth):  # width x width layers: a model big enough to time on a GPU
+        hidden += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, width), *middle, torch.nn.Linear(width, CLASSES)
+        torch.nn.Linear(FEATURES, width), *middle, *hidden, torch.nn.Linear(width, CLASSES)
     )
 
 
@@ -56,7 +60,7 @@ def elastic(args: argparse.Namespace) -> None:
     import cohort
 
     job = cohort.torch.ElasticJob(gpu_interval=args.gpu_interval)
-    model = build(args.model, args.width).to(job.device)
+    model = build(args.model, args.width, args.depth).to(job.device)
     model, optimizer = job.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05))
     if args.model == "dropout":
         job.seed_steps(0)
@@ -96,7 +100,7 @@ def ddp(args: argparse.Namespace) -> None:
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
-    model: Any = build(args.model, args.width).to(device)
+    model: Any = build(args.model, args.width, args.depth).to(device)
     model = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     dataset = data(args.samples)
@@ -127,6 +131,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("mlp", "bn", "dropout"), default="mlp")
     parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=0, help="width x width hidden layers")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--times", default=None, help="a directory for each rank's timing")
