@@ -90,3 +90,34 @@ def test_a_loss_that_carries_its_graph_is_recorded_without_a_warning(job) -> Non
         warnings.simplefilter("error")
         elastic.record(loss=loss, norm=loss * 2)
     assert (elastic._loss, elastic._figures) == (0.5, {"norm": 1.0})
+
+
+class Later:
+    """A recorded number still on its way (a GPU tensor's copy): counts its reads."""
+
+    def __init__(self, value: float) -> None:
+        self.value, self.reads = value, 0
+
+    def __float__(self) -> float:
+        self.reads += 1
+        return self.value
+
+
+def test_a_figure_on_its_way_is_read_once_at_the_report_as_the_same_number(
+    job,  # noqa: F811
+) -> None:
+    """`job.record(loss=cuda_tensor)` must not wait for the GPU where it is called: the
+    torch job keeps the tensor's copy and the report reads it (issue 49)."""
+    leader, elastic, _ = job
+    elastic._figure = lambda name, value: value  # what the torch job keeps of a GPU tensor
+    walk = elastic._walk()
+    next(walk)  # step 0
+    loss, accuracy = Later(0.5), Later(0.75)
+    elastic.record(loss=loss, accuracy=accuracy)
+    assert loss.reads == accuracy.reads == 0
+    next(walk)  # step 0 is reported as step 1 is asked for
+    done = leader.expect("StepDone")
+    assert (done.loss, done.metrics) == (0.5, {"accuracy": 0.75})
+    assert loss.reads == accuracy.reads == 1
+    commit(leader, 0)
+    walk.close()

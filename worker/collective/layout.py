@@ -58,6 +58,13 @@ def flatten(tensors: Mapping[str, np.ndarray]) -> tuple[Layout, dict[str, np.nda
     """One flat vector per float dtype (a view, not a copy, when a dtype has one tensor)."""
     by_dtype: dict[str, list[tuple[str, np.ndarray]]] = {}
     for name in sorted(tensors):
+        device = getattr(tensors[name], "device", None)  # a torch tensor's, without torch
+        if getattr(device, "type", "cpu") != "cpu":
+            raise CollectiveError(
+                f"tensor {name!r} is on {device}: the collective averages host arrays; "
+                "cohort.torch.allreduce(collective, tensors, step) takes tensors on any "
+                "device (CUDA's through pinned memory) and gives the means back there"
+            )
         array = np.asarray(tensors[name])
         dtype = array.dtype.newbyteorder("<").str if array.dtype.byteorder == ">" else None
         dtype = dtype or array.dtype.str

@@ -83,6 +83,16 @@ LOST_LOG_EVERY = 10.0
 FIGURES: TypeAdapter[dict[str, float]] = TypeAdapter(Metrics)
 
 
+class Later(Protocol):
+    """A recorded number not read yet (a GPU tensor's, copying to the host): `float()`
+    waits for it."""
+
+    def __float__(self) -> float: ...
+
+
+Figure = float | Later
+
+
 class TrainingState(Protocol):
     """What the elastic loop needs of a framework's weights and optimizer state."""
 
@@ -301,8 +311,8 @@ class Elastic:
         self._unsettled: Step | None = None
         """Applied and reported here; its commit not seen yet."""
         self._digest: str | None = None
-        self._loss: float | None = None
-        self._figures: dict[str, float] = {}
+        self._loss: Figure | None = None
+        self._figures: dict[str, Figure] = {}
         """What the script recorded of the current step besides its loss."""
         self._reported: int | None = None
         """The step this rank reported last (None: none yet)."""
@@ -345,15 +355,17 @@ class Elastic:
         `loss`, and any other named numbers, e.g. `job.record(loss=l, accuracy=a, lr=r)`.
         `cohort status` shows each worker's latest, `cohort report` plots each name per
         worker. Any number will do (a float, a numpy scalar, a one-element tensor: read
-        once here); calls within a step add up, a name said again keeps its last value.
+        once, at the step's report: a GPU tensor's copy is started here and waited for
+        there); calls within a step add up, a name said again keeps its last value.
         Names: a letter or digit, then letters, digits and `._:/-`, up to 64 characters
         (`job.record(**{"val/acc": a})`); at most 64 names a step. Anything else raises
         InvalidValueError naming it."""
         if loss is not None:
-            self._loss = _number("loss", loss)
-        said = {**self._figures, **{name: _number(name, v) for name, v in figures.items()}}
+            self._loss = self._figure("loss", loss)
+        said = {**self._figures, **{name: self._figure(name, v) for name, v in figures.items()}}
         try:
-            self._figures = FIGURES.validate_python(said)
+            FIGURES.validate_python({n: 0.0 if _later(v) else v for n, v in said.items()})
+            self._figures = said
         except ValidationError as error:
             problem = error.errors()[0]
             where = ".".join(str(part) for part in problem["loc"])
@@ -361,6 +373,11 @@ class Elastic:
                 f"job.record(): {where or 'the figures'}: {problem['msg']} (names: a letter or "
                 "digit, then letters, digits and ._:/-, up to 64 characters; at most 64 a step)"
             ) from None
+
+    def _figure(self, name: str, value: Any) -> Figure:
+        """What `record` keeps of `value` until the report reads it: a float here; a
+        framework's job may keep a number still on its way from a device."""
+        return _number(name, value)
 
     def on_world_change(self, callback: Callable[[int, int], None]) -> None:
         """`callback(old_size, new_size)` at every new world (to scale a learning rate)."""
@@ -969,9 +986,9 @@ class Elastic:
             step_time=took,
             samples=samples,
             digest=self._digest,
-            loss=self._loss,
+            loss=None if self._loss is None else float(self._loss),
             wait=False,
-            metrics=self._figures,
+            metrics={name: float(value) for name, value in self._figures.items()},
         )
         self._loss, self._figures = None, {}
         self._reported = step.step
@@ -1083,7 +1100,8 @@ class Elastic:
         figures) have no next step to ride on: they go as a report of their own, EvalDone of
         that step, which the leader journals (EvalReported), so `cohort status` and the
         report show them after the job ended. A recorded `loss` goes as the figure "loss"."""
-        figures = {**self._figures, **({"loss": self._loss} if self._loss is not None else {})}
+        said = {**self._figures, **({"loss": self._loss} if self._loss is not None else {})}
+        figures = {name: float(value) for name, value in said.items()}
         self._loss, self._figures = None, {}
         if self._reported is None or not figures or not self.worker.view.member:
             return
@@ -1107,6 +1125,11 @@ def reducible(numbers: list[float], how: str) -> None:
             f"job.{how}() of {len(numbers)} numbers: it reduces figures, at most "
             f"{MAX_REDUCED}; tensors go through the job's collective"
         )
+
+
+def _later(value: Figure) -> bool:
+    """Whether a recorded figure is still on its way (validated as a placeholder)."""
+    return not isinstance(value, float)
 
 
 def _number(name: str, value: Any) -> float:

@@ -2,10 +2,12 @@
 here does not import torch until it is used). `api.py` is what `cohort.torch` shows;
 `elastic.py` the torch `ElasticJob`; `micro.py` a step's micro-batches as the script sees
 them (the gradients parked between them, the scheduler and GradScaler gated); `sync.py`
-gradient averaging, state broadcast and local SGD; `loader.py` the data loader's sampler;
-`overlap.py` gradient accumulation overlapped with the backward pass; `dist.py`
+gradient averaging, state broadcast and local SGD; `staging.py` how tensors reach the host
+for Redis and come back (pinned buffers and a side stream on CUDA); `loader.py` the data
+loader's sampler; `overlap.py` gradient accumulation overlapped with the backward pass; `dist.py`
 torch.distributed process groups made anew at every world; `completion.py` when a bucket's
-allreduce is done (on the host for gloo, on the device for NCCL); `torchrun/` the
+allreduce is done (on the host for gloo, on the device for NCCL); `devices.py` the device a
+rank trains on; `torchrun/` the
 `--rdzv-backend=cohort` plug-in.
 
 May import: `cohort.events`, `cohort.worker.errors` and every room below it.

@@ -2,7 +2,8 @@
 
 `ElasticJob` is the loop most scripts want (cohort/worker/pytorch/elastic.py). The pieces
 it is made of stay public for loops that need their own shape (cohort/worker/pytorch/sync.py):
-gradient averaging (exact or compressed: `compressor`), state broadcast and blobs, local
+gradient averaging (exact or compressed: `compressor`), `allreduce` of tensors on any
+device, state broadcast and blobs, local
 SGD / DiLoCo.
 """
 
@@ -13,6 +14,7 @@ from cohort.worker.pytorch.elastic import ElasticJob, TorchState, params_of
 from cohort.worker.pytorch.sync import (
     LocalSGD,
     StateError,
+    allreduce,
     broadcast_state,
     load_state_blob,
     load_state_tensors,
@@ -26,6 +28,7 @@ __all__ = [
     "LocalSGD",
     "StateError",
     "TorchState",
+    "allreduce",
     "broadcast_state",
     "compressor",
     "load_state_blob",

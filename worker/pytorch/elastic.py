@@ -45,6 +45,7 @@ from cohort.worker.pytorch.devices import rank_device
 from cohort.worker.pytorch.loader import Stale, StepLoader
 from cohort.worker.pytorch.micro import MicroBatches, gate_scaler, gate_scheduler
 from cohort.worker.pytorch.overlap import OverlappedGradients
+from cohort.worker.pytorch.staging import Landing, lands_later, staging_for
 
 log = logging.getLogger("cohort.torch")
 BACKEND_ENV = "COHORT_TORCH_BACKEND"
@@ -281,6 +282,8 @@ class ElasticJob(Elastic):
         CUDA's current device from now on, or the CPU (worker/pytorch/devices.py)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self._staging = staging_for(self.device)
+        """How gradients reach the host for Redis and come back (pinned buffers on CUDA)."""
         self._steps: Iterator[Step | EpochEnd] = self._walk()
         self._peeked: Step | EpochEnd | None = None
         self.backend = backend
@@ -351,7 +354,9 @@ class ElasticJob(Elastic):
         config = self.worker.view.config
         accumulating = config is not None and config.global_batch is not None
         if self.backend is None and overlap and not accumulating and self.compressor is None:
-            self.overlapped = OverlappedGradients(model, self.collective, bucket_bytes)
+            self.overlapped = OverlappedGradients(
+                model, self.collective, bucket_bytes, self._staging
+            )
         self._optimizer_step = optimizer.step
         take_over(optimizer, self._step_optimizer)
         if self.backend is not None:
@@ -405,6 +410,13 @@ class ElasticJob(Elastic):
         numbers = value.detach().to("cpu", torch.float64).reshape(-1).tolist()
         reducible(numbers, how)
         return numbers, lambda got: torch.tensor(got, dtype=dtype, device=device).reshape(shape)
+
+    def _figure(self, name: str, value: Any) -> Any:
+        """A one-number CUDA tensor `job.record` keeps as a copy on its way to the host,
+        read at the report; anything else is read now, as the base job does."""
+        if torch.is_tensor(value) and lands_later(value.device.type, value.numel()):
+            return Landing(value)
+        return super()._figure(name, value)
 
     def _compressor(self, compression: Compression | None, rank: int) -> feedback.Compressor | None:
         """The compressor `wrap` was asked for; ValueError if the gradients do not go
@@ -608,10 +620,10 @@ class ElasticJob(Elastic):
     def _scale(model: torch.nn.Module, factor: float) -> None:
         if factor == 1.0:
             return
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(factor)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if grads:
+            with torch.no_grad():
+                torch._foreach_mul_(grads, factor)  # one launch per device and dtype, not each
 
     def _average_gradients(self, model: torch.nn.Module, current: Step, bucket_bytes: int) -> None:
         """Replace the gradients by their means over the world (WorldChangedError: aborted)."""
@@ -625,6 +637,7 @@ class ElasticJob(Elastic):
                 bucket_bytes,
                 world=current.world,
                 compressor=self.compressor,
+                staging=self._staging,
             )
 
     def _start_step(self) -> None:

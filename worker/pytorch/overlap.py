@@ -24,21 +24,33 @@ import torch
 
 from cohort.worker.collective.redis_collective import Collective
 from cohort.worker.errors import AccumulationError, WorldChangedError
-from cohort.worker.pytorch.sync import GRADIENTS, averaged_array, buckets, call_id, write_back
+from cohort.worker.pytorch.staging import Staging, staging_for
+from cohort.worker.pytorch.sync import GRADIENTS, buckets, call_id
 
 
 class OverlappedGradients:
     """The gradients of `model`'s trainable parameters, averaged during backward."""
 
-    def __init__(self, model: torch.nn.Module, collective: Collective, bucket_bytes: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        collective: Collective,
+        bucket_bytes: int,
+        staging: Staging | None = None,
+    ):
         self.collective = collective
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.staging = staging or staging_for(
+            trainable[0][1].device if trainable else torch.device("cpu")
+        )
+        """How the gradients reach the host and come back (worker/pytorch/staging.py)."""
         self.buckets = [[p for _, p in bucket] for bucket in buckets(trainable[::-1], bucket_bytes)]
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._cond = threading.Condition()
         self._step: tuple[int, int] | None = None  # (step, world) averaged now
         self._gate: Callable[[threading.Event], bool] = lambda cancelled: True
         self._left: list[int] = []  # gradients each bucket still waits for
+        self._ready: list[list[Any]] = []  # per bucket: what its reads wait for (CUDA events)
         self._flush = False  # finish(): average what is left, whole or not
         self._cancelled = threading.Event()  # cancel(): start nothing more
         self._means: list[list[np.ndarray] | None] = []
@@ -58,6 +70,7 @@ class OverlappedGradients:
         with self._cond:
             self._step, self._gate = (step, world), gate
             self._left = [len(b) for b in self.buckets]
+            self._ready = [[] for _ in self.buckets]
             self._means = [None] * len(self.buckets)
             self._flush, self._done, self._error, self._again = False, 0, None, False
             self._cancelled.clear()
@@ -84,11 +97,11 @@ class OverlappedGradients:
             raise WorldChangedError(step[0], error.assignment) from error
         if error is not None:
             raise error
-        for bucket, averaged in zip(self.buckets, means, strict=True):
+        for index, (bucket, averaged) in enumerate(zip(self.buckets, means, strict=True)):
             assert averaged is not None
-            for param, mean in zip(bucket, averaged, strict=True):
-                assert param.grad is not None
-                write_back(param.grad, mean)
+            grads = [param.grad for param in bucket]
+            assert all(grad is not None for grad in grads)
+            self.staging.from_host(index, grads, averaged)  # type: ignore[arg-type]
 
     def cancel(self) -> None:
         """The step is not applied: start no more of its buckets, wait for the one running
@@ -113,6 +126,9 @@ class OverlappedGradients:
         with self._cond:
             if self._step is None or self._flush:
                 return  # a backward outside a step's work (or after it): not ours
+            # on CUDA, where backward made the gradient (its stream, now): the averaging
+            # thread's copy waits for it there, not for its own thread's stream
+            self._ready[index].append(self.staging.ready())
             self._left[index] -= 1
             if self._left[index] < 0 or index < self._done:
                 self._again = True
@@ -155,6 +171,9 @@ class OverlappedGradients:
             if param.grad is None:  # unused in this step's forward: zeros, as DDP counts it
                 param.grad = torch.zeros_like(param)
             grads.append(param.grad)
-        named: dict[str, Any] = {str(i): averaged_array(g) for i, g in enumerate(grads)}
+        with self._cond:
+            ready = list(self._ready[index])
+        arrays = self.staging.to_host(index, grads, ready)
+        named: dict[str, Any] = {str(i): array for i, array in enumerate(arrays)}
         mean = self.collective.allreduce(named, call_id(step, GRADIENTS, index), world=world)
         return [mean[str(i)] for i in range(len(grads))]

@@ -6,7 +6,8 @@ no other worker module imports it, so cohort itself never needs torch.
 Tensors travel through `Collective` (Redis) as numpy arrays:
 
 - float16/float32/float64 CPU tensors are zero-copy numpy views (`Tensor.numpy()`); CUDA
-  tensors are copied to the CPU first and the result copied back.
+  tensors go bucket by bucket through pinned host buffers, copied non-blocking on a side
+  stream and back on the caller's (`staging.py`, docs/gpu.md "Running on GPUs").
 - bfloat16 has no numpy dtype. Averaging needs arithmetic, so bfloat16 gradients and
   weights are converted to float32 by torch, averaged (the collective sums in float64) and
   rounded back to bfloat16 once at the end. Where no arithmetic is needed (state blobs,
@@ -41,6 +42,7 @@ from cohort.worker.collective.compressors import (
 )
 from cohort.worker.collective.redis_collective import Collective
 from cohort.worker.errors import StateError, WorldChangedError
+from cohort.worker.pytorch.staging import AVERAGED, Staging, staging_for
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 """As DDP's default bucket_cap_mb: bounds the extra memory one allreduce call needs."""
@@ -56,44 +58,10 @@ _NUMPY = {
     torch.uint8: np.uint8,
 }
 """torch dtypes a blob carries natively; any other travels as its bytes (|u1)."""
-_AVERAGED = (torch.float16, torch.float32, torch.float64)
-"""dtypes the collective averages as they are; bfloat16 goes through float32."""
 _DTYPES = {str(d): d for d in (*_NUMPY, torch.bfloat16, torch.int8, torch.int16, torch.bool)}
 
 
 # ------------------------------------------------------------------ tensors <-> numpy
-def averaged_array(tensor: torch.Tensor) -> np.ndarray:
-    """`tensor` as a numpy array the collective can average (a view for CPU f16/f32/f64)."""
-    t = tensor.detach()
-    if t.dtype not in _AVERAGED:
-        if not t.dtype.is_floating_point:
-            raise StateError(f"cannot average a tensor of dtype {t.dtype}; only floating point")
-        t = t.float()  # bfloat16 (and other floats numpy lacks): average in float32
-    return t.cpu().contiguous().numpy()
-
-
-def write_back(tensor: torch.Tensor, array: np.ndarray) -> None:
-    """Copy the averaged `array` into `tensor` (rounding once to its dtype, moving devices)."""
-    if _is_memory_of(array, tensor):
-        return  # the mean was written into the tensor's own memory already
-    if not array.flags.writeable:
-        array = array.copy()  # torch.from_numpy warns on read-only memory
-    with torch.no_grad():
-        tensor.copy_(torch.from_numpy(array).reshape(tensor.shape))
-
-
-def _is_memory_of(array: np.ndarray, tensor: torch.Tensor) -> bool:
-    """Whether `array` is exactly `tensor`'s CPU memory (a view, as averaged_array gives)."""
-    return (
-        tensor.device.type == "cpu"
-        and tensor.is_contiguous()
-        and tensor.is_floating_point()
-        and array.dtype.itemsize == tensor.element_size()
-        and array.size == tensor.numel()
-        and array.__array_interface__["data"][0] == tensor.data_ptr()
-    )
-
-
 def _wire(tensor: torch.Tensor) -> tuple[np.ndarray, list[Any]]:
     """The array that carries `tensor` exactly, and its [dtype, shape] for the meta."""
     t = tensor.detach().cpu().contiguous()
@@ -127,7 +95,7 @@ def buckets(
     bucket: list[tuple[str, torch.Tensor]] = []
     used = 0
     for name, tensor in named:
-        size = tensor.numel() * (4 if tensor.dtype not in _AVERAGED else tensor.element_size())
+        size = tensor.numel() * (4 if tensor.dtype not in AVERAGED else tensor.element_size())
         if bucket and used + size > bucket_bytes:
             yield bucket
             bucket, used = [], 0
@@ -135,6 +103,10 @@ def buckets(
         used += size
     if bucket:
         yield bucket
+
+
+Averaged = list[tuple[tuple[int, int], list[torch.Tensor], list[np.ndarray]]]
+"""Per bucket: its staging slot, its tensors, and their means (host arrays)."""
 
 
 def _average(
@@ -145,25 +117,38 @@ def _average(
     bucket_bytes: int,
     world: int | None = None,
     compressor: Compressor | None = None,
-) -> list[tuple[torch.Tensor, np.ndarray]]:
-    """Each tensor with its mean over the world, bucket by bucket; nothing is written yet.
-    With a `compressor`, the means are its (lossy, error-fed-back, the same on every rank)."""
-    out: list[tuple[torch.Tensor, np.ndarray]] = []
+    staging: Staging | None = None,
+) -> Averaged:
+    """Each bucket's tensors with their means over the world; nothing is written yet (`_land`
+    does). With a `compressor`, the means are its (lossy, error-fed-back, the same on every
+    rank). `staging`: how the tensors reach the host (by their device if not given)."""
+    out: Averaged = []
+    if staging is None:
+        staging = staging_for(named[0][1].device) if named else Staging()
     try:
         for i, bucket in enumerate(buckets(named, bucket_bytes)):
-            arrays = {name: averaged_array(t) for name, t in bucket}
+            tensors = [t for _, t in bucket]
+            arrays = dict(
+                zip([n for n, _ in bucket], staging.to_host((channel, i), tensors), strict=True)
+            )
             if compressor is None:
                 mean = collective.allreduce(arrays, call_id(step, channel, i), world=world)
             else:
                 ids = [call_id(step, channel, CALLS * i + k) for k in range(CALLS)]
-                # float32 results may land in the arrays (the gradients' own memory, or
-                # copies); other widths get new arrays, cast back by write_back
+                # float32 results may land in the arrays (the gradients' own memory, or the
+                # pinned buffers); other widths get new arrays, cast back by write_back
                 into = {n: a for n, a in arrays.items() if a.dtype == np.float32}
                 mean = compressor.allreduce(collective, arrays, ids, world=world, out=into)
-            out.extend((t, mean[name]) for name, t in bucket)
+            out.append(((channel, i), tensors, [mean[name] for name, _ in bucket]))
     except WorldChangedError as exc:  # say which training step was aborted, not the call id
         raise WorldChangedError(step, exc.assignment) from exc
     return out
+
+
+def _land(staging: Staging | None, averaged: Averaged) -> None:
+    """Write each bucket's means into its tensors."""
+    for slot, tensors, means in averaged:
+        (staging or Staging()).from_host(slot, tensors, means)
 
 
 def sync_gradients(
@@ -173,13 +158,16 @@ def sync_gradients(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     world: int | None = None,
     compressor: Compressor | None = None,
+    staging: Staging | None = None,
 ) -> None:
     """Replace each parameter's `.grad` by its mean over the ranks of the world, as DDP does.
 
     `world`: the world version the loop synced its state for (WorldChangedError if the
     worker has moved on since). `compressor` (`cohort.torch.compressor("powersgd")` or
     "int8", one per model, `reset(step)` at each world start): send fewer bytes; every rank
-    still gets the same gradients (docs/compression.md).
+    still gets the same gradients (docs/compression.md). `staging`: how the gradients
+    reach the host and come back (worker/pytorch/staging.py; by default made for the
+    gradients' device at each call: a loop should keep one, whose pinned buffers stay).
 
     Call it after `backward()` and before `optimizer.step()`. A parameter without a gradient
     on this rank counts as a zero gradient (every rank must send the same tensors). Buckets
@@ -194,9 +182,34 @@ def sync_gradients(
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         named.append((name, param.grad))
-    averaged = _average(named, collective, step, GRADIENTS, bucket_bytes, world, compressor)
-    for grad, mean in averaged:
-        write_back(grad, mean)
+    if staging is None and named:
+        staging = staging_for(named[0][1].device)
+    _land(
+        staging,
+        _average(named, collective, step, GRADIENTS, bucket_bytes, world, compressor, staging),
+    )
+
+
+def allreduce(
+    collective: Collective,
+    tensors: Mapping[str, torch.Tensor],
+    step: int,
+    world: int | None = None,
+    staging: Staging | None = None,
+) -> dict[str, torch.Tensor]:
+    """The mean of floating-point `tensors` over the world, as new tensors of their dtypes
+    on their devices: `Collective.allreduce` for tensors, CUDA ones too (through pinned
+    memory, worker/pytorch/staging.py). `step` as `Collective.allreduce`'s: non-negative,
+    the same on every rank, one call per step and name set."""
+    names = sorted(tensors)
+    given = [tensors[n].detach() for n in names]
+    if staging is None:
+        staging = staging_for(given[0].device) if given else Staging()
+    arrays = staging.to_host("allreduce", given)
+    mean = collective.allreduce(dict(zip(names, arrays, strict=True)), step, world=world)
+    out = [torch.empty_like(t) for t in given]
+    staging.from_host("allreduce", out, [mean[n] for n in names])
+    return dict(zip(names, out, strict=True))
 
 
 # ------------------------------------------------------------------ buffers
@@ -485,10 +498,19 @@ class LocalSGD:
         self.syncs = 0
         self.global_params: dict[str, torch.Tensor] = {}
         self.momentum: dict[str, torch.Tensor] = {}
+        self._staging: Staging | None = None
+        self._staging_device: torch.device | None = None
         self.reset()
 
     def _params(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def _staging_of(self, params: list[tuple[str, torch.nn.Parameter]]) -> Staging:
+        """The staging for the parameters' device, kept (its pinned buffers with it)."""
+        device = params[0][1].device if params else torch.device("cpu")
+        if self._staging is None or self._staging_device != device:
+            self._staging, self._staging_device = staging_for(device), device
+        return self._staging
 
     def reset(self, step: int = 0) -> None:
         """Take the model's current weights as the global weights; zero the outer momentum;
@@ -512,20 +534,26 @@ class LocalSGD:
         if not self.due(step):
             return False
         params = self._params()
+        staging = self._staging_of(params)
         if self.mode == "weights":
-            for param, mean in _average(params, self.collective, step, WEIGHTS, self.bucket_bytes):
-                write_back(param, mean)
+            averaged = _average(
+                params, self.collective, step, WEIGHTS, self.bucket_bytes, staging=staging
+            )
+            _land(staging, averaged)
             self.reset_global_from_model()
         else:
-            deltas = [
-                (name, self.global_params[name] - param.detach().float()) for name, param in params
-            ]
-            means = _average(
-                deltas, self.collective, step, WEIGHTS, self.bucket_bytes, None, self.compressor
-            )
             with torch.no_grad():
-                for (name, param), (_, mean) in zip(params, means, strict=True):
-                    update = torch.from_numpy(np.array(mean)).reshape(param.shape)
+                deltas = [
+                    (name, self.global_params[name] - param.detach().float())
+                    for name, param in params
+                ]
+            means = _average(
+                deltas, self.collective, step, WEIGHTS, self.bucket_bytes, None, self.compressor,
+                staging,
+            )  # fmt: skip
+            _land(staging, means)  # each delta now holds its mean, on the weights' device
+            with torch.no_grad():
+                for (name, param), (_, update) in zip(params, deltas, strict=True):
                     if self.outer_momentum:
                         buf = self.momentum.get(name)
                         buf = (
