@@ -134,7 +134,7 @@ if TYPE_CHECKING:
     default=None,
     help="Take from the SLURM job step this runs in (default: when $SLURM_JOB_ID and "
     "$SLURMD_NODENAME say there is one) what SLURM knows: the node, its ranks (its GPUs, "
-    "else its CPUs / --cpus-per-task), the job (its name and id), the run directory "
+    "else the job's --ntasks-per-node), the job (its name and id), the run directory "
     "($SLURM_SUBMIT_DIR/cohort-runs/slurm-ID, kept across requeues) and, on several nodes, "
     "the Redis the first node runs for the others. docs/slurm.md.",
 )
