@@ -179,7 +179,6 @@ def _launch_settings(
     """Every flag checked, nothing started yet: the launcher's settings, or exit 2 (3 when
     the Redis given does not answer) naming the bad value."""
     from cohort.launcher.launcher import LaunchSettings
-    from cohort.launcher.rundir import job_for
     from cohort.launcher.supervision import Policy
 
     job_settings_given = JobSettings.of(params)
@@ -190,48 +189,28 @@ def _launch_settings(
     argv = _command(command)
     _check_shadowing(argv)
     gpus = node_gpus()
-    nproc, nproc_said = params["nproc"], "-n"
-    if under is not None and ctx.get_parameter_source("nproc") is ParameterSource.DEFAULT:
-        nproc, nproc_said = slurm.ranks(under, slurm.tasks_per_node(slurm.job_record(under)))
+    nproc = _slurm_nproc(ctx, params["nproc"], under)
     ranks = _ranks(nproc, lambda: gpus, _spare_count(params["spares"]))
-    redis_url = ctx.obj.get("redis_url")
-    own_redis = not redis_url
-    if under is not None and own_redis and not under.hosts_redis and under.nodes > 1:
-        redis_url = ctx.obj["redis_url"] = _awaited_url(under)
-    # the job's name comes from the settings as given: -n (and the start-up wait it sets) may
-    # change between the runs of one job
-    job = params["job"] or (
-        slurm.job_name(under) if under else job_for(command, job_settings_given.argv(), os.getcwd())
-    )
-    if under is not None and params["run_dir"] is None:
-        params["run_dir"] = slurm.run_dir(under, own_redis=not redis_url)
+    redis_url = _slurm_redis(ctx, params, under)
+    job = params["job"] or _job_name(command, job_settings_given, under)
     job, run_dir, resuming = _run_dir(ctx, job, params, shared=bool(redis_url))
     if config.checkpoint_uri is not None:
         _check_checkpoint_owner(config.checkpoint_uri, job)
-    if under is not None:
-        _start_with_every_rank(job_settings_given, slurm.start_workers(under, ranks))
-    elif not redis_url:
-        _start_with_every_rank(job_settings_given, ranks)
+    if under is not None or not redis_url:
+        _start_with_every_rank(
+            job_settings_given, slurm.start_workers(under, ranks) if under else ranks
+        )
     spares = _spares(params["spares"], ranks, config.max_workers)
     placement = _placement(gpus, ranks, spares)
-    coordinators = 0 if params["no_coordinator"] else params["coordinators"]
     if redis_url:
-        _check_shared_redis(
-            ctx, job, node, job_settings_given, params["wait_for_redis"], slurm=under is not None
-        )
+        wait = params["wait_for_redis"]
+        _check_shared_redis(ctx, job, node, job_settings_given, wait, slurm=under is not None)
         _check_credentials(ctx, job, node, params["worker_credentials"])
     kept = f" and {spares} spare(s)" if spares else ""
     each = f", one GPU each ({gpus.source})" if placement else ""
-    if under is not None:
-        click.echo(
-            f"cohort run: SLURM job {under.job_id} (requeued {under.restarts} time(s)), node "
-            f"{under.node_id + 1} of {under.nodes}: ranks from {nproc_said}"
-        )
     click.echo(
         f"cohort run: job {job!r}, {ranks} rank(s){kept} on node {node!r}{each}, logs in {run_dir}"
     )
-    shared_host = under is not None and not redis_url and under.nodes > 1
-    drain = params["drain_signal"] or ("USR1" if under is not None else "none")
     return LaunchSettings(
         job=job,
         command=argv,
@@ -239,7 +218,7 @@ def _launch_settings(
         node=node,
         run_dir=run_dir,
         redis_url=redis_settings(ctx, "cohort-run").url if redis_url else None,
-        coordinators=coordinators,
+        coordinators=0 if params["no_coordinator"] else params["coordinators"],
         job_flags=tuple(job_settings_given.argv()),
         policy=Policy(max_restarts=params["max_restarts"]),
         export=params["export"],
@@ -252,11 +231,61 @@ def _launch_settings(
         gpus=placement,
         exit_reports=params["exit_reports"],
         resuming=resuming,
-        drain_signal=None if drain == "none" else signal.Signals[f"SIG{drain}"],
-        redis_host=_redis_host() if shared_host else "127.0.0.1",
-        redis_password=secrets.token_hex(16) if shared_host else None,
-        slurm=under if shared_host else None,
+        **_slurm_settings(params["drain_signal"], under, shared=bool(redis_url)),
     )
+
+
+def _job_name(command: tuple[str, ...], given: JobSettings, under: slurm.SlurmJob | None) -> str:
+    """The job without --job: the SLURM job's, else one made from the command and the
+    settings as given (-n, and the start-up wait it sets, may change between its runs)."""
+    from cohort.launcher.rundir import job_for
+
+    return slurm.job_name(under) if under else job_for(command, given.argv(), os.getcwd())
+
+
+def _slurm_nproc(ctx: click.Context, given: str, under: slurm.SlurmJob | None) -> str:
+    """-n as given, else under SLURM the node's GPUs or the job's tasks per node (said)."""
+    if under is None:
+        return given
+    said = "-n"
+    if ctx.get_parameter_source("nproc") is ParameterSource.DEFAULT:
+        given, said = slurm.ranks(under, slurm.tasks_per_node(slurm.job_record(under)))
+    click.echo(
+        f"cohort run: SLURM job {under.job_id} (requeued {under.restarts} time(s)), node "
+        f"{under.node_id + 1} of {under.nodes}: ranks from {said}"
+    )
+    return given
+
+
+def _slurm_redis(
+    ctx: click.Context, params: dict[str, Any], under: slurm.SlurmJob | None
+) -> str | None:
+    """The Redis URL given; under SLURM with none, on a node after the first, the one the
+    first node runs for the job (awaited); and under SLURM the run directory, unless given."""
+    redis_url: str | None = ctx.obj.get("redis_url")
+    if under is None:
+        return redis_url
+    if not redis_url and not under.hosts_redis and under.nodes > 1:
+        redis_url = ctx.obj["redis_url"] = _awaited_url(under)
+    if params["run_dir"] is None:
+        params["run_dir"] = slurm.run_dir(under, own_redis=not redis_url)
+    return redis_url
+
+
+def _slurm_settings(
+    drain_signal: str | None, under: slurm.SlurmJob | None, shared: bool
+) -> dict[str, Any]:
+    """The drain signal (USR1 under SLURM unless given), and where this node runs the Redis
+    of a SLURM job of several nodes: bound to an address they reach, with a password, its
+    URL published for them."""
+    drain = drain_signal or ("USR1" if under is not None else "none")
+    host = under is not None and not shared and under.nodes > 1
+    return {
+        "drain_signal": None if drain == "none" else signal.Signals[f"SIG{drain}"],
+        "redis_host": _redis_host() if host else "127.0.0.1",
+        "redis_password": secrets.token_hex(16) if host else None,
+        "slurm": under if host else None,
+    }
 
 
 def _slurm_job(asked: bool | None) -> slurm.SlurmJob | None:

@@ -120,6 +120,9 @@ class Slurm:
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU",
             "SchedulerType=sched/builtin",
+            # a job eligible again (a requeued one's StartTime) starts within a second, not
+            # at the next minute's pass
+            "SchedulerParameters=sched_interval=1",
             "AccountingStorageType=accounting_storage/none",
             "JobAcctGatherType=jobacct_gather/none",
             "JobCompType=jobcomp/none",

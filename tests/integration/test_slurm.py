@@ -7,7 +7,7 @@ step; SLURM's warning before a time limit (sent here with `scancel --signal=USR1
 what `--signal=USR1@120` does at limit - 120 s, rather than waiting for a real limit) drains
 it, the script requeues it and the next allocation resumes it; a node's launcher SIGKILLed
 leaves the other node training to the end. A requeued job waits for its BeginTime (SLURM
-makes it now + 2 min); the tests move it to now with `scontrol update`.
+makes it now + 2 min); the tests move it to now + 3 s with `scontrol update`.
 
 Skipped where slurm-wlm or munge are not installed (or not root), unless
 COHORT_REQUIRE_SLURM=1 (CI), where that fails instead.
@@ -82,13 +82,14 @@ def first_node_journal(cwd: Path, job_id: str) -> JournalWatch:
 
 
 def resume_now(cluster: Slurm, job_id: str) -> None:
-    """A requeued job, pending until its BeginTime, eligible now (and then running)."""
+    """A requeued job, pending until its BeginTime (SLURM's: 2 minutes on), eligible in 3 s:
+    a job started again within the second its last allocation ended is refused by slurmd
+    ("Job credential revoked", kept by job id to the second), and the job fails."""
     wait_until(
-        lambda: cluster.job(job_id).get("Restarts") == "1"
-        and cluster.state(job_id) in {"PENDING", "RUNNING"},
+        lambda: cluster.job(job_id).get("Restarts") == "1" and cluster.state(job_id) == "PENDING",
         60, 0.2, message="the job requeued",
     )  # fmt: skip
-    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now+3")
 
 
 def test_a_job_submitted_with_sbatch_trains_to_its_end(cluster: Slurm, tmp_path: Path) -> None:
