@@ -33,6 +33,10 @@ class Exit(IntEnum):
     UNFINISHED = 5
     """`cohort run`: every rank's script ended by itself before the job reached its length
     (`--epochs`/`--max-steps`; a job given neither never does): the model is not final."""
+    REQUEUE = 75
+    """`cohort run`: its drain signal (SIGUSR1, SLURM's warning before a time limit) made every
+    rank finish its step and leave, the journal kept: run the job again (requeue it) to resume
+    it (75: EX_TEMPFAIL, "try again later")."""
     INTERRUPTED = 130
     """A second SIGINT/SIGTERM: exit now (128 + SIGINT, as shells report it)."""
 

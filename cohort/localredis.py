@@ -95,6 +95,7 @@ class LocalRedis:
         own_session: bool = False,
         host: str = HOST,
         launcher: Sequence[str] = (),
+        password: str | None = None,
     ) -> None:
         self.appendonly = appendonly
         self.appendfsync = appendfsync
@@ -117,6 +118,9 @@ class LocalRedis:
         self.launcher = tuple(launcher)
         """A command the server is started through, e.g. `ip netns exec NS` (bench/netsim.py:
         a server on a simulated host); it must exec the server, so that signals reach it."""
+        self.password = password
+        """If set, clients must give it (`requirepass`; the `url` carries it): a server bound
+        to an address other hosts reach (cohort run's under SLURM)."""
         self.embedded = False
         self.port = 0
         self.dir: Path | None = None
@@ -194,7 +198,8 @@ class LocalRedis:
 
     @property
     def url(self) -> str:
-        return f"{'rediss' if self.tls else 'redis'}://{self.host}:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"{'rediss' if self.tls else 'redis'}://{auth}{self.host}:{self.port}/0"
 
     def settings(self, **kw: Any) -> RedisSettings:
         """Connection settings for this server (with the TLS files in TLS mode)."""
@@ -240,6 +245,7 @@ class LocalRedis:
         return [
             *self.launcher,
             self.binary,
+            *self._auth_conf(),
             "--port", str(port),
             "--bind", self.host,
             "--dir", str(self.dir),
@@ -251,6 +257,18 @@ class LocalRedis:
             *self._tls_argv(port),
             *self.extra_args,
         ]  # fmt: skip
+
+    def _auth_conf(self) -> list[str]:
+        """The password, in a config file only its user may read (a command line is seen
+        by every user of the host); the file must be the server's first argument."""
+        if not self.password:
+            return []
+        assert self.dir is not None
+        path = self.dir / "auth.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(f"requirepass {self.password}\n")
+        return [str(path)]
 
     def _tls_argv(self, port: int) -> list[str]:
         if self.tls is None:

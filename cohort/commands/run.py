@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
+import signal
 import socket
 import sys
 from collections.abc import Callable, Mapping
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
+from click.core import ParameterSource
 
 from cohort.commands.settings import JobSettings, job_settings
 from cohort.commands.shared import (
@@ -24,6 +27,7 @@ from cohort.commands.shared import (
     wait_for_redis_option,
 )
 from cohort.errors import Exit
+from cohort.launcher import slurm
 
 if TYPE_CHECKING:
     from cohort.launcher.gpus import NodeGpus
@@ -125,6 +129,23 @@ if TYPE_CHECKING:
     "(docs/identity.md); the first switches the job to signed commands only. Automatic "
     "where the job signs already. Needs a --redis-url user allowed ACL SETUSER.",
 )
+@click.option(
+    "--slurm/--no-slurm",
+    default=None,
+    help="Take from the SLURM job step this runs in (default: when $SLURM_JOB_ID and "
+    "$SLURMD_NODENAME say there is one) what SLURM knows: the node, its ranks (its GPUs, "
+    "else the job's --ntasks-per-node), the job (its name and id), the run directory "
+    "($SLURM_SUBMIT_DIR/cohort-runs/slurm-ID, kept across requeues) and, on several nodes, "
+    "the Redis the first node runs for the others. docs/slurm.md.",
+)
+@click.option(
+    "--drain-signal",
+    type=click.Choice(["USR1", "USR2", "none"]),
+    envvar="COHORT_DRAIN_SIGNAL",
+    help="A signal that makes every rank finish its step and leave, then ends the launcher "
+    "with exit 75 (requeue me): SLURM's --signal=USR1@SECONDS before a time limit. The "
+    "processes the launcher starts ignore it. Default: USR1 under SLURM, else none.",
+)
 @job_settings
 @wait_for_redis_option()
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -158,31 +179,32 @@ def _launch_settings(
     """Every flag checked, nothing started yet: the launcher's settings, or exit 2 (3 when
     the Redis given does not answer) naming the bad value."""
     from cohort.launcher.launcher import LaunchSettings
-    from cohort.launcher.rundir import job_for
     from cohort.launcher.supervision import Policy
 
     job_settings_given = JobSettings.of(params)
     config, _ = job_settings_given.config()  # bad settings: exit 2 before anything starts
-    node = params["node"] or _host_name()
+    under = _slurm_job(params["slurm"])
+    node = params["node"] or (slurm.node_name(under) if under else _host_name())
     _check_node(node)
     argv = _command(command)
     _check_shadowing(argv)
     gpus = node_gpus()
-    ranks = _ranks(params["nproc"], lambda: gpus, _spare_count(params["spares"]))
-    redis_url = ctx.obj.get("redis_url")
-    # the job's name comes from the settings as given: -n (and the start-up wait it sets) may
-    # change between the runs of one job
-    job = params["job"] or job_for(command, job_settings_given.argv(), os.getcwd())
+    nproc = _slurm_nproc(ctx, params["nproc"], under)
+    ranks = _ranks(nproc, lambda: gpus, _spare_count(params["spares"]))
+    redis_url = _slurm_redis(ctx, params, under)
+    job = params["job"] or _job_name(command, job_settings_given, under)
     job, run_dir, resuming = _run_dir(ctx, job, params, shared=bool(redis_url))
     if config.checkpoint_uri is not None:
         _check_checkpoint_owner(config.checkpoint_uri, job)
-    if not redis_url:
-        _start_with_every_rank(job_settings_given, ranks)
+    if under is not None or not redis_url:
+        _start_with_every_rank(
+            job_settings_given, slurm.start_workers(under, ranks) if under else ranks
+        )
     spares = _spares(params["spares"], ranks, config.max_workers)
     placement = _placement(gpus, ranks, spares)
-    coordinators = 0 if params["no_coordinator"] else params["coordinators"]
     if redis_url:
-        _check_shared_redis(ctx, job, node, job_settings_given, params["wait_for_redis"])
+        wait = params["wait_for_redis"]
+        _check_shared_redis(ctx, job, node, job_settings_given, wait, slurm=under is not None)
         _check_credentials(ctx, job, node, params["worker_credentials"])
     kept = f" and {spares} spare(s)" if spares else ""
     each = f", one GPU each ({gpus.source})" if placement else ""
@@ -196,7 +218,7 @@ def _launch_settings(
         node=node,
         run_dir=run_dir,
         redis_url=redis_settings(ctx, "cohort-run").url if redis_url else None,
-        coordinators=coordinators,
+        coordinators=0 if params["no_coordinator"] else params["coordinators"],
         job_flags=tuple(job_settings_given.argv()),
         policy=Policy(max_restarts=params["max_restarts"]),
         export=params["export"],
@@ -209,7 +231,91 @@ def _launch_settings(
         gpus=placement,
         exit_reports=params["exit_reports"],
         resuming=resuming,
+        **_slurm_settings(params["drain_signal"], under, shared=bool(redis_url)),
     )
+
+
+def _job_name(command: tuple[str, ...], given: JobSettings, under: slurm.SlurmJob | None) -> str:
+    """The job without --job: the SLURM job's, else one made from the command and the
+    settings as given (-n, and the start-up wait it sets, may change between its runs)."""
+    from cohort.launcher.rundir import job_for
+
+    return slurm.job_name(under) if under else job_for(command, given.argv(), os.getcwd())
+
+
+def _slurm_nproc(ctx: click.Context, given: str, under: slurm.SlurmJob | None) -> str:
+    """-n as given, else under SLURM the node's GPUs or the job's tasks per node (said)."""
+    if under is None:
+        return given
+    said = "-n"
+    if ctx.get_parameter_source("nproc") is ParameterSource.DEFAULT:
+        given, said = slurm.ranks(under, slurm.tasks_per_node(slurm.job_record(under)))
+    click.echo(
+        f"cohort run: SLURM job {under.job_id} (requeued {under.restarts} time(s)), node "
+        f"{under.node_id + 1} of {under.nodes}: ranks from {said}"
+    )
+    return given
+
+
+def _slurm_redis(
+    ctx: click.Context, params: dict[str, Any], under: slurm.SlurmJob | None
+) -> str | None:
+    """The Redis URL given; under SLURM with none, on a node after the first, the one the
+    first node runs for the job (awaited); and under SLURM the run directory, unless given."""
+    redis_url: str | None = ctx.obj.get("redis_url")
+    if under is None:
+        return redis_url
+    if not redis_url and not under.hosts_redis and under.nodes > 1:
+        redis_url = ctx.obj["redis_url"] = _awaited_url(under)
+    if params["run_dir"] is None:
+        params["run_dir"] = slurm.run_dir(under, own_redis=not redis_url)
+    return redis_url
+
+
+def _slurm_settings(
+    drain_signal: str | None, under: slurm.SlurmJob | None, shared: bool
+) -> dict[str, Any]:
+    """The drain signal (USR1 under SLURM unless given), and where this node runs the Redis
+    of a SLURM job of several nodes: bound to an address they reach, with a password, its
+    URL published for them."""
+    drain = drain_signal or ("USR1" if under is not None else "none")
+    host = under is not None and not shared and under.nodes > 1
+    return {
+        "drain_signal": None if drain == "none" else signal.Signals[f"SIG{drain}"],
+        "redis_host": _redis_host() if host else "127.0.0.1",
+        "redis_password": secrets.token_hex(16) if host else None,
+        "slurm": under if host else None,
+    }
+
+
+def _slurm_job(asked: bool | None) -> slurm.SlurmJob | None:
+    """The SLURM job step this runs in, unless --no-slurm; --slurm outside one: exit 2."""
+    found = slurm.SlurmJob.of(os.environ) if asked is not False else None
+    if asked and found is None:
+        fail(
+            "--slurm: this is not a SLURM job step ($SLURM_JOB_ID and $SLURMD_NODENAME are "
+            "not both set): run it through srun inside sbatch or salloc"
+        )
+    return found
+
+
+def _awaited_url(under: slurm.SlurmJob) -> str:
+    """A node after the first: the Redis the first node runs for the job, once published."""
+    click.echo(
+        f"cohort run: SLURM job {under.job_id}: waiting for the first node's Redis "
+        f"({under.root / slurm.URL_FILE})"
+    )
+    try:
+        return slurm.await_url(under)
+    except slurm.SlurmError as exc:
+        fail(str(exc), Exit.REDIS)
+
+
+def _redis_host() -> str:
+    try:
+        return slurm.redis_host(os.environ)
+    except slurm.SlurmError as exc:
+        fail(str(exc))
 
 
 def _start_with_every_rank(given: JobSettings, ranks: int) -> None:
@@ -367,11 +473,13 @@ def _placement(gpus: NodeGpus, ranks: int, spares: int) -> tuple[str, ...]:
 
 
 def _check_shared_redis(
-    ctx: click.Context, job: str, node: str, given: JobSettings, wait: float
+    ctx: click.Context, job: str, node: str, given: JobSettings, wait: float, slurm: bool = False
 ) -> None:
     """On a Redis shared with other nodes: it answers (else exit 3), its journaled settings
     agree with the ones given, and no other launcher runs ranks under this node's name (else
-    exit 2). A job that finished has nothing left for this node: it exits 0 saying so, as a
+    exit 2; not under SLURM, whose node names are unique in an allocation: members under
+    this one are an earlier allocation's, and the new ranks take ids the journal has not
+    seen). A job that finished has nothing left for this node: it exits 0 saying so, as a
     late worker does (a scheduler that started it late must not count it failed)."""
     from cohort.coordinator.errors import ConfigConflictError
     from cohort.coordinator.replay import JournalWatch
@@ -392,7 +500,7 @@ def _check_shared_redis(
     if conflict is not None:
         fail(str(conflict))
     mine = sorted(w for w in state.members if w.startswith(f"{node}-"))
-    if mine:
+    if mine and not slurm:
         fail(
             f"node name {node!r} is in use in job {job!r} (members {', '.join(mine[:4])}): give "
             "this launcher another with --node; if they are an earlier launcher's that is gone, "

@@ -43,6 +43,7 @@ from cohort.events.streams import Inbox
 from cohort.launcher import rundir, shadowing, supervision
 from cohort.launcher.credentials import Credentials
 from cohort.launcher.reaper import Reaper
+from cohort.launcher.slurm import SlurmJob, publish
 from cohort.launcher.supervision import Exited, Policy, Slot, State
 from cohort.localredis import LocalRedis, LocalRedisError
 from cohort.processes import Proc, outcome
@@ -107,6 +108,17 @@ class LaunchSettings:
     resuming: bool = False
     """`run_dir` holds an earlier run of the job that did not finish: its private Redis is
     started again on the run's AOF and the job goes on from there."""
+    drain_signal: signal.Signals | None = None
+    """A signal that drains the node like a first SIGTERM and ends the launcher with exit
+    REQUEUE (SLURM's --signal=USR1@SECONDS before a time limit); every process the launcher
+    starts ignores it, since SLURM signals each process of the job step."""
+    redis_host: str = "127.0.0.1"
+    """The address the private Redis listens on (and is reached at)."""
+    redis_password: str | None = None
+    """The private Redis's password (one bound to an address other hosts reach)."""
+    slurm: SlurmJob | None = None
+    """Under SLURM, where this node's private Redis is the job's: its URL is published for
+    the job's other nodes (launcher/slurm.py)."""
 
 
 @dataclass
@@ -152,6 +164,8 @@ class Launcher:
         self.coordinators = [Member(Slot(i)) for i in range(settings.coordinators)]
         self.restarts = 0
         self.signals = 0
+        self.drained = False
+        """The drain signal came: the node drains and the launcher asks to be run again."""
         self.stop_deadline: float | None = None
         self.redis_url = settings.redis_url or ""
         self.embedded = False
@@ -191,7 +205,7 @@ class Launcher:
             self.stack.enter_context(rundir.held(self.settings.run_dir))
         except rundir.RunDirError as exc:
             raise LaunchError(str(exc), code=Exit.USAGE) from None
-        self.reaper = Reaper()
+        self.reaper = Reaper(ignore=self._ignored())
         self.stack.callback(self.reaper.release)
         self.stack.callback(self._kill_all)
         if not self.redis_url:
@@ -270,6 +284,9 @@ class Launcher:
             embedded_ok=True,
             data_dir=self.settings.run_dir / "redis",
             own_session=True,
+            host=self.settings.redis_host,
+            password=self.settings.redis_password,
+            launcher=self._ignoring(),
         )
         server.start()
         self.stack.callback(server.stop)
@@ -284,7 +301,11 @@ class Launcher:
             if server.embedded
             else f"a private redis-server (AOF on, data in {server.dir})"
         )
-        self.say(f"cohort run: no Redis given: using {kind} at {server.url}")
+        shown = RedisSettings.resolve(server.url).display_url
+        self.say(f"cohort run: no Redis given: using {kind} at {shown}")
+        if self.settings.slurm is not None:
+            path = publish(self.settings.slurm, server.url)
+            self.say(f"cohort run: the job's other nodes find its Redis in {path}")
 
     def _write_run_json(self, **more: Any) -> None:
         settings = self.settings
@@ -501,7 +522,11 @@ class Launcher:
             handle.write(f"==== {worker}{role}: {' '.join(self.settings.command)}\n")
         member.worker, member.spare = worker, spare
         member.proc = Proc(
-            worker, list(self.settings.command), log, env=env, echo=self._echo_for(worker)
+            worker,
+            [*self._ignoring(), *self.settings.command],
+            log,
+            env=env,
+            echo=self._echo_for(worker),
         )
         member.proc.start()
         assert member.proc.popen is not None
@@ -537,6 +562,7 @@ class Launcher:
             *self.settings.job_flags, "--id", name,
             *(["--allow-volatile"] if self.embedded else []),
         ]  # fmt: skip
+        argv = [*self._ignoring(), *argv]
         member.proc = Proc(name, argv, self.log_dir / f"coordinator-{index}.log")
         member.proc.start()
         assert member.proc.popen is not None
@@ -588,11 +614,33 @@ class Launcher:
         """SIGINT/SIGTERM while supervising: the first one a SIGTERM to every rank, the
         second kills everything now."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        if self.settings.drain_signal is not None:
+            drain = self.settings.drain_signal
+            previous[drain] = signal.signal(drain, self._on_drain)
         try:
             yield
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+
+    def _ignored(self) -> tuple[signal.Signals, ...]:
+        return (self.settings.drain_signal,) if self.settings.drain_signal else ()
+
+    def _ignoring(self) -> tuple[str, ...]:
+        """The prefix that starts a process with the drain signal ignored (inherited through
+        exec; a script may still handle it): SLURM sends it to every process of the step,
+        and a Python or a redis-server it reaches unhandled would die of it."""
+        sig = self.settings.drain_signal
+        return ("env", f"--ignore-signal={sig.name[3:]}") if sig else ()
+
+    def _on_drain(self, signum: int, frame: object) -> None:
+        """The drain signal: the node drains as on a first SIGTERM, and the launcher ends
+        with exit REQUEUE so that the job is run again (and resumes). Once stopping, it
+        changes nothing."""
+        if self.stopping:
+            return
+        self.drained = True
+        self._on_signal(signum, frame)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.signals += 1
@@ -717,6 +765,8 @@ class Launcher:
 
     def _verdict(self, report: Audit) -> Exit:
         """0 only for a job that reached its length (and passed the audit)."""
+        if self.drained and not self.finished:
+            return Exit.REQUEUE
         if self.stopping:
             return Exit.INTERRUPTED
         if self.finished:
@@ -743,7 +793,14 @@ class Launcher:
             f"{self.restarts} rank(s) restarted{self._spares_said()}; {audit_said(report)}"
         )
         self.say(f"logs: {self.settings.run_dir}" + (f"; export: {exported}" if exported else ""))
-        if code is Exit.FAILED:
+        if code is Exit.REQUEUE:
+            sig = self.settings.drain_signal
+            self.say(
+                f"exit {int(code)}: drained on {sig.name if sig else 'a signal'}: run the job "
+                "again (`scontrol requeue $SLURM_JOB_ID`) and it resumes at its last "
+                "committed step"
+            )
+        elif code is Exit.FAILED:
             self.say("every local rank was given up on: see its log above")
         elif code is Exit.UNFINISHED:
             self.say(

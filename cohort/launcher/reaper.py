@@ -7,7 +7,8 @@ whole process group was), the reaper SIGKILLs every group still on its list: the
 with whatever they started, the coordinators, the private redis-server. A launcher that
 ends normally has stopped them itself and `release`s the reaper.
 
-Run as `python -m cohort.launcher.reaper`; it reads lines `+PGID`, `-PGID` and `release`.
+Run as `python -m cohort.launcher.reaper [SIGNUM...]` (signals it ignores); it reads lines
+`+PGID`, `-PGID` and `release`.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from typing import IO
 class Reaper:
     """The launcher's side of the reaper: a pipe it writes what to kill if it dies."""
 
-    def __init__(self) -> None:
+    def __init__(self, ignore: tuple[signal.Signals, ...] = ()) -> None:
+        """`ignore`: signals meant for the launcher that reach its every process (SLURM's
+        --signal), which the reaper must outlive."""
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "cohort.launcher.reaper"],
+            [sys.executable, "-m", "cohort.launcher.reaper", *(str(int(s)) for s in ignore)],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -68,6 +71,8 @@ def reap(lines: IO[str]) -> list[int]:
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the launcher's to handle
+    for number in sys.argv[1:]:  # and so is the drain signal
+        signal.signal(int(number), signal.SIG_IGN)
     for pgid in reap(sys.stdin):
         with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
             os.killpg(pgid, signal.SIGKILL)
