@@ -177,23 +177,7 @@ def cohort_run(
     )
     outcome = Outcome(code=-1, seconds=0.0)
     try:
-        watch = _watch(run_dir, launcher, started)
-        killed = False
-        while launcher.poll() is None and watch is not None:
-            if time.monotonic() - started > RUN_TIMEOUT:
-                raise TimeoutError(f"cohort run took over {RUN_TIMEOUT:.0f} s")
-            try:
-                outcome.facts += watch.pull(block_ms=200)
-            except Exception:  # the private Redis ends with the launcher
-                break
-            if kill is not None and not killed:
-                pids = kill(watch)
-                for pid in pids:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                killed = bool(pids)
-            if probe is not None:
-                probe(run_dir, watch, outcome.seen)
+        _follow(launcher, run_dir, started, outcome, kill, probe)
         outcome.code = launcher.wait(RUN_TIMEOUT)
     except TimeoutError as exc:
         outcome.output = str(exc)
@@ -204,6 +188,35 @@ def cohort_run(
     outcome.seconds = time.monotonic() - started
     outcome.output += out.read_text(errors="replace")[-3000:]
     return outcome
+
+
+def _follow(
+    launcher: subprocess.Popen[bytes],
+    run_dir: Path,
+    started: float,
+    outcome: Outcome,
+    kill: Callable[[JournalWatch], list[int]] | None,
+    probe: Probe | None,
+) -> None:
+    """Follow the run's journal while the launcher runs: its facts into `outcome`, the
+    `kill` once it names pids, the `probe` at each pull; TimeoutError past RUN_TIMEOUT."""
+    watch = _watch(run_dir, launcher, started)
+    killed = False
+    while launcher.poll() is None and watch is not None:
+        if time.monotonic() - started > RUN_TIMEOUT:
+            raise TimeoutError(f"cohort run took over {RUN_TIMEOUT:.0f} s")
+        try:
+            outcome.facts += watch.pull(block_ms=200)
+        except Exception:  # the private Redis ends with the launcher
+            return
+        if kill is not None and not killed:
+            pids = kill(watch)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            killed = bool(pids)
+        if probe is not None:
+            probe(run_dir, watch, outcome.seen)
 
 
 def _watch(run_dir: Path, launcher: subprocess.Popen[bytes], started: float) -> JournalWatch | None:
