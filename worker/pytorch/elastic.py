@@ -343,6 +343,7 @@ class ElasticJob(Elastic):
         "int8" sends fewer bytes, with error feedback, after backward; every rank applies
         the same update (docs/compression.md). Through Redis only: a `backend` refuses it.
         Unset, $COHORT_COMPRESSION says (int8, powersgd or powersgd:RANK)."""
+        refuse_sharded(sharded_parameters(model), self.backend)
         self.compressor = self._compressor(*compression_setting(compression, rank))
         self.attach(TorchState(model, optimizer, scheduler, extra, scaler))
         self._bucket_bytes = bucket_bytes
@@ -847,6 +848,42 @@ class ElasticJob(Elastic):
         taken = self._peeked if self._peeked is not None else next(self._steps, None)
         self._peeked = None
         return taken
+
+
+def sharded_parameters(model: torch.nn.Module) -> tuple[str, ...]:
+    """The names of `model`'s parameters that are DTensors (`fully_shard`, tensor
+    parallelism): none for a model of plain tensors, or where this torch has no
+    torch.distributed (nothing can be sharded there)."""
+    if not torch.distributed.is_available():
+        return ()
+    from torch.distributed.tensor import DTensor
+
+    return tuple(name for name, p in model.named_parameters() if isinstance(p, DTensor))
+
+
+def refuse_sharded(names: tuple[str, ...], backend: str | None) -> None:
+    """InvalidValueError for a model whose parameters `names` were sharded before `job.wrap`:
+    cohort cannot train it yet on either route (docs/sharded.md), so it is refused here,
+    naming the route and the fix, rather than deep inside the first state copy."""
+    if not names:
+        return
+    shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    if backend is None:
+        why = (
+            "the Redis route (no backend) averages and copies whole tensors and cannot carry "
+            "DTensors"
+        )
+    else:
+        why = (
+            f"the {backend} route makes a new process group for every world, which a "
+            "DeviceMesh built before job.wrap does not follow"
+        )
+    raise InvalidValueError(
+        f"job.wrap: {len(names)} of the model's parameters are sharded (DTensor: {shown}), "
+        f"and {why}. cohort does not train sharded (FSDP2/HSDP) models yet "
+        "(docs/sharded.md): give job.wrap the model before fully_shard; one that fits a rank "
+        "trains under DDP with ElasticJob(backend='gloo') (or 'nccl')"
+    )
 
 
 def model_device(model: torch.nn.Module, default: torch.device) -> torch.device:
