@@ -30,11 +30,11 @@ def main() -> None:
     out = Path(sys.argv[1])
     torch.manual_seed(0)
     job = cohort.torch.ElasticJob(backend="gloo", digest_every=1)
-    model = torch.nn.Sequential(
+    model: torch.nn.Module = torch.nn.Sequential(
         torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
         torch.nn.Linear(32, 1),
     )  # fmt: skip
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     model, optimizer = job.wrap(model, optimizer, shard=shard)
     data = torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=job.batch_size)

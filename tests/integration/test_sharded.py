@@ -36,7 +36,7 @@ JOB = (
 )  # fmt: skip
 
 
-def unsharded_model() -> torch.nn.Module:
+def unsharded_model() -> torch.nn.Sequential:
     return torch.nn.Sequential(
         torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
         torch.nn.Linear(32, 1),
