@@ -211,8 +211,14 @@ class ShardedTorchState(TorchState):
         self._pending_extra: dict[str, Any] | None = None
         super().__init__(sharded.template, sharded.optimizer, scheduler, extra, scaler)
 
-    def digest(self) -> str:
-        return self.sharded.digest()
+    def digest(self) -> str | None:  # type: ignore[override]
+        """The whole model's digest (a gather: every rank of the world calls it); None where
+        a lost peer broke the gather: the step reports none, and its world is over."""
+        try:
+            return self.sharded.digest()
+        except RuntimeError as exc:
+            log.warning("the sharded weights could not be gathered for a digest: %s", exc)
+            return None
 
     def broadcast(self, collective: Collective, step: int, world: int) -> None:
         """Nothing through Redis: the world's group carries the state (`enter`)."""
@@ -442,8 +448,9 @@ class ElasticJob(Elastic):
         refuse_shard_setting(self.backend, self.compressor is not None, self.worker.view.config)
         template = plain_module(model)
         wrapper = ShardedModel(template)
-        self.attach(ShardedTorchState(ShardedState(template, wrapper, optimizer, shard),
-                                      scheduler, extra, scaler))  # fmt: skip
+        state = ShardedTorchState(ShardedState(template, wrapper, optimizer, shard), scheduler,
+                                  extra, scaler)  # fmt: skip
+        self.attach(state)  # type: ignore[arg-type]  # a digest may be None: `_report` sends none
         self.micro = MicroBatches(torch.nn.Module(), self._last_backward_ended)  # counts only
         if scheduler is not None:
             gate_scheduler(scheduler, self.micro)
@@ -697,7 +704,7 @@ class ElasticJob(Elastic):
         try:
             mesh = init_device_mesh(self.device.type, (world.size,))
             state.enter(mesh, self._comms)
-            got = state.digest()
+            got = state.sharded.digest()
         except RuntimeError as exc:  # a peer died as the world began
             self.rdzv._world_changed(exc, assignment.start_step)
             raise
@@ -728,10 +735,10 @@ class ElasticJob(Elastic):
             and weights.source == "rank"
         ):
             log.warning(
-                "%s: world %d would start from the sharded weights of world %d's ranks, which "
-                "no new world can take over; joining again, so that the job rewinds to its "
-                "last checkpoint",
-                self.worker_id, assignment.world_version, self.world,
+                "%s: world %d would start from a surviving rank's sharded weights, which no "
+                "new world can take over; joining again, so that the job rewinds to its last "
+                "checkpoint",
+                self.worker_id, assignment.world_version,
             )  # fmt: skip
             self.worker.leave(reason="a sharded world's weights cannot pass to a new world")
             self.worker.join()

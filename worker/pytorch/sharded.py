@@ -275,7 +275,14 @@ class ShardedState:
         model_state, optim_state, taken = sent[0]
         set_model_state_dict(module, model_state, options=whole())
         if optim_state["state"]:
-            set_optimizer_state_dict(module, self.optimizer, optim_state, options=whole())
+            # it makes the optimizer's state with one step of zero gradients: the optimizer's
+            # own step, not the script's (which cohort gates to the steps of job.batches())
+            gated = self.optimizer.__dict__.pop("step", None)
+            try:
+                set_optimizer_state_dict(module, self.optimizer, optim_state, options=whole())
+            finally:
+                if gated is not None:
+                    self.optimizer.step = gated  # type: ignore[method-assign]
         for group, held in zip(self.optimizer.param_groups, optim_state["param_groups"],
                                strict=True):  # fmt: skip
             group.update({k: v for k, v in held.items() if k != "params"})
