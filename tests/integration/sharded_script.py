@@ -36,7 +36,7 @@ def main() -> None:
     )  # fmt: skip
     optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     model, optimizer = job.wrap(model, optimizer, shard=shard)
-    data = torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+    data = torch.utils.data.TensorDataset(torch.randn(257, 8), torch.randn(257, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=job.batch_size)
     for _ in job.epochs():
         for x, y in job.batches(loader):

@@ -25,8 +25,15 @@ from cohort.events import models as m  # noqa: E402
 from cohort.events.errors import InvalidValueError  # noqa: E402
 from cohort.worker.pytorch.elastic import (  # noqa: E402
     ElasticJob,
+    TorchState,
+    refuse_shard_setting,
     refuse_sharded,
     sharded_parameters,
+)
+from cohort.worker.pytorch.sharded import (  # noqa: E402
+    digest_of,
+    group_names,
+    optimizer_by_name,
 )
 from tests.unit.test_worker_client import JOB, Leader, fact  # noqa: E402
 
@@ -92,7 +99,8 @@ def test_sharded_parameters_are_refused_naming_the_route_and_the_fix(
     assert "4 of the model's parameters are sharded" in said
     assert "'a.weight', 'a.bias', 'b.weight', ..." in said
     assert route in said
-    assert "give job.wrap the model before fully_shard" in said
+    assert "Give job.wrap the model before fully_shard" in said
+    assert "shard=lambda module, mesh: fully_shard(module, mesh=mesh)" in said
     assert "docs/sharded.md" in said
 
 
@@ -108,3 +116,57 @@ def test_wrap_refuses_a_sharded_model_before_copying_its_state(
         assert job.state is None  # refused before any state was taken
     finally:
         job.worker.stop()
+
+
+def test_shard_is_refused_on_the_redis_route_naming_the_backend_to_give() -> None:
+    with pytest.raises(InvalidValueError, match=r"Redis route .*backend='gloo'"):
+        refuse_shard_setting(None, compressed=False, config=None)
+
+
+def test_shard_is_refused_with_compression_and_with_a_global_batch() -> None:
+    with pytest.raises(InvalidValueError, match="leave compression unset"):
+        refuse_shard_setting("gloo", compressed=True, config=None)
+    config = m.JobConfig(dataset_size=64, batch_size=4, global_batch=16)
+    with pytest.raises(InvalidValueError, match="--global-batch 16"):
+        refuse_shard_setting("gloo", compressed=False, config=config)
+    refuse_shard_setting(
+        "gloo", compressed=False, config=m.JobConfig(dataset_size=64, batch_size=4)
+    )
+
+
+def test_wrap_with_shard_on_the_redis_route_is_refused_before_any_state_is_taken() -> None:
+    job = joined(None)
+    try:
+        model = mlp()
+        with pytest.raises(InvalidValueError, match="job.wrap\\(shard=...\\)"):
+            job.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), shard=fully_shard)
+        assert job.state is None
+    finally:
+        job.worker.stop()
+
+
+def test_the_whole_model_digest_is_the_unsharded_state_s() -> None:
+    """A sharded world's digest (of its gathered state dict) equals what an unsharded rank
+    reports for the same weights: checkpoints and the journal compare them."""
+    model = mlp()
+    state = TorchState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert digest_of(model.state_dict()) == state.digest()
+
+
+def test_the_optimizer_state_is_named_by_parameter_as_a_gathered_one_is() -> None:
+    model = mlp()
+    optimizer = torch.optim.AdamW(
+        [{"params": [model[0].weight, model[0].bias]}, {"params": list(model[2].parameters())}],
+        lr=0.01,
+    )
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    names = group_names(model, optimizer)
+    assert names == [["0.weight", "0.bias"], ["2.weight", "2.bias"]]
+    named = optimizer_by_name(optimizer, names)
+    assert set(named["state"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert torch.equal(
+        named["state"]["2.bias"]["exp_avg"], optimizer.state[model[2].bias]["exp_avg"]
+    )
+    assert [g["params"] for g in named["param_groups"]] == names
+    assert named["param_groups"][1]["lr"] == 0.01

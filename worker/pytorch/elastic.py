@@ -847,6 +847,7 @@ class ElasticJob(Elastic):
             self._mean.begin()
         if self._comms is not None:
             self._comms.aborted = False
+            self._comms.scale = 0.0  # a rank without samples; `batches` sets a share's
         if self.overlapped is not None:
             self.overlapped.begin(current.step, current.world, self._gate)
 
@@ -900,8 +901,7 @@ class ElasticJob(Elastic):
             micro.begin_step(tuple(sum(b - a for a, b in part) for part in step.micro))
             for index in range(micro.count):
                 micro.begin(index)
-                if micro.last and self._mean is not None:
-                    self._mean.scale = self._last_factor(step)
+                self._weigh(step, micro)
                 try:
                     batch = twin.fetch((step.world, step.step, index))
                 except Stale:
@@ -920,6 +920,14 @@ class ElasticJob(Elastic):
                     break  # the world changed under this step: it is retried whole
             micro.end_step()
             self._put_back(trained)
+
+    def _weigh(self, step: Step, micro: MicroBatches) -> None:
+        """This rank's gradient weight in the world's mean, for the collectives that make it:
+        DDP's comm hook (the step's last micro-batch), FSDP's reduce-scatters."""
+        if micro.last and self._mean is not None:
+            self._mean.scale = self._last_factor(step)
+        if self._comms is not None:
+            self._comms.scale = self._last_factor(step)
 
     def warm(self, *loaders: Any) -> None:
         """Start each loader's worker processes now, not at the first step. Called before
@@ -1004,7 +1012,8 @@ class ElasticJob(Elastic):
     def _empty_step(self, dataset: Any, collate: Any) -> None:
         """No sample for this rank this step: zero gradients still go into the average.
 
-        Under DDP every rank must run a backward (the others' allreduce waits for it): a
+        Under DDP (or FSDP) every rank must run a backward (the others' collectives wait
+        for it): a
         forward of the data set's first sample (twice: BatchNorm refuses a batch of one),
         times zero. The model is given the batch's first element (the inputs of an (inputs,
         targets) data set), on the model's device; the buffers that forward moved
@@ -1012,7 +1021,7 @@ class ElasticJob(Elastic):
         no trace of that sample."""
         state = self.state
         assert isinstance(state, TorchState)
-        if self.ddp is None:
+        if self.ddp is None and not isinstance(state, ShardedTorchState):
             for p in state.model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
@@ -1055,8 +1064,9 @@ def sharded_parameters(model: torch.nn.Module) -> tuple[str, ...]:
 
 def refuse_sharded(names: tuple[str, ...], backend: str | None) -> None:
     """InvalidValueError for a model whose parameters `names` were sharded before `job.wrap`:
-    cohort cannot train it yet on either route (docs/sharded.md), so it is refused here,
-    naming the route and the fix, rather than deep inside the first state copy."""
+    neither route can train it so (cohort shards in each world: `wrap(shard=...)`), so it is
+    refused here, naming the route and the fix, rather than deep inside the first state
+    copy."""
     if not names:
         return
     shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
@@ -1072,9 +1082,9 @@ def refuse_sharded(names: tuple[str, ...], backend: str | None) -> None:
         )
     raise InvalidValueError(
         f"job.wrap: {len(names)} of the model's parameters are sharded (DTensor: {shown}), "
-        f"and {why}. cohort does not train sharded (FSDP2/HSDP) models yet "
-        "(docs/sharded.md): give job.wrap the model before fully_shard; one that fits a rank "
-        "trains under DDP with ElasticJob(backend='gloo') (or 'nccl')"
+        f"and {why}. Give job.wrap the model before fully_shard, and let cohort shard it in "
+        "each world: ElasticJob(backend='gloo') (or 'nccl') and job.wrap(model, optimizer, "
+        "shard=lambda module, mesh: fully_shard(module, mesh=mesh)) (docs/sharded.md)"
     )
 
 

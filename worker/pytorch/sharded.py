@@ -112,6 +112,9 @@ class GuardedComms:
         self.may_launch = may_launch
         self.step = step
         self.aborted = False
+        self.scale = 1.0
+        """This rank's gradient weight in the mean (its share of the step's samples times
+        the world size; 0 for a rank without samples), as DDP's comm hook applies it."""
 
     def run(self, issue: Callable[[], Any], output: torch.Tensor) -> None:
         if not self.aborted and (self.rdzv.watchdog.tripped.is_set() or not self.may_launch()):
@@ -166,6 +169,8 @@ class GuardedComms:
 
         class GuardedReduceScatter(DefaultReduceScatter):  # type: ignore[misc]
             def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # type: ignore[no-untyped-def]
+                if guard.scale != 1.0:
+                    input_tensor.mul_(guard.scale)  # FSDP's own flat copy of the gradients
                 guard.run(
                     lambda: dist.reduce_scatter_single(
                         output=output_tensor,
