@@ -3,9 +3,10 @@
 each world (`wrap(shard=...)`); every step's whole-model digest is reported
 (`digest_every=1`), so the leader compares the ranks' gathered weights at every step.
 
-    python sharded_script.py OUT
+    python sharded_script.py OUT [ddp]
 
-Writes OUT/final.pt through `job.save` (a whole state dict of the unsharded model).
+Writes OUT/final.pt through `job.save` (a whole state dict of the unsharded model). With
+`ddp`, the same model trains unsharded, under DDP: the reference the sharded run must match.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def main() -> None:
         torch.nn.Linear(32, 1),
     )  # fmt: skip
     optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    model, optimizer = job.wrap(model, optimizer, shard=shard)
+    sharded = sys.argv[2:] != ["ddp"]
+    model, optimizer = job.wrap(model, optimizer, shard=shard if sharded else None)
     data = torch.utils.data.TensorDataset(torch.randn(257, 8), torch.randn(257, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=job.batch_size)
     for _ in job.epochs():

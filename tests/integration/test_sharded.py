@@ -30,10 +30,14 @@ from tests.integration.launch import Launch, worker_of  # noqa: E402
 pytestmark = [pytest.mark.slow]
 
 SCRIPT = str(Path(__file__).with_name("sharded_script.py"))
-JOB = (
-    "--min-workers", "2", "--dataset-size", "257", "--batch-size", "16", "--epochs", "2",
+FLAGS = (
+    "--min-workers", "2", "--batch-size", "16", "--epochs", "2",
     "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2",
 )  # fmt: skip
+EVEN = ("--dataset-size", "256", *FLAGS)
+"""Every step gives each rank 16 samples."""
+JOB = ("--dataset-size", "257", *FLAGS)
+"""Each epoch's last step gives one rank one sample and the other none."""
 
 
 def unsharded_model() -> torch.nn.Sequential:
@@ -48,17 +52,28 @@ def journal_of(export: Path) -> list[object]:
 
 
 def test_an_fsdp_model_trains_to_its_end_and_saves_its_whole_weights(tmp_path: Path) -> None:
+    """...and they are DDP's: the same model, data and seed trained unsharded end equal
+    (within float rounding). Even shares: with a rank given no sample in a step (JOB), the
+    weights after that step differ from DDP's by about 1e-3 (docs/sharded.md, limits)."""
     export = tmp_path / "run.export"
     run = Launch(
-        "-n", "2", "--node", "n", *JOB, "--export", str(export), SCRIPT, str(tmp_path),
+        "-n", "2", "--node", "n", *EVEN, "--export", str(export), SCRIPT, str(tmp_path),
         cwd=tmp_path,
     )  # fmt: skip
     assert run.wait(300) == Exit.OK, run.output[-3000:]
+    ddp = tmp_path / "ddp"
+    ddp.mkdir()
+    reference = Launch("-n", "2", "--node", "n", *EVEN, SCRIPT, str(ddp), "ddp", cwd=ddp)
+    assert reference.wait(300) == Exit.OK, reference.output[-3000:]
+    sharded, plain = torch.load(tmp_path / "final.pt"), torch.load(ddp / "final.pt")
+    assert sharded.keys() == plain.keys()
+    for name in plain:
+        torch.testing.assert_close(sharded[name], plain[name], rtol=1e-4, atol=1e-5)
     assert "audit (every sample exactly once per epoch): passed" in run.output
     journal = journal_of(export)
     assert [f for f in journal if isinstance(f, WeightsDiverged)] == []
     committed = [f for f in journal if isinstance(f, StepCommitted)]
-    assert len(committed) == 18  # 2 epochs of 9 steps; each last gives one rank no sample
+    assert len(committed) == 16  # 2 epochs of 8 steps
     assert all(f.digest is not None for f in committed)  # every rank's whole-model digest
     model = unsharded_model()
     model.load_state_dict(torch.load(tmp_path / "final.pt"))  # whole: loads unsharded
