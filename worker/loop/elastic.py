@@ -954,8 +954,14 @@ class Elastic:
         if assignment.rank == 0 or weights is None or weights.digest is None:
             return
         got = self.state.digest()
-        if got == weights.digest:
-            return
+        if got != weights.digest:
+            self._refuse_weights(assignment, got)
+
+    def _refuse_weights(self, assignment: Assignment, got: str) -> None:
+        """Leave the job and raise WeightsRefusedError naming the sender of weights whose
+        digest is `got`, not the journal's."""
+        weights = assignment.weights
+        assert weights is not None and weights.digest is not None
         view = self.worker.view
         ranks = next(
             (p.ranks for p in view.plans if p.world_version == assignment.world_version), ()

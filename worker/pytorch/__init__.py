@@ -7,7 +7,8 @@ for Redis and come back (pinned buffers and a side stream on CUDA); `loader.py` 
 loader's sampler; `overlap.py` gradient accumulation overlapped with the backward pass; `dist.py`
 torch.distributed process groups made anew at every world; `completion.py` when a bucket's
 allreduce is done (on the host for gloo, on the device for NCCL); `devices.py` the device a
-rank trains on; `torchrun/` the
+rank trains on; `sharded.py` an FSDP2 model sharded anew in each world (`wrap(shard=...)`,
+its collectives guarded); `torchrun/` the
 `--rdzv-backend=cohort` plug-in.
 
 May import: `cohort.events`, `cohort.worker.errors` and every room below it.

@@ -45,6 +45,15 @@ from cohort.worker.pytorch.devices import rank_device
 from cohort.worker.pytorch.loader import Stale, StepLoader
 from cohort.worker.pytorch.micro import MicroBatches, gate_scaler, gate_scheduler
 from cohort.worker.pytorch.overlap import OverlappedGradients
+from cohort.worker.pytorch.sharded import (
+    GuardedComms,
+    Held,
+    Shard,
+    ShardedModel,
+    ShardedState,
+    blob_of,
+    from_blob,
+)
 from cohort.worker.pytorch.staging import Landing, lands_later, staging_for
 
 log = logging.getLogger("cohort.torch")
@@ -191,6 +200,55 @@ class TorchState:
                 now.copy_(then)
 
 
+class ShardedTorchState(TorchState):
+    """A `TorchState` whose model is sharded anew in each world (`wrap(shard=...)`): the
+    whole state is rank 0's between a load and the world's start, spread over the world's
+    group as it begins (`enter`), and gathered on rank 0 for a checkpoint; the digest is the
+    whole model's (worker/pytorch/sharded.py)."""
+
+    def __init__(self, sharded: ShardedState, scheduler: Any, extra: Any, scaler: Any) -> None:
+        self.sharded = sharded
+        self._pending_extra: dict[str, Any] | None = None
+        super().__init__(sharded.template, sharded.optimizer, scheduler, extra, scaler)
+
+    def digest(self) -> str | None:  # type: ignore[override]
+        """The whole model's digest (a gather: every rank of the world calls it); None where
+        a lost peer broke the gather: the step reports none, and its world is over."""
+        try:
+            return self.sharded.digest()
+        except RuntimeError as exc:
+            log.warning("the sharded weights could not be gathered for a digest: %s", exc)
+            return None
+
+    def broadcast(self, collective: Collective, step: int, world: int) -> None:
+        """Nothing through Redis: the world's group carries the state (`enter`)."""
+
+    def snapshot(self) -> bytes:
+        """rank 0's whole state (b"" on the others, or where a lost peer broke the gather);
+        every rank of a world must call it (it gathers)."""
+        try:
+            held = self.sharded.whole_state()
+        except RuntimeError as exc:
+            log.warning("the sharded state could not be gathered: %s", exc)
+            return b""
+        return b"" if held is None else blob_of(*held, self._extra())
+
+    def load(self, blob: bytes) -> None:
+        model, optim, extra = from_blob(blob)
+        self.sharded.pending = (model, optim)
+        self._pending_extra = extra
+
+    def pending_model(self) -> dict[str, Any] | None:
+        return self.sharded.pending[0] if self.sharded.pending is not None else None
+
+    def enter(self, mesh: Any, comms: GuardedComms) -> None:
+        extra = self._pending_extra if self._pending_extra is not None else self._extra()
+        self._take(self.sharded.enter(mesh, comms, extra))
+        self._pending_extra = None
+        assert self.sharded.module is not None
+        self.model = self.sharded.module
+
+
 def weights_file(model: torch.nn.Module) -> bytes:
     """`model`'s state_dict as `torch.save` writes it (`torch.load` reads it back), its
     tensors copied to the CPU: a file of the live tensors would name their device (cuda:0),
@@ -310,6 +368,10 @@ class ElasticJob(Elastic):
         self._bucket_bytes = torch_sync.DEFAULT_BUCKET_BYTES
         self._optimizer_step: Callable[..., Any] = lambda *args, **kwargs: None
         """The optimizer's own step, which `wrap` puts cohort's in front of."""
+        self._comms: GuardedComms | None = None
+        """A sharded model's FSDP collectives in the current world (`wrap(shard=...)`)."""
+        self._final_state: dict[str, Any] | None = None
+        """A sharded model's whole state, gathered on rank 0 as the job ended."""
         if backend is not None:
             from cohort.worker.pytorch.dist import ElasticProcessGroup
 
@@ -326,6 +388,7 @@ class ElasticJob(Elastic):
         compression: Compression | None = None,
         rank: int = DEFAULT_RANK,
         scaler: Any = None,
+        shard: Shard | None = None,
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Train `model` with `optimizer` (and `scheduler`, a `torch.amp.GradScaler`, and
         `extra` state that travels with them, e.g. an EMA or counters: a dict changed in
@@ -342,8 +405,16 @@ class ElasticJob(Elastic):
         backward passes per step needs). `compression="powersgd"` (rank-`rank` factors) or
         "int8" sends fewer bytes, with error feedback, after backward; every rank applies
         the same update (docs/compression.md). Through Redis only: a `backend` refuses it.
-        Unset, $COHORT_COMPRESSION says (int8, powersgd or powersgd:RANK)."""
+        Unset, $COHORT_COMPRESSION says (int8, powersgd or powersgd:RANK).
+
+        `shard` (with a backend): FSDP2 over every rank, e.g. `shard=lambda module, mesh:
+        fully_shard(module, mesh=mesh)`; cohort calls it in each world on a fresh copy of
+        `model` with a DeviceMesh of the world's ranks, and the returned model calls that
+        world's sharded module (docs/sharded.md)."""
+        refuse_sharded(sharded_parameters(model), self.backend)
         self.compressor = self._compressor(*compression_setting(compression, rank))
+        if shard is not None:
+            return self._wrap_sharded(model, optimizer, shard, scheduler, extra, scaler)
         self.attach(TorchState(model, optimizer, scheduler, extra, scaler))
         self._bucket_bytes = bucket_bytes
         micro = self.micro = MicroBatches(plain_module(model), self._last_backward_ended)
@@ -363,11 +434,58 @@ class ElasticJob(Elastic):
             return _under_ddp(model, self), optimizer
         return model, optimizer
 
+    def _wrap_sharded(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        shard: Shard,
+        scheduler: Any,
+        extra: MutableMapping[str, Any] | None,
+        scaler: Any,
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """`wrap(shard=...)`: the model is sharded in each world (`_joined_world`); no DDP,
+        no micro-batch parking (FSDP reduces its own gradients, once per step)."""
+        refuse_shard_setting(self.backend, self.compressor is not None, self.worker.view.config)
+        template = plain_module(model)
+        wrapper = ShardedModel(template)
+        state = ShardedTorchState(ShardedState(template, wrapper, optimizer, shard), scheduler,
+                                  extra, scaler)  # fmt: skip
+        self.attach(state)  # type: ignore[arg-type]  # a digest may be None: `_report` sends none
+        self.micro = MicroBatches(torch.nn.Module(), self._last_backward_ended)  # counts only
+        if scheduler is not None:
+            gate_scheduler(scheduler, self.micro)
+        if scaler is not None:
+            gate_scaler(scaler, self.micro)
+        self._optimizer_step = optimizer.step
+        take_over(optimizer, self._step_optimizer)
+        return wrapper, optimizer
+
     def _final_weights(self) -> bytes:
-        """What `job.save` writes: the model's `weights_file`."""
+        """What `job.save` writes: the model's `weights_file` (a sharded one's gathered
+        whole as the job ended, or the final checkpoint's)."""
         state = self.state
+        if isinstance(state, ShardedTorchState):
+            whole = self._final_state or state.pending_model()
+            return weights_file(Held(whole))  # type: ignore[arg-type]
         assert isinstance(state, TorchState)
         return weights_file(state.model)
+
+    def _ended(self, end: Any) -> None:
+        """As the base job's; a sharded model trained to the end is gathered whole on rank
+        0 now, while its world's group stands (every rank of it comes here): `job.save`
+        writes it."""
+        super()._ended(end)
+        state = self.state
+        trained = self._given is not None and self._given.step == end.step
+        if isinstance(state, ShardedTorchState) and trained and state.sharded.module is not None:
+            try:
+                held = state.sharded.whole_state()
+            except RuntimeError as exc:  # a rank of the last world is gone
+                log.warning("%s: the final weights could not be gathered: %s", self.worker_id,
+                            exc)  # fmt: skip
+                self._final = False
+                return
+            self._final_state = held[0].state if held is not None else None
 
     def seed_steps(self, seed: int) -> None:
         """From now on, begin every step (and every retry of one) with torch's generators
@@ -484,6 +602,9 @@ class ElasticJob(Elastic):
         """Make the gradients (and buffers) the world's mean for `current`; False (and the
         step aborted) when its world is over or the job moved on."""
         model = self._model()
+        if self._comms is not None and self._comms.aborted:
+            self.abort()  # FSDP's collectives of this step were cut short: nothing applies
+            return False
         if self.backend is None:
             self._scale(model, self._last_factor(current))
         mean = self._mean
@@ -535,6 +656,9 @@ class ElasticJob(Elastic):
             self.compressor.reset(assignment.start_step)
         if self.backend is None:
             return
+        if isinstance(self.state, ShardedTorchState):
+            self._join_sharded(assignment)
+            return
         from torch.nn.parallel import DistributedDataParallel
 
         from cohort.worker.pytorch.dist import ddp_devices, group_options
@@ -562,6 +686,73 @@ class ElasticJob(Elastic):
         device = next(iter(devices)) if devices else self.device
         self._mean = GuardedMean(self.rdzv, self._may_launch, completion_of(device))
         self.ddp.register_comm_hook(self._mean, _guarded_allreduce)
+
+    def _join_sharded(self, assignment: Any) -> None:
+        """The world's process group and DeviceMesh, the model sharded over it and filled
+        with rank 0's whole state; then every rank's digest of it against the journal's
+        (a collective, so every rank computes it; `_check_weights` waits until here)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from cohort.worker.pytorch.dist import group_options
+
+        state = self.state
+        assert isinstance(state, ShardedTorchState) and self.backend is not None
+        world = self.rdzv.init_process_group(
+            self.backend, **group_options(self.backend, self.device)
+        )
+        self._comms = GuardedComms(self.rdzv, self._may_launch, self._comms_step)
+        try:
+            mesh = init_device_mesh(self.device.type, (world.size,))
+            state.enter(mesh, self._comms)
+            got = state.sharded.digest()
+        except RuntimeError as exc:  # a peer died as the world began
+            self.rdzv._world_changed(exc, assignment.start_step)
+            raise
+        want = assignment.weights.digest if assignment.weights is not None else None
+        if assignment.rank != 0 and want is not None and got != want:
+            self._refuse_weights(assignment, got)
+
+    def _comms_step(self) -> int:
+        current = self.current
+        return current.step if current is not None else self.worker.next_step
+
+    def _check_weights(self, assignment: Any) -> None:
+        """As the base job's, but for a sharded model: checked once it is sharded and filled
+        (`_join_sharded`)."""
+        if not isinstance(self.state, ShardedTorchState):
+            super()._check_weights(assignment)
+
+    def _start_world(self, assignment: Any) -> bool:
+        """As the base job's; a sharded model's state lives in the last world's shards, which
+        a new world cannot take over (another mesh, maybe a lost rank): where the journal
+        says to start from a surviving rank's weights, this rank gives up its claim to them
+        (leaves and joins again), and once every survivor did, the job rewinds to its last
+        checkpoint (docs/sharded.md)."""
+        weights = assignment.weights
+        if (
+            isinstance(self.state, ShardedTorchState)
+            and weights is not None
+            and weights.source == "rank"
+        ):
+            log.warning(
+                "%s: world %d would start from a surviving rank's sharded weights, which no "
+                "new world can take over; joining again, so that the job rewinds to its last "
+                "checkpoint",
+                self.worker_id, assignment.world_version,
+            )  # fmt: skip
+            self.worker.leave(reason="a sharded world's weights cannot pass to a new world")
+            self.worker.join()
+            self.world = 0
+            self.worker.ready(step=max(self.worker.view.last_committed, 0))
+            return False
+        return super()._start_world(assignment)
+
+    def _capture(self, between_epochs: bool) -> None:
+        """As the base job's; a sharded state gathered nowhere (a rank other than 0, or a
+        gather a lost peer broke) leaves no checkpoint to write."""
+        super()._capture(between_epochs)
+        if self._snapshot == b"":
+            self._snapshot = None
 
     def close(self) -> None:
         """Leave the job (see the base job's `close`), then destroy the last world's process
@@ -654,6 +845,9 @@ class ElasticJob(Elastic):
             torch.manual_seed(step_seed(self._seed, current.step, current.rank))
         if self._mean is not None:
             self._mean.begin()
+        if self._comms is not None:
+            self._comms.aborted = False
+            self._comms.scale = 0.0  # a rank without samples; `batches` sets a share's
         if self.overlapped is not None:
             self.overlapped.begin(current.step, current.world, self._gate)
 
@@ -707,8 +901,7 @@ class ElasticJob(Elastic):
             micro.begin_step(tuple(sum(b - a for a, b in part) for part in step.micro))
             for index in range(micro.count):
                 micro.begin(index)
-                if micro.last and self._mean is not None:
-                    self._mean.scale = self._last_factor(step)
+                self._weigh(step, micro)
                 try:
                     batch = twin.fetch((step.world, step.step, index))
                 except Stale:
@@ -727,6 +920,14 @@ class ElasticJob(Elastic):
                     break  # the world changed under this step: it is retried whole
             micro.end_step()
             self._put_back(trained)
+
+    def _weigh(self, step: Step, micro: MicroBatches) -> None:
+        """This rank's gradient weight in the world's mean, for the collectives that make it:
+        DDP's comm hook (the step's last micro-batch), FSDP's reduce-scatters."""
+        if micro.last and self._mean is not None:
+            self._mean.scale = self._last_factor(step)
+        if self._comms is not None:
+            self._comms.scale = self._last_factor(step)
 
     def warm(self, *loaders: Any) -> None:
         """Start each loader's worker processes now, not at the first step. Called before
@@ -811,7 +1012,8 @@ class ElasticJob(Elastic):
     def _empty_step(self, dataset: Any, collate: Any) -> None:
         """No sample for this rank this step: zero gradients still go into the average.
 
-        Under DDP every rank must run a backward (the others' allreduce waits for it): a
+        Under DDP (or FSDP) every rank must run a backward (the others' collectives wait
+        for it): a
         forward of the data set's first sample (twice: BatchNorm refuses a batch of one),
         times zero. The model is given the batch's first element (the inputs of an (inputs,
         targets) data set), on the model's device; the buffers that forward moved
@@ -819,7 +1021,7 @@ class ElasticJob(Elastic):
         no trace of that sample."""
         state = self.state
         assert isinstance(state, TorchState)
-        if self.ddp is None:
+        if self.ddp is None and not isinstance(state, ShardedTorchState):
             for p in state.model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
@@ -847,6 +1049,65 @@ class ElasticJob(Elastic):
         taken = self._peeked if self._peeked is not None else next(self._steps, None)
         self._peeked = None
         return taken
+
+
+def sharded_parameters(model: torch.nn.Module) -> tuple[str, ...]:
+    """The names of `model`'s parameters that are DTensors (`fully_shard`, tensor
+    parallelism): none for a model of plain tensors, or where this torch has no
+    torch.distributed (nothing can be sharded there)."""
+    if not torch.distributed.is_available():
+        return ()
+    from torch.distributed.tensor import DTensor
+
+    return tuple(name for name, p in model.named_parameters() if isinstance(p, DTensor))
+
+
+def refuse_sharded(names: tuple[str, ...], backend: str | None) -> None:
+    """InvalidValueError for a model whose parameters `names` were sharded before `job.wrap`:
+    neither route can train it so (cohort shards in each world: `wrap(shard=...)`), so it is
+    refused here, naming the route and the fix, rather than deep inside the first state
+    copy."""
+    if not names:
+        return
+    shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    if backend is None:
+        why = (
+            "the Redis route (no backend) averages and copies whole tensors and cannot carry "
+            "DTensors"
+        )
+    else:
+        why = (
+            f"the {backend} route makes a new process group for every world, which a "
+            "DeviceMesh built before job.wrap does not follow"
+        )
+    raise InvalidValueError(
+        f"job.wrap: {len(names)} of the model's parameters are sharded (DTensor: {shown}), "
+        f"and {why}. Give job.wrap the model before fully_shard, and let cohort shard it in "
+        "each world: ElasticJob(backend='gloo') (or 'nccl') and job.wrap(model, optimizer, "
+        "shard=lambda module, mesh: fully_shard(module, mesh=mesh)) (docs/sharded.md)"
+    )
+
+
+def refuse_shard_setting(backend: str | None, compressed: bool, config: Any) -> None:
+    """InvalidValueError where `wrap(shard=...)` cannot work: on the Redis route (FSDP's
+    collectives need a process group), with compression, or with a constant global batch
+    (micro-batches: not in phase 1 of sharding, docs/sharded.md)."""
+    if backend is None:
+        raise InvalidValueError(
+            "job.wrap(shard=...): the Redis route (no backend) cannot run FSDP's collectives; "
+            "give ElasticJob(backend='gloo') (or 'nccl', or $COHORT_TORCH_BACKEND)"
+        )
+    if compressed:
+        raise InvalidValueError(
+            "job.wrap(shard=...) with compression: FSDP reduces its own gradients, "
+            "uncompressed; leave compression unset"
+        )
+    if config is not None and config.global_batch is not None:
+        raise InvalidValueError(
+            f"job.wrap(shard=...) with --global-batch {config.global_batch}: a sharded model "
+            "trains one micro-batch per step for now (docs/sharded.md); leave --global-batch "
+            "unset"
+        )
 
 
 def model_device(model: torch.nn.Module, default: torch.device) -> torch.device:

@@ -1,0 +1,304 @@
+"""FSDP2 over every rank of a world: the model sharded anew in each world (docs/sharded.md).
+
+`job.wrap(model, optimizer, shard=lambda module, mesh: fully_shard(module, mesh=mesh))`
+keeps the script's unsharded `model` as a template. In each world, after its process group
+exists, a copy of the template is handed to `shard` with a DeviceMesh over the world's
+ranks (torch 2.13 applies `fully_shard` once per module and refuses to copy a sharded
+one, so a world of another size needs a fresh module); the optimizer's parameter groups
+are pointed at the copy's parameters, in their order (`fully_shard` replaces every
+Parameter: an optimizer left on the old ones would train nothing); rank 0's whole state
+(the initial one, or a checkpoint's) is then spread with `set_model_state_dict` /
+`set_optimizer_state_dict(broadcast_from_rank0=True)`.
+
+A world's state lives in its shards only: a world that loses a rank cannot pass it on, so
+its survivors give up their claim to the weights and the job rewinds to its last
+checkpoint (`ElasticJob._start_world`). Where one file is wanted (a checkpoint, `job.save`),
+the whole state is gathered on rank 0 (`full_state_dict=True, cpu_offload=True`).
+
+FSDP's own all-gathers and reduce-scatters go through `GuardedComms`: each is issued
+asynchronously and waited for under the world's watchdog, so a dead or hung peer ends the
+step (nothing is applied, it comes again in the next world) instead of raising in the
+script's forward or backward, or hanging it.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cohort.worker.errors import WorkerError, WorldChangedError
+from cohort.worker.pytorch import sync as torch_sync
+
+log = logging.getLogger("cohort.torch")
+
+Shard = Callable[[torch.nn.Module, Any], Any]
+"""What the script gives `wrap(shard=...)`: called as `shard(module, mesh)`, it shards
+`module` in place over `mesh` (a DeviceMesh of the world's ranks)."""
+
+
+class Held:
+    """A state dict held as data, with a module's `state_dict`/`load_state_dict`: what lets
+    `sync.state_blob` carry a gathered (FQN-keyed) state through the existing blob format."""
+
+    def __init__(self, state: Any = None) -> None:
+        self.state = state
+
+    def state_dict(self) -> Any:
+        return self.state
+
+    def load_state_dict(self, state: Any) -> None:
+        self.state = state
+
+
+class ShardedModel(torch.nn.Module):
+    """What `wrap(shard=...)` gives the script: the current world's sharded module, called
+    through this one (its parameters are that module's DTensors, for clipping and the
+    like). Before the first world, the unsharded template."""
+
+    def __init__(self, template: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = template
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def digest_of(state: Mapping[str, Any]) -> str:
+    """The weights digest of a model state dict (as `TorchState.digest` makes it): the same
+    for a plain model's `state_dict()` and a sharded one's gathered whole."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(state.items()):
+        h.update(name.encode())
+        array = tensor.detach().cpu().contiguous().reshape(-1)
+        h.update(memoryview(array.view(torch.uint8).numpy()) if array.numel() else b"")
+    return h.hexdigest()[:32]
+
+
+def optimizer_by_name(optimizer: torch.optim.Optimizer, names: list[list[str]]) -> dict[str, Any]:
+    """`optimizer.state_dict()` with its parameters named (`names`: each group's parameter
+    names, in order), as `get_optimizer_state_dict(full_state_dict=True)` gives it."""
+    state = optimizer.state_dict()
+    flat = [name for group in names for name in group]
+    return {
+        "state": {flat[i]: value for i, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": list(named)}
+            for group, named in zip(state["param_groups"], names, strict=True)
+        ],
+    }
+
+
+def group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Each of the optimizer's parameter groups as the names of its parameters in `model`
+    (KeyError-free: a parameter the model does not have is refused by the caller)."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    return [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+class GuardedComms:
+    """FSDP's all-gather and reduce-scatter in one world, each waited for under its watchdog
+    (`ElasticProcessGroup.wait`): once the world is over, or the step may not launch (a stale
+    step's), every further one of the step returns zeros and `aborted` is set."""
+
+    def __init__(self, rdzv: Any, may_launch: Callable[[], bool], step: Callable[[], int]):
+        self.rdzv = rdzv
+        self.may_launch = may_launch
+        self.step = step
+        self.aborted = False
+        self.scale = 1.0
+        """This rank's gradient weight in the mean (its share of the step's samples times
+        the world size; 0 for a rank without samples), as DDP's comm hook applies it."""
+
+    def run(self, issue: Callable[[], Any], output: torch.Tensor) -> None:
+        if not self.aborted and (self.rdzv.watchdog.tripped.is_set() or not self.may_launch()):
+            self.aborted = True
+        if not self.aborted:
+            try:
+                self._wait(issue())
+                return
+            except WorldChangedError:
+                self.aborted = True
+        output.zero_()
+
+    def _wait(self, work: Any) -> None:
+        """Wait for `work` on a side thread (gloo's reduce-scatter has no future), under the
+        watchdog: WorldChangedError once the world is over, or if it failed as it ended."""
+        self.rdzv.track(work)  # pinned with its group if the world is abandoned
+        done, failed = threading.Event(), []
+
+        def wait() -> None:
+            try:
+                work.wait()
+            except Exception as error:  # gloo: "Connection closed by peer"
+                failed.append(error)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name="cohort-fsdp-comm", daemon=True).start()
+        if not self.rdzv.watchdog.wait(done):
+            raise WorldChangedError(self.step(), None)
+        if failed:
+            self.rdzv._world_changed(failed[0], self.step())  # WorldChangedError if so
+            raise failed[0]
+
+    def comms(self) -> tuple[Any, Any]:
+        """An AllGather and a ReduceScatter for `FSDPModule.set_custom_*`."""
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            DefaultAllGather,
+            DefaultReduceScatter,
+        )
+
+        guard = self
+
+        class GuardedAllGather(DefaultAllGather):  # type: ignore[misc]
+            def __call__(self, output_tensor, input_tensor, group, async_op=False):  # type: ignore[no-untyped-def]
+                guard.run(
+                    lambda: dist.all_gather_single(
+                        output_tensor, input_tensor, group=group, async_op=True
+                    ),
+                    output_tensor,
+                )
+                return None  # done (or zeros): nothing for FSDP to wait for
+
+        class GuardedReduceScatter(DefaultReduceScatter):  # type: ignore[misc]
+            def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # type: ignore[no-untyped-def]
+                if guard.scale != 1.0:
+                    input_tensor.mul_(guard.scale)  # FSDP's own flat copy of the gradients
+                guard.run(
+                    lambda: dist.reduce_scatter_single(
+                        output=output_tensor,
+                        input=input_tensor,
+                        op=op,
+                        group=group,
+                        async_op=True,
+                    ),
+                    output_tensor,
+                )
+                return None
+
+        return GuardedAllGather(), GuardedReduceScatter()
+
+
+def guard(module: torch.nn.Module, comms: GuardedComms) -> None:
+    """Route every FSDP module's collectives in `module` through `comms`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    gather, scatter = comms.comms()
+    for part in module.modules():
+        if isinstance(part, FSDPModule):
+            part.set_custom_all_gather(gather)
+            part.set_custom_reduce_scatter(scatter)
+
+
+def whole(**options: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **options)
+
+
+class ShardedState:
+    """The parts of `TorchState` that differ for a model sharded in each world: where its
+    whole state is (rank 0's `pending`, between a load and the world's start), how a world
+    shards and fills its module, and how the whole state is gathered again."""
+
+    def __init__(
+        self,
+        template: torch.nn.Module,
+        wrapper: ShardedModel,
+        optimizer: torch.optim.Optimizer,
+        shard: Shard,
+    ) -> None:
+        self.template = template
+        self.wrapper = wrapper
+        self.optimizer = optimizer
+        self.shard = shard
+        self.names = group_names(template, optimizer)
+        self.module: torch.nn.Module | None = None
+        """The current world's sharded module (None before the first world)."""
+        self.pending: tuple[dict[str, Any], dict[str, Any]] | None = None
+        """The whole model and optimizer state rank 0 brings to the next world."""
+
+    def whole_state(self) -> tuple[Held, Held] | None:
+        """The whole model and optimizer state as `Held`s: gathered on rank 0 in a world
+        (a collective: every rank calls it; the others get None), else the template's."""
+        if self.module is None:
+            return Held(self.template.state_dict()), Held(
+                optimizer_by_name(self.optimizer, self.names)
+            )
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = whole(cpu_offload=True)
+        model = get_model_state_dict(self.module, options=options)
+        optim = get_optimizer_state_dict(self.module, self.optimizer, options=options)
+        return (Held(model), Held(optim)) if dist.get_rank() == 0 else None
+
+    def digest(self) -> str:
+        """The whole model's digest: of the pending state, or gathered on every rank."""
+        if self.pending is not None:
+            return digest_of(self.pending[0])
+        if self.module is None:
+            return digest_of(self.template.state_dict())
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return digest_of(get_model_state_dict(self.module, options=whole()))
+
+    def enter(self, mesh: Any, comms: GuardedComms, extra: dict[str, Any]) -> dict[str, Any]:
+        """This world's module: a copy of the template sharded over `mesh`, the optimizer
+        pointed at its parameters, rank 0's whole state (and `extra`) spread over the world.
+        Returns the extra state every rank takes."""
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        module = copy.deepcopy(self.template)
+        self.shard(module, mesh)
+        guard(module, comms)
+        params = dict(module.named_parameters())
+        for group, names in zip(self.optimizer.param_groups, self.names, strict=True):
+            group["params"] = [params[name] for name in names]
+        self.optimizer.state.clear()
+        self.module = self.wrapper.module = module
+        chief = dist.get_rank() == 0
+        # rank 0's whole state reaches every rank (through the world's group, on the CPU),
+        # which keeps its shards of it: the same calls on every rank, whatever it holds
+        if chief and self.pending is None:
+            raise WorkerError("rank 0 of a sharded world holds no whole state to start from")
+        sent: list[Any] = [(*self.pending, extra) if self.pending else None]
+        dist.broadcast_object_list(sent, src=0)
+        self.pending = None
+        model_state, optim_state, taken = sent[0]
+        set_model_state_dict(module, model_state, options=whole())
+        if optim_state["state"]:
+            # it makes the optimizer's state with one step of zero gradients: the optimizer's
+            # own step, not the script's (which cohort gates to the steps of job.batches())
+            gated = self.optimizer.__dict__.pop("step", None)
+            try:
+                set_optimizer_state_dict(module, self.optimizer, optim_state, options=whole())
+            finally:
+                if gated is not None:
+                    self.optimizer.step = gated  # type: ignore[method-assign]
+        for group, held in zip(self.optimizer.param_groups, optim_state["param_groups"],
+                               strict=True):  # fmt: skip
+            group.update({k: v for k, v in held.items() if k != "params"})
+        return dict(taken)
+
+
+def blob_of(model: Held, optim: Held, extra: Mapping[str, Any]) -> bytes:
+    return torch_sync.state_blob(model, optim, extra)  # type: ignore[arg-type]
+
+
+def from_blob(blob: bytes) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    model, optim = Held(), Held()
+    extra = torch_sync.load_state_blob(model, optim, blob)  # type: ignore[arg-type]
+    return model.state, optim.state, extra
