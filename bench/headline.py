@@ -130,7 +130,7 @@ HEADLINES = (
         ("TorchFT, lighthouse defaults (heartbeat 5 s)",), inverted=True,
     ),
     Headline(
-        "goodput, a rank SIGKILLed every 60 s, vs TorchFT", "torchft-healing",
+        "goodput, a rank SIGKILLed each period, vs TorchFT", "torchft-healing",
         ("cohort run --spares 1",), "goodput", "goodput", "TorchFT, lighthouse defaults",
         ("TorchFT, lighthouse defaults (heartbeat 5 s)",), "goodput", ("cohort / TorchFT",),
     ),

@@ -81,6 +81,7 @@ class Cohort:
     commits: list[tuple[float, int, int, int]] = field(default_factory=list)
     """(time, step, world number, ranks in it) of each StepCommitted."""
     times: list[float] = field(default_factory=list)
+    killed: list[float] = field(default_factory=list)
 
     def start(self) -> Cohort:
         self.launcher = subprocess.Popen(
@@ -163,7 +164,8 @@ class Cohort:
         later = [at for at, _, w, n in self.commits if at > when and w > world and n == self.ranks]
         return min(later) - when if later else float("inf")
 
-    def fault(self, when: float, survivors: Sequence[int]) -> Fault:
+    def fault(self, when: float, died: int) -> Fault:
+        """The kill at `when`, of which `died` survivors ended before the next one."""
         redone = _recommitted([(at, step, world) for at, step, world, _ in self.commits], when)
         return Fault(
             survivors=self.healed(when),
@@ -172,7 +174,7 @@ class Cohort:
             redone=redone,
             skipped=0,  # a constant global batch: the survivors take the lost micro-batches
             doubled=redone * self.ranks * BATCH,
-            survivors_died=sum(1 for pid in survivors if not _alive(pid)),
+            survivors_died=died,
         )
 
     def survivor_pids(self, victim: int | None) -> list[int]:
@@ -229,21 +231,26 @@ def heal(side: Side, failure_free: float, every: float, kills: int) -> Healed:
     """A kill at the start of each period: cohort's world's rank 0, TorchFT's group 0."""
     run = side.start()
     try:
-        killed: list[float] = []
+        killed = run.killed
         survivors: list[list[int]] = []
+        died: list[int] = []  # cohort: per kill, its survivors ended by the next kill or the end
 
         def kill(_: int) -> None:
-            killed.append(time.time())
             if isinstance(run, Cohort):
+                if survivors:
+                    died.append(sum(1 for pid in survivors[-1] if not _alive(pid)))
+                killed.append(time.time())
                 survivors.append(run.survivor_pids(run.signal_rank(signal.SIGKILL)))
             else:
+                killed.append(time.time())
                 run.signal(VICTIM, signal.SIGKILL)
 
         result = _periods(time.time, failure_free, every, kills, run.times, run.poll, kill,
                           run.counted, run.outage, free_after=True)  # fmt: skip
         ends = [*killed[1:], float("inf")]
         if isinstance(run, Cohort):
-            faults = [run.fault(at, alive) for at, alive in zip(killed, survivors, strict=True)]
+            died.append(sum(1 for pid in survivors[-1] if not _alive(pid)))
+            faults = [run.fault(at, lost) for at, lost in zip(killed, died, strict=True)]
             return Healed(result, faults, run.ranks)
         faults = [
             fault(run.lines, at, VICTIM, until) for at, until in zip(killed, ends, strict=True)
@@ -353,8 +360,8 @@ def _healing_notes(
         f"side's own failure-free rate; then cohort's world's rank 0 (TorchFT's group 0) is "
         f"SIGKILLed at the start of each of {kills} periods of {every:g} s. Goodput counts "
         "committed steps, each TorchFT step weighed by the share of the groups that took "
-        "part (a step without a group trains fewer samples), steps the model had taken "
-        "before not counted again.",
+        "part (a step without a group trains fewer samples); over the periods, steps the "
+        "model had taken before (every group restarted from nothing) do not count again.",
         "TorchFT's groups are restarted at once by a loop when they die (not when they "
         "leave); the restarted group joins the next quorum and fetches the weights from a "
         "live peer over HTTP. Its data follows the step (group g takes the shard "
@@ -373,9 +380,11 @@ def _healing_notes(
             f"torchft 0.2.0's own DistributedDataParallel took a survivor down in {died} of "
             f"{len(stock.faults)} kills here ({stock.restarts} group restarts in all, against "
             f"{len(stock.faults)} kills): its comm hook returns `work.get_future()._fut`, "
-            "which is not there when a kill fails the bucket's allreduce (AssertionError) "
-            "nor on the no-op work the manager returns for the buckets after it "
-            "(AttributeError), and the exception ends the process. Where every group dies, "
+            "which is None when a kill fails the bucket's allreduce (AssertionError, the "
+            "one seen here: this model's gradients fit one bucket) and missing on the no-op "
+            "work the manager returns for the buckets after a failed one (AttributeError, "
+            "on models of more buckets), and the exception ends the process. Where every "
+            "group dies, "
             "the restarted ones start from step 0: the run is lost. The rows 'with the hook "
             "fix' run bench.torchft_trainer's smallest fix: the same class whose hook "
             "returns a completed future holding the bucket when that future is missing; the "
@@ -451,7 +460,7 @@ def measure_throughput(ranks: int = 2, steps: int = 200, runs: int = 3) -> Secti
         "(replica groups), plain DDP vs ElasticJob's gloo route vs TorchFT",
         command=f"python -m bench.torchft_peer throughput --ranks {ranks} --steps {steps} "
         f"--runs {runs}",
-        header=["what", "samples/s (median)", "steps/s per rank (group)", "x plain DDP",
+        header=["what", "samples/s (median)", "steps/s (median)", "x plain DDP",
                 "x cohort's gloo route", "each round, samples/s"],
         raw={"rounds": rounds},
     )  # fmt: skip

@@ -78,6 +78,8 @@ class TorchFT:
     lines: list[Line] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     """Times of the steps committed, once per step (what bench.goodput's `_periods` watches)."""
+    killed: list[float] = field(default_factory=list)
+    """When the bench killed a group."""
 
     @property
     def url(self) -> str:
@@ -151,9 +153,11 @@ class TorchFT:
 
     def counted(self, _: Sequence[float], start: float, end: float) -> int:
         """Group-steps committed in [start, end): each committed step weighs the groups that
-        took part (a step without a group trains fewer samples). Steps the model had taken
-        before (every group restarted from nothing) do not count again."""
-        return sum(g for t, _, g in commits(self.lines, fresh=True) if start <= t < end)
+        took part (a step without a group trains fewer samples). Over a window with kills,
+        steps the model had taken before (every group restarted from nothing) do not count
+        again; a window without any is the side's failure-free pace, whatever its step."""
+        faulted = any(start <= at < end for at in self.killed)
+        return sum(g for t, _, g in commits(self.lines, fresh=faulted) if start <= t < end)
 
     def outage(self, _: Sequence[float], when: float) -> float:
         return survivors_commit(self.lines, when, 0)

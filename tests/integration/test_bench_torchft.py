@@ -52,6 +52,7 @@ def test_the_quick_torchft_healing_run_kills_a_group_and_a_rank_in_the_same_run(
         "cohort run --spares 1 (defaults: a warm spare)",
         "TorchFT",
         "TorchFT",
+        "cohort / TorchFT (lighthouse defaults",
     ]
     for side in raw.values():
         assert side["run"]["failure_free"] > 0 and len(side["faults"]) == 1
@@ -62,7 +63,10 @@ def test_the_quick_torchft_healing_run_kills_a_group_and_a_rank_in_the_same_run(
     assert torchft["place"] < 60 and cohort["place"] < 5
     assert cohort["skipped"] == 0 and torchft["skipped"] > 0
     assert torchft["survivors_died"] == 0  # the fix keeps the survivor alive
-    assert section["rows"][1][-1] != "-"  # a ratio against cohort in the same run
+    # ratios against cohort in the same run: TorchFT's seconds over cohort's, and the row of
+    # cohort's healing and goodput over TorchFT's
+    assert float(section["rows"][1][-1]) > 1
+    assert float(section["rows"][3][1]) < 1 and float(section["rows"][3][7]) > 0
 
 
 def test_the_quick_torchft_throughput_and_survival_runs_measure_both_sides(
