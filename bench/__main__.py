@@ -1,8 +1,9 @@
 """Every benchmark in one command; BENCHMARKS.md is written from the results.
 
-    python -m bench                 # the full suite (about 50 min on 2 cores), writes BENCHMARKS.md
+    python -m bench                 # the full suite (about 2 h on 2 cores), writes BENCHMARKS.md
     python -m bench --quick         # smaller sizes and fewer runs; prints, writes nothing
     python -m bench --only replay,failover   # re-runs these two, keeps the other sections
+    python -m bench --only torchft  # TorchFT's three sections (pip install -e '.[bench]')
     python -m bench --page          # writes BENCHMARKS.md again from BENCHMARKS.json, runs nothing
 
 A benchmark that fails is reported by name and the others still run; the exit
@@ -41,6 +42,7 @@ from bench import (
     replay,
     soak,
     throughput,
+    torchft_peer,
 )
 from bench.results import Section, publish, rewrite
 
@@ -76,6 +78,9 @@ FULL: dict[str, Callable[[], Section]] = {
     "figures": lambda: figures.measure(5, 100),
     "chaos": lambda: chaos.measure(10),
     "chaos-ha": lambda: chaos.measure_ha(10),
+    "torchft-healing": lambda: torchft_peer.measure_healing(2, 60, 60, 10),
+    "torchft-throughput": lambda: torchft_peer.measure_throughput(2, 200, 3),
+    "torchft-survives": lambda: torchft_peer.measure_survives(2, 90, 15),
 }
 QUICK: dict[str, Callable[[], Section]] = {
     "ingest": lambda: control_plane.measure(20_000, 200, 1),
@@ -108,7 +113,14 @@ QUICK: dict[str, Callable[[], Section]] = {
     "figures": lambda: figures.measure(1, 20),
     "chaos": lambda: chaos.measure(0.5),
     "chaos-ha": lambda: chaos.measure_ha(0.5),
+    "torchft-healing": lambda: torchft_peer.measure_healing(
+        2, 2, 10, 1, sides=("cohort-spare", "torchft", "torchft-stock")
+    ),
+    "torchft-throughput": lambda: torchft_peer.measure_throughput(2, 30, 1),
+    "torchft-survives": lambda: torchft_peer.measure_survives(2, 8, 2, cases=("leave",)),
 }
+GROUPS = {"torchft": ("torchft-healing", "torchft-throughput", "torchft-survives")}
+"""Names that stand for several sections in --only."""
 
 
 def main() -> int:
@@ -126,10 +138,12 @@ def main() -> int:
         print(f"wrote {out} from {out.with_suffix('.json')}")
         return 0
     suite = QUICK if args.quick else FULL
-    chosen = [name.strip() for name in args.only.split(",") if name.strip()] or list(suite)
+    named = [name.strip() for name in args.only.split(",") if name.strip()]
+    chosen = [part for name in named for part in GROUPS.get(name, (name,))] or list(suite)
     unknown = [name for name in chosen if name not in suite]
     if unknown:
-        parser.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(suite)}")
+        choices = ", ".join([*suite, *GROUPS])
+        parser.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {choices}")
     out = args.out or (None if args.quick else Path("BENCHMARKS.md"))
 
     sections, failed = [], []
@@ -146,7 +160,7 @@ def main() -> int:
         print(f"({name}: {time.perf_counter() - start:.0f} s)", flush=True)
         sections.append(section)
     command = "python -m bench" + (" --quick" if args.quick else "")
-    command += f" --only {','.join(chosen)}" if args.only else ""
+    command += f" --only {','.join(named)}" if args.only else ""
     if out is not None and sections:
         publish(out, sections, command, list(FULL))
         print(f"wrote {out} and {out.with_suffix('.json')}")

@@ -121,6 +121,25 @@ HEADLINES = (
         "chaos (random faults while a model trains): commands lost", "chaos",
         ("commands lost",), "value",
     ),
+    Headline(
+        "a rank's SIGKILL to the survivors' next committed step vs TorchFT, s",
+        "torchft-healing", ("cohort run --spares 1",),
+        "kill to survivors' next committed step, s (median)",
+        "kill to survivors' next committed step, s (median)", "TorchFT, lighthouse defaults",
+        ("TorchFT, lighthouse defaults (heartbeat 5 s)",), "x cohort run with a spare",
+        ("TorchFT, lighthouse defaults (heartbeat 5 s)",), inverted=True,
+    ),
+    Headline(
+        "goodput, a rank SIGKILLed each period, vs TorchFT", "torchft-healing",
+        ("cohort run --spares 1",), "goodput", "goodput", "TorchFT, lighthouse defaults",
+        ("TorchFT, lighthouse defaults (heartbeat 5 s)",), "goodput", ("cohort / TorchFT",),
+    ),
+    Headline(
+        "training, 1M-parameter model, 2 ranks, gloo route vs TorchFT, samples/s",
+        "torchft-throughput", ("cohort ElasticJob",), "samples/s (median)",
+        "samples/s (median)", "TorchFT", ("TorchFT",), "x cohort's gloo route", ("TorchFT",),
+        inverted=True,
+    ),
 )  # fmt: skip
 """The page's headlines, in the order they are shown."""
 

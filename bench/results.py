@@ -113,6 +113,7 @@ def environment() -> dict[str, str]:
         "msgpack": _version("msgpack"),
         "numpy": _version("numpy"),
         "torch": _version("torch"),
+        "torchft": _version("torchft"),
     }
 
 
