@@ -5,8 +5,9 @@ each world (`wrap(shard=...)`); every step's whole-model digest is reported
 
     python sharded_script.py OUT [ddp]
 
-Writes OUT/final.pt through `job.save` (a whole state dict of the unsharded model). With
-`ddp`, the same model trains unsharded, under DDP: the reference the sharded run must match.
+Writes OUT/final.pt through `job.save` (a whole state dict of the unsharded model), and
+each rank's batch of each step as OUT/batch-STEP-RANK.pt (x, y): what one process replays
+to check either route's update. With `ddp`, the same model trains unsharded, under DDP.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=job.batch_size)
     for _ in job.epochs():
         for x, y in job.batches(loader):
+            torch.save((x, y), out / f"batch-{job.step}-{job.rank}.pt")
             loss = torch.nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
             loss.backward()

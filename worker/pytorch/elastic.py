@@ -1018,9 +1018,12 @@ class ElasticJob(Elastic):
         times zero. The model is given the batch's first element (the inputs of an (inputs,
         targets) data set), on the model's device; the buffers that forward moved
         (BatchNorm's statistics and count) are put back, so a rank without samples leaves
-        no trace of that sample."""
+        no trace of that sample. The previous step's gradients are cleared first: a script
+        that zeroes them before its backward left them there, and this rank would send
+        them into the step's mean (DDP) or add the step's shard to them (FSDP)."""
         state = self.state
         assert isinstance(state, TorchState)
+        state.model.zero_grad(set_to_none=True)
         if self.ddp is None and not isinstance(state, ShardedTorchState):
             for p in state.model.parameters():
                 if p.requires_grad:
