@@ -45,5 +45,8 @@ def test_a_rank_sent_sigterm_leaves_and_the_survivor_finishes_the_job(
     assert "audit (every sample exactly once per epoch): passed" in run.output
     journal = [fact for _, fact in from_file(tmp_path / "run.export").facts()]  # Redis is gone
     left = [(f.worker, f.reason) for f in journal if isinstance(f, WorkerLeft)]
-    assert left == [(victim, "stopped"), (survivor, "finished")], left
+    # its Leave after the step it reported: at once if that step had committed, else once
+    # it does (drained); either way a clean leave, and the survivor goes on to the end
+    assert left in ([(victim, "stopped"), (survivor, "finished")],
+                    [(victim, "drained"), (survivor, "finished")]), left  # fmt: skip
     assert not [f for f in journal if isinstance(f, WeightsLost | TrainingPaused)]
