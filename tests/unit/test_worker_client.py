@@ -526,6 +526,21 @@ def test_leave_sends_the_last_finished_step_and_waits_for_worker_left(
     assert not worker._threads  # stopped
 
 
+def test_leave_without_draining_asks_to_go_now_not_after_its_uncommitted_step(
+    leader, make_worker, pool
+) -> None:
+    """A rank whose applied step the job will not commit (it rejoins for the committed
+    weights) must not ask to leave after it: the leader would wait for that commit."""
+    worker = make_worker()
+    active(leader, worker, pool)
+    worker.batch(0)
+    worker.step_done(0)
+    leaving = pool.submit(worker.leave, "ahead", 3, drain=False)
+    assert leader.expect("Leave").after_step is None
+    leader.say(fact(m.WorkerLeft, worker=ME, reason="ahead"))
+    assert leaving.result(timeout=3) is True
+
+
 def test_leave_gives_up_after_its_timeout_and_still_stops(leader, make_worker, pool) -> None:
     worker = make_worker()
     joined(leader, worker, pool)

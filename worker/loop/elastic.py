@@ -1070,7 +1070,8 @@ class Elastic:
             self.worker.id,
             step.step,
         )
-        self.worker.leave(reason=f"weights ahead of the lineage at step {step.step}")
+        reason = f"weights ahead of the lineage at step {step.step}"
+        self.worker.leave(reason=reason, drain=False)  # not after a step that never commits
         self.worker.join()
         self.world = 0
         self.worker.ready(step=max(self.worker.view.last_committed, 0))

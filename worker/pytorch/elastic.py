@@ -883,7 +883,7 @@ class ElasticJob(Elastic):
         dataset = loader.dataset
         first = self._peek()
         self._epoch_whole = False
-        while first is not None and not self.stopping:
+        while first is not None:  # stopping: the walk reports the step applied, then ends
             step = self._next()
             if not isinstance(step, Step):
                 self._epoch_whole = step is not None  # its end, not the walk's
