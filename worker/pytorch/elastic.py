@@ -740,7 +740,9 @@ class ElasticJob(Elastic):
                 "checkpoint",
                 self.worker_id, assignment.world_version,
             )  # fmt: skip
-            self.worker.leave(reason="a sharded world's weights cannot pass to a new world")
+            self.worker.leave(
+                reason="a sharded world's weights cannot pass to a new world", drain=False
+            )
             self.worker.join()
             self.world = 0
             self.worker.ready(step=max(self.worker.view.last_committed, 0))
