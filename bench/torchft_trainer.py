@@ -32,6 +32,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 WARMUP = 5
@@ -63,8 +64,7 @@ def fixed_ddp() -> Any:
 
 def train(args: argparse.Namespace) -> None:
     import torch
-    import torch.distributed as dist
-    from torchft import Manager, Optimizer, ProcessGroupGloo
+    from torchft import Optimizer
     from torchft.ddp import DistributedDataParallel
 
     from bench.goodput import BATCH, _data
@@ -84,19 +84,7 @@ def train(args: argparse.Namespace) -> None:
     def state_dict() -> dict[str, Any]:
         return {"model": model.state_dict(), "optim": sgd.state_dict()}
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(),
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
-        min_replica_size=1,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=args.lighthouse,
-        replica_id=f"bench_{args.group}",
-    )
+    manager = _manager(args, load_state_dict, state_dict)
     wrapper = fixed_ddp() if args.ddp == "fixed" else DistributedDataParallel
     ddp = wrapper(manager, model)
     optimizer = Optimizer(manager, sgd)
@@ -126,6 +114,30 @@ def train(args: argparse.Namespace) -> None:
         print(json.dumps({"seconds": time.perf_counter() - first[0], "steps": done}), flush=True)
     manager.shutdown(wait=False)
     os._exit(0)  # torch's and the manager's threads may hold the exit otherwise
+
+
+def _manager(
+    args: argparse.Namespace,
+    load_state_dict: Callable[[dict[str, Any]], None],
+    state_dict: Callable[[], dict[str, Any]],
+) -> Any:
+    """This replica group's TorchFT Manager: one rank, its own store, the bench's lighthouse."""
+    import torch.distributed as dist
+    from torchft import Manager, ProcessGroupGloo
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return Manager(
+        pg=ProcessGroupGloo(),
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=1,
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr=args.lighthouse,
+        replica_id=f"bench_{args.group}",
+    )
 
 
 def _train_or_exit(args: argparse.Namespace) -> None:

@@ -30,7 +30,7 @@ import time
 import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -955,21 +955,7 @@ class Elastic:
             return
         got = self.state.digest()
         if got != weights.digest:
-            self._refuse_weights(assignment, got)
-
-    def _refuse_weights(self, assignment: Assignment, got: str) -> None:
-        """Leave the job and raise WeightsRefusedError naming the sender of weights whose
-        digest is `got`, not the journal's."""
-        weights = assignment.weights
-        assert weights is not None and weights.digest is not None
-        view = self.worker.view
-        ranks = next(
-            (p.ranks for p in view.plans if p.world_version == assignment.world_version), ()
-        )
-        refused = WeightsRefusedError(ranks[0] if ranks else "?", weights.step, got, weights.digest)
-        log.error("%s: %s", self.worker.id, refused)
-        self.worker.leave(reason=f"refused the weights of step {weights.step}: digest {got}")
-        raise refused
+            refuse_weights(self.worker, assignment, got)
 
     def _joined_world(self, assignment: Assignment) -> None:
         """Every rank holds the world's state: what else a world needs (a process group)."""
@@ -1248,3 +1234,16 @@ class NumpyElasticJob(Elastic):
             current.step,
             world=current.world,
         )
+
+
+def refuse_weights(worker: Worker, assignment: Assignment, got: str) -> NoReturn:
+    """Leave the job and raise WeightsRefusedError naming the sender of weights whose
+    digest is `got`, not the journal's."""
+    weights = assignment.weights
+    assert weights is not None and weights.digest is not None
+    view = worker.view
+    ranks = next((p.ranks for p in view.plans if p.world_version == assignment.world_version), ())
+    refused = WeightsRefusedError(ranks[0] if ranks else "?", weights.step, got, weights.digest)
+    log.error("%s: %s", worker.id, refused)
+    worker.leave(reason=f"refused the weights of step {weights.step}: digest {got}")
+    raise refused

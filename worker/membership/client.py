@@ -507,11 +507,8 @@ class Worker:
 
     # ------------------------------------------------------------ leaving
     def leave(self, reason: str = "", timeout: float = 10.0, *, drain: bool = True) -> bool:
-        """Ask to leave after the last finished step; wait for WorkerLeft; stop. True if seen.
-
-        `drain=False`: leave at once, not after that step, for a worker whose finished step
-        the job will not commit (its weights ahead of the lineage): the leader would wait for
-        that commit for ever."""
+        """Ask to leave after the last finished step (`drain=False`: at once, for a step the
+        job will never commit); wait for WorkerLeft; stop. True if seen."""
         if not self._threads:
             return False
         after = self._progress[0] if self._progress is not None and drain else None

@@ -38,7 +38,7 @@ from cohort.worker.collective import compressors as feedback
 from cohort.worker.collective.compressors import DEFAULT_RANK, Compression
 from cohort.worker.collective.redis_collective import Collective
 from cohort.worker.errors import AccumulationError, WorkerError, WorldChangedError
-from cohort.worker.loop.elastic import POLL, Elastic, EpochEnd, Step, reducible
+from cohort.worker.loop.elastic import POLL, Elastic, EpochEnd, Step, reducible, refuse_weights
 from cohort.worker.pytorch import sync as torch_sync
 from cohort.worker.pytorch.completion import HostCompletion, completion_of
 from cohort.worker.pytorch.devices import rank_device
@@ -710,7 +710,7 @@ class ElasticJob(Elastic):
             raise
         want = assignment.weights.digest if assignment.weights is not None else None
         if assignment.rank != 0 and want is not None and got != want:
-            self._refuse_weights(assignment, got)
+            refuse_weights(self.worker, assignment, got)
 
     def _comms_step(self) -> int:
         current = self.current
