@@ -84,7 +84,7 @@ def train(args: argparse.Namespace) -> None:
     def state_dict() -> dict[str, Any]:
         return {"model": model.state_dict(), "optim": sgd.state_dict()}
 
-    manager = _manager(args, load_state_dict, state_dict)
+    store, manager = _manager(args, load_state_dict, state_dict)  # kept: its server ends if freed
     wrapper = fixed_ddp() if args.ddp == "fixed" else DistributedDataParallel
     ddp = wrapper(manager, model)
     optimizer = Optimizer(manager, sgd)
@@ -120,13 +120,14 @@ def _manager(
     args: argparse.Namespace,
     load_state_dict: Callable[[dict[str, Any]], None],
     state_dict: Callable[[], dict[str, Any]],
-) -> Any:
-    """This replica group's TorchFT Manager: one rank, its own store, the bench's lighthouse."""
+) -> tuple[Any, Any]:
+    """This replica group's store and TorchFT Manager (one rank, the bench's lighthouse):
+    the caller keeps the store, whose server ends when it is freed."""
     import torch.distributed as dist
     from torchft import Manager, ProcessGroupGloo
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    return Manager(
+    return store, Manager(
         pg=ProcessGroupGloo(),
         load_state_dict=load_state_dict,
         state_dict=state_dict,
