@@ -86,8 +86,8 @@ class DeviceCompletion(HostCompletion):
 class EmulatedDeviceCompletion(HostCompletion):
     """NCCL's asynchrony on gloo, for the tests: the result goes to DDP as the work is
     issued (NCCL's future completes as its kernel is enqueued), while gloo still writes
-    the bucket; the data is the world's only after the fence (`work.wait()`, which for
-    gloo blocks until it arrived, or raises)."""
+    the bucket; the data is the world's only after the fence (the host's: `work.wait()`,
+    which for gloo blocks until it arrived, or raises)."""
 
     deferred = True
 
@@ -100,10 +100,6 @@ class EmulatedDeviceCompletion(HostCompletion):
         issued: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
         issued.set_result([tensor])  # "enqueued": the value is usable once fenced
         finish(issued)
-
-    def fence(self, works: Sequence[Any]) -> None:
-        for work in works:
-            work.wait()
 
 
 def completion_for(device: torch.device, setting: str | None) -> HostCompletion:
