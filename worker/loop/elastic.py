@@ -775,11 +775,16 @@ class Elastic:
         or holds other weights than the journaled `digest`."""
         assert self.state is not None
         self.state.load(checkpoints.read(uri, sha256).payload)
-        if digest is not None and self.state.digest() != digest:
+        if digest is not None and not self._holds(digest):
             raise checkpoints.CheckpointError(
                 f"checkpoint {uri!r} holds weights {self.state.digest()}, not the journaled "
                 f"{digest}"
             )
+
+    def _holds(self, digest: str) -> bool:
+        """Whether the state's weights are those of the journaled `digest`."""
+        assert self.state is not None
+        return self.state.digest() == digest
 
     def _after(self, step: Step, took: float) -> Generator[EpochEnd, None, None]:
         """`step` applied: report it, and copy what a checkpoint of it needs as the caller

@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import copy
 import functools
-import hashlib
 import io
 import logging
 import os
@@ -41,6 +40,7 @@ from cohort.worker.errors import AccumulationError, WorkerError, WorldChangedErr
 from cohort.worker.loop.elastic import POLL, Elastic, EpochEnd, Step, reducible, refuse_weights
 from cohort.worker.pytorch import sync as torch_sync
 from cohort.worker.pytorch.completion import HostCompletion, completion_of
+from cohort.worker.pytorch.digests import bytes_digest, weights_digest
 from cohort.worker.pytorch.devices import rank_device
 from cohort.worker.pytorch.loader import Stale, StepLoader
 from cohort.worker.pytorch.micro import MicroBatches, gate_scaler, gate_scheduler
@@ -128,12 +128,13 @@ class TorchState:
             self.extra.update(placed)
 
     def digest(self) -> str:
-        h = hashlib.sha256()
-        for name, tensor in sorted(self.model.state_dict().items()):
-            h.update(name.encode())
-            array = tensor.detach().cpu().contiguous().reshape(-1)  # a 0-dim buffer too
-            h.update(memoryview(array.view(torch.uint8).numpy()) if array.numel() else b"")
-        return h.hexdigest()[:32]
+        """The weights digest, computed on the weights' device (worker/pytorch/digests.py)."""
+        return weights_digest(self.model.state_dict())
+
+    def holds(self, digest: str) -> bool:
+        """Whether the weights are those of `digest`: this version's digest, or the one a
+        checkpoint journaled by an earlier version carries (the bytes' sha256)."""
+        return self.digest() == digest or bytes_digest(self.model.state_dict()) == digest
 
     def broadcast(self, collective: Collective, step: int, world: int) -> None:
         mine = collective.world().rank == 0
@@ -219,6 +220,11 @@ class ShardedTorchState(TorchState):
         except RuntimeError as exc:
             log.warning("the sharded weights could not be gathered for a digest: %s", exc)
             return None
+
+    def holds(self, digest: str) -> bool:
+        """Whether the whole model is that of `digest` (sharded jobs came after the bytes'
+        digest: no earlier one to accept)."""
+        return self.digest() == digest
 
     def broadcast(self, collective: Collective, step: int, world: int) -> None:
         """Nothing through Redis: the world's group carries the state (`enter`)."""
@@ -715,6 +721,11 @@ class ElasticJob(Elastic):
     def _comms_step(self) -> int:
         current = self.current
         return current.step if current is not None else self.worker.next_step
+
+    def _holds(self, digest: str) -> bool:
+        state = self.state
+        assert isinstance(state, TorchState)
+        return state.holds(digest)
 
     def _check_weights(self, assignment: Any) -> None:
         """As the base job's, but for a sharded model: checked once it is sharded and filled

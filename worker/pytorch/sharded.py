@@ -24,7 +24,6 @@ script's forward or backward, or hanging it.
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -35,6 +34,7 @@ import torch.distributed as dist
 
 from cohort.worker.errors import WorkerError, WorldChangedError
 from cohort.worker.pytorch import sync as torch_sync
+from cohort.worker.pytorch.digests import weights_digest
 
 log = logging.getLogger("cohort.torch")
 
@@ -73,12 +73,7 @@ class ShardedModel(torch.nn.Module):
 def digest_of(state: Mapping[str, Any]) -> str:
     """The weights digest of a model state dict (as `TorchState.digest` makes it): the same
     for a plain model's `state_dict()` and a sharded one's gathered whole."""
-    h = hashlib.sha256()
-    for name, tensor in sorted(state.items()):
-        h.update(name.encode())
-        array = tensor.detach().cpu().contiguous().reshape(-1)
-        h.update(memoryview(array.view(torch.uint8).numpy()) if array.numel() else b"")
-    return h.hexdigest()[:32]
+    return weights_digest(state)
 
 
 def optimizer_by_name(optimizer: torch.optim.Optimizer, names: list[list[str]]) -> dict[str, Any]:
