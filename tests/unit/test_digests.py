@@ -119,3 +119,13 @@ def test_the_bytes_digest_of_earlier_versions_is_kept_for_their_checkpoints() ->
     state = {"b": torch.arange(3, dtype=torch.int64), "a": torch.tensor([1.5, -2.0])}
     assert bytes_digest(state) == "7c9b16de7c863e9c43298c405f499fac"  # cohort 1d2920b's
     assert weights_digest(state) != bytes_digest(state)
+
+
+def test_a_state_holds_the_weights_of_its_digest_or_of_an_earlier_versions() -> None:
+    from cohort.worker.pytorch.elastic import TorchState
+
+    model = torch.nn.Linear(4, 2)
+    state = TorchState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert state.holds(state.digest())
+    assert state.holds(bytes_digest(model.state_dict()))  # a checkpoint journaled before
+    assert not state.holds("0" * 32)

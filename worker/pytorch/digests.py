@@ -88,7 +88,7 @@ def weights_digest(state: Mapping[str, Any]) -> str:
     h = hashlib.sha256()
     for (name, tensor), host in zip(named, _on_host(sums), strict=True):
         h.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
-        h.update(memoryview(host.numpy()))
+        h.update(host.numpy().tobytes())
     return h.hexdigest()[:32]
 
 
