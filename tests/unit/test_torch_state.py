@@ -176,6 +176,26 @@ def test_state_blob_round_trips_model_and_optimizer_of_float32_float16_and_bfloa
     same_state(model.state_dict(), fresh.state_dict())
 
 
+def test_a_capture_packs_later_the_state_as_it_was_when_taken() -> None:
+    """A checkpoint's state is copied as the step ends and packed on the writer's thread:
+    the training that goes on meanwhile changes nothing of it."""
+    model, optimizer = trained(0)
+    want = ct.state_blob(model, optimizer, {"epoch": 3})
+    packed = ct.state_capture(model, optimizer, {"epoch": 3})
+    optimizer.zero_grad()  # one more step, in place
+    model(torch.randn(8, 5)).backward()
+    optimizer.step()
+    assert ct.state_blob(model, optimizer, {"epoch": 3}) != want
+    assert packed() == want
+
+
+def test_a_capture_refuses_what_msgpack_cannot_carry_as_it_is_taken() -> None:
+    model, optimizer = trained(0)
+    optimizer.param_groups[0]["schedule"] = object()
+    with pytest.raises(ct.StateError, match="param_groups/0/schedule"):
+        ct.state_capture(model, optimizer)
+
+
 def test_state_blob_of_a_model_alone_loads_without_an_optimizer() -> None:
     model, _ = trained(0)
     fresh, _ = trained(1, steps=0)

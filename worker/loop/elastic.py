@@ -318,7 +318,8 @@ class Elastic:
         """The step this rank reported last (None: none yet)."""
         self._due = False
         """Whether the leader will ask for a checkpoint of the step reported last."""
-        self._snapshot: bytes | None = None
+        self._snapshot: Callable[[], bytes] | None = None
+        """What a checkpoint of the step just reported holds, as bytes when called."""
         self._writer: checkpoints.CheckpointWriter | None = None
         self._world_callbacks: list[Callable[[int, int], None]] = []
         self._left = False
@@ -1000,9 +1001,16 @@ class Elastic:
         run resumed from it then starts the next step as the uninterrupted run did.
         Between epochs the script may have changed the weights: they are digested again."""
         assert self.state is not None
-        self._snapshot = self.state.snapshot() if self._due else None
+        self._snapshot = self._copy_state() if self._due else None
         if self._due and between_epochs:
             self._digest = self.state.digest()
+
+    def _copy_state(self) -> Callable[[], bytes] | None:
+        """The state now, made into a checkpoint's bytes when called (on the writer's
+        thread); None: this rank holds nothing to write."""
+        assert self.state is not None
+        blob = self.state.snapshot()
+        return lambda: blob
 
     def _checkpoint_due(self, step: Step, ends_job: bool) -> bool:
         """Whether the leader will ask for a checkpoint of `step` once it commits: after
@@ -1049,7 +1057,7 @@ class Elastic:
         request = checkpoints.pending(self.worker.view.requested, step.step)
         if request is not None and self._snapshot is not None:
             self._writer = self._writer or checkpoints.CheckpointWriter(self.worker)
-            self._writer.submit(request, functools.partial(bytes, self._snapshot), self._digest)
+            self._writer.submit(request, self._snapshot, self._digest)
         self._snapshot = None
 
     def _rejoin(self, step: Step) -> None:

@@ -40,8 +40,8 @@ from cohort.worker.errors import AccumulationError, WorkerError, WorldChangedErr
 from cohort.worker.loop.elastic import POLL, Elastic, EpochEnd, Step, reducible, refuse_weights
 from cohort.worker.pytorch import sync as torch_sync
 from cohort.worker.pytorch.completion import HostCompletion, completion_of
-from cohort.worker.pytorch.digests import bytes_digest, weights_digest
 from cohort.worker.pytorch.devices import rank_device
+from cohort.worker.pytorch.digests import bytes_digest, weights_digest
 from cohort.worker.pytorch.loader import Stale, StepLoader
 from cohort.worker.pytorch.micro import MicroBatches, gate_scaler, gate_scheduler
 from cohort.worker.pytorch.overlap import OverlappedGradients
@@ -149,6 +149,11 @@ class TorchState:
 
     def snapshot(self) -> bytes:
         return torch_sync.state_blob(self.model, self.optimizer, self._extra())
+
+    def capture(self) -> Callable[[], bytes]:
+        """`snapshot`'s bytes of the state as it is now, packed when called (by the
+        checkpoint writer): the tensors are copied now, a GPU's without waiting."""
+        return torch_sync.state_capture(self.model, self.optimizer, self._extra())
 
     def load(self, blob: bytes) -> None:
         self._take(torch_sync.load_state_blob(self.model, self.optimizer, blob))
@@ -760,12 +765,17 @@ class ElasticJob(Elastic):
             return False
         return super()._start_world(assignment)
 
-    def _capture(self, between_epochs: bool) -> None:
-        """As the base job's; a sharded state gathered nowhere (a rank other than 0, or a
-        gather a lost peer broke) leaves no checkpoint to write."""
-        super()._capture(between_epochs)
-        if self._snapshot == b"":
-            self._snapshot = None
+    def _copy_state(self) -> Callable[[], bytes] | None:
+        """The tensors copied now (a GPU's into pinned memory, the host not waiting), packed
+        on the checkpoint writer's thread. A sharded state is gathered now (every rank of
+        the world calls it); gathered nowhere (a rank other than 0, or a gather a lost peer
+        broke), it leaves no checkpoint to write."""
+        state = self.state
+        if isinstance(state, ShardedTorchState):
+            blob = state.snapshot()
+            return (lambda: blob) if blob else None
+        assert isinstance(state, TorchState)
+        return state.capture()
 
     def close(self) -> None:
         """Leave the job (see the base job's `close`), then destroy the last world's process

@@ -239,3 +239,36 @@ class Landing:
     def __float__(self) -> float:
         self.copied.synchronize()
         return float(self.host)
+
+
+class HostCopies:
+    """Copies of tensors on the host, taken now and read later (a checkpoint's state, which
+    the next step would change): a CPU tensor is cloned; a CUDA one is copied into pinned
+    memory without waiting, on its device's current stream, so the step after it (queued
+    on the same stream) cannot change it first; `wait` blocks until the copies landed."""
+
+    def __init__(self) -> None:
+        self._events: list[Any] = []
+        self._devices: set[torch.device] = set()
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A contiguous host copy of `tensor` (its data there once `recorded` then `wait`)."""
+        tensor = tensor.detach()
+        if path_for(tensor.device.type) != "pinned":
+            return tensor.to("cpu", copy=True, memory_format=torch.contiguous_format)
+        copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        copy.copy_(tensor, non_blocking=True)
+        self._devices.add(tensor.device)
+        return copy
+
+    def recorded(self) -> HostCopies:
+        """Mark the end of the copies taken so far on each device's stream."""
+        for device in self._devices:
+            self._events.append(torch.cuda.current_stream(device).record_event())
+        self._devices = set()
+        return self
+
+    def wait(self) -> None:
+        for event in self._events:
+            event.synchronize()
+        self._events = []

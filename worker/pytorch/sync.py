@@ -23,7 +23,7 @@ collides with the non-negative steps a training loop passes to `Collective` itse
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import msgpack
@@ -42,7 +42,7 @@ from cohort.worker.collective.compressors import (
 )
 from cohort.worker.collective.redis_collective import Collective
 from cohort.worker.errors import StateError, WorldChangedError
-from cohort.worker.pytorch.staging import AVERAGED, Staging, staging_for
+from cohort.worker.pytorch.staging import AVERAGED, HostCopies, Staging, staging_for
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 """As DDP's default bucket_cap_mb: bounds the extra memory one allreduce call needs."""
@@ -62,9 +62,18 @@ _DTYPES = {str(d): d for d in (*_NUMPY, torch.bfloat16, torch.int8, torch.int16,
 
 
 # ------------------------------------------------------------------ tensors <-> numpy
-def _wire(tensor: torch.Tensor) -> tuple[np.ndarray, list[Any]]:
-    """The array that carries `tensor` exactly, and its [dtype, shape] for the meta."""
-    t = tensor.detach().cpu().contiguous()
+Host = Callable[[torch.Tensor], torch.Tensor]
+"""How a tensor reaches the host to be sent or written: a contiguous CPU tensor."""
+
+
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu().contiguous()
+
+
+def _wire(tensor: torch.Tensor, host: Host = _on_host) -> tuple[np.ndarray, list[Any]]:
+    """The array that carries `tensor` exactly, and its [dtype, shape] for the meta; `host`
+    brings it to the host (contiguous)."""
+    t = host(tensor)
     meta = [str(t.dtype), list(t.shape)]
     if t.dtype in _NUMPY:
         return t.numpy(), meta
@@ -288,10 +297,13 @@ def sync_buffers(
 
 
 # ------------------------------------------------------------------ state
-def _encode(value: Any, path: str, tensors: dict[str, np.ndarray], metas: dict[str, Any]) -> Any:
-    """`value` as msgpack-able data; each tensor is moved to `tensors` and left as a reference."""
+def _encode(
+    value: Any, path: str, tensors: dict[str, np.ndarray], metas: dict[str, Any], host: Host
+) -> Any:
+    """`value` as msgpack-able data; each tensor is moved to `tensors` (brought to the host
+    by `host`) and left as a reference."""
     if isinstance(value, torch.Tensor):
-        array, meta = _wire(value)
+        array, meta = _wire(value, host)
         tensors[path] = array
         metas[path] = meta
         return {"__tensor__": path}
@@ -300,14 +312,16 @@ def _encode(value: Any, path: str, tensors: dict[str, np.ndarray], metas: dict[s
         for key, item in value.items():
             if not isinstance(key, str | int):
                 raise StateError(f"state key {key!r} at {path!r} is not a str or int")
-            out[key] = _encode(item, f"{path}/{key}", tensors, metas)
+            out[key] = _encode(item, f"{path}/{key}", tensors, metas, host)
         return out
     if isinstance(value, tuple):
         return {
-            "__tuple__": [_encode(v, f"{path}/{i}", tensors, metas) for i, v in enumerate(value)]
+            "__tuple__": [
+                _encode(v, f"{path}/{i}", tensors, metas, host) for i, v in enumerate(value)
+            ]
         }
     if isinstance(value, list):
-        return [_encode(v, f"{path}/{i}", tensors, metas) for i, v in enumerate(value)]
+        return [_encode(v, f"{path}/{i}", tensors, metas, host) for i, v in enumerate(value)]
     if value is None or isinstance(value, bool | int | float | str | bytes):
         return value
     raise StateError(
@@ -336,19 +350,23 @@ def state_tensors(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     extra: Mapping[str, Any] | None = None,
+    host: Host = _on_host,
 ) -> dict[str, np.ndarray]:
     """Model and optimizer state as named arrays plus a `__meta__` uint8 array (msgpack).
 
     `extra` is any other state that travels with them (an LR scheduler's `state_dict()`,
     `torch.get_rng_state()`, epoch counters): tensors, numbers, strings and containers.
+    `host` brings each tensor to the host (by default: a view where it is there already).
     """
     tensors: dict[str, np.ndarray] = {}
     metas: dict[str, Any] = {}
-    model_state = _encode(dict(model.state_dict()), "model", tensors, metas)
+    model_state = _encode(dict(model.state_dict()), "model", tensors, metas, host)
     optim_state = (
-        _encode(optimizer.state_dict(), "optim", tensors, metas) if optimizer is not None else None
+        _encode(optimizer.state_dict(), "optim", tensors, metas, host)
+        if optimizer is not None
+        else None
     )
-    extra_state = _encode(dict(extra), "extra", tensors, metas) if extra is not None else None
+    extra_state = _encode(dict(extra), "extra", tensors, metas, host) if extra is not None else None
     meta = msgpack.packb(
         {
             "v": BLOB_VERSION,
@@ -404,6 +422,26 @@ def state_blob(
     """Model, optimizer and `extra` state as one tensor blob (collective/tensors.py's format), for
     a joiner or a checkpoint: no pickle, so loading one never runs code."""
     return blobs.join(blobs.pack(state_tensors(model, optimizer, extra)))
+
+
+def state_capture(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Callable[[], bytes]:
+    """The `state_blob` of the state as it is now, made when called (on a checkpoint
+    writer's thread): the tensors are copied now, a GPU's into pinned memory without the
+    host waiting (`HostCopies`); the call waits for those copies, then packs. A value
+    msgpack cannot carry raises here, on the caller's thread."""
+    copies = HostCopies()
+    arrays = state_tensors(model, optimizer, extra, host=copies.take)
+    copies.recorded()
+
+    def blob() -> bytes:
+        copies.wait()
+        return blobs.join(blobs.pack(arrays))
+
+    return blob
 
 
 def load_state_blob(
