@@ -8,6 +8,7 @@ step protocol"."""
 from __future__ import annotations
 
 import threading
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +29,7 @@ from cohort.worker.pytorch.completion import (  # noqa: E402
 )
 from cohort.worker.pytorch.dist import (  # noqa: E402
     DistWorld,
+    ElasticProcessGroup,
     Watchdog,
     aborts_when_abandoned,
     ddp_devices,
@@ -168,6 +170,9 @@ class Rdzv:
         self.works: list[Any] = []
         self.explains = explains
         self.watchdog.in_flight = lambda: any(not w.is_completed() for w in self.works)
+
+    fence = ElasticProcessGroup.fence  # the real guard of a step's fence
+    worker = types.SimpleNamespace(assignment=None)
 
     def track(self, work: Any) -> None:
         self.works.append(work)

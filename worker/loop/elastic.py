@@ -21,7 +21,6 @@ passing its own on.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import os

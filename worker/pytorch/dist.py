@@ -45,7 +45,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -549,6 +549,33 @@ class ElasticProcessGroup:
         except Exception as exc:  # e.g. "Connection reset by peer": ask the journal why
             self._world_changed(exc, step)
             raise
+
+    def fence(self, works: Sequence[dist.Work], completion: Any, step: int) -> None:
+        """Wait until the data of `works` is where it lands (`completion.fence`: gloo's
+        `wait()`, or a CUDA sync after NCCL's), on a side thread, under the watchdog:
+        WorldChangedError once the world is over, or if a work failed and the journal
+        explains it within the grace; else the failure stands."""
+        dog = self.watchdog
+        if dog is None:
+            raise RendezvousError("no process group: call init_process_group() first")
+        done, failed = threading.Event(), []
+
+        def fence() -> None:
+            try:
+                completion.fence(works)
+            except Exception as error:  # gloo: "Connection closed by peer"; NCCL: aborted
+                failed.append(error)
+            finally:
+                done.set()
+
+        threading.Thread(target=fence, name="cohort-fence", daemon=True).start()
+        if not dog.wait(done):
+            raise WorldChangedError(step, self.worker.assignment)
+        if failed:
+            log.warning("world %d broke in step %d's collectives: %s", dog.world.version, step,
+                        failed[0])  # fmt: skip
+            self._world_changed(failed[0], step)
+            raise failed[0]
 
     def all_reduce(
         self, tensor: torch.Tensor, step: int, op: Any = dist.ReduceOp.SUM

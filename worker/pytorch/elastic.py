@@ -1332,29 +1332,15 @@ class GuardedMean:
             works, self._works = self._works, []
         if self.aborted or not works:
             return not self.aborted
-        done, failed = threading.Event(), []
-
-        def fence() -> None:
-            try:
-                self.completion.fence(works)
-            except Exception as error:  # gloo: "Connection closed by peer"; NCCL: aborted
-                failed.append(error)
-            finally:
-                done.set()
-
-        threading.Thread(target=fence, name="cohort-step-fence", daemon=True).start()
-        if self.dog.wait(done) and not failed:
-            return True
-        self.aborted = True
-        if failed:
-            log.warning("world %d broke in step %d's allreduce: %s", self.dog.world.version,
-                        step, failed[0])  # fmt: skip
-            try:
-                self.rdzv._world_changed(failed[0], step)
-            except WorldChangedError:
-                return False
-            raise failed[0]
-        return False
+        try:
+            self.rdzv.fence(works, self.completion, step)
+        except WorldChangedError:
+            self.aborted = True
+            return False
+        except Exception:
+            self.aborted = True
+            raise
+        return True
 
 
 def _guarded_allreduce(mean: GuardedMean, bucket):  # type: ignore[no-untyped-def]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,6 +33,7 @@ import torch.distributed as dist
 
 from cohort.worker.errors import WorkerError, WorldChangedError
 from cohort.worker.pytorch import sync as torch_sync
+from cohort.worker.pytorch.completion import HostCompletion
 from cohort.worker.pytorch.digests import weights_digest
 
 log = logging.getLogger("cohort.torch")
@@ -123,25 +123,10 @@ class GuardedComms:
         output.zero_()
 
     def _wait(self, work: Any) -> None:
-        """Wait for `work` on a side thread (gloo's reduce-scatter has no future), under the
-        watchdog: WorldChangedError once the world is over, or if it failed as it ended."""
+        """Wait for `work` under the world's watchdog (gloo's reduce-scatter has no future):
+        WorldChangedError once the world is over, or if it failed as it ended."""
         self.rdzv.track(work)  # pinned with its group if the world is abandoned
-        done, failed = threading.Event(), []
-
-        def wait() -> None:
-            try:
-                work.wait()
-            except Exception as error:  # gloo: "Connection closed by peer"
-                failed.append(error)
-            finally:
-                done.set()
-
-        threading.Thread(target=wait, name="cohort-fsdp-comm", daemon=True).start()
-        if not self.rdzv.watchdog.wait(done):
-            raise WorldChangedError(self.step(), None)
-        if failed:
-            self.rdzv._world_changed(failed[0], self.step())  # WorldChangedError if so
-            raise failed[0]
+        self.rdzv.fence([work], HostCompletion(), self.step())
 
     def comms(self) -> tuple[Any, Any]:
         """An AllGather and a ReduceScatter for `FSDPModule.set_custom_*`."""

@@ -22,6 +22,7 @@ collides with the non-negative steps a training loop passes to `Collective` itse
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -297,13 +298,17 @@ def sync_buffers(
 
 
 # ------------------------------------------------------------------ state
+Wire = Callable[[torch.Tensor], tuple[Any, list[Any]]]
+"""What a tensor travels as, and its entry in the meta ([dtype, shape, ...])."""
+
+
 def _encode(
-    value: Any, path: str, tensors: dict[str, np.ndarray], metas: dict[str, Any], host: Host
+    value: Any, path: str, tensors: dict[str, Any], metas: dict[str, Any], wire: Wire
 ) -> Any:
-    """`value` as msgpack-able data; each tensor is moved to `tensors` (brought to the host
-    by `host`) and left as a reference."""
+    """`value` as msgpack-able data; each tensor is moved to `tensors` (as `wire` makes it)
+    and left as a reference."""
     if isinstance(value, torch.Tensor):
-        array, meta = _wire(value, host)
+        array, meta = wire(value)
         tensors[path] = array
         metas[path] = meta
         return {"__tensor__": path}
@@ -312,16 +317,16 @@ def _encode(
         for key, item in value.items():
             if not isinstance(key, str | int):
                 raise StateError(f"state key {key!r} at {path!r} is not a str or int")
-            out[key] = _encode(item, f"{path}/{key}", tensors, metas, host)
+            out[key] = _encode(item, f"{path}/{key}", tensors, metas, wire)
         return out
     if isinstance(value, tuple):
         return {
             "__tuple__": [
-                _encode(v, f"{path}/{i}", tensors, metas, host) for i, v in enumerate(value)
+                _encode(v, f"{path}/{i}", tensors, metas, wire) for i, v in enumerate(value)
             ]
         }
     if isinstance(value, list):
-        return [_encode(v, f"{path}/{i}", tensors, metas, host) for i, v in enumerate(value)]
+        return [_encode(v, f"{path}/{i}", tensors, metas, wire) for i, v in enumerate(value)]
     if value is None or isinstance(value, bool | int | float | str | bytes):
         return value
     raise StateError(
@@ -358,15 +363,45 @@ def state_tensors(
     `torch.get_rng_state()`, epoch counters): tensors, numbers, strings and containers.
     `host` brings each tensor to the host (by default: a view where it is there already).
     """
-    tensors: dict[str, np.ndarray] = {}
+    arrays, meta = _state(model, optimizer, extra, functools.partial(_wire, host=host))
+    arrays[META] = np.frombuffer(meta, dtype=np.uint8)
+    return arrays
+
+
+def state_parts(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, torch.Tensor], bytes]:
+    """The state's tensors as they are (on their devices, not copied), by path, and the
+    meta (msgpack) that holds the rest and names each tensor's [dtype, shape, device type]:
+    what a world's process group carries (worker/pytorch/handover.py)."""
+    return _state(model, optimizer, extra, _as_it_is)
+
+
+def _as_it_is(tensor: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
+    if str(tensor.dtype) not in _DTYPES:
+        raise StateError(
+            f"tensor of dtype {tensor.dtype} cannot be sent; supported: {sorted(_DTYPES)}"
+        )
+    return tensor.detach(), [str(tensor.dtype), list(tensor.shape), tensor.device.type]
+
+
+def _state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: Mapping[str, Any] | None,
+    wire: Wire,
+) -> tuple[dict[str, Any], bytes]:
+    tensors: dict[str, Any] = {}
     metas: dict[str, Any] = {}
-    model_state = _encode(dict(model.state_dict()), "model", tensors, metas, host)
+    model_state = _encode(dict(model.state_dict()), "model", tensors, metas, wire)
     optim_state = (
-        _encode(optimizer.state_dict(), "optim", tensors, metas, host)
+        _encode(optimizer.state_dict(), "optim", tensors, metas, wire)
         if optimizer is not None
         else None
     )
-    extra_state = _encode(dict(extra), "extra", tensors, metas, host) if extra is not None else None
+    extra_state = _encode(dict(extra), "extra", tensors, metas, wire) if extra is not None else None
     meta = msgpack.packb(
         {
             "v": BLOB_VERSION,
@@ -377,8 +412,19 @@ def state_tensors(
         },
         use_bin_type=True,
     )
-    tensors[META] = np.frombuffer(meta, dtype=np.uint8)
-    return tensors
+    return tensors, meta
+
+
+def read_meta(raw: bytes) -> dict[str, Any]:
+    """The state meta `state_tensors` or `state_parts` made; StateError if it is not one."""
+    try:
+        meta = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for bad bytes
+        raise StateError(f"state meta is not msgpack: {type(exc).__name__}: {exc}") from exc
+    version = meta.get("v") if isinstance(meta, dict) else meta
+    if version != BLOB_VERSION:
+        raise StateError(f"state meta version {version!r}; this reader knows {BLOB_VERSION}")
+    return meta  # type: ignore[no-any-return]
 
 
 def load_state_tensors(
@@ -390,13 +436,7 @@ def load_state_tensors(
     returns its `extra` state ({} if it had none)."""
     if META not in arrays:
         raise StateError(f"state has no {META!r} entry; it was not made by state_tensors")
-    try:
-        meta = msgpack.unpackb(bytes(arrays[META]), raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types for bad bytes
-        raise StateError(f"state meta is not msgpack: {type(exc).__name__}: {exc}") from exc
-    version = meta.get("v") if isinstance(meta, dict) else meta
-    if version != BLOB_VERSION:
-        raise StateError(f"state meta version {version!r}; this reader knows {BLOB_VERSION}")
+    meta = read_meta(bytes(arrays[META]))
     kinds = meta.get("tensors", {})
     tensors = {}
     for name, array in arrays.items():
@@ -405,6 +445,17 @@ def load_state_tensors(
         if name not in kinds:
             raise StateError(f"tensor {name!r} has no entry in the state meta")
         tensors[name] = _unwire(array, kinds[name], name)
+    return load_state_parts(model, optimizer, meta, tensors)
+
+
+def load_state_parts(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    meta: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+) -> dict[str, Any]:
+    """Load a state's `meta` (`read_meta`) with its `tensors` by path into `model` and
+    `optimizer`; returns its `extra` state ({} if it had none)."""
     model.load_state_dict(_decode(meta["model"], tensors))
     if optimizer is not None:
         if meta.get("optim") is None:
