@@ -920,8 +920,7 @@ class Elastic:
                 self._load_checkpoint(weights.uri, weights.sha256, weights.digest)
                 log.info("rank 0 loaded the state of step %d from %s", weights.step, weights.uri)
         try:
-            self.state.broadcast(self.collective, assignment.start_step, assignment.world_version)
-            self._check_weights(assignment)
+            self._take_state(assignment)
             self._joined_world(assignment)
         except WorldChangedError:
             return False
@@ -949,6 +948,12 @@ class Elastic:
         self.worker.send(DataRefused, accused=exc.worker, world=world, step=step, reason=why)
         if self.worker.wait_for_change(world, self.collective.timeout):
             raise WorldChangedError(step, self.worker.assignment) from exc
+
+    def _take_state(self, assignment: Assignment) -> None:
+        """Every rank takes rank 0's state, through the collective (Redis), and checks it."""
+        assert self.state is not None
+        self.state.broadcast(self.collective, assignment.start_step, assignment.world_version)
+        self._check_weights(assignment)
 
     def _check_weights(self, assignment: Assignment) -> None:
         """A receiver takes rank 0's weights only if they have the digest the journal

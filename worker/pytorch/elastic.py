@@ -42,6 +42,7 @@ from cohort.worker.pytorch import sync as torch_sync
 from cohort.worker.pytorch.completion import HostCompletion, completion_of
 from cohort.worker.pytorch.devices import rank_device
 from cohort.worker.pytorch.digests import bytes_digest, weights_digest
+from cohort.worker.pytorch.handover import Handover
 from cohort.worker.pytorch.loader import Stale, StepLoader
 from cohort.worker.pytorch.micro import MicroBatches, gate_scaler, gate_scheduler
 from cohort.worker.pytorch.overlap import OverlappedGradients
@@ -150,6 +151,14 @@ class TorchState:
     def snapshot(self) -> bytes:
         return torch_sync.state_blob(self.model, self.optimizer, self._extra())
 
+    def spread(self, handover: Handover, chief: bool) -> None:
+        """rank 0's state to every rank of the world, through its process group."""
+        if chief:
+            handover.state(*torch_sync.state_parts(self.model, self.optimizer, self._extra()))
+            return
+        meta, tensors = handover.state(None, b"")
+        self._take(torch_sync.load_state_parts(self.model, self.optimizer, meta, tensors))
+
     def capture(self) -> Callable[[], bytes]:
         """`snapshot`'s bytes of the state as it is now, packed when called (by the
         checkpoint writer): the tensors are copied now, a GPU's without waiting."""
@@ -230,9 +239,6 @@ class ShardedTorchState(TorchState):
         """Whether the whole model is that of `digest` (sharded jobs came after the bytes'
         digest: no earlier one to accept)."""
         return self.digest() == digest
-
-    def broadcast(self, collective: Collective, step: int, world: int) -> None:
-        """Nothing through Redis: the world's group carries the state (`enter`)."""
 
     def snapshot(self) -> bytes:
         """rank 0's whole state (b"" on the others, or where a lost peer broke the gather);
@@ -677,10 +683,11 @@ class ElasticJob(Elastic):
         self.ddp = self._mean = None  # the old world's reducer and hooks go before new ones
         self._rebuilt = False
         self.rdzv.init_process_group(self.backend, **group_options(self.backend, self.device))
+        self._hand_over(assignment)
         state = self.state
         assert isinstance(state, TorchState)
         devices = {p.device for p in state.model.parameters()}
-        # The state was broadcast already; buffers travel with it at each world start, and
+        # The state was handed over already; buffers travel with it at each world start, and
         # are made the world's at each step's end (`_average_buffers`), not broadcast before
         # each forward: DDP's broadcast is not guarded, and would leave each rank's own
         # statistics of the last forward in the step's digest. The gradients are views into
@@ -732,11 +739,27 @@ class ElasticJob(Elastic):
         assert isinstance(state, TorchState)
         return state.holds(digest)
 
-    def _check_weights(self, assignment: Any) -> None:
-        """As the base job's, but for a sharded model: checked once it is sharded and filled
-        (`_join_sharded`)."""
-        if not isinstance(self.state, ShardedTorchState):
-            super()._check_weights(assignment)
+    def _take_state(self, assignment: Any) -> None:
+        """As the base job's through Redis; with a backend, the world's process group carries
+        the state once `_joined_world` made it (`_hand_over`, or a sharded model's `enter`)."""
+        if self.backend is None:
+            super()._take_state(assignment)
+
+    def _hand_over(self, assignment: Any) -> None:
+        """rank 0's state to every rank through the world's group (worker/pytorch/handover.py:
+        on NCCL from GPU to GPU), then checked against the journal's digest."""
+        state = self.state
+        assert isinstance(state, TorchState)
+        carrier = self.device if self.backend == "nccl" else torch.device("cpu")
+        handover = Handover(
+            self.rdzv, carrier, self.device, completion_of(carrier), assignment.start_step
+        )
+        try:
+            state.spread(handover, chief=assignment.rank == 0)
+        except RuntimeError as exc:  # a peer died as the world began (gloo: at the issue)
+            self.rdzv._world_changed(exc, assignment.start_step)
+            raise
+        self._check_weights(assignment)
 
     def _start_world(self, assignment: Any) -> bool:
         """As the base job's; a sharded model's state lives in the last world's shards, which

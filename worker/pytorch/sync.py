@@ -83,6 +83,13 @@ def _wire(tensor: torch.Tensor, host: Host = _on_host) -> tuple[np.ndarray, list
     return t.reshape(-1).view(torch.uint8).numpy(), meta
 
 
+def dtype_named(name: str) -> torch.dtype:
+    """The dtype a state meta names; StateError for one a state cannot carry."""
+    if name not in _DTYPES:
+        raise StateError(f"a state tensor of dtype {name!r}; supported: {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
 def _unwire(array: np.ndarray, meta: Any, name: str) -> torch.Tensor:
     if not (isinstance(meta, list) and len(meta) == 2 and meta[0] in _DTYPES):
         raise StateError(f"tensor {name!r} has meta {meta!r}; want [dtype, shape]")
