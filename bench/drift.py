@@ -49,11 +49,13 @@ def _until(
         between()
 
 
-def run(ranks: int, steps: int, precision: str, spares: int, kills: Sequence[int]) -> Path:
+def run(
+    ranks: int, steps: int, precision: str, spares: int, kills: Sequence[int]
+) -> tuple[Path, list[float]]:
     """One `cohort run` of the example; the chief SIGKILLed once the job committed each step
     of `kills`. The first world waits for every rank; later ones train with whoever is there
     (`--min-workers 1`), so without a spare a kill leaves a smaller world until the
-    replacement joins. The final weights' path."""
+    replacement joins. The final weights' path, and each kill's seconds to the next commit."""
     tmp = Path(tempfile.mkdtemp(prefix="cohort-drift-"))
     launcher = subprocess.Popen(
         [sys.executable, "-m", "cohort", "run", "-n", str(ranks), "--spares", str(spares),
@@ -72,7 +74,9 @@ def run(ranks: int, steps: int, precision: str, spares: int, kills: Sequence[int
         watch = JournalWatch.of(connect(RedisSettings.resolve(body["redis_url"])), body["job"])
 
         def pull() -> None:
-            watch.pull(block_ms=100)
+            watch.pull(block_ms=20)
+
+        healed: list[float] = []
 
         for at in kills:
             _until(
@@ -83,6 +87,12 @@ def run(ranks: int, steps: int, precision: str, spares: int, kills: Sequence[int
             if member is not None and member.pid:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(member.pid, signal.SIGKILL)
+                killed, before = time.monotonic(), watch.state.last_committed
+                _until(
+                    lambda before=before: watch.state.last_committed > before,  # type: ignore[misc]
+                    600, "a commit after the kill", pull,
+                )  # fmt: skip
+                healed.append(time.monotonic() - killed)
         if launcher.wait(1800) != 0:
             raise RuntimeError(f"cohort run failed: {(tmp / 'launcher.out').read_text()[-3000:]}")
         smaller = f"of {ranks - 1} (world"
@@ -91,7 +101,7 @@ def run(ranks: int, steps: int, precision: str, spares: int, kills: Sequence[int
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
-    return tmp / "final.pt"
+    return tmp / "final.pt", healed
 
 
 def largest_difference(a: Path, b: Path) -> float:
@@ -104,26 +114,31 @@ def largest_difference(a: Path, b: Path) -> float:
 def measure(ranks: int, steps: int, precisions: Sequence[str]) -> Section:
     early, late = steps // 4, steps // 2
     rows, raw = [], {}
+    healing: dict[str, dict[str, list[float]]] = {}
     for precision in precisions:
-        clean = run(ranks, steps, precision, 0, ())
-        constant = run(ranks, steps, precision, 1, (early, late))
-        changed = run(ranks, steps, precision, 0, (early,))
+        clean, _ = run(ranks, steps, precision, 0, ())
+        constant, spared = run(ranks, steps, precision, 1, (early, late))
+        changed, shrunk = run(ranks, steps, precision, 0, (early,))
         figures = {
             "constant world (a spare, 2 kills)": largest_difference(constant, clean),
             f"world change ({ranks} -> {ranks - 1} -> {ranks}, 1 kill)": largest_difference(
                 changed, clean
             ),
         }
+        healing[precision] = {"spare": spared, "no spare": shrunk}
         for weights in (clean, constant, changed):  # a run that failed keeps its directory
             shutil.rmtree(weights.parent, ignore_errors=True)
-        raw[precision] = figures
-        rows += [[precision, what, f"{value:.2g}"] for what, value in figures.items()]
+        raw[precision] = {**figures, "kill -> next commit (s)": healing[precision]}
+        rows += [
+            [precision, what, f"{value:.2g}", ", ".join(f"{t:.2f}" for t in times)]
+            for (what, value), times in zip(figures.items(), (spared, shrunk), strict=True)
+        ]
     return Section(
         key="drift",
         title="What failures change: the LM example's weights against its clean run",
         command=f"python -m bench.drift --ranks {ranks} --steps {steps} "
         f"--precisions {','.join(precisions)}",
-        header=["precision", "run", "max |weight - clean run's|"],
+        header=["precision", "run", "max |weight - clean run's|", "kill -> next commit (s)"],
         rows=rows,
         raw=raw,
     )
