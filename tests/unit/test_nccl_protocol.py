@@ -44,17 +44,24 @@ GPU0, GPU1, CPU = torch.device("cuda", 0), torch.device("cuda", 1), torch.device
 
 
 # ------------------------------------------------------------ NCCL's environment
+COHORTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
+
+
 def test_nccl_errors_abort_the_communicator_without_tearing_the_process_down() -> None:
-    assert nccl_environment({}) == ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}, None)
-    assert nccl_environment({"TORCH_NCCL_BLOCKING_WAIT": "0"})[0] == {
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"
-    }
+    assert nccl_environment({}) == (COHORTS, None)
+    assert nccl_environment({"TORCH_NCCL_BLOCKING_WAIT": "0"})[0] == COHORTS
+
+
+def test_the_communicator_forms_without_blocking_so_a_lost_peer_can_abort_it() -> None:
+    updates, said = nccl_environment({"TORCH_NCCL_USE_COMM_NONBLOCKING": "0"})
+    assert updates == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    assert said is not None and "$TORCH_NCCL_USE_COMM_NONBLOCKING=0 is the user's: kept" in said
 
 
 @pytest.mark.parametrize("name", ["TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"])
 def test_the_users_own_error_handling_is_kept_and_said(name: str) -> None:
     updates, said = nccl_environment({name: "1"})
-    assert updates == {}
+    assert updates == {"TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
     assert said is not None and f"${name}=1 is the user's: kept" in said
 
 

@@ -110,6 +110,7 @@ nothing, 1 abort the communicators and tear the process down, 2 abort them only,
 default, tear down without aborting)."""
 CLEAN_UP_ONLY = "2"
 BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
+NONBLOCKING = "TORCH_NCCL_USE_COMM_NONBLOCKING"
 """Set, NCCL's `work.wait()` blocks the host and replaces the asynchronous error handling."""
 
 
@@ -118,8 +119,10 @@ def nccl_environment(environ: Mapping[str, str]) -> tuple[dict[str, str], str | 
     about it (None: nothing). TORCH_NCCL_ASYNC_ERROR_HANDLING=2: an error or a timeout aborts
     the communicator, which ends its kernels (a peer's death cannot hang the GPU, nor an
     abandoned group's work outlive `collective_timeout`), and never tears the process down
-    (1 and the default 3 would SIGABRT a survivor before the journal says a peer died). A
-    value the user set (or the old NCCL_ASYNC_ERROR_HANDLING) stays, and is said.
+    (1 and the default 3 would SIGABRT a survivor before the journal says a peer died).
+    TORCH_NCCL_USE_COMM_NONBLOCKING=1: the communicator forms without blocking the process
+    group's creation, so a peer lost while it forms leaves a group the watchdog can abort
+    (a blocking ncclCommInitRank cannot be). A value the user set stays, and is said.
     InvalidValueError for TORCH_NCCL_BLOCKING_WAIT on: cohort's step protocol waits for
     NCCL's works itself, off the training thread."""
     for name in (BLOCKING_WAIT, "NCCL_BLOCKING_WAIT"):
@@ -129,14 +132,21 @@ def nccl_environment(environ: Mapping[str, str]) -> tuple[dict[str, str], str | 
                 "on a thread its watchdog can break; a blocking wait would hang the training "
                 f"thread on a dead peer. Unset {name} (or set it to 0)"
             )
-    for name in (ASYNC_ERROR_HANDLING, "NCCL_ASYNC_ERROR_HANDLING"):
-        if environ.get(name):
-            return {}, (
-                f"${name}={environ[name]} is the user's: kept (cohort would set "
-                f"{ASYNC_ERROR_HANDLING}={CLEAN_UP_ONLY}, abort the communicator on an error "
-                "without tearing the process down)"
-            )
-    return {ASYNC_ERROR_HANDLING: CLEAN_UP_ONLY}, None
+    updates: dict[str, str] = {}
+    kept: list[str] = []
+    for names, value, why in (
+        ((ASYNC_ERROR_HANDLING, "NCCL_ASYNC_ERROR_HANDLING"), CLEAN_UP_ONLY,
+         "abort the communicator on an error without tearing the process down"),
+        ((NONBLOCKING,), "1", "form the communicator so that a lost peer's world can be "
+         "aborted while it forms"),
+    ):  # fmt: skip
+        users = next((name for name in names if environ.get(name)), None)
+        if users is None:
+            updates[names[0]] = value
+        else:
+            kept.append(f"${users}={environ[users]} is the user's: kept (cohort would set "
+                        f"{names[0]}={value}, {why})")  # fmt: skip
+    return updates, "; ".join(kept) or None
 
 
 def group_options(backend: str, device: torch.device) -> dict[str, Any]:
