@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
-from cohort.worker.pytorch.devices import choose, rank_device  # noqa: E402
+from cohort.worker.pytorch.devices import choose, current, rank_device  # noqa: E402
 
 
 def test_without_a_cuda_device_a_rank_trains_on_the_cpu() -> None:
@@ -28,3 +30,9 @@ def test_on_this_machine_the_device_is_what_cuda_reports() -> None:
 
     device = rank_device(1)
     assert device.type == ("cuda" if torch.cuda.device_count() else "cpu")
+
+
+def test_a_thread_cohort_starts_makes_the_ranks_gpu_current_and_leaves_the_cpu_alone() -> None:
+    on_gpu = current(torch.device("cuda", 1))  # entered only where CUDA is: not here
+    assert isinstance(on_gpu, torch.cuda.device) and on_gpu.idx == 1
+    assert isinstance(current(torch.device("cpu")), contextlib.nullcontext)

@@ -10,6 +10,9 @@ facts faked.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 
 
@@ -25,3 +28,10 @@ def rank_device(local: int) -> torch.device:
     """The device the process of local rank `local` trains on (see the module doc)."""
     index = choose(local, torch.cuda.device_count())
     return torch.device("cpu") if index is None else torch.device("cuda", index)
+
+
+def current(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Make `device` CUDA's current device in this thread for a while: a thread cohort starts
+    (DDP's bucket agreement) inherits none, and CUDA's default, device 0, is another rank's
+    where the process sees several GPUs. Nothing for other devices."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -40,7 +40,7 @@ from cohort.worker.errors import AccumulationError, WorkerError, WorldChangedErr
 from cohort.worker.loop.elastic import POLL, Elastic, EpochEnd, Step, reducible, refuse_weights
 from cohort.worker.pytorch import sync as torch_sync
 from cohort.worker.pytorch.completion import HostCompletion, completion_of
-from cohort.worker.pytorch.devices import rank_device
+from cohort.worker.pytorch.devices import current, rank_device
 from cohort.worker.pytorch.digests import bytes_digest, weights_digest
 from cohort.worker.pytorch.handover import Handover
 from cohort.worker.pytorch.loader import Stale, StepLoader
@@ -823,7 +823,8 @@ class ElasticJob(Elastic):
 
         def rebuild() -> None:
             try:
-                self._rebuilt = ddp.reducer._rebuild_buckets()
+                with current(self.device):
+                    self._rebuilt = ddp.reducer._rebuild_buckets()
             except RuntimeError as error:  # gloo: "Connection closed by peer", "Read error"
                 failed.append(error)
             finally:
