@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,9 @@ else:
     torch = pytest.importorskip("torch")
 
 from cohort.errors import Exit  # noqa: E402
-from tests.integration.launch import Launch  # noqa: E402
+from tests.helpers import wait_until  # noqa: E402
+from tests.integration.launch import Launch, training, worker_of  # noqa: E402
+from tests.integration.loop_script import Net  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 
@@ -71,7 +74,7 @@ def test_a_scheduler_not_handed_over_that_counts_micro_batches_is_named_once(
 def test_a_compiled_model_is_saved_with_the_plain_model_s_keys(tmp_path: Path) -> None:
     _, out = run(tmp_path, 1, "--compile")
     saved = torch.load(out / "final.pt")
-    plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    plain = Net()
     assert sorted(saved) == sorted(plain.state_dict())  # no "_orig_mod." prefix
     plain.load_state_dict(saved)
 
@@ -91,3 +94,31 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank_and_the_scale_backs_off
     mine, theirs = torch.load(out / "n-0.pt"), torch.load(out / "n-1.pt")
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
     assert all(torch.isfinite(v).all() for v in mine.values())
+
+
+@pytest.mark.parametrize("compiled", ["before", "after"])
+def test_a_compiled_model_runs_compiled_under_ddp_once_for_every_world(
+    tmp_path: Path, compiled: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the gloo route each world has a DDP of its own around the module the script calls:
+    compiled before `wrap`, DDP goes outside the compiled module; compiled after, the
+    compiled call goes through cohort's wrapper to DDP. Either way the forward is one graph,
+    made once: a world change (a rank SIGKILLed, its replacement back) compiles nothing new."""
+    monkeypatch.setenv("COHORT_TORCH_BACKEND", "gloo")
+    out = tmp_path / "out"
+    out.mkdir()
+    launch = Launch(
+        "-n", "2", "--min-workers", "1", "--node", "n", "--dataset-size", "256",
+        "--batch-size", "4", "--global-batch", "16", "--placement", "strided",
+        "--max-steps", "40", SCRIPT, str(out), "--compile", compiled, "--pace", "0.02",
+        cwd=tmp_path,
+    )  # fmt: skip
+    watch = launch.journal()
+    wait_until(lambda: training(watch, 2, steps=3), 240, message="two ranks training")
+    chief, victim = watch.state.ranks[:2]
+    (pid,) = [p for p in launch.ranks(SCRIPT) if worker_of(p) == victim]
+    os.kill(pid, signal.SIGKILL)
+    assert launch.wait(300) == Exit.OK, launch.output[-3000:]
+    survivor = traced(out, chief)
+    assert len(survivor["worlds"]) >= 2, survivor["worlds"]  # it trained in a later world
+    assert survivor["graphs"] == 1

@@ -27,8 +27,8 @@ def trained_share(
     start = 0
     for index, size in enumerate(sizes):
         micro.begin(index)
-        if order == "zero first":
-            model.zero_grad()
+        if order != "zero last":
+            model.zero_grad(set_to_none=order == "zero first")
         loss = torch.nn.functional.cross_entropy(
             model(x[start : start + size]), y[start : start + size]
         )
@@ -63,7 +63,7 @@ def whole_share_gradient(clip: float | None = None) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters()]
 
 
-@pytest.mark.parametrize("order", ["zero first", "zero last"])
+@pytest.mark.parametrize("order", ["zero first", "zero last", "zero in place"])
 def test_micro_batches_accumulate_to_the_share_s_gradient_times_its_weight(order: str) -> None:
     """Wherever the script zeroes its gradients, the step's last backward leaves the whole
     share's gradient, weighted for the world's mean; before it the script sees zeros."""
@@ -72,6 +72,36 @@ def test_micro_batches_accumulate_to_the_share_s_gradient_times_its_weight(order
         assert torch.allclose(mine, whole, atol=1e-6)
     for before_last in seen[:-1]:
         assert all(not g.any() for g in before_last)
+
+
+def test_every_gradient_tensor_the_script_holds_stays_the_same_through_a_step() -> None:
+    """A script that zeroes in place (an optimizer captured in a CUDA graph reads the
+    `.grad` tensors it was captured with) sees zeros, then the world's mean, in the very
+    tensors it started the step with: parking writes zeros into them, and the next
+    backward accumulates into them again."""
+    from cohort.worker.pytorch.micro import MicroBatches
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    x, y = torch.randn(11, 5), torch.randint(0, 3, (11,))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    held = [p.grad for p in model.parameters()]
+    sizes = (4, 4, 3)
+    micro = MicroBatches(model, on_last=lambda: scale(model, 3 * sizes[-1] / 30))
+    micro.begin_step(sizes)
+    start = 0
+    for index, size in enumerate(sizes):
+        micro.begin(index)
+        model.zero_grad(set_to_none=False)
+        batch = slice(start, start + size)
+        torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+        assert all(p.grad is mine for p, mine in zip(model.parameters(), held, strict=True))
+        micro.end()
+        start += size
+    micro.end_step()
+    for mine, whole in zip(held, whole_share_gradient(), strict=True):
+        assert torch.allclose(mine, whole, atol=1e-6)
 
 
 def test_two_backward_passes_in_a_micro_batch_accumulate_as_one() -> None:
@@ -206,3 +236,24 @@ def test_a_loader_over_an_iterable_dataset_is_refused_by_name() -> None:
 
     with pytest.raises(WorkerError, match="map-style dataset"):
         StepLoader(DataLoader(Stream()), worker=None)  # type: ignore[arg-type]
+
+
+def test_a_learning_rate_in_a_tensor_is_compared_without_reading_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A captured or fused optimizer keeps its learning rate in a tensor on the GPU: the
+    check for a scheduler that counts micro-batches sees a scheduler's in-place change, or
+    a new tensor, without reading the value (which would wait for the device every
+    micro-batch)."""
+    from cohort.worker.pytorch.micro import learning_rates
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.1))
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("read the tensor"))
+    before = learning_rates(optimizer)
+    assert learning_rates(optimizer) == before
+    optimizer.param_groups[0]["lr"].fill_(0.05)  # as a scheduler sets a tensor's rate
+    changed = learning_rates(optimizer)
+    assert changed != before
+    optimizer.param_groups[0]["lr"] = torch.tensor(0.05)
+    assert learning_rates(optimizer) != changed

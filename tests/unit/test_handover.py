@@ -89,7 +89,7 @@ def test_every_rank_ends_with_rank_0s_whole_state(tmp_path: Path, limit: int) ->
     """Weights, buffers, AdamW's moments and step counts, the scheduler, the RNG and the
     script's extra (a bool mask, a counter), bf16 beside fp32; in one bucket, and in many
     (a tensor bigger than the bucket received in place)."""
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("spawn")  # a fork of a process that ran torch can hang
     out = context.Queue()
     size = 3
     ranks = [

@@ -44,7 +44,12 @@ from cohort.worker.pytorch.devices import current, rank_device
 from cohort.worker.pytorch.digests import bytes_digest, weights_digest
 from cohort.worker.pytorch.handover import Handover
 from cohort.worker.pytorch.loader import Stale, StepLoader
-from cohort.worker.pytorch.micro import MicroBatches, gate_scaler, gate_scheduler
+from cohort.worker.pytorch.micro import (
+    MicroBatches,
+    gate_scaler,
+    gate_scheduler,
+    learning_rates,
+)
 from cohort.worker.pytorch.overlap import OverlappedGradients
 from cohort.worker.pytorch.sharded import (
     GuardedComms,
@@ -367,6 +372,9 @@ class ElasticJob(Elastic):
         self._mean: GuardedMean | None = None
         """The comm hook's state in the current world's DDP."""
         self._inside_ddp = False
+        self._called: torch.nn.Module | None = None
+        """The module the script calls (`wrap`'s, compiled or not): each world's DDP wraps
+        it, so a compiled forward runs under DDP and is compiled once for every world."""
         self.overlapped: OverlappedGradients | None = None
         self._gate: Callable[[threading.Event], bool] = lambda cancelled: True
         self._launch: bool | None = None
@@ -448,7 +456,8 @@ class ElasticJob(Elastic):
         self._optimizer_step = optimizer.step
         take_over(optimizer, self._step_optimizer)
         if self.backend is not None:
-            return _under_ddp(model, self), optimizer
+            self._called = _under_ddp(model, self)
+            return self._called, optimizer
         return model, optimizer
 
     def _wrap_sharded(
@@ -686,6 +695,7 @@ class ElasticJob(Elastic):
         self._hand_over(assignment)
         state = self.state
         assert isinstance(state, TorchState)
+        assert self._called is not None
         devices = {p.device for p in state.model.parameters()}
         # The state was handed over already; buffers travel with it at each world start, and
         # are made the world's at each step's end (`_average_buffers`), not broadcast before
@@ -695,7 +705,7 @@ class ElasticJob(Elastic):
         # pass over them besides the allreduce (DDP's own hook fuses it with a copy in, and
         # copies the result back out).
         self.ddp = DistributedDataParallel(
-            state.model,
+            self._called,
             init_sync=False,
             forward_sync_buffers=False,
             gradient_as_bucket_view=True,
@@ -1070,21 +1080,22 @@ class ElasticJob(Elastic):
         them into the step's mean (DDP) or add the step's shard to them (FSDP)."""
         state = self.state
         assert isinstance(state, TorchState)
-        state.model.zero_grad(set_to_none=True)
+        state.model.zero_grad(set_to_none=False)  # in place: a captured optimizer holds them
         if self.ddp is None and not isinstance(state, ShardedTorchState):
             for p in state.model.parameters():
-                if p.requires_grad:
+                if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
         else:
             batch = collate([dataset[0]] * 2)  # BatchNorm refuses to train on one sample
             inputs = batch[0] if isinstance(batch, tuple | list) else batch
-            out = state.model(to_device(inputs, model_device(state.model, self.device)))
+            called = self._called or state.model  # through this world's DDP, if any
+            out = called(to_device(inputs, model_device(state.model, self.device)))
             outputs = out if isinstance(out, tuple | list) else (out,)
             zero = torch.stack([o.float().sum() for o in outputs if torch.is_tensor(o)]).sum() * 0
             zero.backward()
             state.restore_buffers()  # as held when the step began (`_start_step`)
         state.optimizer.step()
-        state.optimizer.zero_grad()
+        state.optimizer.zero_grad(set_to_none=False)
 
     def _peek(self) -> Step | None:
         """The next step, past an epoch's end: asking for it lets the walk go on."""
@@ -1184,14 +1195,6 @@ def to_device(value: Any, device: torch.device) -> Any:
 def _samples(step: Step) -> int:
     """This rank's samples in `step`."""
     return sum(b - a for a, b in step.ranges)
-
-
-def learning_rates(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
-    """Each parameter group's learning rate, as numbers (a tensor's read on its device)."""
-    return tuple(
-        group["lr"].item() if torch.is_tensor(group["lr"]) else group["lr"]
-        for group in optimizer.param_groups
-    )
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:

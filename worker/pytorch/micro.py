@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -96,13 +97,18 @@ class MicroBatches:
         key = id(param)
 
         def take_back(grad: torch.Tensor) -> torch.Tensor | None:
-            """Before this backward accumulates into `param`: the parked gradient joins the
-            new one (the script's zeros are dropped, so nothing else is added)."""
+            """Before this backward accumulates into `param`: the parked gradient replaces
+            the script's zeros in the tensor the script holds, and the backward adds to it
+            in place; where the script dropped that tensor (`zero_grad()` to None), the
+            parked gradient joins the new one."""
             parked = self._parked.pop(key, None)
             if parked is None:
                 return None
-            param.grad = None
-            return grad + parked
+            held = param.grad
+            if held is None:
+                return grad + parked
+            held.copy_(parked)
+            return None
 
         return take_back
 
@@ -128,14 +134,16 @@ class MicroBatches:
     def _park(self) -> None:
         """Keep the gradients so far and show the script zeros: nothing it does before the
         next backward touches the accumulation (a second backward in this micro-batch takes
-        it back and adds to it, as a plain loop's would)."""
+        it back and adds to it, as a plain loop's would). The zeros are written into the
+        gradient tensors themselves: every `.grad` keeps its identity through the step, as
+        an optimizer captured in a CUDA graph (or DDP's bucket views) needs."""
         with torch.no_grad():
             for param in self._params:
                 grad = param.grad
                 if grad is None or id(param) in self._parked:
                     continue  # no gradient, or one this backward left alone (still parked)
-                self._parked[id(param)] = grad
-                param.grad = torch.zeros_like(grad)
+                self._parked[id(param)] = grad.clone()
+                grad.zero_()
 
     def _rescale_parked(self, factor: float) -> None:
         if factor == 1.0:
@@ -151,8 +159,41 @@ class MicroBatches:
         with torch.no_grad():
             for param in self._params:
                 parked = self._parked.pop(id(param), None)
-                if parked is not None:
+                if parked is None:
+                    continue
+                if param.grad is None:
                     param.grad = parked
+                else:
+                    param.grad.copy_(parked)  # into the tensor the script holds
+
+
+@dataclass(frozen=True, eq=False)
+class TensorRate:
+    """A learning rate kept in a tensor (a captured or fused optimizer's), as it stands: the
+    tensor and its version, which every in-place change (a scheduler's `fill_`) bumps.
+    Compared without reading the value, so without waiting for its device."""
+
+    tensor: torch.Tensor
+    version: int
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, TensorRate)
+            and other.tensor is self.tensor
+            and other.version == self.version
+        )
+
+    def __hash__(self) -> int:
+        return hash((id(self.tensor), self.version))
+
+
+def learning_rates(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
+    """Each parameter group's learning rate as it stands, to compare with a later one: a
+    number, or a `TensorRate`."""
+    return tuple(
+        TensorRate(lr, lr._version) if torch.is_tensor(lr) else lr
+        for lr in (group["lr"] for group in optimizer.param_groups)
+    )
 
 
 def gate_scheduler(scheduler: Any, micro: MicroBatches) -> None:
