@@ -47,8 +47,8 @@ from cohort.events.connection import RedisSettings, connect
 
 SCRIPT = str(Path(__file__).resolve().parent / "gpu_train.py")
 ROWS = (
-    "copies", "nccl-2", "nccl-4", "redis", "bn", "dropout", "n-gpu", "nvml", "rewind",
-    "throughput",
+    "copies", "nccl-2", "nccl-4", "redis", "bn", "dropout", "compiled", "n-gpu", "nvml",
+    "rewind", "throughput",
 )  # fmt: skip
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 240.0
@@ -106,7 +106,8 @@ def blocker(row: str, machine: Machine) -> str | None:
         return None if machine.cuda else "needs a GPU"
     if not machine.cuda:
         return None
-    ranks = int(row.split("-")[1]) + 1 if row.startswith("nccl-") else 2
+    spare = row.startswith("nccl-") or row == "compiled"  # a kill with a spare waiting
+    ranks = (int(row.split("-")[1]) if row.startswith("nccl-") else 2) + spare
     return None if machine.gpus >= ranks else f"needs {ranks} GPUs"
 
 
@@ -278,6 +279,7 @@ class Suite:
             "redis": self.redis,
             "bn": lambda: self.model("bn"),
             "dropout": lambda: self.model("dropout"),
+            "compiled": self.compiled,
             "copies": self.copies,
             "n-gpu": self.n_gpu,
             "nvml": self.nvml,
@@ -326,6 +328,23 @@ class Suite:
         figure = f"{got.seconds:.0f} s" if got.code == 0 else _said(got, "")
         verdict = "pass" if got.code == 0 else "FAIL"
         return Row(f"{name}, {self.machine.backend} route, 2 ranks", verdict, figure)
+
+    def compiled(self) -> Row:
+        """A compiled model (CUDA graphs on a GPU) and a captured Adam with a tensor learning
+        rate, through a SIGKILL and a spare: a world change recompiles nothing and keeps
+        every `.grad` tensor the optimizer holds."""
+        got = cohort_run(
+            self.dir("compiled"), "2", self.sizes, ["--compile"], self.route_env, spares=1,
+            kill=_kill_one_once_a_spare_waits(self.sizes.killed_steps // 4),
+        )  # fmt: skip
+        promoted = got.count(m.SparePromoted)
+        ok = got.code == 0 and promoted >= 1
+        figure = f"{promoted} spare promoted, {got.seconds:.0f} s"
+        return Row(
+            f"compiled model, captured Adam, {self.machine.backend} route, one SIGKILLed",
+            "pass" if ok else "FAIL",
+            figure if ok else _said(got, figure),
+        )
 
     def n_gpu(self) -> Row:
         got = cohort_run(

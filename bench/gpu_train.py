@@ -56,12 +56,32 @@ def write_times(out: str | None, device: torch.device, steps: int, seconds: floa
     )
 
 
+def compiled(
+    model: torch.nn.Module, device: torch.device
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model compiled (on a GPU in CUDA graphs: "reduce-overhead"), and Adam holding its
+    learning rate in a tensor, captured (`capturable`: its state and step stay on the GPU,
+    and it reads the `.grad` tensors it was made with)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        model = torch.compile(model, mode="reduce-overhead")  # type: ignore[assignment]
+    else:
+        model = torch.compile(model, backend="eager")  # type: ignore[assignment]
+    rate = torch.tensor(1e-3, device=device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=rate, capturable=cuda, foreach=cuda)
+    return model, optimizer
+
+
 def elastic(args: argparse.Namespace) -> None:
     import cohort
 
     job = cohort.torch.ElasticJob(gpu_interval=args.gpu_interval)
     model = build(args.model, args.width, args.depth).to(job.device)
-    model, optimizer = job.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    if args.compile:
+        model, optimizer = compiled(model, job.device)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = job.wrap(model, optimizer)
     if args.model == "dropout":
         job.seed_steps(0)
     loader = torch.utils.data.DataLoader(data(args.samples), batch_size=args.batch)
@@ -137,6 +157,7 @@ def main() -> None:
     parser.add_argument("--times", default=None, help="a directory for each rank's timing")
     parser.add_argument("--gpu-interval", type=float, default=None, help="NVML readings")
     parser.add_argument("--pace", type=float, default=0.0, help="seconds slept each step")
+    parser.add_argument("--compile", action="store_true", help="compiled, a captured Adam")
     parser.add_argument("--ddp", action="store_true", help="plain DDP under torchrun")
     parser.add_argument("--steps", type=int, default=60, help="--ddp's steps")
     args = parser.parse_args()

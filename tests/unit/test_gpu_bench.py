@@ -27,6 +27,7 @@ def test_each_rank_and_each_spare_needs_a_gpu_of_its_own() -> None:
     assert one.backend == "nccl"
     assert blocker("nccl-2", one) == "needs 3 GPUs"
     assert blocker("redis", one) == "needs 2 GPUs"
+    assert blocker("compiled", one) == "needs 3 GPUs"  # its kill has a spare waiting
     assert blocker("n-gpu", one) is None and blocker("nvml", one) is None
     assert blocker("copies", one) is None
     assert blocker("nccl-2", three) is None and blocker("nccl-4", three) == "needs 5 GPUs"

@@ -300,7 +300,7 @@ def test_an_empty_share_s_forward_under_ddp_leaves_no_trace_in_the_buffers() -> 
     forward(model, seed=1)
     state = state_of(model)
     digest = state.digest()
-    job = SimpleNamespace(state=state, ddp=object(), device=torch.device("cpu"))
+    job = SimpleNamespace(state=state, ddp=object(), device=torch.device("cpu"), _called=None)
     data = torch.utils.data.TensorDataset(torch.randn(3, 4), torch.randn(3, 1))
     state.hold()  # the step begins
     model.train()
@@ -321,10 +321,10 @@ def test_an_empty_share_s_sample_goes_to_the_model_s_device() -> None:
             return torch.ones((), device="cpu", requires_grad=True)
 
     state = SimpleNamespace(
-        model=Probe(), optimizer=SimpleNamespace(step=lambda: None, zero_grad=lambda: None),
+        model=Probe(), optimizer=SimpleNamespace(step=lambda: None, zero_grad=lambda **_: None),
         restore_buffers=lambda: None,
     )  # fmt: skip
-    job = SimpleNamespace(state=state, ddp=object(), device=torch.device("cpu"))
+    job = SimpleNamespace(state=state, ddp=object(), device=torch.device("cpu"), _called=None)
     data = torch.utils.data.TensorDataset(torch.randn(3, 4), torch.randn(3, 1))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(elastic, "TorchState", SimpleNamespace)
