@@ -30,7 +30,10 @@ FAST = ("--heartbeat-timeout", "2", "--heartbeat-interval", "0.5", "--batch-size
 
 
 def cohort(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`cohort ARGS` in `cwd`, its temporary files (a finished run's reader) in cwd/tmp."""
     env = {k: v for k, v in os.environ.items() if k not in ("COHORT_REDIS_URL", "COHORT_JOB")}
+    (cwd / "tmp").mkdir(exist_ok=True)
+    env["TMPDIR"] = str(cwd / "tmp")
     return subprocess.run(
         [sys.executable, "-m", "cohort", *args],
         capture_output=True, text=True, timeout=120, cwd=cwd, env=env,
@@ -135,7 +138,7 @@ def test_a_finished_run_is_read_from_its_directory_with_no_redis_running(
     page = tmp_path / "report.html"
     assert cohort("report", "--run-dir", run_dir, "-o", str(page), cwd=cwd).returncode == 0
     assert _files(finished.run_dir) == before  # read-only: the run's files as they were
-    assert processes_mentioning("cohort-run-read-") == []  # its reader's Redis is gone too
+    assert processes_mentioning(str(cwd / "tmp")) == []  # its reader's Redis is gone too
     nothing = cohort("status", "--run-dir", str(tmp_path), cwd=cwd)
     assert nothing.returncode == Exit.USAGE and "holds no cohort run" in nothing.stderr
 
