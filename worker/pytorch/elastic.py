@@ -59,6 +59,7 @@ from cohort.worker.pytorch.sharded import (
     ShardedState,
     blob_of,
     from_blob,
+    world_mesh,
 )
 from cohort.worker.pytorch.staging import Landing, lands_later, staging_for
 
@@ -719,8 +720,6 @@ class ElasticJob(Elastic):
         """The world's process group and DeviceMesh, the model sharded over it and filled
         with rank 0's whole state; then every rank's digest of it against the journal's
         (a collective, so every rank computes it; `_check_weights` waits until here)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
         from cohort.worker.pytorch.dist import group_options
 
         state = self.state
@@ -730,7 +729,7 @@ class ElasticJob(Elastic):
         )
         self._comms = GuardedComms(self.rdzv, self._may_launch, self._comms_step)
         try:
-            mesh = init_device_mesh(self.device.type, (world.size,))
+            mesh = world_mesh(self.device.type, world.size, world.version)
             state.enter(mesh, self._comms)
             got = state.sharded.digest()
         except RuntimeError as exc:  # a peer died as the world began

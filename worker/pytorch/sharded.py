@@ -177,6 +177,17 @@ def guard(module: torch.nn.Module, comms: GuardedComms) -> None:
             part.set_custom_reduce_scatter(scatter)
 
 
+def world_mesh(device_type: str, size: int, version: int) -> Any:
+    """A one-dimensional DeviceMesh of world `version`'s ranks, its dimension named for the
+    world. torch compares meshes by their ranks' layout and names, not by which rank this
+    process is, and reuses an equal one met before: a process that was rank 0 of an earlier
+    world then got that world's mesh back as rank 1 of this one, and DTensor cut its
+    optimizer state as rank 0's part while FSDP, which asks its group, held rank 1's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (size,), mesh_dim_names=(f"world{version}",))
+
+
 def whole(**options: Any) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -238,7 +249,6 @@ class ShardedState:
         Returns the extra state every rank takes."""
         from torch.distributed.checkpoint.state_dict import (
             set_model_state_dict,
-            set_optimizer_state_dict,
         )
 
         module = copy.deepcopy(self.template)
@@ -259,19 +269,42 @@ class ShardedState:
         self.pending = None
         model_state, optim_state, taken = sent[0]
         set_model_state_dict(module, model_state, options=whole())
-        if optim_state["state"]:
-            # it makes the optimizer's state with one step of zero gradients: the optimizer's
-            # own step, not the script's (which cohort gates to the steps of job.batches())
-            gated = self.optimizer.__dict__.pop("step", None)
-            try:
-                set_optimizer_state_dict(module, self.optimizer, optim_state, options=whole())
-            finally:
-                if gated is not None:
-                    self.optimizer.step = gated  # type: ignore[method-assign]
+        shard_optimizer_state(module, self.optimizer, optim_state)
         for group, held in zip(self.optimizer.param_groups, optim_state["param_groups"],
                                strict=True):  # fmt: skip
             group.update({k: v for k, v in held.items() if k != "params"})
         return dict(taken)
+
+
+def shard_optimizer_state(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, whole_state: Mapping[str, Any]
+) -> None:
+    """The optimizer's state for `module`'s sharded parameters from a whole (full) one
+    keyed by parameter name, which every rank holds: each tensor the shape of its parameter
+    is cut as the parameter is (`distribute_tensor` with no source rank: each rank takes its
+    own part, no collective); the rest (a step count) as it is. No step of zeros is run
+    to make the state first, as torch's `set_optimizer_state_dict` does."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = dict(module.named_parameters())
+    optimizer.state.clear()
+    for name, values in whole_state["state"].items():
+        param = params[name]
+        state: dict[str, Any] = {}
+        for key, value in values.items():
+            if (
+                isinstance(param, DTensor)
+                and torch.is_tensor(value)
+                and value.dim() > 0
+                and value.shape == param.shape
+            ):
+                value = distribute_tensor(
+                    value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+                )
+            elif torch.is_tensor(value):
+                value = value.clone()
+            state[key] = value
+        optimizer.state[param] = state
 
 
 def blob_of(model: Held, optim: Held, extra: Mapping[str, Any]) -> bytes:
