@@ -264,9 +264,9 @@ class ShardedTorchState(TorchState):
     def pending_model(self) -> dict[str, Any] | None:
         return self.sharded.pending[0] if self.sharded.pending is not None else None
 
-    def enter(self, mesh: Any, comms: GuardedComms) -> None:
+    def enter(self, mesh: Any, comms: GuardedComms, handover: Handover) -> None:
         extra = self._pending_extra if self._pending_extra is not None else self._extra()
-        self._take(self.sharded.enter(mesh, comms, extra))
+        self._take(self.sharded.enter(mesh, comms, extra, handover))
         self._pending_extra = None
         assert self.sharded.module is not None
         self.model = self.sharded.module
@@ -730,7 +730,7 @@ class ElasticJob(Elastic):
         self._comms = GuardedComms(self.rdzv, self._may_launch, self._comms_step)
         try:
             mesh = world_mesh(self.device.type, world.size, world.version)
-            state.enter(mesh, self._comms)
+            state.enter(mesh, self._comms, self._handover(assignment))
             got = state.sharded.digest()
         except RuntimeError as exc:  # a peer died as the world began
             self.rdzv._world_changed(exc, assignment.start_step)
@@ -759,16 +759,19 @@ class ElasticJob(Elastic):
         on NCCL from GPU to GPU), then checked against the journal's digest."""
         state = self.state
         assert isinstance(state, TorchState)
-        carrier = self.device if self.backend == "nccl" else torch.device("cpu")
-        handover = Handover(
-            self.rdzv, carrier, self.device, completion_of(carrier), assignment.start_step
-        )
         try:
-            state.spread(handover, chief=assignment.rank == 0)
+            state.spread(self._handover(assignment), chief=assignment.rank == 0)
         except RuntimeError as exc:  # a peer died as the world began (gloo: at the issue)
             self.rdzv._world_changed(exc, assignment.start_step)
             raise
         self._check_weights(assignment)
+
+    def _handover(self, assignment: Any) -> Handover:
+        """How this world's start carries rank 0's state: on NCCL between the GPUs."""
+        carrier = self.device if self.backend == "nccl" else torch.device("cpu")
+        return Handover(
+            self.rdzv, carrier, self.device, completion_of(carrier), assignment.start_step
+        )
 
     def _start_world(self, assignment: Any) -> bool:
         """As the base job's; a sharded model's state lives in the last world's shards, which

@@ -7,8 +7,9 @@ ranks (torch 2.13 applies `fully_shard` once per module and refuses to copy a sh
 one, so a world of another size needs a fresh module); the optimizer's parameter groups
 are pointed at the copy's parameters, in their order (`fully_shard` replaces every
 Parameter: an optimizer left on the old ones would train nothing); rank 0's whole state
-(the initial one, or a checkpoint's) is then spread with `set_model_state_dict` /
-`set_optimizer_state_dict(broadcast_from_rank0=True)`.
+(the initial one, or a checkpoint's) then reaches every rank through the world's group
+(`handover.Handover`: guarded, in buckets), and each keeps its shards of it
+(`set_model_state_dict` / `set_optimizer_state_dict` with the full state dict).
 
 A world's state lives in its shards only: a world that loses a rank cannot pass it on, so
 its survivors give up their claim to the weights and the job rewinds to its last
@@ -35,6 +36,7 @@ from cohort.worker.errors import WorkerError, WorldChangedError
 from cohort.worker.pytorch import sync as torch_sync
 from cohort.worker.pytorch.completion import HostCompletion
 from cohort.worker.pytorch.digests import weights_digest
+from cohort.worker.pytorch.handover import Handover
 
 log = logging.getLogger("cohort.torch")
 
@@ -243,10 +245,12 @@ class ShardedState:
 
         return digest_of(get_model_state_dict(self.module, options=whole()))
 
-    def enter(self, mesh: Any, comms: GuardedComms, extra: dict[str, Any]) -> dict[str, Any]:
+    def enter(
+        self, mesh: Any, comms: GuardedComms, extra: dict[str, Any], handover: Handover
+    ) -> dict[str, Any]:
         """This world's module: a copy of the template sharded over `mesh`, the optimizer
-        pointed at its parameters, rank 0's whole state (and `extra`) spread over the world.
-        Returns the extra state every rank takes."""
+        pointed at its parameters, rank 0's whole state (and `extra`) spread over the world
+        by `handover` (guarded, in buckets). Returns the extra state every rank takes."""
         from torch.distributed.checkpoint.state_dict import (
             set_model_state_dict,
         )
@@ -259,21 +263,32 @@ class ShardedState:
             group["params"] = [params[name] for name in names]
         self.optimizer.state.clear()
         self.module = self.wrapper.module = module
-        chief = dist.get_rank() == 0
-        # rank 0's whole state reaches every rank (through the world's group, on the CPU),
-        # which keeps its shards of it: the same calls on every rank, whatever it holds
-        if chief and self.pending is None:
-            raise WorkerError("rank 0 of a sharded world holds no whole state to start from")
-        sent: list[Any] = [(*self.pending, extra) if self.pending else None]
-        dist.broadcast_object_list(sent, src=0)
-        self.pending = None
-        model_state, optim_state, taken = sent[0]
+        # rank 0's whole state reaches every rank, which keeps its shards of it
+        model_state, optim_state, taken = self._spread(handover, extra)
         set_model_state_dict(module, model_state, options=whole())
         shard_optimizer_state(module, self.optimizer, optim_state)
         for group, held in zip(self.optimizer.param_groups, optim_state["param_groups"],
                                strict=True):  # fmt: skip
             group.update({k: v for k, v in held.items() if k != "params"})
         return dict(taken)
+
+    def _spread(
+        self, handover: Handover, extra: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """rank 0's pending whole state and `extra`, on every rank of the world."""
+        if dist.get_rank() == 0:
+            if self.pending is None:
+                raise WorkerError("rank 0 of a sharded world holds no whole state to start from")
+            model_state, optim_state = self.pending
+            parts = torch_sync.state_parts(Held(model_state), Held(optim_state), extra)  # type: ignore[arg-type]
+            handover.state(*parts)
+            self.pending = None  # kept until it went: a world that fails on the way begins again
+            return model_state, optim_state, extra
+        self.pending = None
+        meta, tensors = handover.state(None, b"")
+        model, optim = Held(), Held()
+        taken = torch_sync.load_state_parts(model, optim, meta, tensors)  # type: ignore[arg-type]
+        return model.state, optim.state, taken
 
 
 def shard_optimizer_state(
