@@ -8,21 +8,30 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from cohort.worker.pytorch.micro import MicroBatches  # noqa: E402
 
-def trained_share(
-    order: str, clip: float | None = None, sizes: tuple[int, ...] = (4, 4, 3)
-) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
-    """A share of 11 samples in micro-batches of `sizes`, run as a script writes its loop
-    (`order`: where it zeroes), with `job.batches()`'s MicroBatches under it and the world
-    being this rank alone (`on_last` scales by the step's weight). The gradients after the
-    step's last backward (clipped if `clip`), and what the script saw after each backward."""
-    from cohort.worker.pytorch.micro import MicroBatches
 
+def share(
+    sizes: tuple[int, ...],
+) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, MicroBatches]:
+    """The share of 11 samples (the model, inputs and labels) and `job.batches()`'s
+    MicroBatches under it, its step begun in micro-batches of `sizes`, the world being this
+    rank alone (`on_last` scales by the step's weight)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 3)
     x, y = torch.randn(11, 5), torch.randint(0, 3, (11,))
     micro = MicroBatches(model, on_last=lambda: scale(model, 3 * sizes[-1] / 30))
     micro.begin_step(sizes)
+    return model, x, y, micro
+
+
+def trained_share(
+    order: str, clip: float | None = None, sizes: tuple[int, ...] = (4, 4, 3)
+) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """The share (`share`) in micro-batches of `sizes`, run as a script writes its loop
+    (`order`: where it zeroes). The gradients after the step's last backward (clipped if
+    `clip`), and what the script saw after each backward."""
+    model, x, y, micro = share(sizes)
     seen: list[list[torch.Tensor]] = []
     start = 0
     for index, size in enumerate(sizes):
@@ -79,17 +88,11 @@ def test_every_gradient_tensor_the_script_holds_stays_the_same_through_a_step() 
     `.grad` tensors it was captured with) sees zeros, then the world's mean, in the very
     tensors it started the step with: parking writes zeros into them, and the next
     backward accumulates into them again."""
-    from cohort.worker.pytorch.micro import MicroBatches
-
-    torch.manual_seed(0)
-    model = torch.nn.Linear(5, 3)
-    x, y = torch.randn(11, 5), torch.randint(0, 3, (11,))
+    sizes = (4, 4, 3)
+    model, x, y, micro = share(sizes)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     held = [p.grad for p in model.parameters()]
-    sizes = (4, 4, 3)
-    micro = MicroBatches(model, on_last=lambda: scale(model, 3 * sizes[-1] / 30))
-    micro.begin_step(sizes)
     start = 0
     for index, size in enumerate(sizes):
         micro.begin(index)
@@ -108,14 +111,8 @@ def test_two_backward_passes_in_a_micro_batch_accumulate_as_one() -> None:
     """A loop that calls backward() once per loss (here each half of a micro-batch) in the
     micro-batches before the last accumulates as with one backward of their sum. (In the
     last one the first backward averages over the world: the job refuses a second.)"""
-    from cohort.worker.pytorch.micro import MicroBatches
-
-    torch.manual_seed(0)
-    model = torch.nn.Linear(5, 3)
-    x, y = torch.randn(11, 5), torch.randint(0, 3, (11,))
     sizes = (4, 4, 3)
-    micro = MicroBatches(model, on_last=lambda: scale(model, 3 * sizes[-1] / 30))
-    micro.begin_step(sizes)
+    model, x, y, micro = share(sizes)
     start = 0
     for index, size in enumerate(sizes):
         micro.begin(index)

@@ -9,7 +9,8 @@ are pointed at the copy's parameters, in their order (`fully_shard` replaces eve
 Parameter: an optimizer left on the old ones would train nothing); rank 0's whole state
 (the initial one, or a checkpoint's) then reaches every rank through the world's group
 (`handover.Handover`: guarded, in buckets), and each keeps its shards of it
-(`set_model_state_dict` / `set_optimizer_state_dict` with the full state dict).
+(`set_model_state_dict` with the full state dict; the optimizer's through
+`shard_optimizer_state`). Each world's DeviceMesh is named for the world (`world_mesh`).
 
 A world's state lives in its shards only: a world that loses a rank cannot pass it on, so
 its survivors give up their claim to the weights and the job rewinds to its last
