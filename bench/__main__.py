@@ -75,6 +75,9 @@ FULL: dict[str, Callable[[], Section]] = {
     "throughput-netsim": lambda: throughput.measure(
         (4,), ("1m", "25m"), 3, key="throughput-netsim", mbit=1000
     ),
+    "throughput-exact": lambda: throughput.measure(
+        (2,), ("1m", "25m"), 3, routes=throughput.EXACT_ROUTES, key="throughput-exact"
+    ),
     "figures": lambda: figures.measure(5, 100),
     "chaos": lambda: chaos.measure(10),
     "chaos-ha": lambda: chaos.measure_ha(10),
@@ -109,6 +112,9 @@ QUICK: dict[str, Callable[[], Section]] = {
     ),
     "throughput-netsim": lambda: throughput.measure(
         (2,), ("1m",), 1, steps=10, key="throughput-netsim", mbit=1000
+    ),
+    "throughput-exact": lambda: throughput.measure(
+        (2,), ("1m",), 1, steps=10, routes=throughput.EXACT_ROUTES, key="throughput-exact"
     ),
     "figures": lambda: figures.measure(1, 20),
     "chaos": lambda: chaos.measure(0.5),

@@ -13,7 +13,10 @@ placement, deterministic algorithms):
 The figure is the largest |difference| of any weight from the clean run's: 0 is
 bit-identical. docs/guarantees.md's table quotes it.
 
-    python -m bench.drift [--ranks 3] [--steps 60] [--precisions fp32,bf16]
+    python -m bench.drift [--ranks 3] [--steps 60] [--precisions fp32,bf16] [--route redis]
+
+`--route gloo` runs the ranks' collectives on gloo (the exact sums along a tree), `redis`
+(the default) through Redis (the exact sums in integers).
 """
 
 from __future__ import annotations
@@ -50,13 +53,16 @@ def _until(
 
 
 def run(
-    ranks: int, steps: int, precision: str, spares: int, kills: Sequence[int]
+    ranks: int, steps: int, precision: str, spares: int, kills: Sequence[int], route: str
 ) -> tuple[Path, list[float]]:
     """One `cohort run` of the example; the chief SIGKILLed once the job committed each step
     of `kills`. The first world waits for every rank; later ones train with whoever is there
     (`--min-workers 1`), so without a spare a kill leaves a smaller world until the
     replacement joins. The final weights' path, and each kill's seconds to the next commit."""
     tmp = Path(tempfile.mkdtemp(prefix="cohort-drift-"))
+    env = {k: v for k, v in os.environ.items() if k != "COHORT_TORCH_BACKEND"}
+    if route == "gloo":
+        env["COHORT_TORCH_BACKEND"] = "gloo"
     launcher = subprocess.Popen(
         [sys.executable, "-m", "cohort", "run", "-n", str(ranks), "--spares", str(spares),
          "--min-workers", "1", "--start-workers", str(ranks), "--run-dir", str(tmp / "run"),
@@ -65,7 +71,7 @@ def run(
          "--max-steps", str(steps), EXAMPLE, "--precision", precision,
          "--save", str(tmp / "final.pt")],
         stdout=(tmp / "launcher.out").open("wb"), stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, start_new_session=True,
+        stdin=subprocess.DEVNULL, start_new_session=True, env=env,
     )  # fmt: skip
     try:
         run_json = tmp / "run" / "run.json"
@@ -111,14 +117,14 @@ def largest_difference(a: Path, b: Path) -> float:
     return max(float((mine[k].float() - theirs[k].float()).abs().max()) for k in theirs)
 
 
-def measure(ranks: int, steps: int, precisions: Sequence[str]) -> Section:
+def measure(ranks: int, steps: int, precisions: Sequence[str], route: str = "redis") -> Section:
     early, late = steps // 4, steps // 2
     rows, raw = [], {}
     healing: dict[str, dict[str, list[float]]] = {}
     for precision in precisions:
-        clean, _ = run(ranks, steps, precision, 0, ())
-        constant, spared = run(ranks, steps, precision, 1, (early, late))
-        changed, shrunk = run(ranks, steps, precision, 0, (early,))
+        clean, _ = run(ranks, steps, precision, 0, (), route)
+        constant, spared = run(ranks, steps, precision, 1, (early, late), route)
+        changed, shrunk = run(ranks, steps, precision, 0, (early,), route)
         figures = {
             "constant world (a spare, 2 kills)": largest_difference(constant, clean),
             f"world change ({ranks} -> {ranks - 1} -> {ranks}, 1 kill)": largest_difference(
@@ -137,7 +143,7 @@ def measure(ranks: int, steps: int, precisions: Sequence[str]) -> Section:
         key="drift",
         title="What failures change: the LM example's weights against its clean run",
         command=f"python -m bench.drift --ranks {ranks} --steps {steps} "
-        f"--precisions {','.join(precisions)}",
+        f"--precisions {','.join(precisions)} --route {route}",
         header=["precision", "run", "max |weight - clean run's|", "kill -> next commit (s)"],
         rows=rows,
         raw=raw,
@@ -149,8 +155,9 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--route", choices=("redis", "gloo"), default="redis")
     args = parser.parse_args()
-    section = measure(args.ranks, args.steps, args.precisions.split(","))
+    section = measure(args.ranks, args.steps, args.precisions.split(","), args.route)
     print(section.markdown())
 
 

@@ -7,7 +7,7 @@ adds to a step, where the model is too small for its step to hide it. Prints the
 of those samples per thread and per function (inclusive), cohort's and torch's glue.
 
     pip install py-spy
-    python -m bench.gil_profile [--route gloo|redis] [--steps 2500] [--seconds 25]
+    python -m bench.gil_profile [--route gloo|redis|gloo-exact] [--steps 2500] [--seconds 25]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from bench.fleet import coordinator
-from bench.throughput import BATCH
+from bench.throughput import BATCH, EXACT
 from cohort.localredis import LocalRedis
 from cohort.processes import end, stop_all
 
@@ -37,6 +37,8 @@ def profile(route: str, steps: int, seconds: int) -> Path:
         leader = coordinator(
             server.url, job, "--min-workers", str(WORLD), "--max-steps", str(steps),
             "--dataset-size", str(steps * WORLD * BATCH), "--batch-size", str(BATCH),
+            *(("--global-batch", str(WORLD * BATCH), "--placement", "strided")
+              if route.endswith(EXACT) else ()),
         )  # fmt: skip
         argv = ["--model", "1m", "--world", str(WORLD), "--steps", str(steps),
                 "--route", route, "--job", job, "--redis-url", server.url]  # fmt: skip
@@ -84,7 +86,7 @@ def summary(raw: Path, top: int = 40) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--route", choices=("gloo", "redis"), default="gloo")
+    parser.add_argument("--route", choices=("gloo", "redis", "gloo-exact"), default="gloo")
     parser.add_argument("--steps", type=int, default=2500)
     parser.add_argument("--seconds", type=int, default=25)
     args = parser.parse_args()

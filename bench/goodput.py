@@ -49,6 +49,7 @@ from typing import Any
 
 from bench.fleet import coordinator
 from bench.results import Section, verdict
+from bench.scratch import discard
 from cohort.coordinator.replay import JournalWatch
 from cohort.events.models import StepCommitted
 from cohort.localredis import LocalRedis
@@ -360,6 +361,7 @@ def _torchrun(failure_free: float, every: float, kills: int, checkpoint_every: i
     finally:
         # each agent with every worker it started (in a session of its own), SIGKILLed
         end(agents, sig=0)
+        discard(tmp)
 
 
 class _StepLogs:

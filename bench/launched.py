@@ -65,6 +65,7 @@ from bench.goodput import (
     progress_at,
 )
 from bench.results import Section, verdict
+from bench.scratch import discard
 from cohort.coordinator.replay import JournalWatch
 from cohort.coordinator.state import JobState
 from cohort.events.connection import RedisSettings, connect
@@ -106,11 +107,14 @@ def _kill_oldest(parent: int, marker: bytes) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _stop(launcher: subprocess.Popen[bytes]) -> None:
+def _stop(launcher: subprocess.Popen[bytes], tmp: Path | None = None) -> None:
     """SIGINT, as Ctrl-C; after a minute, SIGKILL to the launcher and all it started. And
     whatever it started that outlived it: torchrun starts each worker in a session of its
-    own, which killing the launcher's process group does not reach."""
+    own, which killing the launcher's process group does not reach. Then the run's
+    directory `tmp` goes, unless the run is failing (called from a `finally`)."""
     end([launcher], signal.SIGINT, grace=60)
+    if tmp is not None:
+        discard(tmp)
 
 
 # ---------------------------------------------------------------- cohort run
@@ -177,7 +181,7 @@ def _cohort(
             redone=[_recommitted(commits, at) for at in killed],
         )
     finally:
-        _stop(launcher)
+        _stop(launcher, tmp)
 
 
 def _kill_rank(state: JobState) -> None:
@@ -246,7 +250,7 @@ def _torchrun(
             failed_starts=_failed_starts(tmp),
         )
     finally:
-        _stop(agent)
+        _stop(agent, tmp)
 
 
 def _entries(log: Path) -> list[tuple[float, int, int]]:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from bench.fleet import coordinator, spawn
 from bench.results import Section, verdict
+from bench.scratch import discard
 from cohort.coordinator.replay import JournalWatch
 from cohort.events.models import StepCommitted
 from cohort.localredis import LocalRedis
@@ -145,6 +146,7 @@ def _agents(kill: str, backend: str, endpoint: str) -> float:
         # every agent with every worker it started: torchrun starts each worker in a
         # session of its own, which SIGKILL to the agent's process group does not reach
         end(agents, sig=0)
+        discard(tmp)
 
 
 def _agent(i: int, log: Path, tmp: Path, backend: str, endpoint: str) -> subprocess.Popen[bytes]:

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,7 +45,16 @@ from bench import throughput
 from bench.goodput import BATCH, DATASET, WARMUP_STEPS, Run, _periods, _until
 from bench.launched import _env, _healed, _recommitted, _stop
 from bench.results import Section
-from bench.torchft_run import Fault, TorchFT, fault, lighthouse_command, median, raw, step_at
+from bench.scratch import discard
+from bench.torchft_run import (
+    Fault,
+    TorchFT,
+    fault,
+    lighthouse_command,
+    median,
+    raw,
+    step_at,
+)
 from cohort.coordinator.replay import JournalWatch
 from cohort.events.connection import RedisSettings, connect
 from cohort.events.models import StepCommitted
@@ -146,6 +155,7 @@ class Cohort:
     def close(self) -> None:
         if self.launcher is not None:
             _stop(self.launcher)
+        discard(self.tmp)
 
     def counted(self, times: Sequence[float], start: float, end_at: float) -> int:
         """Rank-steps committed in [start, end_at): a constant global batch, every step all
@@ -349,6 +359,25 @@ def _s(value: float) -> str:
     return "never" if value == float("inf") else f"{value:.2f}"
 
 
+def committed_note(counted: Mapping[str, float], seconds: float) -> str:
+    """The work each side committed over the periods, in rank-steps (goodput divides it by
+    the side's own failure-free rate, which differs between the sides: TorchFT's steps
+    cost more, and a side whose failure-free windows ran slower looks better)."""
+    said = ", ".join(f"{key} {value:,.0f}" for key, value in counted.items())
+    return (
+        f"Work committed over the {seconds:g} s of kills, in rank-steps (each TorchFT step "
+        f"weighed by its groups' share): {said}. Goodput divides this by the side's own "
+        "failure-free rate; TorchFT's steps cost more than cohort's (its quorum and "
+        "should_commit each step: the throughput section), so a lower rate of its own lifts "
+        "its goodput. Where cohort's goodput falls short of 1 by more than its outages "
+        "(tenths of a second a kill) account for, its step rate through the periods was "
+        "lower: most likely the killed rank's replacement starting on the same two cores as "
+        "the training (a fresh Python, torch imported, the model built: a few CPU-seconds "
+        "a kill; not measured apart). TorchFT restarts its group likewise, and its survivor "
+        "trains alone meanwhile, skipping the lost group's samples."
+    )
+
+
 def _healing_notes(
     ranks: int, failure_free: float, every: float, kills: int, healed: dict[str, Healed]
 ) -> list[str]:
@@ -373,6 +402,7 @@ def _healing_notes(
         "failed); cohort's in-flight step is redone by the new world likewise (its journal "
         "does not record it).",
     ]
+    notes.append(committed_note({key: h.run.counted for key, h in healed.items()}, every * kills))
     stock = healed.get("torchft-stock")
     if stock is not None:
         died = sum(1 for f in stock.faults if f.survivors_died)
@@ -424,6 +454,7 @@ def torchft_throughput(groups: int, steps: int) -> throughput.Run:
             spans.append(json.loads(lines[-1]))
     finally:
         end([*procs, lighthouse], sig=0)
+        discard(tmp)
     timed = min(span["steps"] for span in spans)
     return throughput.Run(timed * groups * BATCH / max(s["seconds"] for s in spans), 0.0, 0.0)
 
@@ -539,10 +570,11 @@ def _torchft_case(case: str, ranks: int, hold: float, down: float) -> Outcome:
 
 
 def _first_commit(commits: Sequence[tuple[float, int, int]], when: float, at: int) -> float:
-    """Seconds from `when` to the first commit past the step in flight at `when` (or one
-    with fewer groups than the most seen)."""
-    total = max((groups for _, _, groups in commits), default=0)
-    later = [t for t, step, groups in commits if t > when and (step > at + 1 or groups < total)]
+    """Seconds from `when` to the first commit past the step in flight at `when`. That step
+    itself may commit at once without a group that left as it ran (seen: 0.02 s after a
+    SIGTERM), before the survivors' next quorum drops the leaver: it is not training
+    again."""
+    later = [t for t, step, _ in commits if t > when and step > at + 1]
     return min(later) - when if later else float("inf")
 
 

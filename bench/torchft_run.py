@@ -23,6 +23,7 @@ from typing import Any
 
 from bench.goodput import BATCH, WARMUP_STEPS, _until
 from bench.launched import _env
+from bench.scratch import discard
 from cohort.localredis import free_port
 from cohort.processes import Proc, stop_all
 
@@ -150,6 +151,7 @@ class TorchFT:
             if proc.alive():
                 proc.signal(signal.SIGCONT)  # a stopped group would not see its SIGTERM
         stop_all([*self.procs.values(), *([self.lighthouse] if self.lighthouse else [])], 3)
+        discard(self.tmp)
 
     def counted(self, _: Sequence[float], start: float, end: float) -> int:
         """Group-steps committed in [start, end): each committed step weighs the groups that

@@ -65,7 +65,7 @@ from cohort.coordinator import gpu_rules, lineage, spares, stragglers
 from cohort.coordinator.fold import evolve
 from cohort.coordinator.liveness import Liveness
 from cohort.coordinator.state import JobState, Member
-from cohort.events import deal
+from cohort.events import deal, storage
 from cohort.events.models import (
     CheckpointExpired,
     CheckpointRequested,
@@ -767,7 +767,7 @@ def _request_checkpoint(plan: _DecisionPlan, step: int) -> None:
         CheckpointRequested,
         worker=writer,
         step=step,
-        uri=lineage.checkpoint_uri(state.config.checkpoint_uri, step),
+        uri=storage.checkpoint_uri(state.config.checkpoint_uri, step),
         position=lineage.position(state),
     )
 

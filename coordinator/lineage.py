@@ -15,8 +15,6 @@ from cohort.events import deal
 from cohort.events.models import DataPosition, Weights
 from cohort.events.shards import Shard
 
-CHECKPOINT_NAME = "step-{step:012d}.ckpt"
-
 
 def world_weights(state: JobState, ranks: tuple[str, ...]) -> Weights | None:
     """The weights a world of `ranks` would start from, or None if none of them has them."""
@@ -42,11 +40,6 @@ def beginning(state: JobState) -> DataPosition:
     """Where the data stands before the first step: epoch 0, every sample."""
     assert state.dataset is not None
     return DataPosition(epoch=0, rest=Shard(ranges=((0, state.dataset.size),)))
-
-
-def checkpoint_uri(base: str, step: int) -> str:
-    """The object a checkpoint of `step` is written to, under the job's checkpoint URI."""
-    return f"{base.rstrip('/')}/{CHECKPOINT_NAME.format(step=step)}"
 
 
 def due(state: JobState, step: int) -> bool:

@@ -15,6 +15,11 @@ The placements (the job config's `placement`):
   dealt item by item, rank r taking items r, r + n, r + 2n ... So the world uses `rest`
   strictly in order: the global batches follow the epoch's order whatever the world
   size, and with a constant global batch they are the same batches whatever the world did.
+  With exact sums (the config's `exact`) the span is dealt in units of `batch_size`
+  (the micro-batches) instead, rank r taking the r-th of n runs of consecutive units
+  (`units_of`): every unit holds the same samples, in the same order, at any world size
+  (a rank may get one unit more than another, or none), and a rank's units are neighbours
+  in the tree that sums them (worker/pytorch/tree.py).
 - hash: a dataset of files; each file goes to the rank that ranks highest for it
   (rendezvous hashing of worker and file), up to the rank's share: a worker keeps most
   of its files from one epoch and one world to the next, and a leaver's files move.
@@ -330,8 +335,24 @@ def batch(
     if config.placement != "strided":
         return shard.take(done * count, count)
     span = sum(counts(config, n))
-    items = range(done * span + rank, min((done + 1) * span, shard.size), n)
+    start, stop = done * span, min((done + 1) * span, shard.size)
+    if config.exact:  # whole units of `batch_size`: the rank's run of them
+        unit = config.batch_size
+        mine = units_of(-(-(stop - start) // unit), n, rank)
+        first, last = start + mine.start * unit, min(start + mine.stop * unit, stop)
+        return shard.take(first, last - first) if last > first else ()
+    items = range(start + rank, stop, n)
     return merge(r for item in items for r in shard.take(item, 1))
+
+
+def units_of(units: int, n: int, rank: int) -> range:
+    """The units (of a step's `units`, dealt whole with exact sums) rank `rank` of `n`
+    computes: the rank-th of n runs of consecutive units, the first `units % n` runs one
+    longer than the rest. So where the world has more ranks than the step has units, the
+    ranks left without one are the last (never the chief, rank 0)."""
+    each, more = divmod(units, n)
+    start = rank * each + min(rank, more)
+    return range(start, start + each + (rank < more))
 
 
 def used(config: JobConfig, shards: Sequence[Shard], base_step: int, next_step: int) -> int:

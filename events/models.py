@@ -439,6 +439,13 @@ class JobConfig(BaseModel):
     global batch grows and shrinks with the world)."""
     placement: Placement = "contiguous"
     """How each epoch's positions are dealt to ranks (events/deal.py)."""
+    reduction: Literal["exact", "float"] | None = None
+    """How the ranks' gradients are summed. "exact": each micro-batch of the global batch is
+    dealt whole to one rank and the sums are exact integers (worker/pytorch/exact.py), so
+    a step's update is the same bits at any world size; "float": floating-point sums, whose
+    last bits follow the grouping, and a strided step dealt item by item (balanced to one
+    sample); None: "exact" where the job promises a result independent of the world (a
+    constant `global_batch` dealt strided), else "float"."""
     straggler_factor: Annotated[float, Field(gt=1, le=1000, allow_inf_nan=False)] = 1.5
     straggler_steps: Annotated[int, Field(ge=1, le=10_000)] = 5
     gpu_rules: tuple[dict[str, Any], ...] | None = Field(default=None, max_length=256)
@@ -466,6 +473,13 @@ class JobConfig(BaseModel):
     journaled before v4 of JobConfigured reads as 0: its workers did not show their
     connections."""
 
+    @property
+    def exact(self) -> bool:
+        """Whether the job's gradient sums are exact (`reduction`, its default resolved)."""
+        if self.reduction is not None:
+            return self.reduction == "exact"
+        return self.global_batch is not None and self.placement == "strided"
+
     def order(self, epoch: int, dataset: Dataset | None = None) -> Order:
         """Epoch `epoch`'s order: the sample at each position of the journal's shards.
         `dataset`: the one the job trains on (None: `dataset_size` samples, no files)."""
@@ -490,6 +504,12 @@ class JobConfig(BaseModel):
             raise ValueError(
                 f"min_workers ({self.min_workers}) must not exceed max_workers ({self.max_workers})"
             )
+        if self.reduction == "exact" and (self.global_batch is None or self.placement != "strided"):
+            raise ValueError(
+                "reduction 'exact' needs a constant global batch dealt strided (its units "
+                "must be the same at any world size): give global_batch (--global-batch N) "
+                "and placement 'strided' (--placement strided), or reduction 'float'"
+            )
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError(
                 f"heartbeat_timeout ({self.heartbeat_timeout}) must be longer than "
@@ -504,10 +524,10 @@ class JobConfigured(Event):
     v3 `placement` and `global_batch`, and let `dataset_size` be None (declared by workers);
     v4 `disconnect_grace` (a v3 config is upcast with 0: no connection watch); v5
     `start_workers` and `start_wait` (a v4 job's first world waited for `min_workers`, as
-    None says)."""
+    None says); v6 `reduction` (a v5 job's sums were floating-point: "float")."""
 
     type: Literal["JobConfigured"] = "JobConfigured"
-    v: Literal[5] = 5
+    v: Literal[6] = 6
     config: JobConfig
 
 

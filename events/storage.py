@@ -4,6 +4,7 @@ written here whole or not at all, and read back whole."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 from collections.abc import Iterable
@@ -12,6 +13,11 @@ from typing import Any
 from cohort.events.errors import EventsError
 
 log = logging.getLogger("cohort.storage")
+
+CHUNK_BYTES = 8 * 1024 * 1024
+"""How much of a file `sha256_of` reads at a time."""
+CHECKPOINT_NAME = "step-{step:012d}.ckpt"
+"""A checkpoint's file under the job's checkpoint URI."""
 
 
 class StorageError(EventsError):
@@ -59,6 +65,32 @@ def read_whole(uri: str, what: str = "file") -> bytes:
     except (OSError, FileNotFoundError) as exc:
         raise StorageError(f"cannot read {what} {uri!r}: {exc}") from exc
     return data
+
+
+def sha256_of(uri: str, what: str = "file") -> str:
+    """The sha256 of the file at `uri`, read in chunks; StorageError if it cannot be read."""
+    fs, path = filesystem(uri)
+    digest = hashlib.sha256()
+    try:
+        with fs.open(path, "rb") as handle:
+            while chunk := handle.read(CHUNK_BYTES):
+                digest.update(chunk)
+    except (OSError, FileNotFoundError) as exc:
+        raise StorageError(f"cannot read {what} {uri!r}: {exc}") from exc
+    return digest.hexdigest()
+
+
+def remove_tree(uri: str) -> bool:
+    """Delete the directory at `uri` and all it holds; False if it was not there."""
+    fs, path = filesystem(uri)
+    if not fs.exists(path):
+        return False
+    try:
+        fs.rm(path, recursive=True)
+    except OSError as exc:
+        log.warning("could not delete %s: %s", path, exc)
+        return False
+    return True
 
 
 def remove(uri: str) -> bool:
@@ -120,3 +152,8 @@ def claim(base: str, job: str) -> None:
     check_owner(base, job)
     if owner(base) is None:
         write_whole(owner_uri(base), [json.dumps({"job": job}).encode()], "owner file")
+
+
+def checkpoint_uri(base: str, step: int) -> str:
+    """The object a checkpoint of `step` is written to, under the job's checkpoint URI."""
+    return f"{base.rstrip('/')}/{CHECKPOINT_NAME.format(step=step)}"

@@ -105,6 +105,16 @@ def _config_gained_start_workers(body: Body) -> Body:
     return body
 
 
+@upcaster("JobConfigured", 5)
+def _config_gained_reduction(body: Body) -> Body:
+    """A v5 job summed its gradients in floating point, and dealt a strided step item by
+    item: reduction "float"."""
+    config = body.get("config")
+    if not isinstance(config, dict):
+        return body
+    return {**body, "config": {**config, "reduction": "float"}}
+
+
 @upcaster("WorkerFailed", 1)
 def _failure_was_silence(body: Body) -> Body:
     """Every failure before v2 was a silence of `timeout` s (the default cause)."""

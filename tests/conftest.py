@@ -31,11 +31,14 @@ def redis_server() -> Iterator[LocalRedis]:
 
 @pytest.fixture
 def real_conn(redis_server: LocalRedis) -> Iterator[redis.Redis]:
-    """A client to the session's redis-server, emptied (keys and functions) before the test."""
+    """A client to the session's redis-server, emptied (keys and functions) before the test,
+    and of functions after it: a stub library left behind would claim the server for the
+    tests that use `redis_server` directly."""
     conn = connect(RedisSettings(url=redis_server.url))
     conn.flushall()
     conn.function_flush()
     yield conn
+    conn.function_flush()
     conn.close()
 
 
@@ -53,3 +56,33 @@ def conn(request: pytest.FixtureRequest) -> redis.Redis:
     name = "fake_conn" if request.param == "fakeredis" else "real_conn"
     client: redis.Redis = request.getfixturevalue(name)
     return client
+
+
+SHARED_GROUPS = {
+    # quickbench counts every process naming this checkout's bench/ as the run's own: two of
+    # these modules side by side would each see the other's
+    "test_bench": "bench",
+    "test_bench_torchft": "bench",
+    "test_chaos": "bench",
+    "test_gpu_bench": "bench",
+    "test_netsim": "bench",
+}
+LONGEST_FIRST = ("bench", "test_slurm", "test_elastic_job", "test_lm_example", "test_sharded")
+"""The groups that take longest start first, so none of them is left running alone at the end."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`-n`, pyproject's addopts): each module's tests run on one worker,
+    in order, with its module-scoped fixtures (a Redis Cluster, a test's shared run) made
+    once; modules that must not run beside each other share a group. Runs first: xdist reads
+    the groups in its own hook."""
+    for item in items:
+        stem = item.path.stem
+        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(stem, stem)))
+
+    def rank(item: pytest.Item) -> int:
+        group = SHARED_GROUPS.get(item.path.stem, item.path.stem)
+        return LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each module's own order is kept

@@ -10,7 +10,7 @@ import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import pytest
 
@@ -62,6 +62,13 @@ def require_package(name: str) -> ModuleType:
         pytest.skip(reason)
 
 
+def require_torch() -> None:
+    """Skip without torch locally (the README's `pip install -e '.[dev]'` brings none), but
+    fail in CI (CI=true), where .ci/run installs it and a skip would prove nothing."""
+    if os.environ.get("CI") != "true":
+        pytest.importorskip("torch")
+
+
 def processes_mentioning(text: str, parent: int | None = None) -> list[str]:
     """Processes whose command line holds `text` (only children of `parent`, if given:
     other test runs on this machine may run demos too)."""
@@ -110,3 +117,10 @@ def require_netsim() -> None:
     if os.environ.get("COHORT_REQUIRE_NETSIM") == "1":
         pytest.fail(f"{reason}; COHORT_REQUIRE_NETSIM=1 asks for the simulated-network tests")
     pytest.skip(reason)
+
+
+def spawned_done() -> NoReturn:
+    """End a process `torch.multiprocessing` spawned, its work done and written: at once,
+    without the interpreter's teardown, where gloo's threads now and then abort the process
+    ("terminate called without an active exception"), which the parent takes for a crash."""
+    os._exit(0)

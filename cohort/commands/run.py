@@ -57,6 +57,14 @@ if TYPE_CHECKING:
     "each spare has a GPU of its own. For scripts on cohort's elastic loop (ElasticJob, "
     "NumpyElasticJob).",
 )
+@click.option(
+    "--shard-group",
+    metavar="S",
+    help="HSDP: each copy of a sharded model (ElasticJob.wrap(shard=...)) over S "
+    "consecutive ranks, the copies its data-parallel replicas; a lost rank's shards come "
+    "from another copy (docs/sharded.md). This node's ranks must be whole groups. Sets "
+    "$COHORT_SHARD_GROUP for the script.",
+)
 @job_option(
     "The job (default $COHORT_JOB, else a name made from the script, its arguments, the job "
     "settings and the working directory: the same command is the same job); nodes of one "
@@ -176,8 +184,8 @@ def run(ctx: click.Context, command: tuple[str, ...], **params: Any) -> None:
 def _launch_settings(
     ctx: click.Context, command: tuple[str, ...], params: dict[str, Any]
 ) -> LaunchSettings:
-    """Every flag checked, nothing started yet: the launcher's settings, or exit 2 (3 when
-    the Redis given does not answer) naming the bad value."""
+    """Every flag checked, nothing started yet: the launcher's settings, or exit 2 (3: the
+    Redis given does not answer) naming the bad value."""
     from cohort.launcher.launcher import LaunchSettings
     from cohort.launcher.supervision import Policy
 
@@ -208,9 +216,8 @@ def _launch_settings(
         _check_credentials(ctx, job, node, params["worker_credentials"])
     kept = f" and {spares} spare(s)" if spares else ""
     each = f", one GPU each ({gpus.source})" if placement else ""
-    click.echo(
-        f"cohort run: job {job!r}, {ranks} rank(s){kept} on node {node!r}{each}, logs in {run_dir}"
-    )
+    click.echo(f"cohort run: job {job!r}, {ranks} rank(s){kept} on node {node!r}{each}, logs in "
+               f"{run_dir}")  # fmt: skip
     return LaunchSettings(
         job=job,
         command=argv,
@@ -229,6 +236,7 @@ def _launch_settings(
         worker_credentials=params["worker_credentials"],
         spares=spares,
         gpus=placement,
+        shard_group=_shard_group(params["shard_group"], ranks),
         exit_reports=params["exit_reports"],
         resuming=resuming,
         **_slurm_settings(params["drain_signal"], under, shared=bool(redis_url)),
@@ -431,6 +439,22 @@ def _spare_count(text: str) -> int:
     """--spares as a number of spares, 0 or more, else exit 2 naming it."""
     if not text.isdigit():
         fail(f"--spares {text}: give a number of spares of 0 or more (0: none)")
+    return int(text)
+
+
+def _shard_group(text: str | None, ranks: int) -> int | None:
+    """--shard-group: ranks per HSDP copy, 1 or more, of which this node's ranks are whole
+    groups; else exit 2 naming it."""
+    if text is None:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        fail(f"--shard-group {text}: give the ranks each copy of the model is sharded over, 1 "
+             "or more")  # fmt: skip
+    if ranks % int(text):
+        fail(
+            f"--shard-group {text} with -n {ranks}: this node's ranks must be whole shard "
+            f"groups; give -n a multiple of {text}, or a group size that divides {ranks}"
+        )
     return int(text)
 
 

@@ -81,6 +81,14 @@ OPTIONS = [
         "locality (files the worker's node holds first). Default: contiguous.",
     ),
     click.option(
+        "--reduction",
+        type=click.Choice(["exact", "float"]),
+        help="How the ranks' gradients are summed: exact (each micro-batch dealt whole to one "
+        "rank, its gradient summed as exact integers: the update is the same bits at any world "
+        "size) or float (faster floating-point sums, whose last bits follow the grouping). "
+        "Default: exact with --global-batch and --placement strided, else float.",
+    ),
+    click.option(
         "--shuffle/--no-shuffle",
         default=None,
         help="Visit each epoch's samples in its own pseudorandom order, keyed by the seed and "

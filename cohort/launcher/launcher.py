@@ -105,6 +105,9 @@ class LaunchSettings:
     """Each slot's own GPU, its process's CUDA_VISIBLE_DEVICES (slot i, trainer or spare, and
     every process that replaces it: the i-th; launcher/gpus.py). Empty: the node has no GPU,
     and the processes' environment is left as it is."""
+    shard_group: int | None = None
+    """Ranks per HSDP copy of a sharded model, given to the scripts as $COHORT_SHARD_GROUP
+    (None: the environment as it is)."""
     resuming: bool = False
     """`run_dir` holds an earlier run of the job that did not finish: its private Redis is
     started again on the run's AOF and the job goes on from there."""
@@ -515,6 +518,11 @@ class Launcher:
             "COHORT_SPARE": "1" if spare else "0",
             "PYTHONUNBUFFERED": "1",
             **({"CUDA_VISIBLE_DEVICES": self.settings.gpus[index]} if self.settings.gpus else {}),
+            **(
+                {"COHORT_SHARD_GROUP": str(self.settings.shard_group)}
+                if self.settings.shard_group
+                else {}
+            ),
         }
         log = self.log_dir / f"rank-{index}.log"
         with log.open("a") as handle:

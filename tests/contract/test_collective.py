@@ -130,6 +130,47 @@ def test_allreduce_is_the_mean_over_ranks(
             np.testing.assert_allclose(array, want, rtol=rtol, atol=rtol)
 
 
+PIECE_BYTES = 64 * 1024 + 1024
+"""A value cap of ~1 KiB of data beyond the blob's own: each rank's chunk travels in pieces."""
+
+
+def _in_pieces(
+    clients: Callable[[], redis.Redis],
+    n: int,
+    tensors: Callable[[int], dict[str, np.ndarray]],
+    step: int,
+) -> list[Any]:
+    """Each of `n` ranks' allreduce of `tensors(rank)` at `step`, values capped at PIECE_BYTES."""
+    return _ok(
+        run_ranks(
+            clients,
+            _members(n),
+            lambda c, m: c.allreduce(tensors(m.rank), step),
+            max_value_bytes=PIECE_BYTES,
+        )
+    )
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_allreduce_sums_int64_exactly_beside_floats_it_averages(
+    connect_more: Callable[[], redis.Redis], n: int
+) -> None:
+    """Exact gradient sums travel as int64 (worker/pytorch/exact.py): summed, not averaged,
+    to the last bit (beyond float64's 53), split over pieces like any vector."""
+
+    def tensors(rank: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(20 + rank)
+        big = rng.integers(-(2**60), 2**60, size=3001, dtype=np.int64)
+        return {"q": big, "f": rng.standard_normal(50).astype("<f4")}
+
+    results = _in_pieces(connect_more, n, tensors, 3)
+    want = sum((tensors(r)["q"] for r in range(n)), np.zeros(3001, dtype=np.int64))
+    for got in results:
+        assert got["q"].dtype == np.int64 and np.array_equal(got["q"], want)
+        means = np.mean([tensors(r)["f"].astype(np.float64) for r in range(n)], axis=0)
+        np.testing.assert_allclose(got["f"], means, rtol=1e-6)
+
+
 def test_allreduce_mixes_dtypes_and_splits_values_over_the_limit(
     connect_more: Callable[[], redis.Redis],
 ) -> None:
@@ -144,19 +185,12 @@ def test_allreduce_mixes_dtypes_and_splits_values_over_the_limit(
             "d": rng.standard_normal(777),
         }
 
-    results = _ok(
-        run_ranks(
-            connect_more,
-            _members(n),
-            lambda c, m: c.allreduce(tensors(m.rank), 7),
-            max_value_bytes=64 * 1024 + 1024,
-        )
-    )
+    results = _in_pieces(connect_more, n, tensors, 7)
     for got in results:
         for name in ("a", "h", "d"):
             want = np.mean([tensors(r)[name].astype(np.float64) for r in range(n)], axis=0)
             np.testing.assert_allclose(got[name], want, rtol=1e-3 if name == "h" else 1e-6)
-    per_rank = pieces(-(-(4001 * 4 + 330 * 2 + 777 * 8) // n), 64 * 1024 + 1024)
+    per_rank = pieces(-(-(4001 * 4 + 330 * 2 + 777 * 8) // n), PIECE_BYTES)
     assert per_rank > 1
     scattered = list(connect_more().scan_iter(match=f"{KEYS.prefix}:grad:1:7:0:*/w0"))
     assert len(scattered) == (n - 1) * per_rank  # rank 0's pieces of the chunks it does not own

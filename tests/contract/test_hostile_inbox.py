@@ -196,6 +196,7 @@ def test_no_id_field_name_size_or_encoding_stops_the_leader_or_moves_its_clock(
     server's clock, and the honest worker's entries are read."""
     conn = connect(RedisSettings(url=redis_server.url))
     conn.flushall()
+    conn.function_flush()  # another test may have left a stub library that claims a newer version
     keys = Keys(JOB)
     leader = Coordinator.on_redis(
         conn,

@@ -4,8 +4,8 @@ in a subprocess, then a count of what it started that is still alive.
 A process counts as the bench's if
 - its environment holds the run's token (every process the bench starts inherits it:
   torchrun's workers in sessions of their own, redis-servers, multiprocessing ranks), or
-- its command line names a script of this checkout's bench/ and it started after the run
-  did, or
+- its command line names a script of this checkout's bench/, it started after the run
+  did, and it holds no other run's token, or
 - it is a descendant of this test process that was not there before the run.
 Other agents' and other tests' processes match none of these.
 """
@@ -83,6 +83,9 @@ class QuickBench:
             return subprocess.run(
                 argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
             )
+        except subprocess.TimeoutExpired as exc:  # killed: what it started is still up
+            self.clean()
+            raise AssertionError(f"the bench ran past {timeout:.0f} s: {argv}") from exc
         finally:
             self.nothing_left()
 
@@ -96,8 +99,12 @@ class QuickBench:
             if not entry.name.isdigit() or int(entry.name) == mine:
                 continue
             pid = int(entry.name)
-            marked = f"{TOKEN}={self.token}".encode() in _read(pid, "environ").split(b"\0")
+            env = _read(pid, "environ").split(b"\0")
+            marked = f"{TOKEN}={self.token}".encode() in env
+            # another run's (a test on another xdist worker): never this run's to count or kill
+            theirs = not marked and any(e.startswith(f"{TOKEN}=".encode()) for e in env)
             named = scripts in _read(pid, "cmdline") and (started_at(pid) or 0) > self.since
+            named = named and not theirs
             if (marked or named or pid in new) and _running(pid):
                 found.append(pid)
         return found

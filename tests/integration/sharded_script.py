@@ -7,7 +7,9 @@ each world (`wrap(shard=...)`); every step's whole-model digest is reported
 
 Writes OUT/final.pt through `job.save` (a whole state dict of the unsharded model), and
 each rank's batch of each step as OUT/batch-STEP-RANK.pt (x, y): what one process replays
-to check either route's update. With `ddp`, the same model trains unsharded, under DDP.
+to check either route's update. With `ddp`, the same model trains unsharded, under DDP
+(otherwise sharded: in groups where `cohort run --shard-group` says). Each mesh the model
+is sharded over leaves OUT/mesh-SIZE.
 """
 
 from __future__ import annotations
@@ -16,12 +18,17 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 import cohort
 
+OUT = Path(sys.argv[1])
+MODE = sys.argv[2] if len(sys.argv) > 2 else "sharded"
 
-def shard(module: torch.nn.Module, mesh: object) -> None:
+
+def shard(module: torch.nn.Module, mesh: DeviceMesh) -> None:
+    (OUT / f"mesh-{mesh.size()}").touch()
     for layer in module:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -29,7 +36,7 @@ def shard(module: torch.nn.Module, mesh: object) -> None:
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
+    out = OUT
     torch.manual_seed(0)
     job = cohort.torch.ElasticJob(backend="gloo", digest_every=1)
     model: torch.nn.Module = torch.nn.Sequential(
@@ -37,7 +44,7 @@ def main() -> None:
         torch.nn.Linear(32, 1),
     )  # fmt: skip
     optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    sharded = sys.argv[2:] != ["ddp"]
+    sharded = MODE != "ddp"
     model, optimizer = job.wrap(model, optimizer, shard=shard if sharded else None)
     data = torch.utils.data.TensorDataset(torch.randn(257, 8), torch.randn(257, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=job.batch_size)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import require_torch
 from tests.integration.quickbench import QuickBench
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,20 +162,21 @@ def _measured(result: subprocess.CompletedProcess[str], tmp_path: Path) -> dict[
     return {s["key"]: s for s in json.loads((tmp_path / "B.json").read_text())}
 
 
-def _needs_torch() -> None:
-    if os.environ.get("CI") != "true":
-        pytest.importorskip("torch")  # CI installs torch: there a missing torch must fail
-
-
 def test_a_peer_death_run_that_fails_midway_leaves_no_torchrun_worker_running(
     quick_bench: QuickBench,
 ) -> None:
     """It raises after its kill, once torchrun restarted the workers (each in a session of
-    its own, none has logged yet): every agent and worker still ends (the fixture counts)."""
-    _needs_torch()
+    its own, none has logged yet): every agent and worker still ends (the fixture counts),
+    and the run's logs are kept where it says, the failure's only record (then removed)."""
+    require_torch()
     argv = [sys.executable, "-m", "tests.integration.failing_peer_death"]
     result = quick_bench.run(argv, timeout=300)
     assert result.returncode != 0 and "induced failure" in result.stderr, result.stderr[-3000:]
+    kept = re.search(r"the failed run's logs are kept in (\S+)", result.stderr)
+    assert kept is not None, result.stderr[-3000:]
+    logs = Path(kept.group(1))
+    assert (logs / "agent1.out").exists()
+    shutil.rmtree(logs)
 
 
 def test_the_quick_control_plane_replay_and_soak_sections_measure_what_they_name(
@@ -215,7 +219,9 @@ def test_the_quick_archive_run_keeps_the_journal_in_redis_under_its_hot_size(
     archived, whole, rows = (section["raw"][k] for k in ("archived", "whole", "rows"))
     assert rows[-1][0] == 5000 and archived["samples"] >= 40
     assert archived["segments"] >= 2 and whole["segments"] == 0
-    assert whole["last_entries"] > 5000 and archived["most_entries"] < 1500  # hot: 1000
+    # about its hot size (1000): a segment still being written on a loaded machine (the suite's
+    # workers beside it) lets the journal run past it for a while; the whole journal holds 5000+
+    assert whole["last_entries"] > 5000 and archived["most_entries"] < 2000
     assert all(t > 0 for t in section["raw"]["replay_seconds"]["archived"])
 
 
@@ -225,7 +231,7 @@ def test_the_quick_peer_death_run_times_both_sides_back_to_training(
     """cohort's survivor and torchrun on cohort (agent 1, hosting nothing, lost with its
     worker): each measured a time. The quick run leaves torchrun's own c10d store to the
     test above, which runs it up to its kill (each torchrun case takes about a minute)."""
-    _needs_torch()
+    require_torch()
     (section,) = _measured(quick_bench.quick("peer_death"), tmp_path).values()
     assert section["command"] == "python -m bench.peer_death --runs 1 --cases cohort:host"
     (cohort,) = section["raw"]["cohort"]
@@ -238,7 +244,7 @@ def test_the_quick_peer_death_run_times_both_sides_back_to_training(
 def test_the_quick_goodput_run_kills_and_replaces_a_worker_on_each_side(
     tmp_path: Path, quick_bench: QuickBench
 ) -> None:
-    _needs_torch()
+    require_torch()
     (section,) = _measured(quick_bench.quick("goodput"), tmp_path).values()
     assert section["command"] == (
         "python -m bench.goodput --failure-free 5 --every 8 --kills 1 --checkpoint-every 100"
@@ -256,7 +262,7 @@ def test_the_quick_launched_run_heals_under_each_launcher(
 ) -> None:
     """`cohort run` and torchrun --standalone (as shipped and with its store fix), a rank
     SIGKILLed under each."""
-    _needs_torch()
+    require_torch()
     (section,) = _measured(quick_bench.quick("launched"), tmp_path).values()
     assert section["command"] == (
         "python -m bench.launched --ranks 2 --failure-free 5 --every 8 --kills 1"
@@ -275,7 +281,7 @@ def test_the_quick_healing_run_times_each_way_of_noticing_a_death(
 ) -> None:
     """cohort run with a spare (its defaults, and connections alone), without one, with the
     heartbeat alone, and torchrun: a rank SIGKILLed under each, the next commit timed."""
-    _needs_torch()
+    require_torch()
     (section,) = _measured(quick_bench.quick("healing"), tmp_path).values()
     assert section["command"] == (
         "python -m bench.healing --ranks 2 --failure-free 5 --every 8 --kills 1"
@@ -328,7 +334,7 @@ def test_the_quick_allreduce_and_cluster_runs_time_each_transport_and_server(
 def test_the_quick_checkpoint_and_loader_runs_price_each_way_against_its_peer(
     tmp_path: Path, quick_bench: QuickBench
 ) -> None:
-    _needs_torch()
+    require_torch()
     got = _measured(quick_bench.quick("checkpoint,loader"), tmp_path)
     checkpoint, loader = got["checkpoint"], got["loader"]
     assert checkpoint["command"] == "python -m bench.checkpoint --runs 1 --steps 2"
@@ -351,7 +357,7 @@ def test_the_quick_signed_throughput_run_trains_each_route_with_credentials(
 ) -> None:
     """Every rank with a credential of its own and signed commands, beside the unsigned
     routes and DDP in the same round."""
-    _needs_torch()
+    require_torch()
     (section,) = _measured(quick_bench.quick("throughput-signed"), tmp_path).values()
     assert section["command"] == (
         "python -m bench.throughput --ranks 2 --models 1m --runs 1 --steps 10"
@@ -361,3 +367,20 @@ def test_the_quick_signed_throughput_run_trains_each_route_with_credentials(
     (round_,) = section["raw"]["1m/2"]["rounds"]
     assert set(round_) == {"ddp", "gloo", "redis", "gloo-signed", "redis-signed"}
     assert all(run["samples_s"] > 0 and run["cpu_ms"] > 0 for run in round_.values())
+
+
+def test_the_quick_exact_throughput_run_trains_each_route_with_and_without_exact_sums(
+    tmp_path: Path, quick_bench: QuickBench
+) -> None:
+    """Each route with exact sums (a constant global batch dealt strided) beside itself
+    without them and DDP, in the same round; the notes give each ratio of the two."""
+    require_torch()
+    (section,) = _measured(quick_bench.quick("throughput-exact"), tmp_path).values()
+    assert section["command"] == (
+        "python -m bench.throughput --ranks 2 --models 1m --runs 1 --steps 10"
+        " --routes gloo,gloo-exact,redis,redis-exact"
+    )
+    (round_,) = section["raw"]["1m/2"]["rounds"]
+    assert set(round_) == {"ddp", "gloo", "gloo-exact", "redis", "redis-exact"}
+    assert all(run["samples_s"] > 0 and run["cpu_ms"] > 0 for run in round_.values())
+    assert any("1m/2 gloo: " in note and "1m/2 redis: " in note for note in section["notes"])

@@ -12,7 +12,7 @@ import pytest
 from cohort.coordinator.replay import from_file
 from cohort.errors import Exit
 from cohort.events.models import TrainingPaused, WeightsLost, WorkerLeft
-from tests.helpers import wait_until
+from tests.helpers import require_torch, wait_until
 from tests.integration.launch import Launch, training, worker_of
 
 pytestmark = [pytest.mark.slow]
@@ -29,6 +29,7 @@ JOB = (
 def test_a_rank_sent_sigterm_leaves_and_the_survivor_finishes_the_job(
     route: str, tmp_path: Path
 ) -> None:
+    require_torch()  # the ranks run transparent_script.py, a torch script
     out = tmp_path / "out"
     out.mkdir()
     run = Launch(

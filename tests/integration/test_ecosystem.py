@@ -27,8 +27,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis_server]
 
 HERE = Path(__file__).parent
 HEARTBEAT_TIMEOUT_S = 2.0
-RECOVERY_S = HEARTBEAT_TIMEOUT_S + 10
-"""The bound on the time from a node's loss to the survivor's first step alone."""
+TORCHRUN_KILL_S = 30
+"""torchrun's grace between the SIGTERM it sends a worker it restarts and its SIGKILL."""
+RECOVERY_S = HEARTBEAT_TIMEOUT_S + TORCHRUN_KILL_S - 5
+"""The bound on the time from a node's loss to the survivor's first step alone: not a
+speed goal (bench/ measures that), the line between a survivor restarted at once and one
+left to torchrun's SIGKILL (38 s from a hang, measured) or hung in a collective for good.
+Measured well inside it: 8 to 13 s on this 2-core machine, with other tests beside."""
 SAVED_EVERY = 5
 """Both scripts checkpoint every 5 steps."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,14 +17,19 @@ if os.environ.get("CI") == "true":
 else:
     torch = pytest.importorskip("torch")
 
-from cohort.coordinator.replay import from_file  # noqa: E402
+from cohort.coordinator.replay import JournalWatch, from_file  # noqa: E402
 from cohort.errors import Exit  # noqa: E402
 from cohort.events.models import (  # noqa: E402
+    CheckpointSaved,
     Rewound,
     StepCommitted,
     WeightsDiverged,
+    WeightsLost,
     WorkerFailed,
+    WorldChanged,
 )
+from cohort.worker.loop import checkpoints  # noqa: E402
+from cohort.worker.pytorch import shards  # noqa: E402
 from tests.helpers import wait_until  # noqa: E402
 from tests.integration.launch import Launch, worker_of  # noqa: E402
 
@@ -32,7 +38,7 @@ pytestmark = [pytest.mark.slow]
 SCRIPT = str(Path(__file__).with_name("sharded_script.py"))
 FLAGS = (
     "--min-workers", "2", "--batch-size", "16", "--epochs", "2",
-    "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2",
+    "--heartbeat-interval", "0.5", "--heartbeat-timeout", "5",
 )  # fmt: skip
 JOB = ("--dataset-size", "257", *FLAGS)
 """Each epoch's last step gives one rank one sample and the other none."""
@@ -64,6 +70,28 @@ def replayed(out: Path, steps: int, ranks: int = 2) -> dict[str, torch.Tensor]:
         (torch.stack(losses).sum() / ranks).backward()
         optimizer.step()
     return model.state_dict()
+
+
+def killed_once(
+    run: Launch,
+    watch: JournalWatch,
+    ready: Callable[[], bool],
+    what: str,
+    rank: int,
+    export: Path,
+) -> list[object]:
+    """Once `ready()`, SIGKILL the world's `rank`; the run ends well all the same, its audit
+    passed and that rank its only failure. Returns the run's journal."""
+    wait_until(ready, 240, message=what)
+    victim = watch.state.ranks[rank]
+    (pid,) = [p for p in run.ranks(SCRIPT) if worker_of(p) == victim]
+    os.kill(pid, signal.SIGKILL)
+    assert run.wait(300) == Exit.OK, run.output[-3000:]
+    assert "audit (every sample exactly once per epoch): passed" in run.output
+    journal = journal_of(export)
+    failed = [f for f in journal if isinstance(f, WorkerFailed)]
+    assert [f.worker for f in failed] == [victim], (failed, run.output[-3000:])
+    return journal
 
 
 def test_an_fsdp_model_trains_to_its_end_and_saves_its_whole_weights(tmp_path: Path) -> None:
@@ -112,15 +140,126 @@ def test_a_rank_sigkilled_rewinds_the_sharded_job_to_its_checkpoint(tmp_path: Pa
         watch.pull(100)
         return bool(watch.state.checkpoints) and watch.state.last_committed >= 5
 
-    wait_until(checkpointed, 240, message="a checkpoint written, training past it")
-    victim = watch.state.ranks[1]
-    (pid,) = [p for p in run.ranks(SCRIPT) if worker_of(p) == victim]
-    os.kill(pid, signal.SIGKILL)
-    assert run.wait(300) == Exit.OK, run.output[-3000:]
-    assert "audit (every sample exactly once per epoch): passed" in run.output
-    journal = journal_of(export)
-    assert [f.worker for f in journal if isinstance(f, WorkerFailed)] == [victim]
+    journal = killed_once(run, watch, checkpointed, "a checkpoint, training past it", 1, export)
     assert [f for f in journal if isinstance(f, Rewound)] != []  # the survivor held a shard
     assert [f for f in journal if isinstance(f, WeightsDiverged)] == []
     model = unsharded_model()
     model.load_state_dict(torch.load(tmp_path / "final.pt"))
+
+
+def test_a_checkpoint_written_by_3_ranks_is_read_back_by_2_each_its_own_shards(
+    tmp_path: Path,
+) -> None:
+    """FSDP over every rank, 3 -> 2 -> 3: a rank SIGKILLed takes its shard with it, the two
+    left rewind to the last checkpoint, which 3 ranks wrote (each its shards, beside the
+    file), and read it back resharded for 2; the lost rank's replacement then joins, and the
+    world grows to 3 from the shards the 2 hold, with no second rewind."""
+    export, store = tmp_path / "run.export", tmp_path / "ckpt"
+    # 8 epochs: the replacement joins before the end
+    run = Launch(
+        "-n", "3", "--node", "n", "--dataset-size", "257", "--min-workers", "2",
+        "--batch-size", "16", "--epochs", "8", "--heartbeat-interval", "0.5",
+        "--heartbeat-timeout", "5", "--checkpoint-uri", str(store), "--checkpoint-every", "2",
+        "--export", str(export), SCRIPT, str(tmp_path), cwd=tmp_path,
+    )  # fmt: skip
+    watch = run.journal()
+
+    def by_3(uri: str) -> bool:
+        """Whether 3 ranks wrote the shards of checkpoint `uri` (one file each)."""
+        return any(store.glob(f"{Path(uri).name}.shards/world*/__2_0.distcp"))
+
+    def checkpointed() -> bool:
+        watch.pull(100)
+        saved = [c for c in watch.state.checkpoints if by_3(c.uri)]
+        return bool(saved) and len(watch.state.ranks) == 3 and watch.state.last_committed >= 3
+
+    journal = killed_once(run, watch, checkpointed, "a checkpoint of 3 ranks", 2, export)
+    sizes: dict[int, int] = {}  # world -> its ranks
+    wrote: dict[int, int] = {}  # step -> the ranks of the world that committed it last
+    starts = []  # (where the world's weights came from, ranks that wrote them, its ranks)
+    for f in journal:
+        if isinstance(f, StepCommitted):
+            wrote[f.step] = sizes[f.world]
+        elif isinstance(f, WorldChanged):
+            sizes[f.version] = len(f.ranks)
+            if f.weights is not None and f.ranks and f.weights.source != "initial":
+                starts.append((f.weights.source, wrote[f.weights.step], len(f.ranks)))
+    back = starts.index(("checkpoint", 3, 2))  # written by 3, read back by 2
+    grown = starts.index(("rank", 2, 3), back)  # then grown from the 2's shards
+    assert [s for s in starts[grown:] if s[0] == "checkpoint"] == [], starts  # no rewind
+    assert [f for f in journal if isinstance(f, WeightsDiverged)] == []
+    final = [c for c in journal if isinstance(c, CheckpointSaved)][-1]
+    manifest = shards.read_manifest(final.uri, checkpoints.read(final.uri, final.sha256).payload)
+    assert shards.METADATA in manifest.files  # the job's last checkpoint: sharded, checked
+    model = unsharded_model()
+    model.load_state_dict(torch.load(tmp_path / "final.pt"))
+    assert not torch.equal(model[0].weight, unsharded_model()[0].weight)
+
+
+HSDP = (
+    "-n", "4", "--node", "n", "--dataset-size", "257", "--min-workers", "2",
+    "--batch-size", "16", "--heartbeat-interval", "0.5", "--heartbeat-timeout", "5",
+    "--start-workers", "4", "--start-wait", "240",
+)  # fmt: skip
+"""4 ranks from the first step, however long a loaded machine takes to start them."""
+
+
+def test_hsdp_two_groups_of_two_learn_what_ddp_over_four_ranks_learns(tmp_path: Path) -> None:
+    """`cohort run --shard-group 2` over 4 ranks: 2 copies of the model, each sharded over 2
+    ranks (meshes of 2), their gradients averaged over the copies through cohort's guarded
+    all-reduce: the same weights as DDP over the 4 ranks on the same batches."""
+    export = tmp_path / "run.export"
+    run = Launch(
+        *HSDP, "--shard-group", "2", "--epochs", "2", "--export", str(export), SCRIPT,
+        str(tmp_path), cwd=tmp_path,
+    )  # fmt: skip
+    assert run.wait(300) == Exit.OK, run.output[-3000:]
+    ddp = tmp_path / "ddp"
+    ddp.mkdir()
+    reference = Launch(*HSDP, "--epochs", "2", SCRIPT, str(ddp), "ddp", cwd=ddp)
+    assert reference.wait(300) == Exit.OK, reference.output[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("mesh-*")) == ["mesh-2"]  # only groups of 2
+    hsdp, plain = torch.load(tmp_path / "final.pt"), torch.load(ddp / "final.pt")
+    assert hsdp.keys() == plain.keys()
+    for name in plain:
+        torch.testing.assert_close(hsdp[name], plain[name], rtol=1e-4, atol=1e-5)
+    assert "audit (every sample exactly once per epoch): passed" in run.output
+    journal = journal_of(export)
+    assert [len(f.ranks) for f in journal if isinstance(f, WorldChanged)] == [4]
+    assert [f for f in journal if isinstance(f, WeightsDiverged)] == []
+    assert all(f.digest is not None for f in journal if isinstance(f, StepCommitted))
+
+
+def test_an_hsdp_group_that_loses_a_rank_heals_from_the_other_with_no_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """HSDP 2 x 2 and no checkpoint at all: a rank SIGKILLed takes one copy's shard with
+    it, but the other group holds that shard too, so the next world starts from the
+    survivors' pieces (3 ranks, one FSDP copy over all of them, then 4 again in groups of 2
+    once the replacement joins): no rewind, no lost weights, every sample once."""
+    export = tmp_path / "run.export"
+    # 40 epochs: the replacement joins long before the end
+    run = Launch(
+        *HSDP, "--shard-group", "2", "--epochs", "40", "--export", str(export), SCRIPT,
+        str(tmp_path), cwd=tmp_path,
+    )  # fmt: skip
+    watch = run.journal()
+
+    def training() -> bool:
+        watch.pull(100)
+        return len(watch.state.ranks) == 4 and watch.state.last_committed >= 3
+
+    journal = killed_once(run, watch, training, "4 ranks past step 3", 3, export)
+    assert [f for f in journal if isinstance(f, Rewound | WeightsLost)] == []
+    starts = [
+        (f.weights.source, len(f.ranks))
+        for f in journal
+        if isinstance(f, WorldChanged) and f.weights is not None and f.ranks
+    ]
+    assert starts[0] == ("initial", 4), starts
+    assert ("rank", 3) in starts and starts[-1] == ("rank", 4), starts  # healed, grown back
+    assert [f for f in journal if isinstance(f, WeightsDiverged)] == []
+    assert {p.name for p in tmp_path.glob("mesh-*")} == {"mesh-2", "mesh-3"}
+    model = unsharded_model()
+    model.load_state_dict(torch.load(tmp_path / "final.pt"))
+    assert not torch.equal(model[0].weight, unsharded_model()[0].weight)

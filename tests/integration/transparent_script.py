@@ -51,7 +51,10 @@ def data() -> TensorDataset:
 def model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1)
+        torch.nn.Linear(FEATURES, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Dropout(0.2),
+        torch.nn.Linear(HIDDEN, 1),
     )
 
 
@@ -102,6 +105,7 @@ def main() -> None:
     parser.add_argument("--route", choices=("redis", "gloo"), required=True)
     parser.add_argument("--optimizer", choices=("sgd", "adam"), required=True)
     parser.add_argument("--schedule", choices=("step", "epoch"), required=True)
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     parser.add_argument("--hold-at", type=pair, action="append", default=[])
     parser.add_argument("--die-at", type=when, default=("job", -1, None))
     parser.add_argument("--pace", type=float, default=0.0)
@@ -118,11 +122,14 @@ def main() -> None:
         dataset=dataset,
         backend="gloo" if args.route == "gloo" else None,
     )
+    job.seed_steps(1234)  # dropout's draws: each micro-batch's own, at any world size
     net = model()
     opt = optimizer(args.optimizer, net)
     sched = scheduler(args.schedule, opt)
     counters = {"epochs_done": 0}
-    net, opt = job.wrap(net, opt, scheduler=sched, extra=counters)
+    scaler = torch.amp.GradScaler("cpu", enabled=args.precision == "fp16")
+    net, opt = job.wrap(net, opt, scheduler=sched, extra=counters, scaler=scaler)
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
     workers = args.loader_workers
     loader = DataLoader(
         dataset, batch_size=job.worker.view.config.batch_size, num_workers=workers,
@@ -141,11 +148,14 @@ def main() -> None:
                 die(job, args.die_at[2])
             if args.pace:
                 job.worker.stopping.wait(args.pace)
-            loss = torch.nn.functional.mse_loss(net(x), y)
+            with torch.autocast("cpu", half or torch.bfloat16, enabled=half is not None):
+                out = net(x)
+            loss = torch.nn.functional.mse_loss(out.float(), y)
             opt.zero_grad()
-            loss.backward()
+            scaler.scale(loss).backward()  # fp16: a GradScaler's; otherwise loss as it is
             lr = opt.param_groups[0]["lr"]
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
             if args.schedule == "step":
                 sched.step()
             if not job.aborted:  # a world change cut the step short: it comes again

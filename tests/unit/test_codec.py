@@ -85,7 +85,7 @@ def test_only_a_trainer_joins_as_a_spare() -> None:
 def test_a_v2_job_config_deals_contiguously_with_no_global_batch() -> None:
     fact = decode_fact((FIXTURES / "JobConfigured.v2.msgpack").read_bytes())
     assert isinstance(fact, JobConfigured)
-    assert fact.v == 5 and fact.config.shuffle is True
+    assert fact.v == 6 and fact.config.shuffle is True
     assert (fact.config.dataset_size, fact.config.seed, fact.config.epochs) == (2000, 5, 2)
     assert (fact.config.placement, fact.config.global_batch) == ("contiguous", None)
 
@@ -103,7 +103,7 @@ def test_a_v3_job_config_watches_no_connections() -> None:
     today, silence alone fails its members."""
     fact = decode_fact((FIXTURES / "JobConfigured.v3.msgpack").read_bytes())
     assert isinstance(fact, JobConfigured)
-    assert fact.v == 5 and fact.config.disconnect_grace == 0
+    assert fact.v == 6 and fact.config.disconnect_grace == 0
     assert JobConfig().disconnect_grace == 0.3  # a new job watches them
 
 
@@ -125,7 +125,7 @@ def test_a_v1_job_config_keeps_its_unshuffled_epochs() -> None:
     positions still are its samples, whatever today's default says."""
     fact = decode_fact((FIXTURES / "JobConfigured.v1.msgpack").read_bytes())
     assert isinstance(fact, JobConfigured)
-    assert fact.v == 5 and fact.config.shuffle is False
+    assert fact.v == 6 and fact.config.shuffle is False
     assert (fact.config.dataset_size, fact.config.epochs) == (1000, 3)
     assert fact.config.order(1).samples(((0, 5),)).tolist() == [0, 1, 2, 3, 4]
     assert JobConfig().shuffle is True  # a new job shuffles
@@ -364,5 +364,16 @@ def test_a_leader_election_is_found_by_what_an_entry_is_never_by_its_bytes() -> 
 def test_a_v4_job_config_started_its_first_world_at_min_workers() -> None:
     fact = decode_fact((FIXTURES / "JobConfigured.v4.msgpack").read_bytes())
     assert isinstance(fact, JobConfigured)
-    assert fact.v == 5 and fact.config.disconnect_grace == 0.5 and fact.config.min_workers == 2
+    assert fact.v == 6 and fact.config.disconnect_grace == 0.5 and fact.config.min_workers == 2
     assert (fact.config.start_workers, fact.config.start_wait) == (None, 30.0)
+
+
+def test_a_v5_job_config_summed_in_floating_point_even_strided_with_a_global_batch() -> None:
+    """Exact sums deal a strided step in whole units: a v5 job dealt item by item, and must
+    replay so."""
+    fact = decode_fact((FIXTURES / "JobConfigured.v5.msgpack").read_bytes())
+    assert isinstance(fact, JobConfigured)
+    assert (fact.v, fact.config.reduction, fact.config.exact) == (6, "float", False)
+    assert (fact.config.placement, fact.config.global_batch) == ("strided", 96)
+    today = JobConfig(dataset_size=512, batch_size=16, global_batch=96, placement="strided")
+    assert today.exact  # a job configured now is exact there by default

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import get_args
 
 from cohort.events.models import Command, Fact
+from tests.helpers import require_torch
 
 ROOT = Path(__file__).resolve().parents[2]
 DESIGN = ROOT / "docs" / "design.md"
@@ -154,6 +155,7 @@ def test_the_pages_name_the_classes_cohort_exports_by_their_names() -> None:
     """A page names a class as a script imports it (`cohort.NumpyElasticJob`), not by a
     name that only a DeprecationWarning keeps alive (`cohort.ElasticJob`) or none at all;
     where it or the line before says it is an old name, it may name it."""
+    require_torch()
     import cohort
     import cohort.torch
 

@@ -94,8 +94,9 @@ def test_strided_ranks_take_turns_within_each_step_s_span_of_the_order(
     n: int, steps: int, global_batch: int
 ) -> None:
     """Rank r takes items r, r + n, ... of step j's span [j G, (j + 1) G) of `rest`: the
-    world uses `rest` strictly in order, whatever its size."""
-    shards, _, config = dealt("strided", [f"w{i}" for i in range(n)], global_batch=global_batch)
+    world uses `rest` strictly in order, whatever its size (floating-point sums)."""
+    ranks = [f"w{i}" for i in range(n)]
+    shards, _, config = dealt("strided", ranks, global_batch=global_batch, reduction="float")
     span = set()
     for rank in range(n):
         mine = [p for a, b in deal.batch(config, shards, rank, 0, steps) for p in range(a, b)]
@@ -103,6 +104,46 @@ def test_strided_ranks_take_turns_within_each_step_s_span_of_the_order(
         span.update(mine)
     expected = set(range(steps * global_batch, min((steps + 1) * global_batch, DATA.size)))
     assert span == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 9), steps=st.integers(0, 30), global_batch=st.integers(1, 30))
+def test_exact_sums_deal_each_step_in_whole_units_the_same_at_any_world_size(
+    n: int, steps: int, global_batch: int
+) -> None:
+    """With exact sums, step j's span is cut into units of `batch_size` (4) positions, rank
+    r taking the r-th of n runs of consecutive units, whole (lengths differing by at most
+    one): a rank's micro-batches are those units, so every unit holds the same positions
+    in the same order whatever the world size."""
+    ranks = [f"w{i}" for i in range(n)]
+    shards, _, config = dealt("strided", ranks, global_batch=global_batch)
+    assert config.exact
+    start = steps * global_batch
+    stop = min(start + global_batch, DATA.size)
+    units = [tuple(range(a, min(a + 4, stop))) for a in range(start, stop, 4)]
+    runs = []
+    for rank in range(n):
+        ranges = deal.batch(config, shards, rank, 0, steps)
+        micro = deal.micro_batches(config, ranges)
+        got = [tuple(p for a, b in m for p in range(a, b)) for m in micro if m]
+        mine = deal.units_of(len(units), n, rank)
+        assert got == units[mine.start : mine.stop]
+        runs.append(len(got))
+        weight = deal.weight(config, shards, rank, 0, steps)
+        assert weight == (sum(map(len, got)) * n / (stop - start) if units else 0.0)
+    assert sum(runs) == len(units) and max(runs) - min(runs) <= 1
+    assert runs == sorted(runs, reverse=True)  # a rank left without a unit is never the chief
+
+
+def test_exact_sums_need_a_constant_global_batch_dealt_strided() -> None:
+    for bad in ({"placement": "strided"}, {"global_batch": 8}):
+        try:
+            JobConfig(reduction="exact", **bad)  # type: ignore[arg-type]
+        except ValueError as error:
+            assert "(--global-batch N) and placement 'strided'" in str(error)
+        else:
+            raise AssertionError(f"{bad} was taken")
+    assert not JobConfig(global_batch=8).exact and not JobConfig(placement="strided").exact
 
 
 def test_strided_with_a_global_batch_makes_the_same_batches_whatever_the_world_did() -> None:

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from cohort.commands.run import _placement, _ranks, _spares, _start_with_every_rank, node_gpus
+from cohort.commands.run import (
+    _placement,
+    _ranks,
+    _shard_group,
+    _spares,
+    _start_with_every_rank,
+    node_gpus,
+)
 from cohort.commands.settings import JobSettings
 from cohort.launcher.gpus import NodeGpus
 from tests.unit.test_gpu_probe import FakeGpu, FakeNvml, mig
@@ -48,6 +55,35 @@ def test_more_spares_than_max_workers_allow_beside_the_ranks_are_refused_by_name
     assert exited.value.code == 2
     said = capsys.readouterr().err
     assert "--spares 2: 3 rank(s) and 2 spare(s)" in said and "max_workers=4" in said
+
+
+def test_a_shard_group_of_whole_groups_is_taken_and_none_is_none() -> None:
+    assert (_shard_group("2", ranks=4), _shard_group("4", ranks=4), _shard_group(None, 3)) == (
+        2,
+        4,
+        None,
+    )
+
+
+@pytest.mark.parametrize("text", ["0", "-2", "two", "1.5", ""])
+def test_a_shard_group_that_is_not_a_count_is_refused_by_name(
+    text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        _shard_group(text, ranks=4)
+    assert exited.value.code == 2
+    assert f"--shard-group {text}: give the ranks each copy" in capsys.readouterr().err
+
+
+def test_a_shard_group_that_does_not_divide_the_nodes_ranks_is_refused_with_the_fix(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        _shard_group("2", ranks=3)
+    assert exited.value.code == 2
+    said = capsys.readouterr().err
+    assert "--shard-group 2 with -n 3: this node's ranks must be whole shard groups" in said
+    assert "give -n a multiple of 2" in said
 
 
 def test_gpu_is_one_rank_per_gpu_nvml_sees_each_given_by_uuid() -> None:

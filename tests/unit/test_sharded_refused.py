@@ -24,10 +24,12 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from cohort.events import models as m  # noqa: E402
 from cohort.events.errors import InvalidValueError  # noqa: E402
 from cohort.worker.pytorch.elastic import (  # noqa: E402
+    SHARD_GROUP_ENV,
     ElasticJob,
     TorchState,
     refuse_shard_setting,
     refuse_sharded,
+    shard_group_setting,
     sharded_parameters,
 )
 from cohort.worker.pytorch.sharded import (  # noqa: E402
@@ -170,3 +172,27 @@ def test_the_optimizer_state_is_named_by_parameter_as_a_gathered_one_is() -> Non
     )
     assert [g["params"] for g in named["param_groups"]] == names
     assert named["param_groups"][1]["lr"] == 0.01
+
+
+@pytest.mark.parametrize("given", [0, -2, 1.5, "2", True])
+def test_a_shard_group_that_is_not_a_positive_integer_is_refused_by_name(given: object) -> None:
+    with pytest.raises(InvalidValueError, match=rf"wrap\(shard_group={given!r}\): .*positive"):
+        shard_group_setting(given, sharded=True)  # type: ignore[arg-type]
+
+
+def test_the_shard_group_comes_from_the_environment_checked_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(SHARD_GROUP_ENV, "4")
+    assert shard_group_setting(None, sharded=True) == 4
+    assert shard_group_setting(2, sharded=True) == 2  # wrap's own wins
+    monkeypatch.setenv(SHARD_GROUP_ENV, "two")
+    with pytest.raises(InvalidValueError, match=r"\$COHORT_SHARD_GROUP='two': .*positive"):
+        shard_group_setting(None, sharded=True)
+    monkeypatch.delenv(SHARD_GROUP_ENV)
+    assert shard_group_setting(None, sharded=True) is None  # FSDP over every rank
+
+
+def test_a_shard_group_without_a_shard_function_is_refused_with_the_fix() -> None:
+    with pytest.raises(InvalidValueError, match=r"shard_group=2\) without shard=.*shard function"):
+        shard_group_setting(2, sharded=False)

@@ -4,7 +4,8 @@ After the Zerfoo seed's AllReduceStrategy (local first, then across nodes). For 
 
 1. local: every rank but its host's leader (the host's lowest rank) puts its vectors in a
    shared memory segment of its own and says so on the call's notice stream; the leader
-   sums them with its own, in float64, straight from the segments (no byte through Redis);
+   sums them with its own, in float64 (integers in int64), straight from the segments (no
+   byte through Redis);
 2. across hosts: the leaders, renumbered 0..H-1, run the flat allreduce of
    `redis_collective.py` over their hosts' sums scaled by H/N, whose mean is the sum of
    every rank over N; with one host there is nothing to exchange;
@@ -35,7 +36,13 @@ import redis
 from cohort.events.connection import text
 from cohort.worker.collective import tensors as blobs
 from cohort.worker.collective.layout import Transport, flatten, unflatten
-from cohort.worker.collective.redis_collective import Collective, Participant, World, _Call
+from cohort.worker.collective.redis_collective import (
+    Collective,
+    Participant,
+    World,
+    _Call,
+    accumulator,
+)
 from cohort.worker.errors import CollectiveError
 
 SHM_PREFIX = "cohort-"
@@ -327,7 +334,7 @@ class _HostCall:
     def _lead(
         self, local: _Call, digest: str, sizes: dict[str, int], flats: dict[str, np.ndarray]
     ) -> dict[str, np.ndarray]:
-        sums = {g: v.astype(np.float64) for g, v in flats.items()}
+        sums = {g: v.astype(accumulator(g)) for g, v in flats.items()}
         members = set(self.group) - {self.leader}
         for rank, notice in local.arrivals("local", members):
             if text(notice.get(b"l", b"")) != digest:
@@ -355,9 +362,13 @@ class _HostCall:
 
     def _across(self, sums: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The mean over every rank, from this host's sums: the leaders' flat allreduce of
-        sum x H/N (whose mean over the H hosts is the sum over all N, over N)."""
+        sum x H/N (whose mean over the H hosts is the sum over all N, over N). Integer
+        vectors are summed, exactly: the flat allreduce sums them too."""
         h, n = len(self.hosts.groups), self.world.size
-        scaled = {g: (s * (h / n)).astype(g) for g, s in sums.items()}
+        scaled = {
+            g: s.astype(g) if s.dtype.kind == "i" else (s * (h / n)).astype(g)
+            for g, s in sums.items()
+        }
         if h == 1:
             return scaled
         return self.owner.flat.allreduce_in(

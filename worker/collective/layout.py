@@ -30,6 +30,9 @@ from cohort.worker.errors import CollectiveError
 FLOATS = ("<f2", "<f4", "<f8")
 """The dtypes allreduce averages."""
 
+INTEGERS = ("<i8",)
+"""The dtype allreduce sums, exactly (worker/pytorch/exact.py's integer sums)."""
+
 Transport = Literal["float32", "float16", "int8"]
 TRANSPORTS: tuple[Transport, ...] = ("float32", "float16", "int8")
 SCALES = "/scales"
@@ -55,7 +58,7 @@ class Layout:
 
 
 def flatten(tensors: Mapping[str, np.ndarray]) -> tuple[Layout, dict[str, np.ndarray]]:
-    """One flat vector per float dtype (a view, not a copy, when a dtype has one tensor)."""
+    """One flat vector per dtype (a view, not a copy, when a dtype has one tensor)."""
     by_dtype: dict[str, list[tuple[str, np.ndarray]]] = {}
     for name in sorted(tensors):
         device = getattr(tensors[name], "device", None)  # a torch tensor's, without torch
@@ -68,10 +71,10 @@ def flatten(tensors: Mapping[str, np.ndarray]) -> tuple[Layout, dict[str, np.nda
         array = np.asarray(tensors[name])
         dtype = array.dtype.newbyteorder("<").str if array.dtype.byteorder == ">" else None
         dtype = dtype or array.dtype.str
-        if dtype not in FLOATS:
+        if dtype not in FLOATS + INTEGERS:
             raise CollectiveError(
                 f"tensor {name!r} has dtype {array.dtype.str!r}; allreduce averages "
-                f"{list(FLOATS)} (cast other tensors first)"
+                f"{list(FLOATS)} and sums {list(INTEGERS)} (cast other tensors first)"
             )
         by_dtype.setdefault(dtype, []).append((name, array))
     layout = Layout(

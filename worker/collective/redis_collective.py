@@ -11,7 +11,8 @@ so that no Redis value exceeds `max_value_bytes`); rank r owns chunks r*P .. r*P
    "scatter/<owner>" notice after each owner's chunks (`STAGGER_BYTES`);
 2. reduce: rank r GETs its chunks from every other rank as their notices arrive, checks each
    has the call's sizes and dtypes, sums them in float64 (also for float16/float32: one
-   rounding at the end, not N), divides by N, casts back to the tensor's dtype, SETs the
+   rounding at the end, not N), divides by N (integers: summed in int64, exactly, and not
+   divided), casts back to the tensor's dtype, SETs the
    result at `grad_reduced(world, step, chunk)` and notifies;
 3. gather: every rank GETs the other ranks' reduced chunks, checks and assembles them.
 
@@ -526,7 +527,8 @@ class Collective:
         world: int | None = None,
         transport: Transport = "float32",
     ) -> dict[str, np.ndarray]:
-        """The mean of `tensors` over the ranks of the current world (same names and shapes).
+        """The mean of `tensors` over the ranks of the current world (same names and shapes);
+        integer tensors come back as their exact sum.
 
         `world`: the world version the caller prepared this step for. If the worker has
         already moved on to another world, WorldChangedError is raised instead of running
@@ -826,7 +828,7 @@ class Collective:
         mine, what = plan.owned(call.world.rank), call.what()
         sums = {
             i: {
-                g: a.astype(np.float64)
+                g: a.astype(accumulator(g))
                 for g, a in plan.decoded(plan.sent(i, flats, what), what).items()
             }
             for i in mine
@@ -839,7 +841,8 @@ class Collective:
         items = []
         for i in mine:
             for a in sums[i].values():
-                np.divide(a, call.world.size, out=a)
+                if a.dtype.kind == "f":  # integers are summed (exact sums), not averaged
+                    np.divide(a, call.world.size, out=a)
             travelling = transported(_typed(sums[i], plan.transport), plan.transport, what)
             for g, a in plan.decoded(travelling, what).items():
                 result[g][plan.cuts[g][i]] = a  # the owner keeps what the others decode
@@ -961,6 +964,12 @@ class Collective:
             groups[-1][name] = array
             used += size
         return groups
+
+
+def accumulator(dtype: str) -> type[np.generic]:
+    """What a vector of `dtype` is summed in: int64 for integers (exact, whatever the order:
+    worker/pytorch/exact.py sends its sums so), float64 for the rest."""
+    return np.int64 if np.dtype(dtype).kind in "iu" else np.float64
 
 
 def _typed(sums: Chunk, transport: Transport) -> Chunk:

@@ -1,4 +1,5 @@
-"""Checkpoints through fsspec: one self-describing file each, written whole or not at all.
+"""Checkpoints through fsspec: one self-describing file each, written whole or not at all
+(a sharded model's names its shards, written beside it: worker/pytorch/shards.py).
 
 A file is ``MAGIC | u32 header length | msgpack header | payload``. The header says
 which job and step the weights are of, their digest (as StepDone reports it) and the
@@ -144,9 +145,16 @@ def _parse(uri: str, raw: bytes, digest: str) -> Checkpoint:
     return Checkpoint(job, step, weights, position, payload, digest)
 
 
+SHARDS_SUFFIX = ".shards"
+"""A sharded model's checkpoint file F keeps its shards under F + SHARDS_SUFFIX
+(worker/pytorch/shards.py)."""
+
+
 def delete(uri: str) -> bool:
-    """Remove the checkpoint at `uri`; False if it was not there."""
+    """Remove the checkpoint at `uri`, and its shards if it has any; False if it was not
+    there."""
     try:
+        storage.remove_tree(f"{uri}{SHARDS_SUFFIX}")
         return storage.remove(uri)
     except storage.StorageError as exc:
         raise CheckpointError(str(exc)) from exc

@@ -774,12 +774,17 @@ class Elastic:
         """Take the state of the checkpoint at `uri`; CheckpointError if it cannot be read
         or holds other weights than the journaled `digest`."""
         assert self.state is not None
-        self.state.load(checkpoints.read(uri, sha256).payload)
+        self._take_checkpoint(uri, checkpoints.read(uri, sha256).payload)
         if digest is not None and not self._holds(digest):
             raise checkpoints.CheckpointError(
                 f"checkpoint {uri!r} holds weights {self.state.digest()}, not the journaled "
                 f"{digest}"
             )
+
+    def _take_checkpoint(self, uri: str, payload: bytes) -> None:
+        """Take the state of checkpoint `uri`, whose payload is `payload`."""
+        assert self.state is not None
+        self.state.load(payload)
 
     def _holds(self, digest: str) -> bool:
         """Whether the state's weights are those of the journaled `digest`."""
@@ -1073,8 +1078,12 @@ class Elastic:
             self.worker.id,
             step.step,
         )
-        reason = f"weights ahead of the lineage at step {step.step}"
-        self.worker.leave(reason=reason, drain=False)  # not after a step that never commits
+        self._join_again(f"weights ahead of the lineage at step {step.step}")
+
+    def _join_again(self, reason: str) -> None:
+        """Give up this rank's claim to the weights: leave (not after a step that never
+        commits: no drain) and join again, ready for the next world."""
+        self.worker.leave(reason=reason, drain=False)
         self.worker.join()
         self.world = 0
         self.worker.ready(step=max(self.worker.view.last_committed, 0))

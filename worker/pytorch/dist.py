@@ -485,15 +485,22 @@ class ElasticProcessGroup:
 
     def _world_changed(self, exc: Exception, step: int, world: int | None = None) -> None:
         """Raise WorldChangedError from `exc` if the journal says the world is (soon) over."""
-        dog = self.watchdog
-        if dog is not None and world is None:
-            grace = self._grace()
-            if dog.tripped.wait(grace):
+        if self.watchdog is not None and world is None:
+            if self.ends_after_failure():
                 raise WorldChangedError(step, self.worker.assignment) from exc
             return
         version = world if world is not None else self.worker.world_version
         if self.worker.wait_for_change(version, self._grace()):
             raise WorldChangedError(step, self.worker.assignment) from exc
+
+    def ends_after_failure(self) -> bool:
+        """After a collective of this world's group failed: wait (up to the grace) for the
+        journal to end the world, and say whether it did. Until then no other collective of
+        the group may start: a peer still inside the failed one would take its bytes for
+        the failed one's (gloo then aborts that peer's process: "Received data size doesn't
+        match expected size")."""
+        dog = self.watchdog
+        return dog is not None and dog.tripped.wait(self._grace())
 
     def _grace(self) -> float:
         """How long a failed operation waits for the journal to explain it."""

@@ -26,22 +26,26 @@ import os
 import threading
 import types
 import warnings
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from cohort.events import deal, storage
 from cohort.events.errors import InvalidValueError
 from cohort.worker.collective import compressors as feedback
 from cohort.worker.collective.compressors import DEFAULT_RANK, Compression
 from cohort.worker.collective.redis_collective import Collective
 from cohort.worker.errors import AccumulationError, WorkerError, WorldChangedError
+from cohort.worker.loop.checkpoints import CheckpointError
 from cohort.worker.loop.elastic import POLL, Elastic, EpochEnd, Step, reducible, refuse_weights
+from cohort.worker.pytorch import shards
 from cohort.worker.pytorch import sync as torch_sync
 from cohort.worker.pytorch.completion import HostCompletion, completion_of
 from cohort.worker.pytorch.devices import current, rank_device
 from cohort.worker.pytorch.digests import bytes_digest, weights_digest
+from cohort.worker.pytorch.exact import ExactSum
 from cohort.worker.pytorch.handover import Handover
 from cohort.worker.pytorch.loader import Stale, StepLoader
 from cohort.worker.pytorch.micro import (
@@ -51,6 +55,7 @@ from cohort.worker.pytorch.micro import (
     learning_rates,
 )
 from cohort.worker.pytorch.overlap import OverlappedGradients
+from cohort.worker.pytorch.regather import IncompleteShardsError
 from cohort.worker.pytorch.sharded import (
     GuardedComms,
     Held,
@@ -59,13 +64,17 @@ from cohort.worker.pytorch.sharded import (
     ShardedState,
     blob_of,
     from_blob,
+    optimizer_settings,
     world_mesh,
 )
 from cohort.worker.pytorch.staging import Landing, lands_later, staging_for
+from cohort.worker.pytorch.tree import TreeSum
 
 log = logging.getLogger("cohort.torch")
 BACKEND_ENV = "COHORT_TORCH_BACKEND"
 """Where a script that names no backend finds one (gloo, nccl); unset: through Redis."""
+SHARD_GROUP_ENV = "COHORT_SHARD_GROUP"
+"""Where a script that names no shard group finds one: ranks per HSDP copy of the model."""
 COMPRESSION_ENV = "COHORT_COMPRESSION"
 """Where a script that names no compression finds one: int8, powersgd or powersgd:RANK."""
 
@@ -86,6 +95,32 @@ def compression_setting(
             f"${COMPRESSION_ENV}={setting!r}: the rank after ':' must be an integer"
         ) from None
     return named, rank  # type: ignore[return-value]  # compressor() checks the name
+
+
+def shard_group_setting(shard_group: int | None, sharded: bool) -> int | None:
+    """The ranks per HSDP shard group `wrap` names, else what $COHORT_SHARD_GROUP says
+    (None: FSDP over every rank); InvalidValueError names a value that is not a positive
+    integer, or one given without `shard=`."""
+    named = f"wrap(shard_group={shard_group!r})"
+    if shard_group is None and os.environ.get(SHARD_GROUP_ENV):
+        named = f"${SHARD_GROUP_ENV}={os.environ[SHARD_GROUP_ENV]!r}"
+        try:
+            shard_group = int(os.environ[SHARD_GROUP_ENV])
+        except ValueError:
+            shard_group = 0
+    if shard_group is None:
+        return None
+    if isinstance(shard_group, bool) or not isinstance(shard_group, int) or shard_group < 1:
+        raise InvalidValueError(
+            f"{named}: give the ranks each copy of the model is sharded over, a positive "
+            "integer (HSDP, docs/sharded.md)"
+        )
+    if not sharded:
+        raise InvalidValueError(
+            f"{named} without shard=...: shard groups are of a sharded model; give wrap a "
+            "shard function too (docs/sharded.md)"
+        )
+    return shard_group
 
 
 class TorchState:
@@ -109,6 +144,10 @@ class TorchState:
         self.extra = extra
         """The script's own dict, not a copy: what it changes is what travels, and what a
         world or checkpoint brings is what it reads."""
+        self.exact = ExactSum()
+        """The scales of exact gradient sums through Redis (worker/pytorch/exact.py): they
+        follow the steps' sums, and travel with the weights (gloo and NCCL sum along a tree,
+        which has none)."""
         self.initial = self.snapshot()
         self._held: tuple[Any, list[dict[str, Any]], Any] | None = None
         self._held_buffers: list[torch.Tensor] = []
@@ -121,6 +160,8 @@ class TorchState:
             state["scaler"] = self.scaler.state_dict()
         if self.extra is not None:
             state["user"] = self.extra
+        if self.exact.exponents is not None:
+            state["exact"] = self.exact.state_dict()
         return state
 
     def _take(self, extra: Mapping[str, Any]) -> None:
@@ -129,6 +170,7 @@ class TorchState:
             self.scheduler.load_state_dict(extra["scheduler"])
         if self.scaler is not None and "scaler" in extra:
             self.scaler.load_state_dict(extra["scaler"])
+        self.exact.load_state_dict(extra.get("exact", {}))  # none: a first step's scales
         if self.extra is not None and "user" in extra:
             placed = {k: in_place(v, self.extra.get(k)) for k, v in extra["user"].items()}
             self.extra.clear()
@@ -171,6 +213,11 @@ class TorchState:
         return torch_sync.state_capture(self.model, self.optimizer, self._extra())
 
     def load(self, blob: bytes) -> None:
+        if shards.is_manifest(blob):
+            raise CheckpointError(
+                "the checkpoint holds a sharded model's state (its shards' manifest): train "
+                "it with job.wrap(model, optimizer, shard=...) (docs/sharded.md)"
+            )
         self._take(torch_sync.load_state_blob(self.model, self.optimizer, blob))
 
     def reset(self) -> None:
@@ -261,12 +308,45 @@ class ShardedTorchState(TorchState):
         self.sharded.pending = (model, optim)
         self._pending_extra = extra
 
-    def pending_model(self) -> dict[str, Any] | None:
-        return self.sharded.pending[0] if self.sharded.pending is not None else None
+    def load_checkpoint(self, uri: str, payload: bytes) -> None:
+        """The state of checkpoint `uri`: a whole one's, or a sharded one's manifest with
+        every shard file checked (worker/pytorch/shards.py), read by each rank of the
+        world it starts."""
+        if not shards.is_manifest(payload):
+            self.load(payload)
+            return
+        found = shards.read_manifest(uri, payload)
+        self.sharded.pending = found
+        self._pending_extra = from_blob(found.blob)[2]
 
-    def enter(self, mesh: Any, comms: GuardedComms, handover: Handover) -> None:
+    def save_shards(self, step_uri: str, world: int) -> Callable[[], bytes] | None:
+        """Every rank's shards written beside checkpoint file `step_uri` now (a collective:
+        every rank of the world calls it); on rank 0, the checkpoint's payload (the shards'
+        manifest) when called, on the writer's thread; None elsewhere. RuntimeError where a
+        lost peer broke the writing."""
+        module = self.sharded.module
+        assert module is not None
+        relative = shards.relative_location(step_uri, world)
+        location = shards.absolute(step_uri, relative)
+        files = shards.save(module, self.optimizer, location)
+        if torch.distributed.get_rank() != 0:
+            return None
+        groups = optimizer_settings(self.optimizer, self.sharded.names)
+        blob = blob_of(Held({}), Held({"state": {}, "param_groups": groups}), self._extra())
+        return lambda: shards.manifest(location, relative, files, blob)
+
+    def pending_model(self) -> dict[str, Any] | None:
+        return self.sharded.pending_model()
+
+    def enter(
+        self,
+        mesh: Any,
+        comms: GuardedComms,
+        handover_for: Callable[[int], Handover],
+        regathering: bool,
+    ) -> None:
         extra = self._pending_extra if self._pending_extra is not None else self._extra()
-        self._take(self.sharded.enter(mesh, comms, extra, handover))
+        self._take(self.sharded.enter(mesh, comms, extra, handover_for, regathering))
         self._pending_extra = None
         assert self.sharded.module is not None
         self.model = self.sharded.module
@@ -388,6 +468,8 @@ class ElasticJob(Elastic):
         self._averaged: tuple[Step, bool] | None = None
         """The step whose gradients were made the world's mean, and whether that held."""
         self._warned_schedule = False
+        self._idle_world = 0
+        """The world in which this rank last said it has no micro-batch of a step (exact sums)."""
         self._loaders: dict[int, tuple[Any, StepLoader]] = {}
         self.compressor: feedback.Compressor | None = None
         """Set by `wrap(compression=...)`; its state restarts at every world start."""
@@ -415,6 +497,7 @@ class ElasticJob(Elastic):
         rank: int = DEFAULT_RANK,
         scaler: Any = None,
         shard: Shard | None = None,
+        shard_group: int | None = None,
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Train `model` with `optimizer` (and `scheduler`, a `torch.amp.GradScaler`, and
         `extra` state that travels with them, e.g. an EMA or counters: a dict changed in
@@ -436,19 +519,21 @@ class ElasticJob(Elastic):
         `shard` (with a backend): FSDP2 over every rank, e.g. `shard=lambda module, mesh:
         fully_shard(module, mesh=mesh)`; cohort calls it in each world on a fresh copy of
         `model` with a DeviceMesh of the world's ranks, and the returned model calls that
-        world's sharded module (docs/sharded.md)."""
+        world's sharded module. `shard_group` (or $COHORT_SHARD_GROUP): HSDP, that many
+        consecutive ranks sharding each copy of the model (docs/sharded.md)."""
         refuse_sharded(sharded_parameters(model), self.backend)
+        group = shard_group_setting(shard_group, shard is not None)
         self.compressor = self._compressor(*compression_setting(compression, rank))
         if shard is not None:
-            return self._wrap_sharded(model, optimizer, shard, scheduler, extra, scaler)
-        self.attach(TorchState(model, optimizer, scheduler, extra, scaler))
+            return self._wrap_sharded(model, optimizer, shard, group, scheduler, extra, scaler)
+        self.attach(state := TorchState(model, optimizer, scheduler, extra, scaler))
         self._bucket_bytes = bucket_bytes
-        micro = self.micro = MicroBatches(plain_module(model), self._last_backward_ended)
+        config = self.worker.view.config
+        micro = self.micro = self._micro_for(state, config)
         if scheduler is not None:
             gate_scheduler(scheduler, micro)
         if scaler is not None:
             gate_scaler(scaler, micro)
-        config = self.worker.view.config
         accumulating = config is not None and config.global_batch is not None
         if self.backend is None and overlap and not accumulating and self.compressor is None:
             self.overlapped = OverlappedGradients(
@@ -461,11 +546,21 @@ class ElasticJob(Elastic):
             return self._called, optimizer
         return model, optimizer
 
+    def _micro_for(self, state: TorchState, config: Any) -> MicroBatches:
+        """The micro-batches of `state`'s model, into exact sums where the job's are:
+        along a fixed tree on gloo and NCCL, in integers through Redis."""
+        exact: ExactSum | TreeSum | None = None
+        if config is not None and config.exact:
+            exact = TreeSum() if self.backend is not None else state.exact
+        refuse_compressed_exact_sums(exact is not None, self.compressor is not None)
+        return MicroBatches(state.model, self._last_backward_ended, exact)
+
     def _wrap_sharded(
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         shard: Shard,
+        group: int | None,
         scheduler: Any,
         extra: MutableMapping[str, Any] | None,
         scaler: Any,
@@ -475,8 +570,8 @@ class ElasticJob(Elastic):
         refuse_shard_setting(self.backend, self.compressor is not None, self.worker.view.config)
         template = plain_module(model)
         wrapper = ShardedModel(template)
-        state = ShardedTorchState(ShardedState(template, wrapper, optimizer, shard), scheduler,
-                                  extra, scaler)  # fmt: skip
+        sharded = ShardedState(template, wrapper, optimizer, shard, group)
+        state = ShardedTorchState(sharded, scheduler, extra, scaler)
         self.attach(state)  # type: ignore[arg-type]  # a digest may be None: `_report` sends none
         self.micro = MicroBatches(torch.nn.Module(), self._last_backward_ended)  # counts only
         if scheduler is not None:
@@ -519,7 +614,9 @@ class ElasticJob(Elastic):
         seeded from `seed`, the step and this rank (`step_seed`): a step's dropout and other
         draws then depend on where it is, not on the steps before it, so a step redone
         after a rewind, in a world of the same size, draws what it drew the first time
-        (docs/guarantees.md, "Randomness"). `torch.manual_seed` seeds every CUDA device's
+        (docs/guarantees.md, "Randomness"). With exact sums each micro-batch is seeded from
+        its unit (its place in the step's global batch) instead of the rank, so it draws the
+        same in a world of any size. `torch.manual_seed` seeds every CUDA device's
         generator too."""
         self._seed = seed
 
@@ -615,7 +712,8 @@ class ElasticJob(Elastic):
         returns): through Redis, the gradients become the world's mean now, so the script's
         code after backward sees them, as under DDP (whose reducer ran already)."""
         current = self.current
-        if current is None or self.backend is not None:
+        exact = self.micro is not None and self.micro.exact is not None
+        if current is None or (self.backend is not None and not exact):
             return
         if self._averaged is not None and self._averaged[0] is current:
             raise AccumulationError(
@@ -627,32 +725,88 @@ class ElasticJob(Elastic):
 
     def _gradients_averaged(self, current: Step) -> bool:
         """Make the gradients (and buffers) the world's mean for `current`; False (and the
-        step aborted) when its world is over or the job moved on."""
+        step aborted) when its world is over or the job moved on. With exact sums, on gloo
+        and NCCL the step's sums along the tree (worker/pytorch/tree.py), in two rounds of
+        the step's guarded collectives; through Redis its integer sums (exact.py)."""
         model = self._model()
         if self._comms is not None and self._comms.aborted:
             self.abort()  # FSDP's collectives of this step were cut short: nothing applies
             return False
-        if self.backend is None:
+        exact = self.micro.exact if self.micro is not None else None
+        tree = exact if isinstance(exact, TreeSum) else None
+        sums = exact if isinstance(exact, ExactSum) else None
+        payload = None if sums is None else sums.payload(self._gradients_device())
+        if self.backend is None and exact is None:
             self._scale(model, self._last_factor(current))
         mean = self._mean
+        if tree is not None and not self._tree_gathered(tree, current):
+            return False
         buffers = self._reduce_buffers(mean, model, current) if mean is not None else None
         if (mean is not None and not mean.settle(current.step)) or not self.before_apply():
-            if self.overlapped is not None:
-                self.overlapped.cancel()
-            self.abort()  # a dead peer's world, or the job moved on: built again
+            self._cut_short()  # a dead peer's world, or the job moved on: built again
             return False
         if buffers is not None:
             torch_sync.take_buffer_sums(*buffers)
-        if self.backend is not None:
-            return True
-        try:
-            self._average_gradients(model, current, self._bucket_bytes)
-            torch_sync.sync_buffers(model, self.collective, current.step, _samples(current),
-                                    current.world)  # fmt: skip
-        except WorldChangedError:
-            self.abort()  # no rank applies a step its world did not finish
-            return False
+        if self.backend is None:
+            try:
+                payload = self._average_gradients(model, current, self._bucket_bytes, payload)
+                torch_sync.sync_buffers(model, self.collective, current.step,
+                                        _samples(current), current.world)  # fmt: skip
+            except WorldChangedError:
+                self.abort()  # no rank applies a step its world did not finish
+                return False
+        if tree is not None:
+            tree.decode()
+        if sums is not None and payload is not None:
+            self._take_exact_sums(sums, current, payload)
         return True
+
+    def _tree_gathered(self, tree: TreeSum, current: Step) -> bool:
+        """The tree's first round settled (the all-to-alls, those the last backward did not
+        start sent now) and its second started (the gathers); False (the step aborted)
+        where the world ended first."""
+        mean = self._mean
+        assert mean is not None
+        tree.send_rest()
+        if not mean.settle(current.step):
+            self._cut_short()
+            return False
+        tree.gather()
+        return True
+
+    def _cut_short(self) -> None:
+        if self.overlapped is not None:
+            self.overlapped.cancel()
+        self.abort()
+
+    def _gradients_device(self) -> torch.device:
+        """Where the trained parameters are (their gradients', and the exact sums')."""
+        params = self.micro.trained if self.micro is not None else ()
+        return params[0].device if params else self.device
+
+    def _take_exact_sums(self, exact: ExactSum, current: Step, summed: torch.Tensor) -> None:
+        """The world's exact sums of `current` become every rank's gradients, written into
+        the tensors the script (or a captured graph) holds: the same bits whatever the
+        world size. The next step's scales follow them."""
+        assert self.micro is not None
+        grads = []
+        for param in self.micro.trained:
+            if param.grad is None:
+                param.grad = torch.empty_like(param)
+            grads.append(param.grad)
+        exact.decode(summed, grads)
+        exact.commit()
+        if exact.saturated:
+            log.warning("step %d: %d tensors of its micro-batches' gradients went beyond "
+                        "the exact sums' range and were clamped to it; the next step's range "
+                        "follows", current.step, exact.saturated)  # fmt: skip
+
+    def abort(self) -> None:
+        """The step was cut short (see the base job's). Its exact sums' payload is dropped:
+        a collective abandoned with its world may still write into it."""
+        super().abort()
+        if self.micro is not None and self.micro.exact is not None:
+            self.micro.exact.discard()
 
     @staticmethod
     def _reduce_buffers(
@@ -698,6 +852,16 @@ class ElasticJob(Elastic):
         assert isinstance(state, TorchState)
         assert self._called is not None
         devices = {p.device for p in state.model.parameters()}
+        device = next(iter(devices)) if devices else self.device
+        if self.micro is not None and self.micro.exact is not None:
+            # exact sums: along the tree, through the guarded collectives, bucket by bucket as
+            # the step's last backward makes them (the rest in `_gradients_averaged`); DDP's
+            # buckets would not be exact
+            assert isinstance(self.micro.exact, TreeSum)
+            self._mean = GuardedMean(self.rdzv, self._may_launch, completion_of(device))
+            self.micro.exact.world(self._mean.also, assignment.rank, assignment.world_size,
+                                   self._bucket_bytes)  # fmt: skip
+            return
         # The state was handed over already; buffers travel with it at each world start, and
         # are made the world's at each step's end (`_average_buffers`), not broadcast before
         # each forward: DDP's broadcast is not guarded, and would leave each rank's own
@@ -712,7 +876,6 @@ class ElasticJob(Elastic):
             gradient_as_bucket_view=True,
             **ddp_devices(devices),
         )
-        device = next(iter(devices)) if devices else self.device
         self._mean = GuardedMean(self.rdzv, self._may_launch, completion_of(device))
         self.ddp.register_comm_hook(self._mean, _guarded_allreduce)
 
@@ -728,13 +891,26 @@ class ElasticJob(Elastic):
             self.backend, **group_options(self.backend, self.device)
         )
         self._comms = GuardedComms(self.rdzv, self._may_launch, self._comms_step)
+        weights = assignment.weights
+        regathering = weights is not None and weights.source == "rank"
         try:
-            mesh = world_mesh(self.device.type, world.size, world.version)
-            state.enter(mesh, self._comms, self._handover(assignment))
+            mesh = world_mesh(self.device.type, world.size, world.version, state.sharded.group)
+            self._comms.replicas = mesh.replicas
+            state.enter(
+                mesh.shards, self._comms, lambda src: self._handover(assignment, src), regathering
+            )
             got = state.sharded.digest()
         except RuntimeError as exc:  # a peer died as the world began
             self.rdzv._world_changed(exc, assignment.start_step)
             raise
+        except IncompleteShardsError as exc:  # a holder gave its shards up meanwhile
+            log.warning("%s: %s; joining again, so that the job rewinds", self.worker_id, exc)
+            self._join_again("a sharded world lost a rank's shards")
+            raise WorldChangedError(assignment.start_step, assignment) from exc
+        plans = [p for p in self.worker.view.plans if p.world_version == world.version]
+        state.sharded.held = (
+            (plans[0].ranks, world.rank % mesh.count, mesh.count) if plans else None
+        )
         want = assignment.weights.digest if assignment.weights is not None else None
         if assignment.rank != 0 and want is not None and got != want:
             refuse_weights(self.worker, assignment, got)
@@ -766,51 +942,89 @@ class ElasticJob(Elastic):
             raise
         self._check_weights(assignment)
 
-    def _handover(self, assignment: Any) -> Handover:
-        """How this world's start carries rank 0's state: on NCCL between the GPUs."""
+    def _handover(self, assignment: Any, src: int = 0) -> Handover:
+        """How this world's start carries rank `src`'s state: on NCCL between the GPUs."""
         carrier = self.device if self.backend == "nccl" else torch.device("cpu")
         return Handover(
-            self.rdzv, carrier, self.device, completion_of(carrier), assignment.start_step
+            self.rdzv, carrier, self.device, completion_of(carrier), assignment.start_step, src
         )
 
     def _start_world(self, assignment: Any) -> bool:
-        """As the base job's; a sharded model's state lives in the last world's shards, which
-        a new world cannot take over (another mesh, maybe a lost rank): where the journal
-        says to start from a surviving rank's weights, this rank gives up its claim to them
-        (leaves and joins again), and once every survivor did, the job rewinds to its last
-        checkpoint (docs/sharded.md)."""
+        """As the base job's; a sharded model's state lives in the last world's shards.
+        Where the journal says to start from a surviving rank's weights and a holder of each
+        of the last world's shards is in this one (a rank joined; with HSDP, a copy of each
+        shard is left), they are put together again as the world begins (worker/pytorch/
+        regather.py). Where every holder of a shard was lost, this rank gives up its claim to
+        the weights (leaves and joins again), and once every survivor did, the job rewinds to
+        its last checkpoint (docs/sharded.md)."""
         weights = assignment.weights
+        state = self.state
         if (
-            isinstance(self.state, ShardedTorchState)
+            isinstance(state, ShardedTorchState)
             and weights is not None
             and weights.source == "rank"
+            and not self._regathers(state, assignment)
         ):
             log.warning(
-                "%s: world %d would start from a surviving rank's sharded weights, which no "
-                "new world can take over; joining again, so that the job rewinds to its last "
-                "checkpoint",
+                "%s: world %d would start from sharded weights of which a shard was lost; "
+                "joining again, so that the job rewinds to its last checkpoint",
                 self.worker_id, assignment.world_version,
             )  # fmt: skip
-            self.worker.leave(
-                reason="a sharded world's weights cannot pass to a new world", drain=False
-            )
-            self.worker.join()
-            self.world = 0
-            self.worker.ready(step=max(self.worker.view.last_committed, 0))
+            self._join_again("a sharded world lost a rank's shards")
             return False
         return super()._start_world(assignment)
+
+    def _join_again(self, reason: str) -> None:
+        """As the base job's; a sharded rank's shards are no longer the lineage's."""
+        if isinstance(self.state, ShardedTorchState):
+            self.state.sharded.held = None
+        super()._join_again(reason)
+
+    def _regathers(self, state: ShardedTorchState, assignment: Any) -> bool:
+        """Whether world `assignment` can start from the shards its ranks hold: of the world
+        this process's shards are of, a rank holding each shard is in it (FSDP over every
+        rank: every rank; HSDP: one of each shard's replicas); a process that holds none (a
+        joiner) takes part in any."""
+        plan = self.worker.view.plan
+        if plan is None or plan.world_version != assignment.world_version:
+            return True  # moved on: the next world decides
+        held = state.sharded.held
+        if held is None:
+            return True
+        ranks, _, count = held
+        covered = {i % count for i, worker in enumerate(ranks) if worker in plan.ranks}
+        return covered == set(range(count))
 
     def _copy_state(self) -> Callable[[], bytes] | None:
         """The tensors copied now (a GPU's into pinned memory, the host not waiting), packed
         on the checkpoint writer's thread. A sharded state is gathered now (every rank of
         the world calls it); gathered nowhere (a rank other than 0, or a gather a lost peer
-        broke), it leaves no checkpoint to write."""
+        broke), it leaves no checkpoint to write. A broken gather leaves the group to the
+        journal: the step after it starts no collective before the world is known over."""
         state = self.state
         if isinstance(state, ShardedTorchState):
-            blob = state.snapshot()
-            return (lambda: blob) if blob else None
+            config = self.worker.view.config
+            assert config is not None and config.checkpoint_uri is not None
+            assert self._reported is not None  # a checkpoint is of the step reported last
+            step_uri = storage.checkpoint_uri(config.checkpoint_uri, self._reported)
+            try:
+                return state.save_shards(step_uri, self.world)
+            except RuntimeError as exc:  # a peer lost as the shards were written
+                log.warning("the sharded checkpoint of step %d was not written: %s",
+                            self._reported, exc)  # fmt: skip
+                assert self.rdzv is not None
+                self.rdzv.ends_after_failure()  # the next step's collectives wait for it
+                return None
         assert isinstance(state, TorchState)
         return state.capture()
+
+    def _take_checkpoint(self, uri: str, payload: bytes) -> None:
+        """As the base job's; a sharded model's checkpoint names its shards."""
+        state = self.state
+        if isinstance(state, ShardedTorchState):
+            state.load_checkpoint(uri, payload)
+            return
+        super()._take_checkpoint(uri, payload)
 
     def close(self) -> None:
         """Leave the job (see the base job's `close`), then destroy the last world's process
@@ -875,8 +1089,17 @@ class ElasticJob(Elastic):
             with torch.no_grad():
                 torch._foreach_mul_(grads, factor)  # one launch per device and dtype, not each
 
-    def _average_gradients(self, model: torch.nn.Module, current: Step, bucket_bytes: int) -> None:
-        """Replace the gradients by their means over the world (WorldChangedError: aborted)."""
+    def _average_gradients(
+        self,
+        model: torch.nn.Module,
+        current: Step,
+        bucket_bytes: int,
+        payload: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """Through Redis: replace the gradients by their means over the world; or, with
+        exact sums, the world's sum of `payload`, returned (WorldChangedError: aborted)."""
+        if payload is not None:
+            return torch_sync.exact_sum(self.collective, payload, current.step, current.world)
         if self.overlapped is not None:
             self.overlapped.finish()
         else:
@@ -889,6 +1112,7 @@ class ElasticJob(Elastic):
                 compressor=self.compressor,
                 staging=self._staging,
             )
+        return None
 
     def _start_step(self) -> None:
         """A step's work begins: its collective may start once `launchable` says so."""
@@ -904,11 +1128,61 @@ class ElasticJob(Elastic):
             torch.manual_seed(step_seed(self._seed, current.step, current.rank))
         if self._mean is not None:
             self._mean.begin()
+        if self.micro is not None and self.micro.exact is not None:
+            self._begin_exact_sums(self.micro.exact, self.micro.trained, current)
         if self._comms is not None:
             self._comms.aborted = False
             self._comms.scale = 0.0  # a rank without samples; `batches` sets a share's
         if self.overlapped is not None:
             self.overlapped.begin(current.step, current.world, self._gate)
+
+    def _begin_exact_sums(
+        self, exact: ExactSum | TreeSum, params: Sequence[torch.Tensor], step: Step
+    ) -> None:
+        """A step's exact sums begin: over its units, all of one size but at an epoch's end."""
+        units = self._units(step)
+        if isinstance(exact, TreeSum):
+            config = self.worker.view.config
+            assert config is not None
+            exact.begin(params, units, self._global_samples(step) == units * config.batch_size)
+        else:
+            exact.begin(params, units)
+        self._say_if_idle(step)
+
+    def _say_if_idle(self, step: Step) -> None:
+        """Once a world: a rank that gets no micro-batch of a full step (exact sums deal
+        whole units, and the world has more ranks than the global batch has units)."""
+        config = self.worker.view.config
+        if config is None or config.global_batch is None or self._idle_world == step.world:
+            return
+        units = -(-config.global_batch // config.batch_size)
+        if step.rank < units:
+            return
+        self._idle_world = step.world
+        log.warning(
+            "%s: rank %d of %d gets no micro-batch: exact sums deal the global batch of %s in "
+            "%d whole units of --batch-size %d; give a --batch-size of at most %d to train on "
+            "every rank",
+            self.worker_id, step.rank, step.world_size, config.global_batch, units,
+            config.batch_size, max(1, config.global_batch // step.world_size),
+        )  # fmt: skip
+
+    def _units(self, step: Step) -> int:
+        """The step's micro-batches over the whole world (its global batch's units)."""
+        config, total = self.worker.view.config, self._global_samples(step)
+        assert config is not None
+        return -(-total // config.batch_size)
+
+    def _unit_block(self, step: Step) -> range:
+        """The step's units this rank computes (exact sums deal them whole, in runs)."""
+        return deal.units_of(self._units(step), step.world_size, step.rank)
+
+    def _global_samples(self, step: Step) -> int:
+        """The samples the whole world trains at `step` (fewer only at an epoch's end)."""
+        view = self.worker.view
+        assert view.config is not None and view.plan is not None
+        plan = view.plan
+        return deal.step_total(view.config, plan.shards, plan.base_step, step.step)
 
     def _may_launch(self) -> bool:
         """Under DDP, asked by the comm hook at each bucket: the gate's answer, once a step."""
@@ -957,7 +1231,8 @@ class ElasticJob(Elastic):
                 self._put_back(trained)
                 continue
             micro = self._micro_batches()
-            micro.begin_step(tuple(sum(b - a for a, b in part) for part in step.micro))
+            total = self._global_samples(step) if micro.exact is not None else 0
+            micro.begin_step(tuple(sum(b - a for a, b in part) for part in step.micro), total)
             for index in range(micro.count):
                 micro.begin(index)
                 self._weigh(step, micro)
@@ -969,6 +1244,10 @@ class ElasticJob(Elastic):
                     self.abort()  # its world is over: the step is retried in the next
                     break
                 rates = learning_rates(self._optimizer())
+                if self._seed is not None and micro.exact is not None:
+                    # this unit's draws, after the loader's (a new iteration draws its seed)
+                    unit = self._unit_block(step).start + index
+                    torch.manual_seed(step_seed(self._seed, step.step, unit))
                 yield batch
                 micro.end()
                 if not (micro.applied or self.aborted or self.current is not step):
@@ -1151,6 +1430,17 @@ def refuse_sharded(names: tuple[str, ...], backend: str | None) -> None:
     )
 
 
+def refuse_compressed_exact_sums(exact: bool, compressed: bool) -> None:
+    """InvalidValueError for compression where the job's gradient sums are exact: a
+    compressed sum is rounded, and its bits follow the grouping again."""
+    if exact and compressed:
+        raise InvalidValueError(
+            "job.wrap(compression=...) in a job whose gradient sums are exact (a constant "
+            "--global-batch dealt --placement strided): compressed sums are not exact; "
+            "leave compression unset, or give the coordinator --reduction float"
+        )
+
+
 def refuse_shard_setting(backend: str | None, compressed: bool, config: Any) -> None:
     """InvalidValueError where `wrap(shard=...)` cannot work: on the Redis route (FSDP's
     collectives need a process group), with compression, or with a constant global batch
@@ -1312,15 +1602,19 @@ class GuardedMean:
         return result
 
     def reduce_also(self, tensor: torch.Tensor) -> None:
-        """Sum `tensor` over the world in place, as one more of the step's collectives:
-        `settle` waits for its data (gloo or NCCL) before the step applies; a world already
-        over, or a stale step, aborts the step instead."""
+        """Sum `tensor` over the world in place, as one more of the step's collectives."""
         import torch.distributed as dist
 
+        self.also(functools.partial(dist.all_reduce, tensor, async_op=True))
+
+    def also(self, start: Callable[[], Any]) -> None:
+        """Start one more of the step's collectives (`start()` returns its work): `settle`
+        waits for its data (gloo or NCCL) before the step applies; a world already over, or
+        a stale step, aborts the step instead."""
         if self.dog.tripped.is_set() or not self.may_launch():
             self.aborted = True
             return
-        work = dist.all_reduce(tensor, async_op=True)
+        work = start()
         self.rdzv.track(work)
         with self._lock:
             self._works.append(work)

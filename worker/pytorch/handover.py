@@ -87,9 +87,18 @@ class Handover:
     land on `device` unless they were on the CPU at rank 0."""
 
     def __init__(
-        self, rdzv: Any, carrier: torch.device, device: torch.device, completion: Any, step: int
+        self,
+        rdzv: Any,
+        carrier: torch.device,
+        device: torch.device,
+        completion: Any,
+        step: int,
+        src: int = 0,
     ) -> None:
         self.rdzv = rdzv
+        self.src = src
+        """The rank that gives the state (rank 0, unless a sharded world gathers its
+        survivors' shards: worker/pytorch/sharded.py)."""
         self.carrier = carrier
         self.device = device
         self.completion = completion
@@ -100,8 +109,8 @@ class Handover:
     def state(
         self, parts: Mapping[str, torch.Tensor] | None, meta: bytes
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """Rank 0 gives its `parts` and `meta` (`sync.state_parts`); every rank gets the
-        meta, decoded, and the tensors by path (rank 0 its own), placed."""
+        """Rank `src` gives its `parts` and `meta` (`sync.state_parts`); every rank gets the
+        meta, decoded, and the tensors by path (`src` its own), placed."""
         raw = self._meta(meta)
         decoded = torch_sync.read_meta(raw)
         listed = entries(decoded)
@@ -117,7 +126,7 @@ class Handover:
         return decoded, {e.path: self._placed(got[e.path], e) for e in listed}
 
     def _meta(self, meta: bytes) -> bytes:
-        """The meta's bytes from rank 0 (which gives them): its length first, then itself,
+        """The meta's bytes from rank `src` (which gives them): its length first, then itself,
         each fenced before the host reads it."""
         header = torch.tensor([len(meta)], dtype=torch.int64, device=self.carrier)
         self._fenced(header)
@@ -159,9 +168,9 @@ class Handover:
             at += _aligned(entry.nbytes)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
-        """rank 0's `tensor` into every rank's, waited for under the watchdog (gloo: its
+        """rank `src`'s `tensor` into every rank's, waited for under the watchdog (gloo: its
         data arrived; NCCL: queued on this rank's stream)."""
-        work = dist.broadcast(tensor, src=0, async_op=True)
+        work = dist.broadcast(tensor, src=self.src, async_op=True)
         assert work is not None
         self.rdzv.wait(work, self.step)
         self.works.append(work)

@@ -21,19 +21,35 @@ addition.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from cohort.worker.pytorch.exact import ExactSum
+from cohort.worker.pytorch.tree import TreeSum
 
 
 class MicroBatches:
     """The micro-batches of the current step of `model`'s training, and the gradients
     parked between them; `on_last()` runs as the step's last backward ends."""
 
-    def __init__(self, model: torch.nn.Module, on_last: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        on_last: Callable[[], None],
+        exact: ExactSum | TreeSum | None = None,
+    ) -> None:
         self.on_last = on_last
+        self.exact = exact
+        """Exact sums (docs/guarantees.md): each backward's gradients go into the step's
+        sums at once, weighted by the micro-batch's share of the global batch, and nothing
+        is parked: integers through Redis (worker/pytorch/exact.py), a fixed tree on gloo
+        and NCCL (worker/pytorch/tree.py), whose last backward hands each tensor over as
+        it is made."""
+        self.shares: tuple[float, ...] = ()
+        """Each micro-batch's share of the step's global batch (exact sums)."""
         self.index, self.count = 0, 1
         self.sizes: tuple[int, ...] = ()
         self.inside = False
@@ -44,6 +60,7 @@ class MicroBatches:
         self.backward_done = False
         """Whether this micro-batch's backward ran (and so its end was handled)."""
         self._params = [p for p in model.parameters() if p.requires_grad]
+        self._index = {id(p): i for i, p in enumerate(self._params)}
         self._parked: dict[int, torch.Tensor] = {}
         self._queued = False
         self._lock = threading.Lock()
@@ -68,8 +85,15 @@ class MicroBatches:
         the update, or outside the micro-batches (between epochs)."""
         return not self.inside or self.applied
 
-    def begin_step(self, sizes: tuple[int, ...]) -> None:
+    @property
+    def trained(self) -> Sequence[torch.Tensor]:
+        """The parameters that take gradients, in the model's order (the exact sums')."""
+        return self._params
+
+    def begin_step(self, sizes: tuple[int, ...], total: int = 0) -> None:
+        """A step of micro-batches of `sizes` samples, of a global batch of `total`."""
         self.sizes, self.count = sizes, max(len(sizes), 1)
+        self.shares = tuple(size / total if total else 0.0 for size in sizes)
         self._parked.clear()
 
     def begin(self, index: int) -> None:
@@ -113,8 +137,14 @@ class MicroBatches:
         return take_back
 
     def _accumulated(self, param: torch.Tensor) -> None:
-        if not self.inside or self._queued:
-            return  # outside the step's micro-batches (an evaluation's), or queued already
+        if not self.inside:
+            return  # outside the step's micro-batches (an evaluation's)
+        exact, grad = self.exact, param.grad
+        if isinstance(exact, TreeSum) and grad is not None and self.last and not self.backward_done:
+            # the step's last backward: its sums go to the world bucket by bucket
+            exact.take(self._index[id(param)], grad, self._share())
+        if self._queued:
+            return
         with self._lock:  # the first parameter of a backward: queue its end once
             if self._queued:
                 return
@@ -125,11 +155,30 @@ class MicroBatches:
         with self._lock:
             self._queued = False
         self.backward_done = True
+        if self.exact is not None:
+            self._summed()
         if self.last:
             self.restore()  # what parameters this backward left alone had accumulated
             self.on_last()
-        else:
+        elif self.exact is None:
             self._park()
+
+    def _summed(self) -> None:
+        """Exact sums: this backward's gradients into the step's sums, and zeros in their
+        place (the tensors themselves: they keep their identity through the step), but in
+        the last micro-batch, where the step's sum overwrites them."""
+        assert self.exact is not None
+        grads = [param.grad for param in self._params]
+        self.exact.add(grads, self._share(), self.index)  # but what the hooks took
+        if self.last:
+            return
+        with torch.no_grad():
+            for grad in grads:
+                if grad is not None:
+                    grad.zero_()
+
+    def _share(self) -> float:
+        return self.shares[self.index] if self.index < len(self.shares) else 0.0
 
     def _park(self) -> None:
         """Keep the gradients so far and show the script zeros: nothing it does before the

@@ -28,36 +28,25 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from cohort.worker.errors import WorkerError, WorldChangedError
+from cohort.worker.pytorch import regather, shards
 from cohort.worker.pytorch import sync as torch_sync
 from cohort.worker.pytorch.completion import HostCompletion
 from cohort.worker.pytorch.digests import weights_digest
 from cohort.worker.pytorch.handover import Handover
+from cohort.worker.pytorch.sync import Held
 
 log = logging.getLogger("cohort.torch")
 
 Shard = Callable[[torch.nn.Module, Any], Any]
 """What the script gives `wrap(shard=...)`: called as `shard(module, mesh)`, it shards
 `module` in place over `mesh` (a DeviceMesh of the world's ranks)."""
-
-
-class Held:
-    """A state dict held as data, with a module's `state_dict`/`load_state_dict`: what lets
-    `sync.state_blob` carry a gathered (FQN-keyed) state through the existing blob format."""
-
-    def __init__(self, state: Any = None) -> None:
-        self.state = state
-
-    def state_dict(self) -> Any:
-        return self.state
-
-    def load_state_dict(self, state: Any) -> None:
-        self.state = state
 
 
 class ShardedModel(torch.nn.Module):
@@ -77,6 +66,17 @@ def digest_of(state: Mapping[str, Any]) -> str:
     """The weights digest of a model state dict (as `TorchState.digest` makes it): the same
     for a plain model's `state_dict()` and a sharded one's gathered whole."""
     return weights_digest(state)
+
+
+def optimizer_settings(
+    optimizer: torch.optim.Optimizer, names: list[list[str]]
+) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups' settings (learning rate, betas, ...), each with its
+    parameters' names."""
+    return [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": group_names}
+        for group, group_names in zip(optimizer.param_groups, names, strict=True)
+    ]
 
 
 def optimizer_by_name(optimizer: torch.optim.Optimizer, names: list[list[str]]) -> dict[str, Any]:
@@ -110,6 +110,9 @@ class GuardedComms:
         self.may_launch = may_launch
         self.step = step
         self.aborted = False
+        self.replicas: Any = None
+        """HSDP: the process group of this rank's copies in the other shard groups, which
+        `all_reduce` averages each reduce-scatter's output over (None: FSDP, one copy)."""
         self.scale = 1.0
         """This rank's gradient weight in the mean (its share of the step's samples times
         the world size; 0 for a rank without samples), as DDP's comm hook applies it."""
@@ -124,6 +127,14 @@ class GuardedComms:
             except WorldChangedError:
                 self.aborted = True
         output.zero_()
+
+    def all_reduce(self, output: torch.Tensor) -> None:
+        """HSDP: the shard group's reduced gradients averaged over its replicas, guarded as
+        FSDP's own collectives are (FSDP's built-in HSDP all-reduce is not: a lost peer
+        would raise in the script's backward, or hang it)."""
+        group = self.replicas
+        self.run(lambda: dist.all_reduce(output, group=group, async_op=True), output)
+        output.div_(dist.get_world_size(group))
 
     def _wait(self, work: Any) -> None:
         """Wait for `work` under the world's watchdog (gloo's reduce-scatter has no future):
@@ -178,17 +189,37 @@ def guard(module: torch.nn.Module, comms: GuardedComms) -> None:
         if isinstance(part, FSDPModule):
             part.set_custom_all_gather(gather)
             part.set_custom_reduce_scatter(scatter)
+            if comms.replicas is not None:
+                part.set_all_reduce_hook(comms.all_reduce)
 
 
-def world_mesh(device_type: str, size: int, version: int) -> Any:
-    """A one-dimensional DeviceMesh of world `version`'s ranks, its dimension named for the
-    world. torch compares meshes by their ranks' layout and names, not by which rank this
-    process is, and reuses an equal one met before: a process that was rank 0 of an earlier
-    world then got that world's mesh back as rank 1 of this one, and DTensor cut its
-    optimizer state as rank 0's part while FSDP, which asks its group, held rank 1's."""
+@dataclass(frozen=True)
+class WorldMesh:
+    """A world's mesh for FSDP: `shards`, the ranks one copy of the model is sharded over
+    (a shard group of HSDP, or every rank), `count` of them; `replicas`, the process group
+    of this rank's copies in the other groups (None: one copy)."""
+
+    shards: Any
+    count: int
+    replicas: Any = None
+
+
+def world_mesh(device_type: str, size: int, version: int, group: int | None = None) -> WorldMesh:
+    """World `version`'s mesh: HSDP where its `size` ranks make more than one whole shard
+    group of `group` ranks (consecutive ranks shard one copy; copies are replicas), else
+    FSDP over every rank. Each dimension is named for the world: torch compares meshes by
+    their ranks' layout and names, not by which rank this process is, and reuses an equal
+    one met before: a process that was rank 0 of an earlier world then got that world's
+    mesh back as rank 1 of this one, and DTensor cut its optimizer state as rank 0's part
+    while FSDP, which asks its group, held rank 1's."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (size,), mesh_dim_names=(f"world{version}",))
+    if group is None or size <= group or size % group:
+        mesh = init_device_mesh(device_type, (size,), mesh_dim_names=(f"world{version}",))
+        return WorldMesh(mesh, size)
+    names = (f"replicas{version}", f"world{version}")
+    mesh = init_device_mesh(device_type, (size // group, group), mesh_dim_names=names)
+    return WorldMesh(mesh[names[1]], group, mesh[names[0]].get_group())
 
 
 def whole(**options: Any) -> Any:
@@ -208,6 +239,7 @@ class ShardedState:
         wrapper: ShardedModel,
         optimizer: torch.optim.Optimizer,
         shard: Shard,
+        group: int | None = None,
     ) -> None:
         self.template = template
         self.wrapper = wrapper
@@ -216,8 +248,15 @@ class ShardedState:
         self.names = group_names(template, optimizer)
         self.module: torch.nn.Module | None = None
         """The current world's sharded module (None before the first world)."""
-        self.pending: tuple[dict[str, Any], dict[str, Any]] | None = None
-        """The whole model and optimizer state rank 0 brings to the next world."""
+        self.pending: tuple[dict[str, Any], dict[str, Any]] | shards.Shards | None = None
+        """What rank 0 brings to the next world: the whole model and optimizer state, or a
+        sharded checkpoint's shards (which every rank of the world reads its parts of)."""
+        self.group: int | None = group
+        """Ranks per shard group (HSDP: each group one copy of the model); None: FSDP over
+        every rank of each world."""
+        self.held: tuple[tuple[str, ...], int, int] | None = None
+        """The world whose shards `module` holds: its ranks (worker ids), which shard of how
+        many this process holds; None: none, or this process gave them up."""
 
     def whole_state(self) -> tuple[Held, Held] | None:
         """The whole model and optimizer state as `Held`s: gathered on rank 0 in a world
@@ -236,10 +275,17 @@ class ShardedState:
         optim = get_optimizer_state_dict(self.module, self.optimizer, options=options)
         return (Held(model), Held(optim)) if dist.get_rank() == 0 else None
 
+    def pending_model(self) -> dict[str, Any] | None:
+        """The whole model of the pending state (read whole from a checkpoint's shards)."""
+        if isinstance(self.pending, shards.Shards):
+            return shards.whole_model(self.template, self.pending.location)
+        return self.pending[0] if self.pending is not None else None
+
     def digest(self) -> str:
         """The whole model's digest: of the pending state, or gathered on every rank."""
-        if self.pending is not None:
-            return digest_of(self.pending[0])
+        pending = self.pending_model()
+        if pending is not None:
+            return digest_of(pending)
         if self.module is None:
             return digest_of(self.template.state_dict())
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -247,15 +293,26 @@ class ShardedState:
         return digest_of(get_model_state_dict(self.module, options=whole()))
 
     def enter(
-        self, mesh: Any, comms: GuardedComms, extra: dict[str, Any], handover: Handover
+        self,
+        mesh: Any,
+        comms: GuardedComms,
+        extra: dict[str, Any],
+        handover_for: Callable[[int], Handover],
+        regathering: bool,
     ) -> dict[str, Any]:
         """This world's module: a copy of the template sharded over `mesh`, the optimizer
-        pointed at its parameters, rank 0's whole state (and `extra`) spread over the world
-        by `handover` (guarded, in buckets). Returns the extra state every rank takes."""
-        from torch.distributed.checkpoint.state_dict import (
-            set_model_state_dict,
-        )
+        pointed at its parameters, and filled with the world's whole state: rank 0's (and
+        its `extra`) spread over the world by `handover_for(0)` (guarded, in buckets), or,
+        `regathering`, the shards the last world's ranks held, each given by its holder
+        (worker/pytorch/regather.py). Returns the extra state every rank takes."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
+        mine = None
+        if regathering and self.module is not None and self.held is not None:
+            _, index, count = self.held
+            mine = regather.pieces(self.module, self.optimizer, index, count)
+        self.held = None  # the module is replaced: whatever the world does, nothing is held
+        settings = optimizer_settings(self.optimizer, self.names)
         module = copy.deepcopy(self.template)
         self.shard(module, mesh)
         guard(module, comms)
@@ -264,10 +321,18 @@ class ShardedState:
             group["params"] = [params[name] for name in names]
         self.optimizer.state.clear()
         self.module = self.wrapper.module = module
-        # rank 0's whole state reaches every rank, which keeps its shards of it
-        model_state, optim_state, taken = self._spread(handover, extra)
-        set_model_state_dict(module, model_state, options=whole())
-        shard_optimizer_state(module, self.optimizer, optim_state)
+        if regathering:
+            model_state, optim_state, taken = regather.regather(handover_for, mine, settings, extra)
+            self.pending = None
+        else:  # rank 0's whole state, or where its shards are
+            model_state, optim_state, taken = self._spread(handover_for(0), extra)
+        location = taken.pop(SHARDS_AT, None)
+        if location is None:  # every rank keeps its shards of the whole state
+            set_model_state_dict(module, model_state, options=whole())
+            shard_optimizer_state(module, self.optimizer, optim_state)
+        else:  # every rank reads its own
+            shards.load(module, self.optimizer, location)
+            self.pending = None
         for group, held in zip(self.optimizer.param_groups, optim_state["param_groups"],
                                strict=True):  # fmt: skip
             group.update({k: v for k, v in held.items() if k != "params"})
@@ -280,16 +345,28 @@ class ShardedState:
         if dist.get_rank() == 0:
             if self.pending is None:
                 raise WorkerError("rank 0 of a sharded world holds no whole state to start from")
-            model_state, optim_state = self.pending
+            if isinstance(self.pending, shards.Shards):
+                model_state, optim_state, _ = from_blob(self.pending.blob)
+                extra = {**extra, SHARDS_AT: self.pending.location}
+            else:
+                model_state, optim_state = self.pending
             parts = torch_sync.state_parts(Held(model_state), Held(optim_state), extra)  # type: ignore[arg-type]
             handover.state(*parts)
-            self.pending = None  # kept until it went: a world that fails on the way begins again
+            # kept until it went (a world that fails on the way begins again); shards until
+            # they were read
+            if not isinstance(self.pending, shards.Shards):
+                self.pending = None
             return model_state, optim_state, extra
         self.pending = None
         meta, tensors = handover.state(None, b"")
         model, optim = Held(), Held()
         taken = torch_sync.load_state_parts(model, optim, meta, tensors)  # type: ignore[arg-type]
         return model.state, optim.state, taken
+
+
+SHARDS_AT = "cohort.shards"
+"""The key of the extra state a world's start carries, when its state is a checkpoint's
+shards: where they are."""
 
 
 def shard_optimizer_state(

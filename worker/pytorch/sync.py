@@ -207,6 +207,21 @@ def sync_gradients(
     )
 
 
+def exact_sum(
+    collective: Collective, payload: torch.Tensor, step: int, world: int | None = None
+) -> torch.Tensor:
+    """The sum over the world of the int64 `payload` (worker/pytorch/exact.py's), exact,
+    through Redis (integers are summed there, not averaged), on `payload`'s device; one
+    call per step, in place of `sync_gradients`. WorldChangedError if the world changes."""
+    try:
+        got = collective.allreduce(
+            {"exact": payload.cpu().numpy()}, call_id(step, GRADIENTS), world=world
+        )
+    except WorldChangedError as exc:
+        raise WorldChangedError(step, exc.assignment) from exc
+    return torch.from_numpy(np.array(got["exact"])).to(payload.device)
+
+
 def allreduce(
     collective: Collective,
     tensors: Mapping[str, torch.Tensor],
@@ -668,3 +683,18 @@ class LocalSGD:
         with torch.no_grad():
             for name, param in self._params():
                 self.global_params[name].copy_(param.detach().float())
+
+
+class Held:
+    """A state dict held as data, with a module's `state_dict`/`load_state_dict`: what lets
+    `state_blob` and `state_parts` carry a gathered (FQN-keyed) state, or a rank's shards of
+    one, in the format a module's takes."""
+
+    def __init__(self, state: Any = None) -> None:
+        self.state = state
+
+    def state_dict(self) -> Any:
+        return self.state
+
+    def load_state_dict(self, state: Any) -> None:
+        self.state = state
