@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 from urllib.parse import unquote, urlsplit
 
 import redis
@@ -327,7 +327,7 @@ def connect(settings: RedisSettings) -> Client:
     target = settings.target
     tls = _tls_options(settings) if target.tls else {}
     retry = Retry(ExponentialWithJitterBackoff(cap=0.5, base=0.02), settings.retries)
-    common: dict[str, object] = {
+    common: dict[str, Any] = {
         "socket_timeout": settings.socket_timeout,
         "socket_connect_timeout": settings.connect_timeout,
         "client_name": settings.client_name,
@@ -342,12 +342,12 @@ def connect(settings: RedisSettings) -> Client:
         retry=retry,
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         health_check_interval=30,
-        **common,  # type: ignore[arg-type]
+        **common,
         **tls,  # type: ignore[arg-type]
     )
 
 
-def _tls_options(settings: RedisSettings) -> dict[str, object]:
+def _tls_options(settings: RedisSettings) -> dict[str, Any]:
     """redis-py's TLS options for a rediss:// URL: verify the server, present our files."""
     return {
         "ssl_cert_reqs": "required",
@@ -358,7 +358,7 @@ def _tls_options(settings: RedisSettings) -> dict[str, object]:
 
 
 def _cluster_client(
-    settings: RedisSettings, retry: Retry, common: dict[str, object], tls: dict[str, object]
+    settings: RedisSettings, retry: Retry, common: dict[str, Any], tls: dict[str, Any]
 ) -> RedisCluster:
     """A Redis Cluster client from the URL's startup nodes; it reads the slot map at once."""
     target = settings.target
@@ -369,7 +369,7 @@ def _cluster_client(
             username=target.username,
             password=target.password,
             ssl=target.tls,
-            **common,  # type: ignore[arg-type]
+            **common,
             **tls,  # type: ignore[arg-type]
         )
     except RedisClusterException as exc:  # the client asks for the slot map at once
@@ -380,13 +380,13 @@ def _cluster_client(
 
 
 def _sentinel_client(
-    settings: RedisSettings, retry: Retry, common: dict[str, object], tls: dict[str, object]
+    settings: RedisSettings, retry: Retry, common: dict[str, Any], tls: dict[str, Any]
 ) -> redis.Redis:
     """A client of the primary the Sentinels name for the URL's service (found again after
     a failover); the Sentinels themselves are asked without the servers' credentials."""
     target = settings.target
     assert target.service is not None
-    sentinel_kw: dict[str, object] = {
+    sentinel_kw: dict[str, Any] = {
         "socket_timeout": settings.socket_timeout,
         "socket_connect_timeout": settings.connect_timeout,
     }
