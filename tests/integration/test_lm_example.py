@@ -41,7 +41,7 @@ from cohort.coordinator.audit import committed_batches  # noqa: E402
 from cohort.coordinator.replay import from_file  # noqa: E402
 from cohort.errors import Exit  # noqa: E402
 from cohort.events import deal  # noqa: E402
-from cohort.events.models import SparePromoted  # noqa: E402
+from cohort.events.models import SparePromoted, StepCommitted, WeightsDiverged  # noqa: E402
 from cohort.localredis import free_port  # noqa: E402
 from tests.helpers import wait_until  # noqa: E402
 from tests.integration.gloo import join_gloo, leave_gloo, load_example  # noqa: E402
@@ -202,6 +202,40 @@ def test_the_lm_example_through_a_world_change_ends_with_the_clean_runs_weights(
             shutil.rmtree(changed.parent, ignore_errors=True)
     finally:
         shutil.rmtree(clean.parent, ignore_errors=True)
+
+
+@pytest.mark.parametrize("route", ["redis", "gloo"])
+def test_a_rank_without_a_micro_batch_runs_the_whole_step_and_changes_no_bit(
+    tmp_path: Path, route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A global batch of 2 micro-batches over 3 ranks: the third has no sample in any step.
+    It trains a stand-in batch whose gradients count for nothing, so the script's whole step
+    (the clip, the warmup schedule) runs on it as on its peers: every step's digest agrees
+    over the 3 ranks (a rank that skipped the scheduler drifted, and the leader journaled
+    WeightsDiverged), and the weights are those of the same job on 2 ranks, to the bit."""
+    if route == "gloo":
+        monkeypatch.setenv("COHORT_TORCH_BACKEND", "gloo")
+    job = (*JOB, "--global-batch", "16")  # the last --global-batch given counts
+
+    def trained(ranks: int) -> tuple[dict[str, torch.Tensor], list[object]]:
+        where = tmp_path / f"n{ranks}"
+        where.mkdir()
+        export, saved = where / "run.export", where / "final.pt"
+        run = Launch(
+            "-n", str(ranks), "--node", "n", *job, "--export", str(export), SCRIPT,
+            "--warmup", str(WARMUP), "--clip", str(CLIP), "--save", str(saved), cwd=where,
+        )  # fmt: skip
+        assert run.wait(600) == Exit.OK, run.output[-3000:]
+        assert "audit (every sample exactly once per epoch): passed" in run.output
+        return torch.load(saved), [fact for _, fact in from_file(export).facts()]
+
+    three, journal = trained(3)
+    assert [f for f in journal if isinstance(f, WeightsDiverged)] == []
+    committed = [f for f in journal if isinstance(f, StepCommitted)]
+    assert len(committed) == STEPS and all(f.digest is not None for f in committed)
+    two, _ = trained(2)
+    assert three.keys() == two.keys()
+    assert all(torch.equal(three[k], two[k]) for k in two), "a stand-in changed the weights"
 
 
 if __name__ == "__main__":

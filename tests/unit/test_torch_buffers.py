@@ -295,38 +295,31 @@ def test_job_save_writes_weights_a_cpu_only_process_loads(
 
 
 # ------------------------------------------------------------------ a rank without samples
-def test_an_empty_share_s_forward_under_ddp_leaves_no_trace_in_the_buffers() -> None:
+def test_a_rank_without_samples_trains_the_first_sample_twice_on_cleared_gradients() -> None:
+    """The stand-in batch is the loader's collation of the data set's first sample, twice
+    (BatchNorm refuses a batch of one); the gradients the step before left are zeroed in
+    the tensors the script (or a captured optimizer) holds."""
     model = batchnormed()
     forward(model, seed=1)
-    state = state_of(model)
-    digest = state.digest()
-    job = SimpleNamespace(state=state, ddp=object(), device=torch.device("cpu"), _called=None)
+    torch.nn.functional.mse_loss(model(torch.randn(4, 4)), torch.randn(4, 1)).backward()
+    held = [p.grad for p in model.parameters()]
+    assert all(g is not None and bool(g.abs().sum()) for g in held)
+    job = SimpleNamespace(state=state_of(model))
     data = torch.utils.data.TensorDataset(torch.randn(3, 4), torch.randn(3, 1))
-    state.hold()  # the step begins
-    model.train()
-    elastic.ElasticJob._empty_step(job, data, torch.utils.data.default_collate)  # type: ignore[arg-type]
-    assert state.digest() == digest
+    x, y = elastic.ElasticJob._stand_in(job, data, torch.utils.data.default_collate)  # type: ignore[arg-type]
+    assert torch.equal(x, torch.stack([data[0][0]] * 2))
+    assert torch.equal(y, torch.stack([data[0][1]] * 2))
+    assert all(p.grad is g for p, g in zip(model.parameters(), held, strict=True))
+    assert all(g is not None and not bool(g.abs().sum()) for g in held)
 
 
-def test_an_empty_share_s_sample_goes_to_the_model_s_device() -> None:
-    seen: list[torch.device] = []
-
-    class Probe(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.ones(1, device="meta"))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            seen.append(x.device)
-            return torch.ones((), device="cpu", requires_grad=True)
-
-    state = SimpleNamespace(
-        model=Probe(), optimizer=SimpleNamespace(step=lambda: None, zero_grad=lambda **_: None),
-        restore_buffers=lambda: None,
-    )  # fmt: skip
-    job = SimpleNamespace(state=state, ddp=object(), device=torch.device("cpu"), _called=None)
-    data = torch.utils.data.TensorDataset(torch.randn(3, 4), torch.randn(3, 1))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(elastic, "TorchState", SimpleNamespace)
-        elastic.ElasticJob._empty_step(job, data, torch.utils.data.default_collate)  # type: ignore[arg-type]
-    assert [d.type for d in seen] == ["meta"]
+@pytest.mark.parametrize("factor", [0.0, 0.5])
+def test_a_weight_of_zero_writes_zeros_where_inf_times_zero_would_be_nan(factor: float) -> None:
+    """A stand-in's gradients weigh 0 in the world's mean: an overflow in them (fp16)
+    must add nothing, not NaN, to every rank's sum."""
+    grads = [torch.tensor([float("inf"), 2.0]), torch.tensor([float("nan")])]
+    ct.weigh_(grads, factor)
+    if factor == 0.0:
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+    else:
+        assert grads[0].tolist() == [float("inf"), 1.0] and grads[1].isnan().all()

@@ -62,6 +62,7 @@ from cohort.worker.pytorch.sharded import (
     Shard,
     ShardedModel,
     ShardedState,
+    accumulate,
     blob_of,
     from_blob,
     optimizer_settings,
@@ -566,8 +567,11 @@ class ElasticJob(Elastic):
         scaler: Any,
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """`wrap(shard=...)`: the model is sharded in each world (`_joined_world`); no DDP,
-        no micro-batch parking (FSDP reduces its own gradients, once per step)."""
-        refuse_shard_setting(self.backend, self.compressor is not None, self.worker.view.config)
+        no micro-batch parking: FSDP reduces its own gradients, once per step, and keeps
+        what the micro-batches before the last accumulate (`_weigh`)."""
+        config = self.worker.view.config
+        refuse_shard_setting(self.backend, self.compressor is not None, config)
+        say_float_sums(config)
         template = plain_module(model)
         wrapper = ShardedModel(template)
         sharded = ShardedState(template, wrapper, optimizer, shard, group)
@@ -672,6 +676,21 @@ class ElasticJob(Elastic):
         return compressor
 
     @property
+    def stand_in(self) -> bool:
+        """Whether the batch the script trains now is a stand-in: this rank has no sample in
+        the step (a constant global batch with fewer micro-batches than the world has ranks,
+        or an epoch's last step), so it trains the data set's first sample, twice over, and
+        its gradients count for nothing. The script's whole step runs on it as on every rank
+        (clipping, scaler, scheduler alike); a script that counts what it trains on skips it
+        (`if not job.stand_in`). What `record` is told meanwhile is dropped."""
+        micro = self.micro
+        return micro is not None and micro.inside and micro.standing_in
+
+    def record(self, loss: Any = None, **figures: Any) -> None:
+        if not self.stand_in:  # a stand-in's loss is not this rank's training
+            super().record(loss, **figures)
+
+    @property
     def sync_gradients(self) -> bool:
         """Whether this micro-batch is its step's last: after its `backward()` the gradients
         are the world's mean and `optimizer.step()` applies the update (Accelerate's name).
@@ -732,6 +751,10 @@ class ElasticJob(Elastic):
         if self._comms is not None and self._comms.aborted:
             self.abort()  # FSDP's collectives of this step were cut short: nothing applies
             return False
+        if self.micro is not None and self.micro.standing_in:
+            state = self.state
+            assert isinstance(state, TorchState)
+            state.restore_buffers()  # as the step began: a stand-in's forward moved them
         exact = self.micro.exact if self.micro is not None else None
         tree = exact if isinstance(exact, TreeSum) else None
         sums = exact if isinstance(exact, ExactSum) else None
@@ -1082,12 +1105,7 @@ class ElasticJob(Elastic):
 
     @staticmethod
     def _scale(model: torch.nn.Module, factor: float) -> None:
-        if factor == 1.0:
-            return
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if grads:
-            with torch.no_grad():
-                torch._foreach_mul_(grads, factor)  # one launch per device and dtype, not each
+        torch_sync.weigh_([p.grad for p in model.parameters() if p.grad is not None], factor)
 
     def _average_gradients(
         self,
@@ -1226,25 +1244,19 @@ class ElasticJob(Elastic):
                 return
             trained, self._given = self._given, step
             self._start_step()
-            if not step.ranges:
-                self._empty_step(dataset, collate)
-                self._put_back(trained)
-                continue
             micro = self._micro_batches()
             total = self._global_samples(step) if micro.exact is not None else 0
-            micro.begin_step(tuple(sum(b - a for a, b in part) for part in step.micro), total)
+            sizes = tuple(sum(b - a for a, b in part) for part in step.micro)
+            micro.begin_step(sizes if step.ranges else (), total)  # none: a stand-in step
+            self._make_up(step, micro, dataset, collate)
             for index in range(micro.count):
                 micro.begin(index)
                 self._weigh(step, micro)
-                try:
-                    batch = twin.fetch((step.world, step.step, index))
-                except Stale:
-                    if self.overlapped is not None:
-                        self.overlapped.cancel()
-                    self.abort()  # its world is over: the step is retried in the next
-                    break
+                batch = self._batch_of(twin, step, index, dataset, collate)
+                if batch is None:
+                    break  # its world is over: the step is retried in the next
                 rates = learning_rates(self._optimizer())
-                if self._seed is not None and micro.exact is not None:
+                if self._seed is not None and micro.exact is not None and step.ranges:
                     # this unit's draws, after the loader's (a new iteration draws its seed)
                     unit = self._unit_block(step).start + index
                     torch.manual_seed(step_seed(self._seed, step.step, unit))
@@ -1261,11 +1273,46 @@ class ElasticJob(Elastic):
 
     def _weigh(self, step: Step, micro: MicroBatches) -> None:
         """This rank's gradient weight in the world's mean, for the collectives that make it:
-        DDP's comm hook (the step's last micro-batch), FSDP's reduce-scatters."""
+        DDP's comm hook (the step's last micro-batch), FSDP's reduce-scatters. FSDP keeps
+        what the micro-batches before accumulated, rescaled for this one's size as
+        `MicroBatches` rescales parked gradients, and reduces in the last only."""
         if micro.last and self._mean is not None:
             self._mean.scale = self._last_factor(step)
         if self._comms is not None:
             self._comms.scale = self._last_factor(step)
+            carry = micro.carry(micro.index - 1) if micro.index else 0.0
+            accumulate(self._model(), carry, sync=micro.last)
+
+    def _make_up(self, step: Step, micro: MicroBatches, dataset: Any, collate: Any) -> None:
+        """A sharded world's ranks run as many forward and backward passes in a step (FSDP's
+        all-gathers and reduce-scatters are collectives of them all): a rank with fewer
+        micro-batches than the most any rank has (a smaller share, or none) runs the
+        difference first, on the data set's first sample, times zero, reducing nothing."""
+        missing = self._passes(step) - micro.count
+        if self._comms is None or missing <= 0:
+            return
+        state, model = self.state, self._model()
+        assert isinstance(state, TorchState)
+        accumulate(model, 0.0, sync=False)
+        batch = collate([dataset[0]] * 2)  # BatchNorm refuses to train on one sample
+        inputs = batch[0] if isinstance(batch, tuple | list) else batch
+        for _ in range(missing):
+            out = model(to_device(inputs, model_device(model, self.device)))
+            outputs = out if isinstance(out, tuple | list) else (out,)
+            zero = torch.stack([o.float().sum() for o in outputs if torch.is_tensor(o)]).sum() * 0
+            zero.backward()
+        state.restore_buffers()  # as held when the step began (`_start_step`)
+
+    def _passes(self, step: Step) -> int:
+        """The most micro-batches any rank of `step`'s world has in it (1 if none has any)."""
+        view, at = self.worker.view, step.step
+        plans = [p for p in view.plans if p.world_version == step.world and p.base_step <= at]
+        if view.config is None or not plans:
+            return 1
+        config, plan = view.config, plans[-1]
+        ranks = range(len(plan.shards))
+        shares = (deal.batch(config, plan.shards, r, plan.base_step, at) for r in ranks)
+        return max(len(deal.micro_batches(config, share)) for share in shares)
 
     def warm(self, *loaders: Any) -> None:
         """Start each loader's worker processes now, not at the first step. Called before
@@ -1347,36 +1394,38 @@ class ElasticJob(Elastic):
             stacklevel=3,
         )
 
-    def _empty_step(self, dataset: Any, collate: Any) -> None:
-        """No sample for this rank this step: zero gradients still go into the average.
+    def _batch_of(
+        self, twin: StepLoader, step: Step, index: int, dataset: Any, collate: Any
+    ) -> Any:
+        """Micro-batch `index` of `step` as the script's loader builds it; a stand-in where
+        the rank has no sample in the step; None (the step aborted) if its world is over."""
+        if not step.ranges:
+            return self._stand_in(dataset, collate)
+        try:
+            return twin.fetch((step.world, step.step, index))
+        except Stale:
+            if self.overlapped is not None:
+                self.overlapped.cancel()
+            self.abort()
+            return None
 
-        Under DDP (or FSDP) every rank must run a backward (the others' collectives wait
-        for it): a
-        forward of the data set's first sample (twice: BatchNorm refuses a batch of one),
-        times zero. The model is given the batch's first element (the inputs of an (inputs,
-        targets) data set), on the model's device; the buffers that forward moved
-        (BatchNorm's statistics and count) are put back, so a rank without samples leaves
-        no trace of that sample. The previous step's gradients are cleared first: a script
-        that zeroes them before its backward left them there, and this rank would send
-        them into the step's mean (DDP) or add the step's shard to them (FSDP)."""
+    def _stand_in(self, dataset: Any, collate: Any) -> Any:
+        """What a rank with no sample in a step trains on: the data set's first sample, twice
+        over (BatchNorm refuses a batch of one), built by the loader's collate function.
+
+        The script's whole step runs on it, as on every other rank: forward, backward (under
+        DDP or FSDP every rank must: the others' collectives wait for it), its clipping, its
+        GradScaler's unscale and update, its scheduler. Its gradients count for nothing
+        (the rank's weight in the mean is 0, and exact sums take none of them), and the
+        buffers its forward moved are put back before the world's are made
+        (`_gradients_averaged`), so the rank adds nothing to the step and applies the same
+        update as its peers. What the script records of it is dropped (`record`). The
+        gradients the script left from the step before are cleared first: a script that
+        zeroes them before its backward left them there."""
         state = self.state
         assert isinstance(state, TorchState)
         state.model.zero_grad(set_to_none=False)  # in place: a captured optimizer holds them
-        if self.ddp is None and not isinstance(state, ShardedTorchState):
-            for p in state.model.parameters():
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-        else:
-            batch = collate([dataset[0]] * 2)  # BatchNorm refuses to train on one sample
-            inputs = batch[0] if isinstance(batch, tuple | list) else batch
-            called = self._called or state.model  # through this world's DDP, if any
-            out = called(to_device(inputs, model_device(state.model, self.device)))
-            outputs = out if isinstance(out, tuple | list) else (out,)
-            zero = torch.stack([o.float().sum() for o in outputs if torch.is_tensor(o)]).sum() * 0
-            zero.backward()
-            state.restore_buffers()  # as held when the step began (`_start_step`)
-        state.optimizer.step()
-        state.optimizer.zero_grad(set_to_none=False)
+        return collate([dataset[0]] * 2)
 
     def _peek(self) -> Step | None:
         """The next step, past an epoch's end: asking for it lets the walk go on."""
@@ -1443,8 +1492,8 @@ def refuse_compressed_exact_sums(exact: bool, compressed: bool) -> None:
 
 def refuse_shard_setting(backend: str | None, compressed: bool, config: Any) -> None:
     """InvalidValueError where `wrap(shard=...)` cannot work: on the Redis route (FSDP's
-    collectives need a process group), with compression, or with a constant global batch
-    (micro-batches: not in phase 1 of sharding, docs/sharded.md)."""
+    collectives need a process group), with compression, or with exact sums asked for by
+    name (`--reduction exact`: FSDP's reduce-scatter sums in floating point)."""
     if backend is None:
         raise InvalidValueError(
             "job.wrap(shard=...): the Redis route (no backend) cannot run FSDP's collectives; "
@@ -1455,12 +1504,28 @@ def refuse_shard_setting(backend: str | None, compressed: bool, config: Any) -> 
             "job.wrap(shard=...) with compression: FSDP reduces its own gradients, "
             "uncompressed; leave compression unset"
         )
-    if config is not None and config.global_batch is not None:
+    if config is not None and config.reduction == "exact":
         raise InvalidValueError(
-            f"job.wrap(shard=...) with --global-batch {config.global_batch}: a sharded model "
-            "trains one micro-batch per step for now (docs/sharded.md); leave --global-batch "
-            "unset"
+            "job.wrap(shard=...) with --reduction exact: FSDP sums a sharded model's "
+            "gradients in its reduce-scatter, in floating point, so they cannot be exact sums; "
+            "give the coordinator --reduction float (docs/sharded.md)"
         )
+
+
+def say_float_sums(config: Any) -> None:
+    """A warning where the job's sums would be exact by default (a constant global batch
+    dealt strided, no --reduction given): a sharded model's are floating point."""
+    if config is None or config.reduction is not None or not config.exact:
+        return
+    warnings.warn(
+        "job.wrap(shard=...): a sharded model's gradient sums are floating point (FSDP's "
+        "reduce-scatter), not the exact sums a job of a constant --global-batch dealt "
+        "--placement strided makes by default, so a step's update may differ in its last "
+        "bits between world sizes; give the coordinator --reduction float to say so "
+        "(docs/sharded.md)",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def model_device(model: torch.nn.Module, default: torch.device) -> torch.device:
@@ -1589,7 +1654,7 @@ class GuardedMean:
         if self.dog.tripped.is_set() or not self.may_launch():
             self._zeros(result, tensor)
             return result
-        tensor.mul_(self.scale / self.size)  # then the sum: as DDP's own allreduce hook does
+        torch_sync.weigh_((tensor,), self.scale / self.size)  # then the sum, as DDP's hook
         work = dist.all_reduce(tensor, async_op=True)
         self.rdzv.track(work)  # pinned with its group if the world is abandoned
         with self._lock:

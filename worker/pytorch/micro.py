@@ -50,6 +50,10 @@ class MicroBatches:
         it is made."""
         self.shares: tuple[float, ...] = ()
         """Each micro-batch's share of the step's global batch (exact sums)."""
+        self.standing_in = False
+        """Whether this step is a stand-in: the rank has no sample in it, and trains one
+        batch whose gradients count for nothing, so that the script's whole step (its
+        clipping, scaler, scheduler) runs on every rank alike."""
         self.index, self.count = 0, 1
         self.sizes: tuple[int, ...] = ()
         self.inside = False
@@ -91,8 +95,9 @@ class MicroBatches:
         return self._params
 
     def begin_step(self, sizes: tuple[int, ...], total: int = 0) -> None:
-        """A step of micro-batches of `sizes` samples, of a global batch of `total`."""
-        self.sizes, self.count = sizes, max(len(sizes), 1)
+        """A step of micro-batches of `sizes` samples, of a global batch of `total`; no
+        sizes: a stand-in step (`standing_in`), one batch that adds nothing to the sums."""
+        self.sizes, self.count, self.standing_in = sizes, max(len(sizes), 1), not sizes
         self.shares = tuple(size / total if total else 0.0 for size in sizes)
         self._parked.clear()
 
@@ -109,7 +114,7 @@ class MicroBatches:
         self.inside = False
 
     def end_step(self) -> None:
-        self.index, self.count, self.inside = 0, 1, False
+        self.index, self.count, self.inside, self.standing_in = 0, 1, False, False
         self._parked.clear()
 
     def carry(self, index: int) -> float:
@@ -140,7 +145,8 @@ class MicroBatches:
         if not self.inside:
             return  # outside the step's micro-batches (an evaluation's)
         exact, grad = self.exact, param.grad
-        if isinstance(exact, TreeSum) and grad is not None and self.last and not self.backward_done:
+        taking = self.last and not (self.backward_done or self.standing_in)
+        if isinstance(exact, TreeSum) and grad is not None and taking:
             # the step's last backward: its sums go to the world bucket by bucket
             exact.take(self._index[id(param)], grad, self._share())
         if self._queued:
@@ -155,7 +161,7 @@ class MicroBatches:
         with self._lock:
             self._queued = False
         self.backward_done = True
-        if self.exact is not None:
+        if self.exact is not None and not self.standing_in:  # a stand-in's: nothing to add
             self._summed()
         if self.last:
             self.restore()  # what parameters this backward left alone had accumulated

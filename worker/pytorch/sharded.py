@@ -163,8 +163,7 @@ class GuardedComms:
 
         class GuardedReduceScatter(DefaultReduceScatter):  # type: ignore[misc]
             def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # type: ignore[no-untyped-def]
-                if guard.scale != 1.0:
-                    input_tensor.mul_(guard.scale)  # FSDP's own flat copy of the gradients
+                torch_sync.weigh_((input_tensor,), guard.scale)  # FSDP's flat copy of them
                 guard.run(
                     lambda: dist.reduce_scatter_single(
                         output=output_tensor,
@@ -191,6 +190,42 @@ def guard(module: torch.nn.Module, comms: GuardedComms) -> None:
             part.set_custom_reduce_scatter(scatter)
             if comms.replicas is not None:
                 part.set_all_reduce_hook(comms.all_reduce)
+
+
+def accumulate(module: torch.nn.Module, carry: float, sync: bool) -> None:
+    """Before one of a step's forward and backward passes of FSDP `module`: what the passes
+    before it accumulated (FSDP's unsharded gradients, each pass's mean at weight 1 / m)
+    is kept in FSDP's own accumulator, out of the module's parameters (a `zero_grad` of the
+    script's cannot reach it), times `carry` (m_i / m_(i+1), as `MicroBatches` rescales an
+    unsharded model's parked gradients; 0 drops it, as a step begins); the pass reduces
+    over the world (`set_requires_gradient_sync`) only if `sync`: the step's last."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in module.modules():
+        if not isinstance(part, FSDPModule):
+            continue
+        part.set_requires_gradient_sync(sync, recurse=False)
+        for group in part._get_fsdp_state()._fsdp_param_groups:
+            for param in group.fsdp_params:
+                _carry(param, carry)
+
+
+def _carry(param: Any, carry: float) -> None:
+    """One FSDPParam's accumulated gradient moved into `unsharded_accumulated_grad` (which
+    its next reducing backward adds its own gradient to, and reduces) and scaled."""
+    held = param.unsharded_accumulated_grad
+    unsharded: Any = getattr(param, "_unsharded_param", None)  # made by its first all-gather
+    grad = unsharded.grad if unsharded is not None else None
+    if grad is not None:
+        unsharded.grad = None
+        if param.reduce_dtype is not None:
+            grad = grad.to(param.reduce_dtype)
+        held = grad if held is None else held.add_(grad)
+    if held is not None and carry == 0.0:
+        held = None
+    elif held is not None and carry != 1.0:
+        held.mul_(carry)
+    param.unsharded_accumulated_grad = held
 
 
 @dataclass(frozen=True)

@@ -168,6 +168,19 @@ def _land(staging: Staging | None, averaged: Averaged) -> None:
         (staging or Staging()).from_host(slot, tensors, means)
 
 
+def weigh_(tensors: Sequence[torch.Tensor], factor: float) -> None:
+    """Multiply `tensors` in place by a rank's weight in the world's mean; a weight of 0 (a
+    rank standing in, without samples) writes zeros, so an inf or NaN of its stand-in batch
+    adds nothing (inf times 0 would be NaN in every rank's mean)."""
+    if factor == 1.0 or not tensors:
+        return
+    with torch.no_grad():
+        if factor == 0.0:
+            torch._foreach_zero_(list(tensors))
+        else:
+            torch._foreach_mul_(list(tensors), factor)  # one launch per device and dtype
+
+
 def sync_gradients(
     model: torch.nn.Module,
     collective: Collective,
