@@ -6,6 +6,7 @@ a DeviceMesh the next world does not keep."""
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,6 +30,7 @@ from cohort.worker.pytorch.elastic import (  # noqa: E402
     TorchState,
     refuse_shard_setting,
     refuse_sharded,
+    say_float_sums,
     shard_group_setting,
     sharded_parameters,
 )
@@ -125,15 +127,35 @@ def test_shard_is_refused_on_the_redis_route_naming_the_backend_to_give() -> Non
         refuse_shard_setting(None, compressed=False, config=None)
 
 
-def test_shard_is_refused_with_compression_and_with_a_global_batch() -> None:
+def test_shard_is_refused_with_compression_and_with_exact_sums_asked_for_by_name() -> None:
     with pytest.raises(InvalidValueError, match="leave compression unset"):
         refuse_shard_setting("gloo", compressed=True, config=None)
-    config = m.JobConfig(dataset_size=64, batch_size=4, global_batch=16)
-    with pytest.raises(InvalidValueError, match="--global-batch 16"):
-        refuse_shard_setting("gloo", compressed=False, config=config)
-    refuse_shard_setting(
-        "gloo", compressed=False, config=m.JobConfig(dataset_size=64, batch_size=4)
+    exact = m.JobConfig(
+        dataset_size=64, batch_size=4, global_batch=16, placement="strided", reduction="exact"
     )
+    with pytest.raises(InvalidValueError, match=r"--reduction exact: .* give the coordinator "
+                       r"--reduction float"):  # fmt: skip
+        refuse_shard_setting("gloo", compressed=False, config=exact)
+    for config in (
+        m.JobConfig(dataset_size=64, batch_size=4),
+        m.JobConfig(dataset_size=64, batch_size=4, global_batch=16),  # micro-batches
+        exact.model_copy(update={"reduction": "float"}),
+        exact.model_copy(update={"reduction": None}),  # exact by default: warned of
+    ):
+        refuse_shard_setting("gloo", compressed=False, config=config)
+
+
+def test_sums_exact_by_default_are_said_to_be_floating_point_for_a_sharded_model() -> None:
+    by_default = m.JobConfig(dataset_size=64, batch_size=4, global_batch=16, placement="strided")
+    assert by_default.exact
+    with pytest.warns(UserWarning, match=r"sharded model's gradient sums are floating point.*"
+                      r"--reduction float"):  # fmt: skip
+        say_float_sums(by_default)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none of these warns
+        say_float_sums(None)
+        say_float_sums(m.JobConfig(dataset_size=64, batch_size=4, global_batch=16))
+        say_float_sums(by_default.model_copy(update={"reduction": "float"}))
 
 
 def test_wrap_with_shard_on_the_redis_route_is_refused_before_any_state_is_taken() -> None:
