@@ -6,10 +6,11 @@ each world (`wrap(shard=...)`); every step's whole-model digest is reported
     python sharded_script.py OUT [ddp]
 
 Writes OUT/final.pt through `job.save` (a whole state dict of the unsharded model), and
-each rank's batch of each step as OUT/batch-STEP-RANK.pt (x, y): what one process replays
-to check either route's update. With `ddp`, the same model trains unsharded, under DDP
-(otherwise sharded: in groups where `cohort run --shard-group` says). Each mesh the model
-is sharded over leaves OUT/mesh-SIZE.
+each rank's batch of each step as OUT/batch-STEP-RANK-I.pt (x, y), I its micro-batch (0
+but with a constant global batch; a stand-in, where the rank has no sample, is not
+written): what one process replays to check either route's update. With `ddp`, the same
+model trains unsharded, under DDP (otherwise sharded: in groups where `cohort run
+--shard-group` says). Each mesh the model is sharded over leaves OUT/mesh-SIZE.
 """
 
 from __future__ import annotations
@@ -48,9 +49,12 @@ def main() -> None:
     model, optimizer = job.wrap(model, optimizer, shard=shard if sharded else None)
     data = torch.utils.data.TensorDataset(torch.randn(257, 8), torch.randn(257, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=job.batch_size)
+    micro: dict[tuple[int, int | None], int] = {}  # (world, step): its micro-batches so far
     for _ in job.epochs():
         for x, y in job.batches(loader):
-            torch.save((x, y), out / f"batch-{job.step}-{job.rank}.pt")
+            index = micro[job.world, job.step] = micro.get((job.world, job.step), -1) + 1
+            if not job.stand_in:
+                torch.save((x, y), out / f"batch-{job.step}-{job.rank}-{index}.pt")
             loss = torch.nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
             loss.backward()

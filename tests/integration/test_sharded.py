@@ -55,19 +55,34 @@ def journal_of(export: Path) -> list[object]:
     return [fact for _, fact in from_file(export).facts()]
 
 
-def replayed(out: Path, steps: int, ranks: int = 2) -> dict[str, torch.Tensor]:
+def share_of(out: Path, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What rank `rank` trained on at `step` (its micro-batches joined), None if nothing."""
+    files = sorted(out.glob(f"batch-{step}-{rank}-*.pt"), key=lambda f: int(f.stem.split("-")[3]))
+    parts = [torch.load(f) for f in files]
+    if not parts:
+        return None
+    return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
+
+def replayed(
+    out: Path, steps: int, ranks: int = 2, global_batch: bool = False
+) -> dict[str, torch.Tensor]:
     """The script's model trained in one process on the batches its ranks wrote, each step
     on the ranks' mean gradient (a rank without samples adds zeros: each rank's batch counts
-    alike, as under DDP): the update either route must apply."""
+    alike, as under DDP), or, with a `global_batch`, on the mean gradient of every sample of
+    the step, whatever the ranks' shares: the update either route must apply."""
     torch.manual_seed(0)  # as the script: the same initial weights
     model = unsharded_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     for step in range(steps):
-        batches = [out / f"batch-{step}-{rank}.pt" for rank in range(ranks)]
+        shares = [s for s in (share_of(out, step, rank) for rank in range(ranks)) if s]
         optimizer.zero_grad()
-        losses = [torch.nn.functional.mse_loss(model(x), y)
-                  for x, y in (torch.load(b) for b in batches if b.exists())]  # fmt: skip
-        (torch.stack(losses).sum() / ranks).backward()
+        if global_batch:
+            x, y = torch.cat([x for x, _ in shares]), torch.cat([y for _, y in shares])
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        else:
+            losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in shares]
+            (torch.stack(losses).sum() / ranks).backward()
         optimizer.step()
     return model.state_dict()
 
@@ -111,7 +126,7 @@ def test_an_fsdp_model_trains_to_its_end_and_saves_its_whole_weights(tmp_path: P
     assert reference.wait(300) == Exit.OK, reference.output[-3000:]
     sharded, plain = torch.load(tmp_path / "final.pt"), torch.load(ddp / "final.pt")
     replay = replayed(ddp, 18)
-    assert not (tmp_path / "batch-8-1.pt").exists()  # rank 1 had an empty step
+    assert share_of(tmp_path, 8, 1) is None  # rank 1 had an empty step
     assert sharded.keys() == plain.keys() == replay.keys()
     for name in plain:
         torch.testing.assert_close(plain[name], replay[name], rtol=1e-4, atol=1e-5)
@@ -125,6 +140,42 @@ def test_an_fsdp_model_trains_to_its_end_and_saves_its_whole_weights(tmp_path: P
     model = unsharded_model()
     model.load_state_dict(torch.load(tmp_path / "final.pt"))  # whole: loads unsharded
     assert not torch.equal(model[0].weight, unsharded_model()[0].weight)  # it trained
+
+
+MICRO = (
+    "--dataset-size", "21", "--batch-size", "4", "--global-batch", "17", "--placement",
+    "strided", "--min-workers", "2", "--epochs", "3", "--heartbeat-interval", "0.5",
+    "--heartbeat-timeout", "5",
+)  # fmt: skip
+"""Each epoch: a step of 17 samples dealt in whole units of 4, rank 0 three micro-batches
+of 4 and rank 1 two of 4 and 1 (so it runs one pass more, of nothing, and its last
+micro-batch weighs a quarter of its first), then a step of 4 samples, all rank 0's."""
+
+
+def test_fsdp_micro_batches_of_unequal_shares_learn_the_mean_over_the_global_batch(
+    tmp_path: Path,
+) -> None:
+    """`--global-batch` on a sharded model: every micro-batch but a step's last accumulates
+    without a reduce-scatter, and each rank's sum is weighed by its share, so the update is
+    one process's on the mean gradient of the step's every sample (float rounding apart).
+    The job's sums would be exact by default (strided): the sharded wrap says they are not."""
+    export = tmp_path / "run.export"
+    run = Launch(
+        "-n", "2", "--node", "n", *MICRO, "--export", str(export), SCRIPT, str(tmp_path),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert run.wait(300) == Exit.OK, run.output[-3000:]
+    assert "a sharded model's gradient sums are floating point" in run.output
+    assert "audit (every sample exactly once per epoch): passed" in run.output
+    assert [len(list(tmp_path.glob(f"batch-0-{r}-*.pt"))) for r in (0, 1)] == [3, 2]
+    assert share_of(tmp_path, 1, 1) is None  # rank 1's stand-in step
+    journal = journal_of(export)
+    assert [f for f in journal if isinstance(f, WeightsDiverged)] == []
+    assert len([f for f in journal if isinstance(f, StepCommitted)]) == 6
+    sharded, replay = torch.load(tmp_path / "final.pt"), replayed(tmp_path, 6, global_batch=True)
+    assert sharded.keys() == replay.keys()
+    for name in replay:
+        torch.testing.assert_close(sharded[name], replay[name], rtol=1e-4, atol=1e-5)
 
 
 def test_a_rank_sigkilled_rewinds_the_sharded_job_to_its_checkpoint(tmp_path: Path) -> None:
@@ -207,16 +258,19 @@ HSDP = (
 def test_hsdp_two_groups_of_two_learn_what_ddp_over_four_ranks_learns(tmp_path: Path) -> None:
     """`cohort run --shard-group 2` over 4 ranks: 2 copies of the model, each sharded over 2
     ranks (meshes of 2), their gradients averaged over the copies through cohort's guarded
-    all-reduce: the same weights as DDP over the 4 ranks on the same batches."""
+    all-reduce: the same weights as DDP over the 4 ranks on the same batches. A constant
+    global batch of 102 gives the ranks unequal shares (26, 26, 25, 25: micro-batches of 16
+    and 10 or 9), each weighed by its size in both the groups' sums and the copies' mean."""
     export = tmp_path / "run.export"
+    job = (*HSDP, "--global-batch", "102", "--epochs", "2")
     run = Launch(
-        *HSDP, "--shard-group", "2", "--epochs", "2", "--export", str(export), SCRIPT,
-        str(tmp_path), cwd=tmp_path,
+        *job, "--shard-group", "2", "--export", str(export), SCRIPT, str(tmp_path),
+        cwd=tmp_path,
     )  # fmt: skip
     assert run.wait(300) == Exit.OK, run.output[-3000:]
     ddp = tmp_path / "ddp"
     ddp.mkdir()
-    reference = Launch(*HSDP, "--epochs", "2", SCRIPT, str(ddp), "ddp", cwd=ddp)
+    reference = Launch(*job, SCRIPT, str(ddp), "ddp", cwd=ddp)
     assert reference.wait(300) == Exit.OK, reference.output[-3000:]
     assert sorted(p.name for p in tmp_path.glob("mesh-*")) == ["mesh-2"]  # only groups of 2
     hsdp, plain = torch.load(tmp_path / "final.pt"), torch.load(ddp / "final.pt")
@@ -228,6 +282,9 @@ def test_hsdp_two_groups_of_two_learn_what_ddp_over_four_ranks_learns(tmp_path: 
     assert [len(f.ranks) for f in journal if isinstance(f, WorldChanged)] == [4]
     assert [f for f in journal if isinstance(f, WeightsDiverged)] == []
     assert all(f.digest is not None for f in journal if isinstance(f, StepCommitted))
+    assert sorted(p.name for p in tmp_path.glob("batch-0-3-*.pt")) == [
+        "batch-0-3-0.pt", "batch-0-3-1.pt",
+    ]  # fmt: skip
 
 
 def test_an_hsdp_group_that_loses_a_rank_heals_from_the_other_with_no_checkpoint(
