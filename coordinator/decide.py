@@ -42,7 +42,8 @@ The rules (docs/design.md "Membership", "Data shards and the epoch order"):
   but is never activated at a step boundary and counts toward no world. When the world
   loses ranks (failed, left, drained, removed), the same decision promotes one ready spare
   per lost rank (SparePromoted: one on the lost rank's machine first, then the one ready
-  longest, then by name) before the new world ranks it after the survivors; a job paused
+  longest, then by name) before the new world ranks it after the survivors (with shard
+  groups, `shard_group`, in the lost rank's place: a rank's place is its shard); a job paused
   below `min_workers` after it started promotes as many as make up the numbers. A spare
   that fails or leaves changes no world; after the end nothing is promoted.
 - Roles: an evaluator joins as a member "evaluating": it is never synced, activated or
@@ -554,7 +555,8 @@ def _boundary(plan: _DecisionPlan, seen: Liveness, step: int, epoch_done: bool) 
 
 
 def _new_world(plan: _DecisionPlan, reason: str) -> None:
-    """A new world from the next step: survivors keep their order, newcomers follow.
+    """A new world from the next step: survivors keep their order, newcomers follow (with
+    shard groups, in the places lost ranks left: `_ranked`).
 
     What is left of the epoch is split again over the new ranks; when nothing
     is left (or training never started) a fresh epoch begins. The world starts from
@@ -563,8 +565,7 @@ def _new_world(plan: _DecisionPlan, reason: str) -> None:
     and the job pauses until an operator resumes it.
     """
     state = plan.state
-    ranks = tuple(w for w in state.ranks if w in state.members)
-    ranks += tuple(m.worker for m in state.with_status("active") if m.worker not in ranks)
+    ranks = _ranked(plan)
     weights = lineage.world_weights(state, ranks)
     if ranks and weights is None:
         latest = state.latest_checkpoint
@@ -587,6 +588,33 @@ def _new_world(plan: _DecisionPlan, reason: str) -> None:
             plan.emit(TrainingPaused, reason=why, active=0, min_workers=plan.config.min_workers)
             return
     _start_world(plan, ranks, weights, reason)
+
+
+def _ranked(plan: _DecisionPlan) -> tuple[str, ...]:
+    """The next world's ranks: those of the last that stay, then the newcomers. Without
+    shard groups the stayers close up in their order. With them (`shard_group`), a rank's
+    place in its group is its shard of that group's copy: every stayer keeps it, a spare
+    promoted in this decision takes the place of the rank it replaces, other newcomers
+    fill the places still empty in rank order, and empty places close up. The groups
+    (copies) may change order so that one whose first rank holds the weights goes first:
+    rank 0 starts the world from them (lineage.world_weights); where none does, the
+    stayers close up as without groups."""
+    state = plan.state
+    newcomers = [m.worker for m in state.with_status("active") if m.worker not in state.ranks]
+    closed = tuple(w for w in state.ranks if w in state.members) + tuple(newcomers)
+    size = plan.config.shard_group
+    if size is None:
+        return closed
+    into = {f.replaces: f.worker for f in plan.facts if isinstance(f, SparePromoted)}
+    places = [w if w in state.members else into.get(w) for w in state.ranks]
+    rest = [w for w in newcomers if w not in places]
+    places = [w if w is not None else (rest.pop(0) if rest else None) for w in places]
+    groups = [places[at : at + size] for at in range(0, len(places), size)]
+    groups.sort(key=lambda group: group[0] not in state.holders)  # stable
+    ranked = tuple(w for group in groups for w in group if w is not None) + tuple(rest)
+    if ranked and ranked[0] not in state.holders and closed and closed[0] in state.holders:
+        return closed
+    return ranked
 
 
 def _start_world(

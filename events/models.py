@@ -446,6 +446,12 @@ class JobConfig(BaseModel):
     last bits follow the grouping, and a strided step dealt item by item (balanced to one
     sample); None: "exact" where the job promises a result independent of the world (a
     constant `global_batch` dealt strided), else "float"."""
+    shard_group: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    """Ranks per copy of a model sharded in groups (HSDP: `wrap(shard=..., shard_group=S)`,
+    ranks 0..S-1 the first copy, and so on): each rank's place is its shard, so a new world
+    keeps every staying rank in its place and puts a spare promoted for a lost rank in that
+    rank's place; every rank's own setting must be this one (None: not sharded in groups,
+    and survivors close up in rank order)."""
     straggler_factor: Annotated[float, Field(gt=1, le=1000, allow_inf_nan=False)] = 1.5
     straggler_steps: Annotated[int, Field(ge=1, le=10_000)] = 5
     gpu_rules: tuple[dict[str, Any], ...] | None = Field(default=None, max_length=256)
@@ -524,10 +530,11 @@ class JobConfigured(Event):
     v3 `placement` and `global_batch`, and let `dataset_size` be None (declared by workers);
     v4 `disconnect_grace` (a v3 config is upcast with 0: no connection watch); v5
     `start_workers` and `start_wait` (a v4 job's first world waited for `min_workers`, as
-    None says); v6 `reduction` (a v5 job's sums were floating-point: "float")."""
+    None says); v6 `reduction` (a v5 job's sums were floating-point: "float"); v7
+    `shard_group` (a v6 job's leader placed no shard groups: None)."""
 
     type: Literal["JobConfigured"] = "JobConfigured"
-    v: Literal[6] = 6
+    v: Literal[7] = 7
     config: JobConfig
 
 

@@ -115,6 +115,12 @@ def _config_gained_reduction(body: Body) -> Body:
     return {**body, "config": {**config, "reduction": "float"}}
 
 
+@upcaster("JobConfigured", 6)
+def _config_gained_shard_group(body: Body) -> Body:
+    """A v6 job's leader knew no shard groups: survivors closed up in rank order (None)."""
+    return body
+
+
 @upcaster("WorkerFailed", 1)
 def _failure_was_silence(body: Body) -> Body:
     """Every failure before v2 was a silence of `timeout` s (the default cause)."""

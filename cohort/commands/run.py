@@ -57,14 +57,6 @@ if TYPE_CHECKING:
     "each spare has a GPU of its own. For scripts on cohort's elastic loop (ElasticJob, "
     "NumpyElasticJob).",
 )
-@click.option(
-    "--shard-group",
-    metavar="S",
-    help="HSDP: each copy of a sharded model (ElasticJob.wrap(shard=...)) over S "
-    "consecutive ranks, the copies its data-parallel replicas; a lost rank's shards come "
-    "from another copy (docs/sharded.md). This node's ranks must be whole groups. Sets "
-    "$COHORT_SHARD_GROUP for the script.",
-)
 @job_option(
     "The job (default $COHORT_JOB, else a name made from the script, its arguments, the job "
     "settings and the working directory: the same command is the same job); nodes of one "
@@ -199,6 +191,7 @@ def _launch_settings(
     gpus = node_gpus()
     nproc = _slurm_nproc(ctx, params["nproc"], under)
     ranks = _ranks(nproc, lambda: gpus, _spare_count(params["spares"]))
+    shard_group = _shard_group(config.shard_group, ranks)
     redis_url = _slurm_redis(ctx, params, under)
     job = params["job"] or _job_name(command, job_settings_given, under)
     job, run_dir, resuming = _run_dir(ctx, job, params, shared=bool(redis_url))
@@ -236,7 +229,7 @@ def _launch_settings(
         worker_credentials=params["worker_credentials"],
         spares=spares,
         gpus=placement,
-        shard_group=_shard_group(params["shard_group"], ranks),
+        shard_group=shard_group,
         exit_reports=params["exit_reports"],
         resuming=resuming,
         **_slurm_settings(params["drain_signal"], under, shared=bool(redis_url)),
@@ -442,20 +435,15 @@ def _spare_count(text: str) -> int:
     return int(text)
 
 
-def _shard_group(text: str | None, ranks: int) -> int | None:
-    """--shard-group: ranks per HSDP copy, 1 or more, of which this node's ranks are whole
+def _shard_group(group: int | None, ranks: int) -> int | None:
+    """--shard-group (the job's, checked by JobConfig): this node's ranks must be whole
     groups; else exit 2 naming it."""
-    if text is None:
-        return None
-    if not text.isdigit() or int(text) < 1:
-        fail(f"--shard-group {text}: give the ranks each copy of the model is sharded over, 1 "
-             "or more")  # fmt: skip
-    if ranks % int(text):
+    if group is not None and ranks % group:
         fail(
-            f"--shard-group {text} with -n {ranks}: this node's ranks must be whole shard "
-            f"groups; give -n a multiple of {text}, or a group size that divides {ranks}"
+            f"--shard-group {group} with -n {ranks}: this node's ranks must be whole shard "
+            f"groups; give -n a multiple of {group}, or a group size that divides {ranks}"
         )
-    return int(text)
+    return group
 
 
 def _spares(text: str, ranks: int = 1, max_workers: int = 64) -> int:

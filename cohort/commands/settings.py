@@ -89,6 +89,16 @@ OPTIONS = [
         "Default: exact with --global-batch and --placement strided, else float.",
     ),
     click.option(
+        "--shard-group",
+        type=int,
+        metavar="S",
+        help="HSDP: each copy of a sharded model (ElasticJob.wrap(shard=...)) is sharded over "
+        "S consecutive ranks, the copies its data-parallel replicas; a new world keeps every "
+        "rank's place (its shard) and puts a spare in a lost rank's place (docs/sharded.md). "
+        "`cohort run` gives the scripts $COHORT_SHARD_GROUP, and each node's ranks must be "
+        "whole groups.",
+    ),
+    click.option(
         "--shuffle/--no-shuffle",
         default=None,
         help="Visit each epoch's samples in its own pseudorandom order, keyed by the seed and "

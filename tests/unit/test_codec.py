@@ -39,6 +39,8 @@ from cohort.events.streams import Entry, Journal, elects
 from cohort.events.upcasters import UPCASTERS
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "events"
+CURRENT = JobConfigured.model_fields["v"].default
+"""The version a JobConfigured is written at today: older ones upcast to it."""
 
 
 def test_every_upcaster_has_a_stored_old_version_fixture() -> None:
@@ -85,7 +87,7 @@ def test_only_a_trainer_joins_as_a_spare() -> None:
 def test_a_v2_job_config_deals_contiguously_with_no_global_batch() -> None:
     fact = decode_fact((FIXTURES / "JobConfigured.v2.msgpack").read_bytes())
     assert isinstance(fact, JobConfigured)
-    assert fact.v == 6 and fact.config.shuffle is True
+    assert fact.v == CURRENT and fact.config.shuffle is True
     assert (fact.config.dataset_size, fact.config.seed, fact.config.epochs) == (2000, 5, 2)
     assert (fact.config.placement, fact.config.global_batch) == ("contiguous", None)
 
@@ -103,7 +105,7 @@ def test_a_v3_job_config_watches_no_connections() -> None:
     today, silence alone fails its members."""
     fact = decode_fact((FIXTURES / "JobConfigured.v3.msgpack").read_bytes())
     assert isinstance(fact, JobConfigured)
-    assert fact.v == 6 and fact.config.disconnect_grace == 0
+    assert fact.v == CURRENT and fact.config.disconnect_grace == 0
     assert JobConfig().disconnect_grace == 0.3  # a new job watches them
 
 
@@ -125,7 +127,7 @@ def test_a_v1_job_config_keeps_its_unshuffled_epochs() -> None:
     positions still are its samples, whatever today's default says."""
     fact = decode_fact((FIXTURES / "JobConfigured.v1.msgpack").read_bytes())
     assert isinstance(fact, JobConfigured)
-    assert fact.v == 6 and fact.config.shuffle is False
+    assert fact.v == CURRENT and fact.config.shuffle is False
     assert (fact.config.dataset_size, fact.config.epochs) == (1000, 3)
     assert fact.config.order(1).samples(((0, 5),)).tolist() == [0, 1, 2, 3, 4]
     assert JobConfig().shuffle is True  # a new job shuffles
@@ -364,7 +366,8 @@ def test_a_leader_election_is_found_by_what_an_entry_is_never_by_its_bytes() -> 
 def test_a_v4_job_config_started_its_first_world_at_min_workers() -> None:
     fact = decode_fact((FIXTURES / "JobConfigured.v4.msgpack").read_bytes())
     assert isinstance(fact, JobConfigured)
-    assert fact.v == 6 and fact.config.disconnect_grace == 0.5 and fact.config.min_workers == 2
+    assert fact.v == CURRENT
+    assert fact.config.disconnect_grace == 0.5 and fact.config.min_workers == 2
     assert (fact.config.start_workers, fact.config.start_wait) == (None, 30.0)
 
 
@@ -373,7 +376,14 @@ def test_a_v5_job_config_summed_in_floating_point_even_strided_with_a_global_bat
     replay so."""
     fact = decode_fact((FIXTURES / "JobConfigured.v5.msgpack").read_bytes())
     assert isinstance(fact, JobConfigured)
-    assert (fact.v, fact.config.reduction, fact.config.exact) == (6, "float", False)
+    assert (fact.v, fact.config.reduction, fact.config.exact) == (CURRENT, "float", False)
     assert (fact.config.placement, fact.config.global_batch) == ("strided", 96)
     today = JobConfig(dataset_size=512, batch_size=16, global_batch=96, placement="strided")
     assert today.exact  # a job configured now is exact there by default
+
+
+def test_a_v6_job_config_placed_no_shard_groups() -> None:
+    """Before v7 the leader knew no shard groups: survivors closed up in rank order."""
+    fact = decode_fact((FIXTURES / "JobConfigured.v6.msgpack").read_bytes())
+    assert isinstance(fact, JobConfigured)
+    assert (fact.v, fact.config.shard_group, fact.config.reduction) == (CURRENT, None, "exact")

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+from click.testing import CliRunner
+
+from cohort.cli import main
 from cohort.commands.run import (
     _placement,
     _ranks,
@@ -58,28 +62,42 @@ def test_more_spares_than_max_workers_allow_beside_the_ranks_are_refused_by_name
 
 
 def test_a_shard_group_of_whole_groups_is_taken_and_none_is_none() -> None:
-    assert (_shard_group("2", ranks=4), _shard_group("4", ranks=4), _shard_group(None, 3)) == (
+    assert (_shard_group(2, ranks=4), _shard_group(4, ranks=4), _shard_group(None, 3)) == (
         2,
         4,
         None,
     )
 
 
-@pytest.mark.parametrize("text", ["0", "-2", "two", "1.5", ""])
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("0", "shard_group=0: Input should be greater than or equal to 1"),
+        ("-2", "shard_group=-2: Input should be greater than or equal to 1"),
+        ("two", "Invalid value for '--shard-group': 'two' is not a valid integer"),
+        ("1.5", "Invalid value for '--shard-group': '1.5' is not a valid integer"),
+    ],
+)
 def test_a_shard_group_that_is_not_a_count_is_refused_by_name(
-    text: str, capsys: pytest.CaptureFixture[str]
+    text: str, said: str, tmp_path: Path
 ) -> None:
-    with pytest.raises(SystemExit) as exited:
-        _shard_group(text, ranks=4)
-    assert exited.value.code == 2
-    assert f"--shard-group {text}: give the ranks each copy" in capsys.readouterr().err
+    """--shard-group is a job setting (journaled, checked as the others are): a bad one
+    exits 2 naming it, before anything starts."""
+    runner = CliRunner()
+    result = runner.invoke(
+        main, ["run", "-n", "4", "--run-dir", str(tmp_path / "run"), "--shard-group", text,
+               "train.py"],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert said in result.output
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_shard_group_that_does_not_divide_the_nodes_ranks_is_refused_with_the_fix(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        _shard_group("2", ranks=3)
+        _shard_group(2, ranks=3)
     assert exited.value.code == 2
     said = capsys.readouterr().err
     assert "--shard-group 2 with -n 3: this node's ranks must be whole shard groups" in said

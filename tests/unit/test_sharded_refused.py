@@ -215,6 +215,25 @@ def test_the_shard_group_comes_from_the_environment_checked_alike(
     assert shard_group_setting(None, sharded=True) is None  # FSDP over every rank
 
 
+def test_the_job_s_journaled_shard_group_is_every_rank_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--shard-group` is journaled (JobConfig.shard_group): a rank takes it where it names
+    none, and one that names another, or does not shard at all, is refused with the fix
+    (every rank of a job trains the same way)."""
+    monkeypatch.delenv(SHARD_GROUP_ENV, raising=False)
+    config = m.JobConfig(shard_group=2)
+    assert shard_group_setting(None, sharded=True, config=config) == 2
+    assert shard_group_setting(2, sharded=True, config=config) == 2
+    with pytest.raises(InvalidValueError, match=r"shard_group=4\), but the job shards in groups "
+                       r"of 2 .*--shard-group 4"):  # fmt: skip
+        shard_group_setting(4, sharded=True, config=config)
+    monkeypatch.setenv(SHARD_GROUP_ENV, "4")
+    with pytest.raises(InvalidValueError, match=r"\$COHORT_SHARD_GROUP='4', but the job"):
+        shard_group_setting(None, sharded=True, config=config)
+    with pytest.raises(InvalidValueError, match=r"groups of 2 ranks .* has no shard="):
+        shard_group_setting(None, sharded=False, config=config)
+    assert shard_group_setting(None, sharded=True, config=m.JobConfig()) == 4  # not journaled
+
+
 def test_a_shard_group_without_a_shard_function_is_refused_with_the_fix() -> None:
     with pytest.raises(InvalidValueError, match=r"shard_group=2\) without shard=.*shard function"):
         shard_group_setting(2, sharded=False)

@@ -161,6 +161,72 @@ def test_with_fewer_ready_spares_than_lost_ranks_the_rest_of_the_world_shrinks()
     _agrees(job)
 
 
+def test_with_shard_groups_a_spare_takes_the_lost_ranks_place_and_every_other_keeps_its() -> None:
+    """HSDP: a rank's place is its shard of its group's copy. With shard groups of 2 over
+    a, b | c, d, b lost: the spare on b's machine becomes rank 1 (b's shard of the first
+    copy) and c, d stay ranks 2 and 3, their copy untouched; without shard groups the
+    survivors close up (test_a_failed_rank_is_replaced_by_a_spare_in_the_same_decision)."""
+    job = _job(heartbeat_timeout=5.0, min_workers=2, shard_group=2)
+    job.start("a", "b", "c", "d")
+    _spare(job, "s1")  # on b's machine
+    job.step()
+    job.now += 3
+    job.alive("a", "c", "d", "s1")
+    facts = job.advance(3)  # b silent for 6 s
+    assert _promoted(facts) == [("s1", "b")]
+    assert job.state.ranks == ("a", "s1", "c", "d")
+    _agrees(job)
+
+
+def test_with_shard_groups_rank_0_lost_puts_a_whole_copy_first_and_keeps_every_shard() -> None:
+    """Rank 0 starts a world from the weights it holds: a, b | c, d with a lost, its spare
+    takes a's place (shard 0 of the first copy) and the copies swap, so c, d (a copy that
+    holds the weights) lead; every rank keeps its shard of its copy."""
+    job = _job(heartbeat_timeout=5.0, min_workers=4, shard_group=2)
+    job.start("a", "b", "c", "d")
+    _spare(job, "s2")  # on h1: a's machine
+    job.step()
+    job.now += 3
+    job.alive("b", "c", "d", "s2")
+    facts = job.advance(3)  # a silent for 6 s
+    assert _promoted(facts) == [("s2", "a")]
+    world = facts[-1]
+    assert isinstance(world, m.WorldChanged) and world.ranks == ("c", "d", "s2", "b")
+    assert world.weights is not None and world.weights.source == "rank"
+    _agrees(job)
+
+
+def test_with_shard_groups_where_no_copy_begins_with_a_holder_the_stayers_close_up() -> None:
+    job = _job(heartbeat_timeout=5.0, min_workers=2, shard_group=2)
+    job.start("a", "b", "c")
+    _spare(job, "s1")  # on h2, ready longest
+    _spare(job, "s3")  # on h3: c's
+    job.step()
+    job.now += 6
+    job.alive("b", "s1", "s3")
+    facts = job.advance(0.1)  # a and c fail
+    assert sorted(_promoted(facts)) == [("s1", "a"), ("s3", "c")]
+    assert job.state.ranks == ("b", "s1", "s3")  # b holds the weights: rank 0
+    _agrees(job)
+
+
+def test_with_shard_groups_a_place_no_spare_fills_closes_up_and_a_joiner_follows() -> None:
+    """No spare for a lost rank: the world goes on without its place (one copy over all
+    its ranks, docs/sharded.md), and a later joiner is ranked after the others."""
+    job = _job(heartbeat_timeout=5.0, min_workers=1, shard_group=2)
+    job.start("a", "b", "c", "d")
+    job.step()
+    job.now += 6
+    job.alive("a", "c", "d")
+    job.advance(0.1)  # b fails: no spare
+    assert job.state.ranks == ("a", "c", "d")  # 3 ranks: one copy over all until whole
+    job.join("e")
+    job.ready("e")
+    job.step()  # activated at the boundary
+    assert job.state.ranks == ("a", "c", "d", "e")
+    _agrees(job)
+
+
 def test_a_spare_that_fails_or_leaves_changes_no_world() -> None:
     job = _training()
     _spare(job, "s2")

@@ -34,6 +34,7 @@ import torch
 
 from cohort.events import deal, storage
 from cohort.events.errors import InvalidValueError
+from cohort.events.models import JobConfig
 from cohort.worker.collective import compressors as feedback
 from cohort.worker.collective.compressors import DEFAULT_RANK, Compression
 from cohort.worker.collective.redis_collective import Collective
@@ -98,10 +99,14 @@ def compression_setting(
     return named, rank  # type: ignore[return-value]  # compressor() checks the name
 
 
-def shard_group_setting(shard_group: int | None, sharded: bool) -> int | None:
-    """The ranks per HSDP shard group `wrap` names, else what $COHORT_SHARD_GROUP says
-    (None: FSDP over every rank); InvalidValueError names a value that is not a positive
-    integer, or one given without `shard=`."""
+def shard_group_setting(
+    shard_group: int | None, sharded: bool, config: JobConfig | None = None
+) -> int | None:
+    """The ranks per HSDP shard group `wrap` names, else what $COHORT_SHARD_GROUP says, else
+    the job's (`--shard-group`, journaled in `config`); None: FSDP over every rank.
+    InvalidValueError names a value that is not a positive integer, one given without
+    `shard=`, one the job's disagrees with, and a rank that does not shard in a job that
+    does (every rank of a job trains the same way)."""
     named = f"wrap(shard_group={shard_group!r})"
     if shard_group is None and os.environ.get(SHARD_GROUP_ENV):
         named = f"${SHARD_GROUP_ENV}={os.environ[SHARD_GROUP_ENV]!r}"
@@ -109,6 +114,10 @@ def shard_group_setting(shard_group: int | None, sharded: bool) -> int | None:
             shard_group = int(os.environ[SHARD_GROUP_ENV])
         except ValueError:
             shard_group = 0
+    journaled = config.shard_group if config is not None else None
+    if journaled is not None:
+        _check_journaled_group(journaled, shard_group, named, sharded)
+        return journaled
     if shard_group is None:
         return None
     if isinstance(shard_group, bool) or not isinstance(shard_group, int) or shard_group < 1:
@@ -122,6 +131,24 @@ def shard_group_setting(shard_group: int | None, sharded: bool) -> int | None:
             "shard function too (docs/sharded.md)"
         )
     return shard_group
+
+
+def _check_journaled_group(journaled: int, given: int | None, named: str, sharded: bool) -> None:
+    """A rank of a job sharded in groups of `journaled` (`--shard-group`) must shard, in
+    groups of that size."""
+    if not sharded:
+        raise InvalidValueError(
+            f"the job shards its model in groups of {journaled} ranks (--shard-group "
+            f"{journaled}), but this rank's wrap has no shard=...: every rank of a job trains "
+            "the same way; give wrap the shard function (docs/sharded.md), or run the job "
+            "without --shard-group"
+        )
+    if given is not None and given != journaled:
+        raise InvalidValueError(
+            f"{named}, but the job shards in groups of {journaled} ranks (--shard-group "
+            f"{journaled}): leave shard_group unset to take the job's, or start the job with "
+            f"--shard-group {given}"
+        )
 
 
 class TorchState:
@@ -523,7 +550,7 @@ class ElasticJob(Elastic):
         world's sharded module. `shard_group` (or $COHORT_SHARD_GROUP): HSDP, that many
         consecutive ranks sharding each copy of the model (docs/sharded.md)."""
         refuse_sharded(sharded_parameters(model), self.backend)
-        group = shard_group_setting(shard_group, shard is not None)
+        group = shard_group_setting(shard_group, shard is not None, self.worker.view.config)
         self.compressor = self._compressor(*compression_setting(compression, rank))
         if shard is not None:
             return self._wrap_sharded(model, optimizer, shard, group, scheduler, extra, scaler)
