@@ -190,6 +190,9 @@ def guard(module: torch.nn.Module, comms: GuardedComms) -> None:
             part.set_custom_reduce_scatter(scatter)
             if comms.replicas is not None:
                 part.set_all_reduce_hook(comms.all_reduce)
+    for param in module.parameters():
+        if param.requires_grad:  # FSDP calls it as it writes the parameter's gradient
+            param.register_post_accumulate_grad_hook(comms.reduced)
 
 
 def accumulate(module: torch.nn.Module, carry: float, sync: bool) -> None:
@@ -306,7 +309,7 @@ class ShardedState:
         )
 
         options = whole(cpu_offload=True)
-        model = get_model_state_dict(self.module, options=options)
+        model = get_model_state_dict(shards.resharded(self.module), options=options)
         optim = get_optimizer_state_dict(self.module, self.optimizer, options=options)
         return (Held(model), Held(optim)) if dist.get_rank() == 0 else None
 

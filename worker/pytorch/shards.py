@@ -58,11 +58,24 @@ class Shards:
     blob: bytes
 
 
+def resharded(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with its sharded parameters in place, as between training steps: a forward
+    outside training (an evaluation under no_grad) leaves FSDP's root module unsharded (it
+    keeps its parameters gathered for the backward that usually follows), and gathered
+    parameters name no optimizer state. No collective."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in module.modules():
+        if isinstance(part, FSDPModule):
+            part.reshard()
+    return module
+
+
 def flat(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """What DCP writes and reads: the module's state dict (DTensors: each rank its shards)
     and the optimizer's per-parameter state keyed by parameter name (a tensor the shape of
     its parameter sharded as it is; a step count as it is)."""
-    names = {id(p): name for name, p in module.named_parameters()}
+    names = {id(p): name for name, p in resharded(module).named_parameters()}
     optim = {names[id(p)]: dict(values) for p, values in optimizer.state.items()}
     return {"model": module.state_dict(), "optim": optim}
 
