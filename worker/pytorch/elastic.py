@@ -1176,8 +1176,7 @@ class ElasticJob(Elastic):
         if self.micro is not None and self.micro.exact is not None:
             self._begin_exact_sums(self.micro.exact, self.micro.trained, current)
         if self._comms is not None:
-            self._comms.aborted = False
-            self._comms.scale = 0.0  # a rank without samples; `batches` sets a share's
+            self._comms.begin()  # its weight 0 (a rank without samples) until `_weigh`'s
         if self.overlapped is not None:
             self.overlapped.begin(current.step, current.world, self._gate)
 

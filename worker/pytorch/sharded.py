@@ -116,6 +116,28 @@ class GuardedComms:
         self.scale = 1.0
         """This rank's gradient weight in the mean (its share of the step's samples times
         the world size; 0 for a rank without samples), as DDP's comm hook applies it."""
+        self._reduced: list[torch.Tensor] = []
+        """The sharded parameters FSDP gave a gradient in the backward running now."""
+
+    def begin(self) -> None:
+        """A step begins: nothing of it aborted, no weight until its share is known."""
+        self.aborted, self.scale, self._reduced = False, 0.0, []
+
+    def reduced(self, param: torch.Tensor) -> None:
+        """FSDP wrote `param`'s reduced gradient (its post-accumulate-grad hook); the first
+        of a backward queues what its end does."""
+        if not self._reduced:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+        self._reduced.append(param)
+
+    def _backward_ended(self) -> None:
+        """A step whose collectives were cut short leaves the script no gradients: what it
+        does with them next (a clip's norm: DTensor's collective over the world's group)
+        would fail on the lost peer, and the step applies nothing anyway."""
+        params, self._reduced = self._reduced, []
+        if self.aborted:
+            for param in params:
+                param.grad = None
 
     def run(self, issue: Callable[[], Any], output: torch.Tensor) -> None:
         if not self.aborted and (self.rdzv.watchdog.tripped.is_set() or not self.may_launch()):
@@ -180,7 +202,8 @@ class GuardedComms:
 
 
 def guard(module: torch.nn.Module, comms: GuardedComms) -> None:
-    """Route every FSDP module's collectives in `module` through `comms`."""
+    """Route every FSDP module's collectives in `module` through `comms`, which hears of
+    every gradient FSDP writes."""
     from torch.distributed.fsdp import FSDPModule
 
     gather, scatter = comms.comms()
@@ -328,7 +351,7 @@ class ShardedState:
             return digest_of(self.template.state_dict())
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return digest_of(get_model_state_dict(self.module, options=whole()))
+        return digest_of(get_model_state_dict(shards.resharded(self.module), options=whole()))
 
     def enter(
         self,
