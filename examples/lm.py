@@ -1,6 +1,7 @@
 """The byte-level language model of examples/lm_train.py (elastic) and lm_plain.py (its
 plain twin): a 2-layer causal transformer over windows of a memory-mapped byte file, AdamW
-with weight decay on the matrices, and a linear warmup then cosine decay."""
+with weight decay on the matrices, and a linear warmup then cosine decay; how FSDP2 shards
+it (`shard`, for lm_train.py --shard)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -80,6 +82,16 @@ class TinyLM(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         where = torch.arange(x.shape[1], device=x.device)
         return self.head(self.norm(self.blocks(self.tokens(x) + self.positions(where))))
+
+
+def shard(module: TinyLM, mesh: Any) -> None:
+    """FSDP2 over `mesh` (a DeviceMesh): each transformer block a unit of its own, then the
+    root, which holds the embeddings, the last norm and the head."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in module.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(module, mesh=mesh)
 
 
 def build(seed: int = 0, lr: float = 3e-3) -> tuple[TinyLM, torch.optim.Optimizer]:

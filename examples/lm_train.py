@@ -12,6 +12,18 @@ The job's settings come from `cohort run`; the script reads them from the job (i
 for the schedule, the batch for the loader). What the test of this example holds it to:
 every step's learning rate and the weights after N steps equal DDP with `no_sync` on the
 same global batches, through a SIGKILL (tests/integration/test_lm_example.py).
+
+`--shard` trains the model sharded with FSDP2 (each transformer block, then the root:
+lm.py's `shard`), which cohort applies anew in each world; it needs a backend, and
+`--shard-group S` makes it HSDP (docs/sharded.md):
+
+    COHORT_TORCH_BACKEND=gloo cohort run -n 2 --dataset-size 2048 --batch-size 8 \\
+        --global-batch 48 --placement strided --reduction float --epochs 3 \\
+        --checkpoint-uri ckpt --checkpoint-every 10 examples/lm_train.py --shard
+
+A sharded model's sums are floating point (`--reduction float`); a rank lost rewinds FSDP
+to the last checkpoint (HSDP heals from the other copies). Tested under a SIGKILL in
+tests/integration/test_sharded.py.
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ import argparse
 import json
 
 import torch
-from lm import Windows, build, corpus, loss_of, options, schedule
+from lm import Windows, build, corpus, loss_of, options, schedule, shard
 from torch.utils.data import DataLoader
 
 import cohort
@@ -28,6 +40,7 @@ import cohort
 
 def main() -> None:
     parser = options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--shard", action="store_true", help="FSDP2 (needs a backend)")
     args = parser.parse_args()
     torch.use_deterministic_algorithms(True)
 
@@ -43,7 +56,10 @@ def main() -> None:
     scaler = torch.amp.GradScaler("cpu", enabled=args.precision == "fp16")
     if args.compile:
         model = torch.compile(model)  # type: ignore[assignment]
-    model, optimizer = job.wrap(model, optimizer, scheduler=scheduler, scaler=scaler)  # cohort
+    sharded = shard if args.shard else None  # cohort: FSDP2, applied in each world
+    model, optimizer = job.wrap(  # cohort
+        model, optimizer, scheduler=scheduler, scaler=scaler, shard=sharded
+    )
     text = corpus(args.corpus)
     held_out = Windows(text, start=len(Windows(text)) - 256)  # the last 256 windows
     train = Windows(text, count=job.dataset_size or len(Windows(text)) - 256)

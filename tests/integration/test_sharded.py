@@ -31,6 +31,7 @@ from cohort.events.models import (  # noqa: E402
 from cohort.worker.loop import checkpoints  # noqa: E402
 from cohort.worker.pytorch import shards  # noqa: E402
 from tests.helpers import wait_until  # noqa: E402
+from tests.integration.gloo import load_example  # noqa: E402
 from tests.integration.launch import Launch, worker_of  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
@@ -320,3 +321,47 @@ def test_an_hsdp_group_that_loses_a_rank_heals_from_the_other_with_no_checkpoint
     model = unsharded_model()
     model.load_state_dict(torch.load(tmp_path / "final.pt"))
     assert not torch.equal(model[0].weight, unsharded_model()[0].weight)
+
+
+LM = str(Path(__file__).resolve().parents[2] / "examples" / "lm_train.py")
+
+
+def test_the_lm_example_sharded_rewinds_a_sigkilled_rank_to_its_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examples/lm_train.py --shard: the transformer FSDP2-sharded over 2 ranks (each block,
+    then the root), a global batch of 17 in micro-batches of 8 (rank 0: 8 and 1, rank 1: 8
+    and a pass of nothing), a checkpoint every 3 steps. A rank SIGKILLed takes its shard with
+    it: the job rewinds to the checkpoint, the replacement joins, and the epoch ends with its
+    validation pass and the whole weights saved."""
+    monkeypatch.setenv("COHORT_TORCH_BACKEND", "gloo")
+    export, store, saved = tmp_path / "run.export", tmp_path / "ckpt", tmp_path / "final.pt"
+    run = Launch(
+        "-n", "2", "--node", "n", "--min-workers", "2", "--dataset-size", "204",
+        "--batch-size", "8", "--global-batch", "17", "--placement", "strided", "--reduction",
+        "float", "--epochs", "1", "--heartbeat-interval", "0.5", "--heartbeat-timeout", "5",
+        "--checkpoint-uri", str(store), "--checkpoint-every", "3", "--export", str(export),
+        LM, "--shard", "--save", str(saved), cwd=tmp_path,
+    )  # fmt: skip
+    watch = run.journal()
+
+    def checkpointed() -> bool:
+        watch.pull(100)
+        saved = watch.state.checkpoints
+        return bool(saved) and watch.state.last_committed > saved[-1].step
+
+    wait_until(checkpointed, 240, message="a checkpoint, training past it")
+    victim = watch.state.ranks[1]
+    (pid,) = [p for p in run.ranks(LM) if worker_of(p) == victim]
+    os.kill(pid, signal.SIGKILL)
+    assert run.wait(300) == Exit.OK, run.output[-3000:]
+    assert "audit (every sample exactly once per epoch): passed" in run.output
+    assert "Traceback" not in run.output  # the survivor too: its clip found no gradient
+    assert '"val_loss"' in run.output  # the epoch's validation pass, sharded
+    journal = journal_of(export)
+    assert [f.worker for f in journal if isinstance(f, WorkerFailed)] == [victim]
+    assert [f for f in journal if isinstance(f, Rewound)] != []  # its shard went with it
+    assert [f for f in journal if isinstance(f, WeightsDiverged)] == []
+    assert len({f.step for f in journal if isinstance(f, StepCommitted)}) == 12
+    model = load_example("lm").TinyLM()
+    model.load_state_dict(torch.load(saved))  # the whole weights, unsharded
