@@ -88,6 +88,15 @@ def replayed(
     return model.state_dict()
 
 
+def ran(out: Path, *flags: str) -> tuple[Launch, list[object]]:
+    """sharded_script.py under `cohort run *flags`, writing to `out`, ended well: the run
+    and its journal."""
+    export = out / "run.export"
+    run = Launch(*flags, "--export", str(export), SCRIPT, str(out), cwd=out)
+    assert run.wait(300) == Exit.OK, run.output[-3000:]
+    return run, journal_of(export)
+
+
 def killed_once(
     run: Launch,
     watch: JournalWatch,
@@ -95,12 +104,13 @@ def killed_once(
     what: str,
     rank: int,
     export: Path,
+    script: str = SCRIPT,
 ) -> list[object]:
-    """Once `ready()`, SIGKILL the world's `rank`; the run ends well all the same, its audit
-    passed and that rank its only failure. Returns the run's journal."""
+    """Once `ready()`, SIGKILL the world's `rank` (running `script`); the run ends well all
+    the same, its audit passed and that rank its only failure. Returns the run's journal."""
     wait_until(ready, 240, message=what)
     victim = watch.state.ranks[rank]
-    (pid,) = [p for p in run.ranks(SCRIPT) if worker_of(p) == victim]
+    (pid,) = [p for p in run.ranks(script) if worker_of(p) == victim]
     os.kill(pid, signal.SIGKILL)
     assert run.wait(300) == Exit.OK, run.output[-3000:]
     assert "audit (every sample exactly once per epoch): passed" in run.output
@@ -115,12 +125,7 @@ def test_an_fsdp_model_trains_to_its_end_and_saves_its_whole_weights(tmp_path: P
     (within float rounding), and both are one process's replay of the ranks' batches. JOB
     gives a rank no sample in each epoch's last step: its backward must add nothing of the
     step before (whose gradients a script that zeroes before backward leaves)."""
-    export = tmp_path / "run.export"
-    run = Launch(
-        "-n", "2", "--node", "n", *JOB, "--export", str(export), SCRIPT, str(tmp_path),
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert run.wait(300) == Exit.OK, run.output[-3000:]
+    run, journal = ran(tmp_path, "-n", "2", "--node", "n", *JOB)
     ddp = tmp_path / "ddp"
     ddp.mkdir()
     reference = Launch("-n", "2", "--node", "n", *JOB, SCRIPT, str(ddp), "ddp", cwd=ddp)
@@ -133,7 +138,6 @@ def test_an_fsdp_model_trains_to_its_end_and_saves_its_whole_weights(tmp_path: P
         torch.testing.assert_close(plain[name], replay[name], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(sharded[name], plain[name], rtol=1e-4, atol=1e-5)
     assert "audit (every sample exactly once per epoch): passed" in run.output
-    journal = journal_of(export)
     assert [f for f in journal if isinstance(f, WeightsDiverged)] == []
     committed = [f for f in journal if isinstance(f, StepCommitted)]
     assert len(committed) == 18  # 2 epochs of 9 steps, the 9th of 1 sample
@@ -160,17 +164,11 @@ def test_fsdp_micro_batches_of_unequal_shares_learn_the_mean_over_the_global_bat
     without a reduce-scatter, and each rank's sum is weighed by its share, so the update is
     one process's on the mean gradient of the step's every sample (float rounding apart).
     The job's sums would be exact by default (strided): the sharded wrap says they are not."""
-    export = tmp_path / "run.export"
-    run = Launch(
-        "-n", "2", "--node", "n", *MICRO, "--export", str(export), SCRIPT, str(tmp_path),
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert run.wait(300) == Exit.OK, run.output[-3000:]
+    run, journal = ran(tmp_path, "-n", "2", "--node", "n", *MICRO)
     assert "a sharded model's gradient sums are floating point" in run.output
     assert "audit (every sample exactly once per epoch): passed" in run.output
     assert [len(list(tmp_path.glob(f"batch-0-{r}-*.pt"))) for r in (0, 1)] == [3, 2]
     assert share_of(tmp_path, 1, 1) is None  # rank 1's stand-in step
-    journal = journal_of(export)
     assert [f for f in journal if isinstance(f, WeightsDiverged)] == []
     assert len([f for f in journal if isinstance(f, StepCommitted)]) == 6
     sharded, replay = torch.load(tmp_path / "final.pt"), replayed(tmp_path, 6, global_batch=True)
@@ -262,13 +260,8 @@ def test_hsdp_two_groups_of_two_learn_what_ddp_over_four_ranks_learns(tmp_path: 
     all-reduce: the same weights as DDP over the 4 ranks on the same batches. A constant
     global batch of 102 gives the ranks unequal shares (26, 26, 25, 25: micro-batches of 16
     and 10 or 9), each weighed by its size in both the groups' sums and the copies' mean."""
-    export = tmp_path / "run.export"
     job = (*HSDP, "--global-batch", "102", "--epochs", "2")
-    run = Launch(
-        *job, "--shard-group", "2", "--export", str(export), SCRIPT, str(tmp_path),
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert run.wait(300) == Exit.OK, run.output[-3000:]
+    run, journal = ran(tmp_path, *job, "--shard-group", "2")
     ddp = tmp_path / "ddp"
     ddp.mkdir()
     reference = Launch(*job, SCRIPT, str(ddp), "ddp", cwd=ddp)
@@ -279,7 +272,6 @@ def test_hsdp_two_groups_of_two_learn_what_ddp_over_four_ranks_learns(tmp_path: 
     for name in plain:
         torch.testing.assert_close(hsdp[name], plain[name], rtol=1e-4, atol=1e-5)
     assert "audit (every sample exactly once per epoch): passed" in run.output
-    journal = journal_of(export)
     assert [len(f.ranks) for f in journal if isinstance(f, WorldChanged)] == [4]
     assert [f for f in journal if isinstance(f, WeightsDiverged)] == []
     assert all(f.digest is not None for f in journal if isinstance(f, StepCommitted))
@@ -350,16 +342,9 @@ def test_the_lm_example_sharded_rewinds_a_sigkilled_rank_to_its_checkpoint(
         saved = watch.state.checkpoints
         return bool(saved) and watch.state.last_committed > saved[-1].step
 
-    wait_until(checkpointed, 240, message="a checkpoint, training past it")
-    victim = watch.state.ranks[1]
-    (pid,) = [p for p in run.ranks(LM) if worker_of(p) == victim]
-    os.kill(pid, signal.SIGKILL)
-    assert run.wait(300) == Exit.OK, run.output[-3000:]
-    assert "audit (every sample exactly once per epoch): passed" in run.output
+    journal = killed_once(run, watch, checkpointed, "a checkpoint, past it", 1, export, LM)
     assert "Traceback" not in run.output  # the survivor too: its clip found no gradient
     assert '"val_loss"' in run.output  # the epoch's validation pass, sharded
-    journal = journal_of(export)
-    assert [f.worker for f in journal if isinstance(f, WorkerFailed)] == [victim]
     assert [f for f in journal if isinstance(f, Rewound)] != []  # its shard went with it
     assert [f for f in journal if isinstance(f, WeightsDiverged)] == []
     assert len({f.step for f in journal if isinstance(f, StepCommitted)}) == 12
