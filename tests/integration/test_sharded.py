@@ -169,9 +169,32 @@ def test_fsdp_micro_batches_of_unequal_shares_learn_the_mean_over_the_global_bat
     assert "audit (every sample exactly once per epoch): passed" in run.output
     assert [len(list(tmp_path.glob(f"batch-0-{r}-*.pt"))) for r in (0, 1)] == [3, 2]
     assert share_of(tmp_path, 1, 1) is None  # rank 1's stand-in step
+    learned_the_mean(tmp_path, journal, 6)
+
+
+def test_a_rank_without_a_sample_makes_up_each_pass_of_a_step_of_several(
+    tmp_path: Path,
+) -> None:
+    """Micro-batches of 1 (--global-batch 5 over 2 ranks: 3 and 2 a step), and each
+    epoch's last step all rank 0's, in 2 micro-batches: rank 1 runs a pass of nothing, then
+    its stand-in, so that FSDP's collectives meet rank 0's two passes."""
+    run, journal = ran(
+        tmp_path, "-n", "2", "--node", "n", "--dataset-size", "12", "--batch-size", "1",
+        "--global-batch", "5", "--min-workers", "2", "--epochs", "2",
+        "--heartbeat-interval", "0.5", "--heartbeat-timeout", "5",
+    )  # fmt: skip
+    assert "audit (every sample exactly once per epoch): passed" in run.output
+    assert [len(list(tmp_path.glob(f"batch-2-{r}-*.pt"))) for r in (0, 1)] == [2, 0]
+    learned_the_mean(tmp_path, journal, 6)
+
+
+def learned_the_mean(out: Path, journal: list[object], steps: int) -> None:
+    """The run that wrote to `out` committed `steps` steps, its ranks' digests agreeing,
+    and its weights are one process's trained on the mean gradient of each step's every
+    sample."""
     assert [f for f in journal if isinstance(f, WeightsDiverged)] == []
-    assert len([f for f in journal if isinstance(f, StepCommitted)]) == 6
-    sharded, replay = torch.load(tmp_path / "final.pt"), replayed(tmp_path, 6, global_batch=True)
+    assert len([f for f in journal if isinstance(f, StepCommitted)]) == steps
+    sharded, replay = torch.load(out / "final.pt"), replayed(out, steps, global_batch=True)
     assert sharded.keys() == replay.keys()
     for name in replay:
         torch.testing.assert_close(sharded[name], replay[name], rtol=1e-4, atol=1e-5)
