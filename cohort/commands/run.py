@@ -30,6 +30,7 @@ from cohort.errors import Exit
 from cohort.launcher import slurm
 
 if TYPE_CHECKING:
+    from cohort.events.models import JobConfig
     from cohort.launcher.gpus import NodeGpus
     from cohort.launcher.launcher import LaunchSettings
 
@@ -190,8 +191,7 @@ def _launch_settings(
     _check_shadowing(argv)
     gpus = node_gpus()
     nproc = _slurm_nproc(ctx, params["nproc"], under)
-    ranks = _ranks(nproc, lambda: gpus, _spare_count(params["spares"]))
-    shard_group = _shard_group(config.shard_group, ranks)
+    ranks = _whole_groups(_ranks(nproc, lambda: gpus, _spare_count(params["spares"])), config)
     redis_url = _slurm_redis(ctx, params, under)
     job = params["job"] or _job_name(command, job_settings_given, under)
     job, run_dir, resuming = _run_dir(ctx, job, params, shared=bool(redis_url))
@@ -229,7 +229,7 @@ def _launch_settings(
         worker_credentials=params["worker_credentials"],
         spares=spares,
         gpus=placement,
-        shard_group=shard_group,
+        shard_group=config.shard_group,
         exit_reports=params["exit_reports"],
         resuming=resuming,
         **_slurm_settings(params["drain_signal"], under, shared=bool(redis_url)),
@@ -435,15 +435,16 @@ def _spare_count(text: str) -> int:
     return int(text)
 
 
-def _shard_group(group: int | None, ranks: int) -> int | None:
-    """--shard-group (the job's, checked by JobConfig): this node's ranks must be whole
-    groups; else exit 2 naming it."""
+def _whole_groups(ranks: int, config: JobConfig) -> int:
+    """`ranks`, where this node's ranks are whole shard groups (--shard-group, the job's);
+    else exit 2 naming it."""
+    group = config.shard_group
     if group is not None and ranks % group:
         fail(
             f"--shard-group {group} with -n {ranks}: this node's ranks must be whole shard "
             f"groups; give -n a multiple of {group}, or a group size that divides {ranks}"
         )
-    return group
+    return ranks
 
 
 def _spares(text: str, ranks: int = 1, max_workers: int = 64) -> int:

@@ -12,12 +12,13 @@ from cohort.cli import main
 from cohort.commands.run import (
     _placement,
     _ranks,
-    _shard_group,
     _spares,
     _start_with_every_rank,
+    _whole_groups,
     node_gpus,
 )
 from cohort.commands.settings import JobSettings
+from cohort.events.models import JobConfig
 from cohort.launcher.gpus import NodeGpus
 from tests.unit.test_gpu_probe import FakeGpu, FakeNvml, mig
 
@@ -61,12 +62,13 @@ def test_more_spares_than_max_workers_allow_beside_the_ranks_are_refused_by_name
     assert "--spares 2: 3 rank(s) and 2 spare(s)" in said and "max_workers=4" in said
 
 
-def test_a_shard_group_of_whole_groups_is_taken_and_none_is_none() -> None:
-    assert (_shard_group(2, ranks=4), _shard_group(4, ranks=4), _shard_group(None, 3)) == (
-        2,
-        4,
-        None,
-    )
+def test_ranks_in_whole_shard_groups_or_no_groups_are_taken() -> None:
+    groups = [JobConfig(shard_group=2), JobConfig(shard_group=4), JobConfig()]
+    assert [
+        _whole_groups(4, groups[0]),
+        _whole_groups(4, groups[1]),
+        _whole_groups(3, groups[2]),
+    ] == [4, 4, 3]
 
 
 @pytest.mark.parametrize(
@@ -97,7 +99,7 @@ def test_a_shard_group_that_does_not_divide_the_nodes_ranks_is_refused_with_the_
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        _shard_group(2, ranks=3)
+        _whole_groups(3, JobConfig(shard_group=2))
     assert exited.value.code == 2
     said = capsys.readouterr().err
     assert "--shard-group 2 with -n 3: this node's ranks must be whole shard groups" in said
