@@ -114,8 +114,8 @@ def test_a_figure_recorded_after_the_last_step_shows_in_status_and_the_reports_s
 ) -> None:
     job = "recorded-last"
     run = Launch(
-        "--redis-url", server.url, "--job", job, "-n", "2", *FAST, "--max-steps", "4",
-        SCRIPT, "0.01", "--record-at-end", cwd=tmp_path,
+        "--redis-url", server.url, "--job", job, "-n", "2", "--min-workers", "2", *FAST,
+        "--max-steps", "4", SCRIPT, "0.01", "--record-at-end", cwd=tmp_path,
     )  # fmt: skip
     assert run.wait(120) == Exit.OK, run.output[-3000:]
     status = subprocess.run(
