@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
+from bench import scratch
 from cohort.coordinator.replay import JournalWatch
 from cohort.events import identity
 from cohort.events.codec import FIELD, encode
@@ -26,7 +25,7 @@ from cohort.processes import Proc
 def spawn(url: str, name: str, *args: str, launcher: Sequence[str] = ()) -> Proc:
     """`python -m cohort ARGS` against `url`, started (through `launcher`, e.g. onto a
     simulated host), its output in a temp log file."""
-    log = Path(tempfile.mkstemp(prefix=f"cohort-bench-{name}-", suffix=".log")[1])
+    log = scratch.log_file(f"cohort-bench-{name}")
     argv = [*launcher, sys.executable, "-m", "cohort", "--redis-url", url, *args]
     proc = Proc(name, argv, log)
     proc.start()

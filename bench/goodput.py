@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench import scratch
 from bench.fleet import coordinator
 from bench.results import Section, verdict
 from bench.scratch import discard
@@ -229,7 +230,7 @@ def _cohort(failure_free: float, every: float, kills: int) -> Run:
         def rank() -> Proc:
             nonlocal started
             started += 1
-            log = Path(tempfile.mkstemp(prefix=f"cohort-goodput-{started}-", suffix=".log")[1])
+            log = scratch.log_file(f"cohort-goodput-{started}")
             proc = Proc(
                 f"rank{started}",
                 [sys.executable, "-m", "bench.goodput", "cohort-rank", "--job", job,
