@@ -245,6 +245,11 @@ class StridedGlobalBatchMembership(Membership):
     PLACEMENT = {"dataset_size": 13, "placement": "strided", "global_batch": 5}
 
 
+class ShardGroupMembership(Membership):
+    PLACEMENT = {"dataset_size": 13, "shard_group": 2}
+    """Worlds ranked in places (coordinator/decide.py `_ranked`): the same invariants."""
+
+
 class HashMembership(Membership):
     PLACEMENT = {"placement": "hash", "dataset": FILES}
 
@@ -263,6 +268,7 @@ for _machine in (
     StridedMembership,
     GlobalBatchMembership,
     StridedGlobalBatchMembership,
+    ShardGroupMembership,
     HashMembership,
     LocalityMembership,
 ):
@@ -270,5 +276,6 @@ for _machine in (
 test_strided_invariants = StridedMembership.TestCase
 test_global_batch_invariants = GlobalBatchMembership.TestCase
 test_strided_global_batch_invariants = StridedGlobalBatchMembership.TestCase
+test_shard_group_invariants = ShardGroupMembership.TestCase
 test_hash_invariants = HashMembership.TestCase
 test_locality_invariants = LocalityMembership.TestCase
