@@ -107,9 +107,13 @@ def running(pid: int) -> bool:
 
 
 def training(watch: JournalWatch, ranks: int, steps: int = 5) -> bool:
+    """Whether a world of `ranks` trains: `steps` committed, the last of them in this world
+    (a world that just formed has trained nothing yet: a rank killed then never trained in
+    it, and under load the job could end before the world that follows)."""
     watch.pull(100)
     state = watch.state
-    return len(state.ranks) == ranks and state.last_committed >= steps and not state.paused
+    done = max(steps, state.base_step)
+    return len(state.ranks) == ranks and state.last_committed >= done and not state.paused
 
 
 def worker_of(pid: int) -> str:
