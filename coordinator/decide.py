@@ -595,10 +595,10 @@ def _ranked(plan: _DecisionPlan) -> tuple[str, ...]:
     shard groups the stayers close up in their order. With them (`shard_group`), a rank's
     place in its group is its shard of that group's copy: every stayer keeps it, a spare
     promoted in this decision takes the place of the rank it replaces, other newcomers
-    fill the places still empty in rank order, and empty places close up. The groups
-    (copies) may change order so that one whose first rank holds the weights goes first:
-    rank 0 starts the world from them (lineage.world_weights); where none does, the
-    stayers close up as without groups."""
+    fill the places still empty in rank order, and empty places close up. Where the first
+    copy's first place is not a holder of the weights, the first whole copy led by one goes
+    first instead (rank 0 starts the world from them: lineage.world_weights); where none
+    is, the stayers close up as without groups."""
     state = plan.state
     newcomers = [m.worker for m in state.with_status("active") if m.worker not in state.ranks]
     closed = tuple(w for w in state.ranks if w in state.members) + tuple(newcomers)
@@ -610,7 +610,10 @@ def _ranked(plan: _DecisionPlan) -> tuple[str, ...]:
     rest = [w for w in newcomers if w not in places]
     places = [w if w is not None else (rest.pop(0) if rest else None) for w in places]
     groups = [places[at : at + size] for at in range(0, len(places), size)]
-    groups.sort(key=lambda group: group[0] not in state.holders)  # stable
+    led = [g for g in groups if len(g) == size and g[0] in state.holders]  # whole copies
+    if led and groups[0] is not led[0]:
+        groups.remove(led[0])
+        groups.insert(0, led[0])  # the others keep their order
     ranked = tuple(w for group in groups for w in group if w is not None) + tuple(rest)
     if ranked and ranked[0] not in state.holders and closed and closed[0] in state.holders:
         return closed

@@ -196,6 +196,21 @@ def test_with_shard_groups_rank_0_lost_puts_a_whole_copy_first_and_keeps_every_s
     _agrees(job)
 
 
+def test_with_shard_groups_only_the_first_copy_led_by_a_holder_moves_to_the_front() -> None:
+    """Three copies, rank 0 lost: the second copy (led by a holder) goes first, and the
+    others keep their order: each rank's place in its copy, its shard, is kept."""
+    job = _job(heartbeat_timeout=5.0, min_workers=6, shard_group=2)
+    job.start("a", "b", "c", "d", "e", "f")
+    _spare(job, "s2")  # on h1: a's machine
+    job.step()
+    job.now += 3
+    job.alive("b", "c", "d", "e", "f", "s2")
+    facts = job.advance(3)
+    assert _promoted(facts) == [("s2", "a")]
+    assert job.state.ranks == ("c", "d", "s2", "b", "e", "f")
+    _agrees(job)
+
+
 def test_with_shard_groups_where_no_copy_begins_with_a_holder_the_stayers_close_up() -> None:
     job = _job(heartbeat_timeout=5.0, min_workers=2, shard_group=2)
     job.start("a", "b", "c")
