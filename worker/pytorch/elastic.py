@@ -1320,7 +1320,7 @@ class ElasticJob(Elastic):
         state, model = self.state, self._model()
         assert isinstance(state, TorchState)
         accumulate(model, 0.0, sync=False)
-        batch = collate([dataset[0]] * 2)  # BatchNorm refuses to train on one sample
+        batch = first_sample_twice(dataset, collate)
         inputs = batch[0] if isinstance(batch, tuple | list) else batch
         for _ in range(missing):
             out = model(to_device(inputs, model_device(model, self.device)))
@@ -1436,8 +1436,7 @@ class ElasticJob(Elastic):
             return None
 
     def _stand_in(self, dataset: Any, collate: Any) -> Any:
-        """What a rank with no sample in a step trains on: the data set's first sample, twice
-        over (BatchNorm refuses a batch of one), built by the loader's collate function.
+        """What a rank with no sample in a step trains on (`first_sample_twice`).
 
         The script's whole step runs on it, as on every other rank: forward, backward (under
         DDP or FSDP every rank must: the others' collectives wait for it), its clipping, its
@@ -1451,7 +1450,7 @@ class ElasticJob(Elastic):
         state = self.state
         assert isinstance(state, TorchState)
         state.model.zero_grad(set_to_none=False)  # in place: a captured optimizer holds them
-        return collate([dataset[0]] * 2)
+        return first_sample_twice(dataset, collate)
 
     def _peek(self) -> Step | None:
         """The next step, past an epoch's end: asking for it lets the walk go on."""
@@ -1466,6 +1465,13 @@ class ElasticJob(Elastic):
         taken = self._peeked if self._peeked is not None else next(self._steps, None)
         self._peeked = None
         return taken
+
+
+def first_sample_twice(dataset: Any, collate: Any) -> Any:
+    """The batch a rank trains where it lacks one (a stand-in step, a pass a sharded rank
+    makes up): the data set's first sample twice over, since BatchNorm refuses to train on
+    one, collated by the loader's function."""
+    return collate([dataset[0]] * 2)
 
 
 def sharded_parameters(model: torch.nn.Module) -> tuple[str, ...]:
