@@ -52,6 +52,7 @@ from bench.torchft_run import (
     fault,
     lighthouse_command,
     median,
+    place_again,
     raw,
     step_at,
 )
@@ -257,6 +258,8 @@ def heal(side: Side, failure_free: float, every: float, kills: int) -> Healed:
 
         result = _periods(time.time, failure_free, every, kills, run.times, run.poll, kill,
                           run.counted, run.outage, free_after=True)  # fmt: skip
+        if killed:
+            _await_place(run, killed[-1])
         ends = [*killed[1:], float("inf")]
         if isinstance(run, Cohort):
             died.append(sum(1 for pid in survivors[-1] if not _alive(pid)))
@@ -268,6 +271,25 @@ def heal(side: Side, failure_free: float, every: float, kills: int) -> Healed:
         return Healed(result, faults, run.groups, run.restarts)
     finally:
         run.close()
+
+
+PLACE_WAIT = 60.0
+"""Seconds the last kill's lost place is waited for after the periods end."""
+
+
+def _await_place(run: Cohort | TorchFT, killed: float) -> None:
+    """Polls until the place lost at `killed` commits again, or PLACE_WAIT passes: a place
+    that heals after the last period (a group restarting on a loaded machine imports torch
+    for seconds) is then measured, not cut off. A place that never heals stays `inf`."""
+
+    def lost() -> bool:
+        if isinstance(run, Cohort):
+            return run.place(killed) == float("inf")
+        return place_again(run.lines, killed, VICTIM) == float("inf")
+
+    deadline = time.monotonic() + PLACE_WAIT
+    while lost() and time.monotonic() < deadline:
+        run.poll()
 
 
 HEALING_HEADER = [

@@ -59,6 +59,8 @@ class _Chaos:
         self.serial = 0
         self.faults: Counter[str] = Counter()
         self.pause = threading.Event()
+        self.ended: list[str] = []
+        """The output of each coordinator killed and started again (for a failure's story)."""
 
     def start_worker(self) -> None:
         self.serial += 1
@@ -83,6 +85,7 @@ class _Chaos:
             name = self.rng.choice(sorted(self.coordinators))
             self.coordinators[name].kill(signal.SIGKILL)
             self.coordinators[name].wait(10)
+            self.ended.append(self.coordinators[name].output())
             self.coordinators[name] = self.cluster.coordinator(name, *COORD)
         elif action == "stop-coordinator":
             name = self.rng.choice(sorted(self.coordinators))
@@ -114,6 +117,24 @@ def _joins_sent(cluster: Cluster) -> set[str]:
         if isinstance(command, Join):
             sent.add(command.worker)
     return sent
+
+
+def _story(chaos: _Chaos, workers: set[str]) -> str:
+    """What the inbox, the dead letters, the journal and the coordinators' logs say of
+    `workers`: the evidence a failed invariant 5 is read from."""
+    cluster = chaos.cluster
+    lines = [
+        f"inbox {i}: {c.type} {c.worker}" for i, c in cluster.commands() if c.worker in workers
+    ]
+    for entry_id, fields in cluster.conn.xrange(Keys(cluster.job).dead):
+        lines.append(f"dead {entry_id!r}: {fields!r}"[:400])
+    lines += [
+        f"fact {i}: {f!r}"[:400] for i, f in cluster.facts if any(w in repr(f) for w in workers)
+    ]
+    logs = [*chaos.ended, *(p.output() for p in chaos.coordinators.values())]
+    marks = (*workers, "repaired", "could not", "Traceback")
+    lines += [line for log in logs for line in log.splitlines() if any(m in line for m in marks)]
+    return "\n".join(lines[-200:])
 
 
 def test_training_survives_chaos_and_keeps_every_invariant(
@@ -164,7 +185,7 @@ def test_training_survives_chaos_and_keeps_every_invariant(
     # was decided exactly once (workers never rejoin here).
     sent = _joins_sent(cluster)
     joined = Counter(f.worker for f in facts if isinstance(f, WorkerJoined))
-    assert set(joined) == sent == set(workers)
+    assert set(joined) == sent == set(workers), _story(chaos, sent ^ set(joined))
     assert max(joined.values()) == 1
 
     # Invariant 7: everyone who finished holds the same weights.
