@@ -338,6 +338,40 @@ def test_an_hsdp_group_that_loses_a_rank_heals_from_the_other_with_no_checkpoint
     assert not torch.equal(model[0].weight, unsharded_model()[0].weight)
 
 
+def test_a_spare_promoted_into_an_hsdp_copy_heals_it_in_place_from_the_other_copy(
+    tmp_path: Path,
+) -> None:
+    """HSDP 2 x 2 with a warm spare and no checkpoint: a rank SIGKILLed, the spare takes
+    its place in the same world change (4 ranks again, never 3), the 3 survivors keep their
+    shards, and only the lost shard moves, from its holder in the other copy: no rewind,
+    every step's digest agreeing, every sample once."""
+    export = tmp_path / "run.export"
+    run = Launch(
+        *HSDP, "--shard-group", "2", "--spares", "1", "--epochs", "40", "--export",
+        str(export), SCRIPT, str(tmp_path), cwd=tmp_path,
+    )  # fmt: skip
+    watch = run.journal()
+
+    def training() -> bool:
+        watch.pull(100)
+        return len(watch.state.ranks) == 4 and watch.state.last_committed >= 3
+
+    journal = killed_once(run, watch, training, "4 ranks past step 3", 1, export)
+    assert [f for f in journal if isinstance(f, Rewound | WeightsLost)] == []
+    starts = [
+        (f.weights.source, len(f.ranks))
+        for f in journal
+        if isinstance(f, WorldChanged) and f.weights is not None and f.ranks
+    ]
+    assert starts == [("initial", 4), ("rank", 4)], starts
+    assert [f for f in journal if isinstance(f, WeightsDiverged)] == []
+    assert {p.name for p in tmp_path.glob("mesh-*")} == {"mesh-2"}  # HSDP throughout
+    healed = [line for line in run.output.splitlines() if "starts from its ranks' shards" in line]
+    assert len(healed) == 4 and all("in place: shards [1] moved" in line for line in healed), (
+        healed or run.output[-3000:]
+    )
+
+
 LM = str(Path(__file__).resolve().parents[2] / "examples" / "lm_train.py")
 
 

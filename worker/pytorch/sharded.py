@@ -362,12 +362,11 @@ class ShardedState:
         regathering: bool,
     ) -> dict[str, Any]:
         """This world's module: a copy of the template sharded over `mesh`, the optimizer
-        pointed at its parameters, and filled with the world's whole state: rank 0's (and
-        its `extra`) spread over the world by `handover_for(0)` (guarded, in buckets), or,
-        `regathering`, the shards the last world's ranks held, each given by its holder
-        (worker/pytorch/regather.py). Returns the extra state every rank takes."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
+        pointed at its parameters, and filled with the world's state: rank 0's (and its
+        `extra`) spread over the world by `handover_for(0)` (guarded, in buckets), or,
+        `regathering`, from the shards the last world's ranks held, each kept in its place
+        or given by a holder (worker/pytorch/regather.py). Returns the extra state every
+        rank takes."""
         mine = None
         if regathering and self.module is not None and self.held is not None:
             _, index, count = self.held
@@ -383,21 +382,50 @@ class ShardedState:
         self.optimizer.state.clear()
         self.module = self.wrapper.module = module
         if regathering:
-            model_state, optim_state, taken = regather.regather(handover_for, mine, settings, extra)
-            self.pending = None
+            taken, settings = self._regathered(
+                regather.regather(
+                    handover_for, mine, mesh.get_local_rank(), mesh.size(), settings, extra
+                )
+            )
         else:  # rank 0's whole state, or where its shards are
             model_state, optim_state, taken = self._spread(handover_for(0), extra)
-        location = taken.pop(SHARDS_AT, None)
-        if location is None:  # every rank keeps its shards of the whole state
-            set_model_state_dict(module, model_state, options=whole())
-            shard_optimizer_state(module, self.optimizer, optim_state)
-        else:  # every rank reads its own
-            shards.load(module, self.optimizer, location)
-            self.pending = None
-        for group, held in zip(self.optimizer.param_groups, optim_state["param_groups"],
-                               strict=True):  # fmt: skip
+            self._fill(model_state, optim_state, taken.pop(SHARDS_AT, None))
+            settings = optim_state["param_groups"]
+        for group, held in zip(self.optimizer.param_groups, settings, strict=True):
             group.update({k: v for k, v in held.items() if k != "params"})
         return dict(taken)
+
+    def _regathered(self, got: regather.Regathered) -> tuple[dict[str, Any], list[Any]]:
+        """The module filled from the shards its world's ranks held: this rank's own in
+        place, else the whole state; the extra state and optimizer settings to take."""
+        assert self.module is not None
+        self.pending = None
+        log.info(
+            "a sharded world starts from its ranks' shards %s: shards %s moved",
+            "in place" if got.pieces is not None else "put together whole",
+            list(got.moved),
+        )
+        if got.pieces is not None:
+            regather.load(self.module, self.optimizer, got.pieces)
+        else:
+            assert got.model is not None and got.optim is not None
+            self._fill(got.model, got.optim, None)
+        return got.taken, got.settings
+
+    def _fill(
+        self, model_state: dict[str, Any], optim_state: dict[str, Any], location: str | None
+    ) -> None:
+        """The module filled from a whole state every rank holds, or (`location`) from the
+        checkpoint shards there, each rank reading its own."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        assert self.module is not None
+        if location is None:  # every rank keeps its shards of the whole state
+            set_model_state_dict(self.module, model_state, options=whole())
+            shard_optimizer_state(self.module, self.optimizer, optim_state)
+        else:  # every rank reads its own
+            shards.load(self.module, self.optimizer, location)
+            self.pending = None
 
     def _spread(
         self, handover: Handover, extra: dict[str, Any]
