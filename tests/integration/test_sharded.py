@@ -303,18 +303,17 @@ def test_hsdp_two_groups_of_two_learn_what_ddp_over_four_ranks_learns(tmp_path: 
     ]  # fmt: skip
 
 
-def test_an_hsdp_group_that_loses_a_rank_heals_from_the_other_with_no_checkpoint(
-    tmp_path: Path,
-) -> None:
-    """HSDP 2 x 2 and no checkpoint at all: a rank SIGKILLed takes one copy's shard with
-    it, but the other group holds that shard too, so the next world starts from the
-    survivors' pieces (3 ranks, one FSDP copy over all of them, then 4 again in groups of 2
-    once the replacement joins): no rewind, no lost weights, every sample once."""
-    export = tmp_path / "run.export"
-    # 40 epochs: the replacement joins long before the end
+def hsdp_killed(
+    out: Path, rank: int, *flags: str
+) -> tuple[Launch, list[object], list[tuple[str, int]]]:
+    """sharded_script.py as HSDP 2 x 2 under `cohort run *flags` with no checkpoint, the
+    world's `rank` SIGKILLed past step 3; the run ended well with no rewind. The run, its
+    journal and each world's start: (where its weights came from, its ranks). 40 epochs:
+    a replacement joins long before the end."""
+    export = out / "run.export"
     run = Launch(
-        *HSDP, "--shard-group", "2", "--epochs", "40", "--export", str(export), SCRIPT,
-        str(tmp_path), cwd=tmp_path,
+        *HSDP, "--shard-group", "2", *flags, "--epochs", "40", "--export", str(export),
+        SCRIPT, str(out), cwd=out,
     )  # fmt: skip
     watch = run.journal()
 
@@ -322,13 +321,24 @@ def test_an_hsdp_group_that_loses_a_rank_heals_from_the_other_with_no_checkpoint
         watch.pull(100)
         return len(watch.state.ranks) == 4 and watch.state.last_committed >= 3
 
-    journal = killed_once(run, watch, training, "4 ranks past step 3", 3, export)
+    journal = killed_once(run, watch, training, "4 ranks past step 3", rank, export)
     assert [f for f in journal if isinstance(f, Rewound | WeightsLost)] == []
     starts = [
         (f.weights.source, len(f.ranks))
         for f in journal
         if isinstance(f, WorldChanged) and f.weights is not None and f.ranks
     ]
+    return run, journal, starts
+
+
+def test_an_hsdp_group_that_loses_a_rank_heals_from_the_other_with_no_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """HSDP 2 x 2 and no checkpoint at all: a rank SIGKILLed takes one copy's shard with
+    it, but the other group holds that shard too, so the next world starts from the
+    survivors' pieces (3 ranks, one FSDP copy over all of them, then 4 again in groups of 2
+    once the replacement joins): no rewind, no lost weights, every sample once."""
+    _, journal, starts = hsdp_killed(tmp_path, 3)
     assert starts[0] == ("initial", 4), starts
     assert ("rank", 3) in starts and starts[-1] == ("rank", 4), starts  # healed, grown back
     assert [f for f in journal if isinstance(f, WeightsDiverged)] == []
@@ -345,24 +355,7 @@ def test_a_spare_promoted_into_an_hsdp_copy_heals_it_in_place_from_the_other_cop
     its place in the same world change (4 ranks again, never 3), the 3 survivors keep their
     shards, and only the lost shard moves, from its holder in the other copy: no rewind,
     every step's digest agreeing, every sample once."""
-    export = tmp_path / "run.export"
-    run = Launch(
-        *HSDP, "--shard-group", "2", "--spares", "1", "--epochs", "40", "--export",
-        str(export), SCRIPT, str(tmp_path), cwd=tmp_path,
-    )  # fmt: skip
-    watch = run.journal()
-
-    def training() -> bool:
-        watch.pull(100)
-        return len(watch.state.ranks) == 4 and watch.state.last_committed >= 3
-
-    journal = killed_once(run, watch, training, "4 ranks past step 3", 1, export)
-    assert [f for f in journal if isinstance(f, Rewound | WeightsLost)] == []
-    starts = [
-        (f.weights.source, len(f.ranks))
-        for f in journal
-        if isinstance(f, WorldChanged) and f.weights is not None and f.ranks
-    ]
+    run, journal, starts = hsdp_killed(tmp_path, 1, "--spares", "1")
     assert starts == [("initial", 4), ("rank", 4)], starts
     assert [f for f in journal if isinstance(f, WeightsDiverged)] == []
     assert {p.name for p in tmp_path.glob("mesh-*")} == {"mesh-2"}  # HSDP throughout

@@ -60,12 +60,7 @@ def _trained(rank: int, tmp: Path) -> regather.Pieces:
         model(torch.randn(4, 8)).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
-    whole = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for param, values in optimizer.state.items():
-        for key, value in values.items():
-            full = value.full_tensor() if hasattr(value, "full_tensor") else value
-            whole[f"optim.{names[id(param)]}.{key}"] = full
+    whole = _full(model, optimizer)  # a collective: every rank gathers
     if rank == 0:
         torch.save(whole, tmp / "held.pt")
     held = regather.pieces(model, optimizer, rank, 2)
@@ -122,7 +117,7 @@ def test_a_world_missing_a_survivors_pieces_is_refused_by_name(tmp_path: Path) -
 
 
 def _full(model: Any, optimizer: Any) -> dict[str, Any]:
-    """A copy's whole model and optimizer state, gathered within its shard group."""
+    """The whole model and optimizer state of this rank's copy, gathered over its shards."""
     whole = {k: v.full_tensor() for k, v in model.state_dict().items()}
     names = {id(p): n for n, p in model.named_parameters()}
     for param, values in optimizer.state.items():
