@@ -69,7 +69,7 @@ from bench.scratch import discard
 from cohort.coordinator.replay import JournalWatch
 from cohort.coordinator.state import JobState
 from cohort.events.connection import RedisSettings, connect
-from cohort.events.models import StepCommitted
+from cohort.events.models import StepCommitted, WorldChanged
 from cohort.processes import children, end
 
 JOB = "launched"
@@ -77,12 +77,39 @@ JOB = "launched"
 
 @dataclass
 class Healing:
-    """One side's run under its launcher: goodput's figures and, per kill, the healing."""
+    """One side's run under its launcher: goodput's figures and, per kill, the healing:
+    seconds to training again (cohort: the survivors' next committed step) and to a world
+    of every rank committing again (`whole_again`; cohort only)."""
 
     run: Run
     training_again: list[float] = field(default_factory=list)
     redone: list[int] = field(default_factory=list)
     failed_starts: int = 0
+    whole_again: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a side's ranks run: each rank's command (after the Python interpreter), a part
+    of it that only rank processes' command lines hold, the job's settings (cohort run's
+    flags) and what the environment adds."""
+
+    command: tuple[str, ...]
+    marker: str
+    job: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
+def goodput_work(ranks: int, route: str = "gloo") -> Work:
+    """bench.goodput's ElasticJob loop with a constant global batch, on `route`
+    (bench.goodput's ROUTE_ENV: "gloo", or "" through Redis)."""
+    return Work(
+        ("-m", "bench.goodput", "cohort-rank"),
+        "cohort-rank",
+        ("--dataset-size", str(DATASET), "--batch-size", str(BATCH),
+         "--global-batch", str(BATCH * ranks)),
+        ((ROUTE_ENV, route),),
+    )  # fmt: skip
 
 
 def _env() -> dict[str, str]:
@@ -129,20 +156,19 @@ def _cohort(
     kills: int,
     flags: Sequence[str] = LAUNCHED_FLAGS,
     victim: str = "oldest",
-    route: str = "gloo",
+    work: Work | None = None,
 ) -> Healing:
-    """`cohort run -n ranks` with `flags` added; `victim`: "oldest", the rank process that
-    has run longest, or "rank", the process of the world's rank 0 (with spares the oldest
-    process may be a spare, which holds no rank); `route`: the ranks' gradient route
-    (bench.goodput's ROUTE_ENV: "gloo", or "" through Redis)."""
+    """`cohort run -n ranks` with `flags` added, its ranks running `work` (default:
+    bench.goodput's loop on the gloo route); `victim`: "oldest", the rank process that has
+    run longest, or "rank", the process of the world's rank 0 (with spares the oldest
+    process may be a spare, which holds no rank)."""
+    work = work or goodput_work(ranks)
     tmp = Path(tempfile.mkdtemp(prefix="cohort-launched-"))
     launcher = subprocess.Popen(
         [sys.executable, "-m", "cohort", "run", "-n", str(ranks), "--job", JOB,
-         "--run-dir", str(tmp / "run"), *flags, "--min-workers", "1",
-         "--dataset-size", str(DATASET), "--batch-size", str(BATCH),
-         "--global-batch", str(BATCH * ranks), "--max-restarts", "100",
-         "--", sys.executable, "-m", "bench.goodput", "cohort-rank"],
-        env={**_env(), ROUTE_ENV: route}, stdout=(tmp / "launcher.out").open("wb"),
+         "--run-dir", str(tmp / "run"), *flags, "--min-workers", "1", *work.job,
+         "--max-restarts", "100", "--", sys.executable, *work.command],
+        env={**_env(), **dict(work.env)}, stdout=(tmp / "launcher.out").open("wb"),
         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     try:
@@ -152,10 +178,13 @@ def _cohort(
         watch = JournalWatch.of(connect(RedisSettings.resolve(url)), JOB)
         commits: list[tuple[float, int, int]] = []
         times: list[float] = []
+        sizes: dict[int, int] = {}  # world version -> its ranks
 
         def pull() -> None:
             for fact in watch.pull(block_ms=100):
-                if isinstance(fact, StepCommitted):
+                if isinstance(fact, WorldChanged):
+                    sizes[fact.version] = len(fact.ranks)
+                elif isinstance(fact, StepCommitted):
                     commits.append((fact.at, fact.step, fact.world))
                     times.append(fact.at)
 
@@ -168,17 +197,19 @@ def _cohort(
         def kill(_: int) -> None:
             killed.append(time.time())
             if victim == "oldest":
-                _kill_oldest(launcher.pid, b"cohort-rank")
+                _kill_oldest(launcher.pid, work.marker.encode())
             else:
                 _kill_rank(watch.state)
 
         run = _periods(time.time, failure_free, every, kills, times, pull, kill,
                        committed_between, lambda _, at: _healed(commits, at),
                        free_after=True)  # fmt: skip
+        whole = [(at, step, w) for at, step, w in commits if sizes.get(w) == ranks]
         return Healing(
             run,
             training_again=[_healed(commits, at) for at in killed],
             redone=[_recommitted(commits, at) for at in killed],
+            whole_again=[_healed(whole, at, commits) for at in killed],
         )
     finally:
         _stop(launcher, tmp)
@@ -192,10 +223,15 @@ def _kill_rank(state: JobState) -> None:
             os.kill(member.pid, signal.SIGKILL)
 
 
-def _healed(commits: Sequence[tuple[float, int, int]], when: float) -> float:
-    """Seconds from `when` to the first step committed by a later world than the one
-    training at `when` (a step of the old world still in flight at the kill is not healing)."""
-    world = max((w for at, _, w in commits if at <= when), default=-1)
+def _healed(
+    commits: Sequence[tuple[float, int, int]],
+    when: float,
+    all_commits: Sequence[tuple[float, int, int]] | None = None,
+) -> float:
+    """Seconds from `when` to the first of `commits` by a later world than the one training
+    at `when` (read from `all_commits`, default `commits`): a step of the old world still
+    in flight at the kill is not healing."""
+    world = max((w for at, _, w in (all_commits or commits) if at <= when), default=-1)
     later = [at for at, _, w in commits if at > when and w > world]
     return min(later) - when if later else float("inf")
 
@@ -208,15 +244,28 @@ def _recommitted(commits: Sequence[tuple[float, int, int]], when: float) -> int:
 
 
 # ---------------------------------------------------------------- torchrun --standalone
+TORCHRUN_WORK = Work(("-m", "bench.goodput", "torchrun-rank"), "torchrun-rank")
+"""bench.goodput's DDP worker, resuming from its checkpoint file."""
+
+
 def _torchrun(
-    ranks: int, failure_free: float, every: float, kills: int, every_ckpt: int, shared: bool
+    ranks: int,
+    failure_free: float,
+    every: float,
+    kills: int,
+    every_ckpt: int,
+    shared: bool,
+    work: Work = TORCHRUN_WORK,
 ) -> Healing:
     """`shared`: torchrun's default, the workers' process group on the agent's rendezvous
-    store; else TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a store of rank 0's per restart."""
+    store; else TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a store of rank 0's per restart.
+    `work`: what each worker runs (it logs each step to $BENCH_LOG, checkpoints at
+    $BENCH_CHECKPOINT every $BENCH_CHECKPOINT_EVERY steps and resumes from there)."""
     tmp = Path(tempfile.mkdtemp(prefix="cohort-launched-torchrun-"))
     log = tmp / "steps.jsonl"
     env = {
         **_env(),
+        **dict(work.env),
         "BENCH_LOG": str(log),
         "BENCH_CHECKPOINT": str(tmp / "checkpoint.pt"),
         "BENCH_CHECKPOINT_EVERY": str(every_ckpt),
@@ -225,7 +274,7 @@ def _torchrun(
     agent = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          "--nproc-per-node", str(ranks), "--max-restarts", "100", "--monitor-interval", "0.1",
-         "-m", "bench.goodput", "torchrun-rank"],
+         *work.command],
         env=env, stdout=(tmp / "agent.out").open("wb"), stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
@@ -237,7 +286,7 @@ def _torchrun(
 
         def kill(_: int) -> None:
             killed.append(time.time())
-            _kill_oldest(agent.pid, b"torchrun-rank")
+            _kill_oldest(agent.pid, work.marker.encode())
 
         run = _periods(time.time, failure_free, every, kills, progress.times, progress.pull,
                        kill, progress.counted,
