@@ -454,7 +454,7 @@ def _raw(side: Healing) -> dict[str, Any]:
         "counted": run.counted, "seconds": run.seconds,
         "rate": run.rate, "goodput": run.goodput, "outages": run.outages,
         "training_again": side.training_again, "redone": side.redone,
-        "failed_starts": side.failed_starts,
+        "failed_starts": side.failed_starts, "whole_again": side.whole_again,
     }  # fmt: skip
 
 

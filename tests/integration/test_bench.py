@@ -295,6 +295,27 @@ def test_the_quick_healing_run_times_each_way_of_noticing_a_death(
     assert raw["heartbeat"]["training_again"][0] > 5 > raw["spare"]["training_again"][0]
 
 
+@pytest.mark.slow
+def test_the_quick_sharded_run_heals_hsdp_from_peers_and_torchrun_from_dcp(
+    tmp_path: Path, quick_bench: QuickBench
+) -> None:
+    """HSDP 2 x 2 of the LM example under cohort run with a spare and without, and FSDP
+    under torchrun restarting from DCP checkpoints: a rank SIGKILLed under each; cohort
+    redoes no step, and every rank trains again."""
+    require_torch()
+    (section,) = _measured(quick_bench.quick("sharded"), tmp_path).values()
+    assert section["command"] == (
+        "python -m bench.sharded --failure-free 5 --every 8 --kills 1 --checkpoint-every 20"
+    )
+    raw = section["raw"]
+    assert set(raw) == {"spare", "no spare", "torchrun"}
+    for side in raw.values():
+        assert side["failure_free"] > 0 and side["seconds"] >= 8
+        assert len(side["training_again"]) == len(side["redone"]) == 1
+    for side in (raw["spare"], raw["no spare"]):  # healed from the other copy: no rewind
+        assert side["redone"] == [0] and 0 < side["whole_again"][0] < float("inf")
+
+
 def test_the_quick_presence_run_reads_each_member_s_connections_both_ways(
     tmp_path: Path, quick_bench: QuickBench
 ) -> None:
