@@ -119,6 +119,48 @@ def test_a_rank_that_never_answers_a_finished_job_s_reduction_says_the_job_finis
     elastic.worker.stop()
 
 
+def test_a_rank_lost_before_it_answered_gives_nan_and_the_script_goes_on() -> None:
+    """A peer of the step's world fails during the epoch's evaluation: it will never
+    answer, so the reduction gives NaN of the kind it was given (a number, every element of
+    an array), not an exception that would end every survivor's script and lose the
+    weights the survivors hold; the next step is in the world without it."""
+    leader, elastic = joined(m.JobConfig(dataset_size=16, batch_size=4, max_steps=4))
+    elastic.attach(Number())
+    halves = (Shard(ranges=((0, 8),)), Shard(ranges=((8, 16),)))
+    leader.say(
+        fact(m.WorkerSynced, worker=ME, step=0),
+        fact(m.WorkerActivated, worker=ME),
+        fact(
+            m.WorldChanged, version=1, start_step=0, epoch=0, ranks=(ME, "w-other"), shards=halves
+        ),
+    )
+    walk = elastic.steps()
+    next(walk)  # step 0, in a world of two
+    whole = (Shard(ranges=((0, 16),)),)
+    leader.say(
+        fact(m.StepCommitted, step=0, world=1),
+        fact(m.WorkerFailed, worker="w-other", last_seen=0.0, timeout=5.0),
+        fact(m.WorldChanged, version=2, start_step=1, epoch=0, ranks=(ME,), shards=whole),
+    )
+    elastic.worker.wait_for(lambda view: "w-other" not in view.members, 3)
+    assert math.isnan(elastic.sum(1.0))
+    got = elastic.mean(np.ones((2, 2)))
+    assert got.shape == (2, 2) and np.isnan(got).all()
+    walk.close()
+    elastic.worker.stop()
+
+
+def test_a_torch_reduction_cut_short_gives_nan_even_for_integers() -> None:
+    torch = _torch()
+    from cohort.worker.pytorch.elastic import ElasticJob
+
+    bare = ElasticJob.__new__(ElasticJob)  # the conversion only: no Redis, no world
+    _, rebuild = bare._numbers(torch.tensor([3, 4]), "sum")
+    back = rebuild([math.nan, math.nan])
+    assert back.dtype == torch.float64 and back.isnan().all()
+    assert rebuild([7.0, 8.0]).dtype == torch.int64  # a sum that was made keeps its kind
+
+
 # ---------------------------------------------------------------- the job's side (one rank)
 
 

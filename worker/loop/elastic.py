@@ -543,10 +543,12 @@ class Elastic:
         that world must make the same reductions in the same order, as with any
         collective. It returns a float for a number, else the kind it was given. A world
         change does not stop it, a rank of its world leaving or failing before it answered
-        does: it raises WorldChangedError (that rank will never answer), JobFinishedError
-        (a kind of it) once the job finished. A rank that answered and then left (its loops
-        ended with the job) still counts. Exact: the numbers travel whole and are summed
-        with `math.fsum`."""
+        does: that rank will never answer, so it gives NaN (every element), logs why, and
+        the script goes on into the next world (an evaluation cut short, never a crash
+        that would take the survivors' weights with it); JobFinishedError (a
+        WorldChangedError) once the job finished. A rank that answered and then left (its
+        loops ended with the job) still counts. Exact: the numbers travel whole and are
+        summed with `math.fsum`."""
         return self._reduce(value, "mean")
 
     def sum(self, value: Any) -> Any:
@@ -602,9 +604,14 @@ class Elastic:
             rows = self.collective.gather(numbers, call, world, standing)
         except WorldChangedError:
             end = self.worker.view.finished
-            if end is None:
-                raise
-            raise JobFinishedError(how, given.step, self.worker.job, end) from None
+            if end is not None:
+                raise JobFinishedError(how, given.step, self.worker.job, end) from None
+            log.warning(
+                "%s: job.%s() over world %d (after step %d) gives NaN: a rank of that world "
+                "left or failed before it answered; training goes on in the next world",
+                self.worker_id, how, given.world, given.step,
+            )  # fmt: skip
+            return rebuild([math.nan] * len(numbers))
         columns = list(zip(*rows, strict=True))
         if how == "max":
             return rebuild([max(column) for column in columns])

@@ -22,6 +22,7 @@ import copy
 import functools
 import io
 import logging
+import math
 import os
 import threading
 import types
@@ -682,7 +683,14 @@ class ElasticJob(Elastic):
         dtype = value.dtype if exact else torch.float64
         numbers = value.detach().to("cpu", torch.float64).reshape(-1).tolist()
         reducible(numbers, how)
-        return numbers, lambda got: torch.tensor(got, dtype=dtype, device=device).reshape(shape)
+
+        def rebuild(got: list[float]) -> torch.Tensor:
+            # NaN (a reduction cut short) has no integer: it comes back as float64
+            finite = dtype.is_floating_point or all(math.isfinite(x) for x in got)
+            kind = dtype if finite else torch.float64
+            return torch.tensor(got, dtype=kind, device=device).reshape(shape)
+
+        return numbers, rebuild
 
     def _figure(self, name: str, value: Any) -> Any:
         """A one-number CUDA tensor `job.record` keeps as a copy on its way to the host,
