@@ -400,3 +400,30 @@ def test_the_lm_example_sharded_rewinds_a_sigkilled_rank_to_its_checkpoint(
     assert len({f.step for f in journal if isinstance(f, StepCommitted)}) == 12
     model = load_example("lm").TinyLM()
     model.load_state_dict(torch.load(saved))  # the whole weights, unsharded
+
+
+def test_a_rank_killed_as_an_epoch_ends_leaves_the_survivors_training_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examples/lm_train.py --shard as HSDP 2 x 2 with a spare and no checkpoint: rank 0
+    SIGKILLed as the first epoch's last step commits, while the ranks run the epoch's
+    validation pass (sharded forwards, then job.sum over the world). The survivors' sums
+    give NaN, their scripts go on, and the spare heals the copy in place: no rewind, no
+    weights lost. (Before, every survivor's job.sum raised, every script ended, and the
+    sharded weights were lost with them.)"""
+    monkeypatch.setenv("COHORT_TORCH_BACKEND", "gloo")
+    export = tmp_path / "run.export"
+    run = Launch(
+        *HSDP, "--shard-group", "2", "--spares", "1", "--global-batch", "32", "--placement",
+        "strided", "--reduction", "float", "--epochs", "3", "--export", str(export), LM,
+        "--shard", cwd=tmp_path,
+    )  # fmt: skip
+    watch = run.journal()
+
+    def evaluating() -> bool:
+        watch.pull(50)
+        return watch.state.epoch >= 1 and len(watch.state.ranks) == 4
+
+    journal = killed_once(run, watch, evaluating, "the first epoch's end", 0, export, LM)
+    assert [f for f in journal if isinstance(f, Rewound | WeightsLost)] == []
+    assert "Traceback" not in run.output, run.output[-3000:]
