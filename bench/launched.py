@@ -164,13 +164,7 @@ def _cohort(
     process may be a spare, which holds no rank)."""
     work = work or goodput_work(ranks)
     tmp = Path(tempfile.mkdtemp(prefix="cohort-launched-"))
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "cohort", "run", "-n", str(ranks), "--job", JOB,
-         "--run-dir", str(tmp / "run"), *flags, "--min-workers", "1", *work.job,
-         "--max-restarts", "100", "--", sys.executable, *work.command],
-        env={**_env(), **dict(work.env)}, stdout=(tmp / "launcher.out").open("wb"),
-        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+    launcher = _cohort_run(ranks, flags, work, tmp)
     try:
         run_json = tmp / "run" / "run.json"
         _until(run_json.exists, 60, "cohort run: its run.json", lambda: time.sleep(0.1))
@@ -213,6 +207,17 @@ def _cohort(
         )
     finally:
         _stop(launcher, tmp)
+
+
+def _cohort_run(ranks: int, flags: Sequence[str], work: Work, tmp: Path) -> subprocess.Popen[bytes]:
+    """`cohort run -n ranks *flags` of `work`, its run directory and output under `tmp`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "cohort", "run", "-n", str(ranks), "--job", JOB,
+         "--run-dir", str(tmp / "run"), *flags, "--min-workers", "1", *work.job,
+         "--max-restarts", "100", "--", sys.executable, *work.command],
+        env={**_env(), **dict(work.env)}, stdout=(tmp / "launcher.out").open("wb"),
+        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
 
 
 def _kill_rank(state: JobState) -> None:

@@ -94,8 +94,10 @@ def test_a_rank_that_answered_and_then_left_still_counts() -> None:
         assert quick.result(timeout=30) == [(1.0,), (2.0,)]
 
 
-def test_a_rank_that_never_answers_a_finished_job_s_reduction_says_the_job_finished() -> None:
-    leader, elastic = joined(m.JobConfig(dataset_size=16, batch_size=4, max_steps=1))
+def in_a_world_of_two(max_steps: int) -> tuple[Any, Any, Any]:
+    """This worker's job at step 0 in world 1 of two ranks (the other, w-other, a peer
+    whose answers never come): the leader, the job and its walk of steps."""
+    leader, elastic = joined(m.JobConfig(dataset_size=16, batch_size=4, max_steps=max_steps))
     elastic.attach(Number())
     halves = (Shard(ranges=((0, 8),)), Shard(ranges=((8, 16),)))
     leader.say(
@@ -107,6 +109,11 @@ def test_a_rank_that_never_answers_a_finished_job_s_reduction_says_the_job_finis
     )
     walk = elastic.steps()
     next(walk)  # step 0, in a world of two
+    return leader, elastic, walk
+
+
+def test_a_rank_that_never_answers_a_finished_job_s_reduction_says_the_job_finished() -> None:
+    leader, elastic, walk = in_a_world_of_two(max_steps=1)
     leader.say(
         fact(m.StepCommitted, step=0, world=1),
         fact(m.JobFinished, step=0, epoch=0, reason="max_steps=1 reached"),
@@ -124,18 +131,7 @@ def test_a_rank_lost_before_it_answered_gives_nan_and_the_script_goes_on() -> No
     answer, so the reduction gives NaN of the kind it was given (a number, every element of
     an array), not an exception that would end every survivor's script and lose the
     weights the survivors hold; the next step is in the world without it."""
-    leader, elastic = joined(m.JobConfig(dataset_size=16, batch_size=4, max_steps=4))
-    elastic.attach(Number())
-    halves = (Shard(ranges=((0, 8),)), Shard(ranges=((8, 16),)))
-    leader.say(
-        fact(m.WorkerSynced, worker=ME, step=0),
-        fact(m.WorkerActivated, worker=ME),
-        fact(
-            m.WorldChanged, version=1, start_step=0, epoch=0, ranks=(ME, "w-other"), shards=halves
-        ),
-    )
-    walk = elastic.steps()
-    next(walk)  # step 0, in a world of two
+    leader, elastic, walk = in_a_world_of_two(max_steps=4)
     whole = (Shard(ranges=((0, 16),)),)
     leader.say(
         fact(m.StepCommitted, step=0, world=1),
