@@ -463,12 +463,14 @@ def _raw(side: Healing) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def period_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of a run that kills a rank each period (this one's and bench.healing's)."""
-    parser.add_argument("--ranks", type=int, default=4)
+def period_arguments(parser: argparse.ArgumentParser, kills: int = 5, ranks: bool = True) -> None:
+    """The flags of a run that kills a rank each period (this one's, bench.healing's and
+    bench.sharded's, which has no --ranks: its world is HSDP 2 x 2)."""
+    if ranks:
+        parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--failure-free", type=float, default=60)
     parser.add_argument("--every", type=float, default=60)
-    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--kills", type=int, default=kills)
 
 
 def main() -> None:

@@ -47,6 +47,7 @@ from bench.launched import (
     _per_kill,
     _raw,
     _torchrun,
+    period_arguments,
 )
 from bench.results import Section
 
@@ -255,9 +256,7 @@ def main() -> None:
         torchrun_rank()
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--failure-free", type=float, default=60.0)
-    parser.add_argument("--every", type=float, default=60.0)
-    parser.add_argument("--kills", type=int, default=10)
+    period_arguments(parser, kills=10, ranks=False)
     parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY)
     args = parser.parse_args()
     try:

@@ -258,14 +258,11 @@ def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer, pieces: Piec
         for name, value in module.state_dict().items()
     }
     set_model_state_dict(module, model, options=StateDictOptions(strict=True))
-    params = dict(module.named_parameters())
-    optimizer.state.clear()
-    for name, values in pieces.optim.items():
-        param = params[name]
-        optimizer.state[param] = {
-            key: _placed(value, param, pieces.cuts[f"optim.{name}.{key}"])
-            for key, value in values.items()
-        }
+
+    def placed(name: str, key: str, value: Any, param: torch.nn.Parameter) -> Any:
+        return _placed(value, param, pieces.cuts[f"optim.{name}.{key}"])
+
+    shards.fill_optimizer(module, optimizer, pieces.optim, placed)
 
 
 def _placed(piece: Any, like: Any, dim: int | None) -> Any:

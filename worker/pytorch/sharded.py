@@ -464,29 +464,24 @@ def shard_optimizer_state(
     """The optimizer's state for `module`'s sharded parameters from a whole (full) one
     keyed by parameter name, which every rank holds: each tensor the shape of its parameter
     is cut as the parameter is (`distribute_tensor` with no source rank: each rank takes its
-    own part, no collective); the rest (a step count) as it is. No step of zeros is run
-    to make the state first, as torch's `set_optimizer_state_dict` does."""
+    own part, no collective); the rest (a step count) as it is."""
+    shards.fill_optimizer(module, optimizer, whole_state["state"], _cut)
+
+
+def _cut(name: str, key: str, value: Any, param: torch.nn.Parameter) -> Any:
+    """A whole optimizer state `value` of `param`, as this rank keeps it."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    params = dict(module.named_parameters())
-    optimizer.state.clear()
-    for name, values in whole_state["state"].items():
-        param = params[name]
-        state: dict[str, Any] = {}
-        for key, value in values.items():
-            if (
-                isinstance(param, DTensor)
-                and torch.is_tensor(value)
-                and value.dim() > 0
-                and value.shape == param.shape
-            ):
-                value = distribute_tensor(
-                    value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
-                )
-            elif torch.is_tensor(value):
-                value = value.clone()
-            state[key] = value
-        optimizer.state[param] = state
+    if (
+        isinstance(param, DTensor)
+        and torch.is_tensor(value)
+        and value.dim() > 0
+        and value.shape == param.shape
+    ):
+        return distribute_tensor(
+            value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+        )
+    return value.clone() if torch.is_tensor(value) else value
 
 
 def blob_of(model: Held, optim: Held, extra: Mapping[str, Any]) -> bytes:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import posixpath
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +78,25 @@ def flat(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     names = {id(p): name for name, p in resharded(module).named_parameters()}
     optim = {names[id(p)]: dict(values) for p, values in optimizer.state.items()}
     return {"model": module.state_dict(), "optim": optim}
+
+
+def fill_optimizer(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    by_name: Mapping[str, Mapping[str, Any]],
+    placed: Callable[[str, str, Any, torch.nn.Parameter], Any],
+) -> None:
+    """`optimizer`'s state made anew for `module`'s parameters from a state keyed by
+    parameter name (as `flat` names it), each value as `placed(name, key, value, param)`
+    gives it. No step of zeros is run to make the state first, as torch's
+    `set_optimizer_state_dict` does."""
+    params = dict(module.named_parameters())
+    optimizer.state.clear()
+    for name, values in by_name.items():
+        param = params[name]
+        optimizer.state[param] = {
+            key: placed(name, key, value, param) for key, value in values.items()
+        }
 
 
 def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer, location: str) -> list[str]:
