@@ -17,7 +17,7 @@ Each step appends one JSON line to --log: time, the manager's step after it, whe
 step committed, how many groups took part, the group and the pid. The first SIGTERM ends
 the group at the next step's end with `manager.shutdown()` (a clean leave); with --steps it
 trains that many committed steps, then prints the timed span as bench.throughput's ranks do.
-An exception ends the process with exit code 1 (see `_train_or_exit`).
+An exception ends the process with exit code 1 (see `exit_on_error`).
 
     python -m bench.torchft_trainer --group 0 --groups 2 --lighthouse http://HOST:PORT \\
         --log steps.jsonl [--ddp stock|fixed] [--steps N]
@@ -141,12 +141,12 @@ def _manager(
     )
 
 
-def _train_or_exit(args: argparse.Namespace) -> None:
-    """`train`; an exception ends the process at once with exit code 1, so that the restart
-    loop sees it die: left to Python's exit, the manager's threads hold it alive (measured
-    with torchft 0.2.0: the process stops training and never exits)."""
+def exit_on_error(body: Callable[[], None]) -> None:
+    """`body()`; an exception ends the process at once with exit code 1, so that the restart
+    loop sees it die: left to Python's exit, a TorchFT manager's threads hold it alive
+    (measured with torchft 0.2.0: the process stops training and never exits)."""
     try:
-        train(args)
+        body()
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
@@ -161,7 +161,8 @@ def main() -> None:
     parser.add_argument("--log", required=True)
     parser.add_argument("--ddp", choices=("stock", "fixed"), default="fixed")
     parser.add_argument("--steps", type=int, default=0, help="stop after N committed steps")
-    _train_or_exit(parser.parse_args())
+    args = parser.parse_args()
+    exit_on_error(lambda: train(args))
 
 
 if __name__ == "__main__":

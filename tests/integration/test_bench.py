@@ -10,6 +10,7 @@ section runs, measures something and records it the way `python -m bench` docume
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -299,22 +300,28 @@ def test_the_quick_healing_run_times_each_way_of_noticing_a_death(
 def test_the_quick_sharded_run_heals_hsdp_from_peers_and_torchrun_from_dcp(
     tmp_path: Path, quick_bench: QuickBench
 ) -> None:
-    """HSDP 2 x 2 of the LM example under cohort run with a spare and without, and FSDP
-    under torchrun restarting from DCP checkpoints: a rank SIGKILLed under each; cohort
-    redoes no step, and with a spare every rank trains again in the first world after."""
+    """HSDP 2 x 2 of the LM example under cohort run with a spare and without, TorchFT's
+    HSDP, and FSDP under torchrun restarting from DCP checkpoints: a rank SIGKILLed under
+    each; cohort redoes no step, with a spare every rank trains again in the first world
+    after, and TorchFT's broken group trains again with its shards from the other group."""
     require_torch()
     (section,) = _measured(quick_bench.quick("sharded"), tmp_path).values()
     assert section["command"] == (
         "python -m bench.sharded --failure-free 5 --every 8 --kills 1 --checkpoint-every 20"
     )
     raw = section["raw"]
-    assert set(raw) == {"spare", "no spare", "torchrun"}
+    with_torchft = importlib.util.find_spec("torchft") is not None
+    assert set(raw) == {"spare", "no spare", "torchrun"} | ({"torchft"} if with_torchft else set())
     for side in raw.values():
         assert side["failure_free"] > 0 and side["seconds"] >= 8
         assert len(side["training_again"]) == len(side["redone"]) == 1
     assert raw["spare"]["redone"] == raw["no spare"]["redone"] == [0]  # no rewind
     # the spare takes the lost place in the world change itself
     assert raw["spare"]["whole_again"] == raw["spare"]["training_again"]
+    if with_torchft:
+        # its restarted group commits again (its state taken from the live group, not
+        # from step 0: no step redone)
+        assert raw["torchft"]["whole_again"][0] < 60 and raw["torchft"]["redone"] == [0]
 
 
 def test_the_quick_presence_run_reads_each_member_s_connections_both_ways(
