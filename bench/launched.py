@@ -134,14 +134,15 @@ def _kill_oldest(parent: int, marker: bytes) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _stop(launcher: subprocess.Popen[bytes], tmp: Path | None = None) -> None:
+def _stop(launcher: subprocess.Popen[bytes], tmp: Path | None = None, keep: str = "") -> None:
     """SIGINT, as Ctrl-C; after a minute, SIGKILL to the launcher and all it started. And
     whatever it started that outlived it: torchrun starts each worker in a session of its
     own, which killing the launcher's process group does not reach. Then the run's
-    directory `tmp` goes, unless the run is failing (called from a `finally`)."""
+    directory `tmp` goes, unless the run is failing (called from a `finally`) or `keep`
+    says why it stays."""
     end([launcher], signal.SIGINT, grace=60)
     if tmp is not None:
-        discard(tmp)
+        discard(tmp, keep)
 
 
 # ---------------------------------------------------------------- cohort run
@@ -165,6 +166,7 @@ def _cohort(
     work = work or goodput_work(ranks)
     tmp = Path(tempfile.mkdtemp(prefix="cohort-launched-"))
     launcher = _cohort_run(ranks, flags, work, tmp)
+    unhealed = ""
     try:
         run_json = tmp / "run" / "run.json"
         _until(run_json.exists, 60, "cohort run: its run.json", lambda: time.sleep(0.1))
@@ -198,15 +200,28 @@ def _cohort(
         run = _periods(time.time, failure_free, every, kills, times, pull, kill,
                        committed_between, lambda _, at: _healed(commits, at),
                        free_after=True)  # fmt: skip
-        whole = [(at, step, w) for at, step, w in commits if sizes.get(w) == ranks]
-        return Healing(
-            run,
-            training_again=[_healed(commits, at) for at in killed],
-            redone=[_recommitted(commits, at) for at in killed],
-            whole_again=[_healed(whole, at, commits) for at in killed],
-        )
+        healing = _healing(run, killed, commits, [(at, step, w) for at, step, w in commits
+                                                  if sizes.get(w) == ranks])  # fmt: skip
+        if float("inf") in healing.whole_again:
+            unhealed = f"cohort run {' '.join(flags)}: a kill never healed"
+        return healing
     finally:
-        _stop(launcher, tmp)
+        _stop(launcher, tmp, unhealed)
+
+
+def _healing(
+    run: Run,
+    killed: Sequence[float],
+    commits: Sequence[tuple[float, int, int]],
+    whole: Sequence[tuple[float, int, int]],
+) -> Healing:
+    """Per kill, from the steps committed (`whole`: those of a world of every rank)."""
+    return Healing(
+        run,
+        training_again=[_healed(commits, at) for at in killed],
+        redone=[_recommitted(commits, at) for at in killed],
+        whole_again=[_healed(whole, at, commits) for at in killed],
+    )
 
 
 def _cohort_run(ranks: int, flags: Sequence[str], work: Work, tmp: Path) -> subprocess.Popen[bytes]:

@@ -12,13 +12,16 @@ from pathlib import Path
 from types import TracebackType
 
 
-def discard(tmp: Path) -> None:
+def discard(tmp: Path, keep: str = "") -> None:
     """Delete a run's temporary directory, unless an exception is on its way (called from a
-    `finally`): then its logs are the failure's only record, and stderr says where."""
-    if sys.exc_info()[1] is None:
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
+    `finally`) or the caller says why to `keep` it (a run that measured something wrong):
+    then its logs are the only record, and stderr says where."""
+    if sys.exc_info()[1] is not None:
         print(f"the failed run's logs are kept in {tmp}", file=sys.stderr)
+    elif keep:
+        print(f"{keep}: the run's logs are kept in {tmp}", file=sys.stderr)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 _logs: Path | None = None
