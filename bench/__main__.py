@@ -99,7 +99,7 @@ QUICK: dict[str, Callable[[], Section]] = {
     "goodput": lambda: goodput.measure(5, 8, 1, 100),
     "launched": lambda: launched.measure(2, 5, 8, 1, 100),
     "healing": lambda: healing.measure(2, 5, 8, 1),
-    "sharded": lambda: sharded.measure(5, 8, 1, 20),
+    "sharded": lambda: sharded.measure(5, 8, 1, 5),
     "presence": lambda: presence.measure((10, 100), (0, 100), 20),
     "allreduce": lambda: allreduce.measure((1,), (2,), 3),
     "hierarchy": lambda: hierarchy.measure((1,), 2),

@@ -37,6 +37,8 @@ says how to install it.
 from __future__ import annotations
 
 import argparse
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from bench import goodput
@@ -51,6 +53,7 @@ from bench.launched import (
     period_arguments,
 )
 from bench.results import Section
+from bench.scratch import discard
 from bench.torchft_peer import Side, heal
 from bench.torchft_run import ShardedTorchFT, TorchFTMissing, lighthouse_command
 
@@ -63,17 +66,25 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 COHORT_WORK = Work(
     (str(EXAMPLES / "lm_train.py"), "--shard", "--log-every", "1000000000"),
     "lm_train.py",
-    ("--shard-group", str(GROUP), "--dataset-size", str(DATASET), "--batch-size", str(BATCH),
+    ("--dataset-size", str(DATASET), "--batch-size", str(BATCH),
      "--global-batch", str(BATCH * RANKS), "--placement", "strided", "--reduction", "float",
      "--epochs", "100000"),
     (("COHORT_TORCH_BACKEND", "gloo"),),
 )  # fmt: skip
 TORCHRUN_WORK = Work(("-m", "bench.sharded_ranks", "torchrun"), "bench.sharded_ranks")
-SIDES = {
-    "spare": ("cohort run --shard-group 2 --spares 1 (healed in place)", ("--spares", "1")),
-    "no spare": ("cohort run --shard-group 2 (no spare)", ()),
-}
-"""Each cohort side: its row's name and its flags beyond the job's."""
+
+
+def sides(checkpoints: Path, checkpoint_every: int) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Each cohort side: its row's name and its flags beyond the job's."""
+    hsdp = ("--shard-group", str(GROUP))
+    fsdp = ("--checkpoint-uri", str(checkpoints), "--checkpoint-every", str(checkpoint_every))
+    return {
+        "spare": ("cohort run --shard-group 2 --spares 1 (healed in place)",
+                  (*hsdp, "--spares", "1")),
+        "no spare": ("cohort run --shard-group 2 (no spare)", hsdp),
+        "fsdp": (f"cohort run, FSDP over 4, DCP every {checkpoint_every} steps (rewind, "
+                 f"4 -> 3)", fsdp),
+    }  # fmt: skip
 
 
 def measure(
@@ -82,22 +93,30 @@ def measure(
     kills: int = 10,
     checkpoint_every: int = CHECKPOINT_EVERY,
 ) -> Section:
-    """Both cohort sides, then TorchFT's and torchrun, back to back."""
+    """cohort's sides, then TorchFT's and torchrun, back to back."""
     if failure_free <= 0 or every <= 0 or kills < 1 or checkpoint_every < 1:
         raise ValueError(
             f"--failure-free {failure_free}, --every {every}, --kills {kills}, "
             f"--checkpoint-every {checkpoint_every}: each must be positive"
         )
-    sides = {
-        key: _cohort(RANKS, failure_free, every, kills, flags, victim="rank", work=COHORT_WORK)
-        for key, (_, flags) in SIDES.items()
-    }
+    checkpoints = Path(tempfile.mkdtemp(prefix="cohort-sharded-checkpoints-"))
+    try:
+        named = sides(checkpoints, checkpoint_every)
+        mine = {
+            name: _cohort(RANKS, failure_free, every, kills, flags, victim="rank", work=COHORT_WORK)
+            for name, flags in named.values()
+        }
+    finally:
+        discard(checkpoints)
     torchft = _torchft(failure_free, every, kills)
     torchrun = _torchrun(
         RANKS, failure_free, every, kills, checkpoint_every, shared=False, work=TORCHRUN_WORK
     )
-    peers = {**({"torchft": torchft[0]} if isinstance(torchft, tuple) else {}),
-             "torchrun": torchrun}  # fmt: skip
+    peers = {**({TORCHFT: torchft[0]} if isinstance(torchft, tuple) else {}),
+             f"torchrun --standalone, FSDP over 4, DCP every {checkpoint_every} steps "
+             f"(restart all)": torchrun}  # fmt: skip
+    keys = [*named, *(["torchft"] if isinstance(torchft, tuple) else []), "torchrun"]
+    everyone = {**mine, **peers}
     section = Section(
         key="sharded",
         title=f"Sharded models healed: HSDP 2 x 2 of the LM example under cohort run vs "
@@ -108,28 +127,19 @@ def measure(
         header=["side", "kill to survivors' next step, s (median)",
                 "kill to every rank training again, s (median)", "steps redone (total)",
                 "goodput", "failure-free steps/s (before / after)"],
-        raw={key: _raw(side) for key, side in {**sides, **peers}.items()},
+        raw={key: _raw(side) for key, side in zip(keys, everyone.values(), strict=True)},
+        rows=[_row(name, side) for name, side in everyone.items()],
+        notes=_notes(failure_free, every, kills, everyone),
     )  # fmt: skip
     if isinstance(torchft, tuple):
         section.raw["torchft"]["skipped"] = torchft[1]
-    section.rows = [
-        *(_row(SIDES[key][0], side, side.whole_again) for key, side in sides.items()),
-        _row(TORCHFT, torchft[0], torchft[0].whole_again)
-        if isinstance(torchft, tuple)
-        else [TORCHFT, torchft, "", "", "", ""],
-        _row(
-            f"torchrun --standalone, FSDP over 4, DCP every {checkpoint_every} steps (restart all)",
-            torchrun,
-            torchrun.training_again,
-        ),
-    ]
-    section.notes = _notes(failure_free, every, kills, sides, peers)
-    if isinstance(torchft, tuple):
         section.notes.append(
             f"Samples TorchFT skipped per kill (a step the broken group missed trains "
             f"without its part): {', '.join(str(n) for n in torchft[1])}; cohort's sides deal "
             f"each sample once per epoch across the world change."
         )
+    else:
+        section.rows.insert(len(named), [TORCHFT, torchft, "", "", "", ""])
     return section
 
 
@@ -143,10 +153,16 @@ def _torchft(failure_free: float, every: float, kills: int) -> tuple[Healing, li
         lighthouse_command()
     except TorchFTMissing as missing:
         return str(missing)
-    healed = heal(Side(TORCHFT, lambda: ShardedTorchFT(2).start()), failure_free, every, kills)
-    faults = healed.faults
-    side = Healing(
-        healed.run,
+    groups = RANKS // GROUP
+    healed = heal(Side(TORCHFT, lambda: ShardedTorchFT(groups).start()), failure_free, every, kills)
+    faults, run = healed.faults, healed.run
+    side = Healing(  # counted in steps, as the other sides (bench.torchft_run: group-steps)
+        replace(
+            run,
+            failure_free=run.failure_free / groups,
+            counted=round(run.counted / groups),
+            free_windows=tuple(rate / groups for rate in run.free_windows),
+        ),
         training_again=[f.survivors for f in faults],
         redone=[f.redone for f in faults],
         whole_again=[f.place for f in faults],
@@ -156,30 +172,25 @@ def _torchft(failure_free: float, every: float, kills: int) -> tuple[Healing, li
     return side, [f.skipped // goodput.BATCH * GROUP * BATCH for f in faults]
 
 
-def _row(name: str, side: Healing, whole: list[float]) -> list[str]:
+def _row(name: str, side: Healing) -> list[str]:
+    """torchrun's every rank trains again at its first step after a restart."""
     free = " / ".join(f"{rate:.2f}" for rate in side.run.free_windows)
+    whole = side.whole_again or side.training_again
     return [name, _median(side.training_again), _median(whole), str(sum(side.redone)),
             f"{side.run.goodput:.2f}", free]  # fmt: skip
 
 
-def _notes(
-    failure_free: float,
-    every: float,
-    kills: int,
-    sides: dict[str, Healing],
-    peers: dict[str, Healing],
-) -> list[str]:
+def _notes(failure_free: float, every: float, kills: int, sides: dict[str, Healing]) -> list[str]:
     return [
         f"Each side: examples/lm.py's transformer sharded with FSDP2 over gloo, {RANKS} ranks "
         f"of {BATCH} samples per step, one torch thread per rank, on this 2-core machine. A "
         f"rank is SIGKILLed at the start of each of {kills} periods of {every:g} s (cohort: "
         f"the world's rank 0; TorchFT: its first group's rank 0; torchrun: the worker that "
-        f"has run longest); goodput is the rate "
-        f"over the periods against the side's own failure-free rate, the mean of "
-        f"{failure_free:g} s before the periods and {failure_free:g} s after.",
+        f"has run longest); goodput is the rate over the periods against the side's own "
+        f"failure-free rate, the mean of {failure_free:g} s before the periods and "
+        f"{failure_free:g} s after.",
         "Per kill, seconds to the survivors' next step / steps redone: "
-        + "; ".join(f"{SIDES[key][0]}: {_per_kill(side)}" for key, side in sides.items())
-        + "".join(f"; {key}: {_per_kill(peer)}" for key, peer in peers.items())
+        + "; ".join(f"{name}: {_per_kill(side)}" for name, side in sides.items())
         + " (torchrun: the first step of a restarted worker).",
     ]
 

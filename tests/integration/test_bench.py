@@ -300,24 +300,29 @@ def test_the_quick_healing_run_times_each_way_of_noticing_a_death(
 def test_the_quick_sharded_run_heals_hsdp_from_peers_and_torchrun_from_dcp(
     tmp_path: Path, quick_bench: QuickBench
 ) -> None:
-    """HSDP 2 x 2 of the LM example under cohort run with a spare and without, TorchFT's
-    HSDP, and FSDP under torchrun restarting from DCP checkpoints: a rank SIGKILLed under
-    each; cohort redoes no step, with a spare every rank trains again in the first world
-    after, and TorchFT's broken group trains again with its shards from the other group."""
+    """HSDP 2 x 2 of the LM example under cohort run with a spare and without, FSDP over 4
+    under cohort run with DCP checkpoints, TorchFT's HSDP, and FSDP under torchrun
+    restarting from DCP checkpoints: a rank SIGKILLed under each; cohort's HSDP redoes no
+    step, with a spare every rank trains again in the first world after, its FSDP rewinds
+    to a checkpoint and trains on at 3, and TorchFT's broken group trains again with its
+    shards from the other group."""
     require_torch()
     (section,) = _measured(quick_bench.quick("sharded"), tmp_path).values()
     assert section["command"] == (
-        "python -m bench.sharded --failure-free 5 --every 8 --kills 1 --checkpoint-every 20"
+        "python -m bench.sharded --failure-free 5 --every 8 --kills 1 --checkpoint-every 5"
     )
     raw = section["raw"]
     with_torchft = importlib.util.find_spec("torchft") is not None
-    assert set(raw) == {"spare", "no spare", "torchrun"} | ({"torchft"} if with_torchft else set())
+    sides = {"spare", "no spare", "fsdp", "torchrun"}
+    assert set(raw) == sides | ({"torchft"} if with_torchft else set())
     for side in raw.values():
         assert side["failure_free"] > 0 and side["seconds"] >= 8
         assert len(side["training_again"]) == len(side["redone"]) == 1
     assert raw["spare"]["redone"] == raw["no spare"]["redone"] == [0]  # no rewind
     # the spare takes the lost place in the world change itself
     assert raw["spare"]["whole_again"] == raw["spare"]["training_again"]
+    # a rewind to the last checkpoint, of at most its interval's steps, then 3 ranks train
+    assert raw["fsdp"]["training_again"][0] < 60 and 0 <= raw["fsdp"]["redone"][0] <= 5
     if with_torchft:
         # its restarted group commits again (its state taken from the live group, not
         # from step 0: no step redone)

@@ -118,10 +118,12 @@ class GuardedComms:
         the world size; 0 for a rank without samples), as DDP's comm hook applies it."""
         self._reduced: list[torch.Tensor] = []
         """The sharded parameters FSDP gave a gradient in the backward running now."""
+        self._scattered: Any = None
+        """The group of the backward's last reduce-scatter (None: it ran none)."""
 
     def begin(self) -> None:
         """A step begins: nothing of it aborted, no weight until its share is known."""
-        self.aborted, self.scale, self._reduced = False, 0.0, []
+        self.aborted, self.scale, self._reduced, self._scattered = False, 0.0, [], None
 
     def reduced(self, param: torch.Tensor) -> None:
         """FSDP wrote `param`'s reduced gradient (its post-accumulate-grad hook); the first
@@ -132,12 +134,32 @@ class GuardedComms:
 
     def _backward_ended(self) -> None:
         """A step whose collectives were cut short leaves the script no gradients: what it
-        does with them next (a clip's norm: DTensor's collective over the world's group)
-        would fail on the lost peer, and the step applies nothing anyway."""
+        does with them next (a clip's norm: DTensor's collective over the shard group)
+        would fail on the lost peer, and the step applies nothing anyway. The ranks of the
+        shard group agree on it first: with HSDP, one of them may have lost its replica
+        peer while the others' all-reduces held, and a rank that went on to the clip alone
+        would wait there for peers that never come, then raise."""
         params, self._reduced = self._reduced, []
+        group, self._scattered = self._scattered, None
+        if group is not None:
+            self.agree(group)
         if self.aborted:
             for param in params:
                 param.grad = None
+
+    def agree(self, group: Any) -> None:
+        """Aborted where any rank of `group` aborted the step, or the agreement itself
+        breaks (a peer lost), or the world is over. A rank that aborted still says so."""
+        if self.rdzv.watchdog.tripped.is_set():
+            self.aborted = True
+            return
+        flag = torch.tensor([1.0 if self.aborted else 0.0])
+        try:
+            self._wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True))
+        except WorldChangedError:
+            self.aborted = True
+            return
+        self.aborted = self.aborted or bool(flag.item())
 
     def run(self, issue: Callable[[], Any], output: torch.Tensor) -> None:
         if not self.aborted and (self.rdzv.watchdog.tripped.is_set() or not self.may_launch()):
@@ -186,6 +208,7 @@ class GuardedComms:
         class GuardedReduceScatter(DefaultReduceScatter):  # type: ignore[misc]
             def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # type: ignore[no-untyped-def]
                 torch_sync.weigh_((input_tensor,), guard.scale)  # FSDP's flat copy of them
+                guard._scattered = group
                 guard.run(
                     lambda: dist.reduce_scatter_single(
                         output=output_tensor,
