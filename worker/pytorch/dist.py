@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,7 @@ from cohort.worker.membership.client import Worker
 from cohort.worker.membership.view import View
 
 log = logging.getLogger("cohort.torchdist")
+T = TypeVar("T")
 
 STORE_TTL_MS = 10 * 60 * 1000
 """The published host:port of a world's store expires after this."""
@@ -593,6 +594,32 @@ class ElasticProcessGroup:
                         failed[0])  # fmt: skip
             self._world_changed(failed[0], step)
             raise failed[0]
+
+    def on_side(self, body: Callable[[Any], T], step: int) -> T:
+        """`body(group)` (collectives of its own on this world's `group`, such as DCP's
+        save) on a side thread, waited for under the watchdog: WorldChangedError once the
+        world is over before it returns, and the thread is left blocked on the world's
+        group, which the graveyard keeps (a peer that moved on to the next world never
+        answers it, nor closes it). Its own exception is raised as it is."""
+        dog, group = self.watchdog, self.group
+        if dog is None or group is None:
+            raise RendezvousError("no process group: call init_process_group() first")
+        done, out, failed = threading.Event(), [], []
+
+        def run() -> None:
+            try:
+                out.append(body(group))
+            except BaseException as error:  # DCP's CheckpointException is a BaseException
+                failed.append(error)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="cohort-guarded", daemon=True).start()
+        if not dog.wait(done):
+            raise WorldChangedError(step, self.worker.assignment)
+        if failed:
+            raise failed[0]
+        return out[0]
 
     def all_reduce(
         self, tensor: torch.Tensor, step: int, op: Any = dist.ReduceOp.SUM

@@ -348,16 +348,21 @@ class ShardedTorchState(TorchState):
         self.sharded.pending = found
         self._pending_extra = from_blob(found.blob)[2]
 
-    def save_shards(self, step_uri: str, world: int) -> Callable[[], bytes] | None:
+    def save_shards(
+        self, step_uri: str, world: int, guarded: Callable[[Callable[[Any], Any]], Any]
+    ) -> Callable[[], bytes] | None:
         """Every rank's shards written beside checkpoint file `step_uri` now (a collective:
-        every rank of the world calls it); on rank 0, the checkpoint's payload (the shards'
-        manifest) when called, on the writer's thread; None elsewhere. RuntimeError where a
-        lost peer broke the writing."""
+        every rank of the world calls it; `guarded` runs it on the world's group under the
+        watchdog); on rank 0, the checkpoint's payload (the shards' manifest) when called,
+        on the writer's thread; None elsewhere. RuntimeError where a lost peer broke the
+        writing, WorldChangedError where the world ended first."""
         module = self.sharded.module
         assert module is not None
         relative = shards.relative_location(step_uri, world)
         location = shards.absolute(step_uri, relative)
-        files = shards.save(module, self.optimizer, location)
+        files: list[str] = guarded(
+            lambda group: shards.save(module, self.optimizer, location, group)
+        )
         if torch.distributed.get_rank() != 0:
             return None
         groups = optimizer_settings(self.optimizer, self.sharded.names)
@@ -1065,8 +1070,16 @@ class ElasticJob(Elastic):
             assert config is not None and config.checkpoint_uri is not None
             assert self._reported is not None  # a checkpoint is of the step reported last
             step_uri = storage.checkpoint_uri(config.checkpoint_uri, self._reported)
+            assert self.rdzv is not None
+            rdzv, step = self.rdzv, self._reported
             try:
-                return state.save_shards(step_uri, self.world)
+                return state.save_shards(
+                    step_uri, self.world, lambda body: rdzv.on_side(body, step)
+                )
+            except WorldChangedError:  # a peer lost, the world over before the write ended
+                log.warning("the sharded checkpoint of step %d was not written: its world "
+                            "ended first", step)  # fmt: skip
+                return None
             except RuntimeError as exc:  # a peer lost as the shards were written
                 log.warning("the sharded checkpoint of step %d was not written: %s",
                             self._reported, exc)  # fmt: skip

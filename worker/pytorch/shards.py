@@ -99,15 +99,22 @@ def fill_optimizer(
         }
 
 
-def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer, location: str) -> list[str]:
+def save(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    location: str,
+    group: Any = None,
+) -> list[str]:
     """Every rank's shards of the model and optimizer state written under `location` (a
-    collective: every rank of the world calls it); the files written, metadata last.
-    RuntimeError where a lost peer broke it."""
+    collective over `group`, default the world's: every rank of it calls it); the files
+    written, metadata last. RuntimeError where a lost peer broke it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     try:
-        written = dcp.save(flat(module, optimizer), storage_writer=FsspecWriter(location))
+        written = dcp.save(
+            flat(module, optimizer), storage_writer=FsspecWriter(location), process_group=group
+        )
     except dcp.CheckpointException as exc:  # a BaseException: a peer's failure, gathered
         raise RuntimeError(f"the sharded checkpoint to {location} failed: {exc}") from None
     return sorted({item.relative_path for item in written.storage_data.values()}) + [METADATA]
