@@ -591,14 +591,15 @@ class Collective:
         values: Sequence[float],
         step: int,
         world: World,
-        standing: Callable[[], bool],
+        standing: Callable[[], bool] | None,
         timeout: float | None = None,
     ) -> list[tuple[float, ...]]:
         """Every rank's `values` (a few numbers: one notice each), in rank order, among the
         ranks of `world`: the world of the step the caller trained, which the job may have
         replaced since (its ranks still answer for that step, e.g. a metric reduced after
         an epoch's last step). Exact: the numbers travel as `float.hex`. Raises
-        WorldChangedError once `standing()` says a rank it waits for left or failed."""
+        WorldChangedError once `standing()` says a rank it waits for left or failed (no
+        `standing`: once the job has a newer world)."""
         mine = tuple(float(v) for v in values)
         if world.size == 1:
             return [mine]

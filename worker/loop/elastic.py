@@ -591,17 +591,20 @@ class Elastic:
         except NotAssignedError:  # a plan this old is forgotten: its ranks are not watched
             ranks = ()
 
-        def standing() -> bool:
-            now = self.worker.view
-            return all(w in now.members and w not in now.gone for w in ranks)
-
         members = next(  # whose notices to read: the workers of the step's world
             (p.ranks for p in self.worker.view.plans if p.world_version == given.world), ranks
         )
+
+        def standing() -> bool:
+            now = self.worker.view
+            return all(w in now.members and w not in now.gone for w in members)
+
         world = World(given.world, given.rank, given.world_size, members)
         call = calls.call_id(given.step, calls.FIGURES, count)
         try:
-            rows = self.collective.gather(numbers, call, world, standing)
+            # ranks unknown (a plan forgotten): a newer world ends the call instead, never
+            # a wait of the whole timeout for ranks no check can see are gone
+            rows = self.collective.gather(numbers, call, world, standing if members else None)
         except WorldChangedError:
             end = self.worker.view.finished
             if end is not None:
