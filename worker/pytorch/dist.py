@@ -331,6 +331,16 @@ class Watchdog:
                 self._waiters.discard(done)
 
 
+class _Running:
+    """A side thread as a work: completed once it ends."""
+
+    def __init__(self, done: threading.Event) -> None:
+        self.done = done
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+
 class ElasticProcessGroup:
     """Rank, world size and a fresh store for each of the worker's worlds; guarded collectives.
 
@@ -547,7 +557,7 @@ class ElasticProcessGroup:
         self._works = []
 
     # ------------------------------------------------------------ guarded collectives
-    def track(self, work: dist.Work) -> None:
+    def track(self, work: Any) -> None:
         """Keep `work` with its group: pinned with it if the world is abandoned first."""
         self._works = [w for w in self._works if not w.is_completed()]
         self._works.append(work)
@@ -598,9 +608,10 @@ class ElasticProcessGroup:
     def on_side(self, body: Callable[[Any], T], step: int) -> T:
         """`body(group)` (collectives of its own on this world's `group`, such as DCP's
         save) on a side thread, waited for under the watchdog: WorldChangedError once the
-        world is over before it returns, and the thread is left blocked on the world's
-        group, which the graveyard keeps (a peer that moved on to the next world never
-        answers it, nor closes it). Its own exception is raised as it is."""
+        world is over before it returns. The thread counts as a work in flight until it
+        ends, so a world left meanwhile pins its group in the graveyard (gloo: destroying a
+        group with an operation inside would block) rather than destroying it; a peer that
+        moved on to the next world never answers it. Its own exception is raised as is."""
         dog, group = self.watchdog, self.group
         if dog is None or group is None:
             raise RendezvousError("no process group: call init_process_group() first")
@@ -614,6 +625,7 @@ class ElasticProcessGroup:
             finally:
                 done.set()
 
+        self.track(_Running(done))
         threading.Thread(target=run, name="cohort-guarded", daemon=True).start()
         if not dog.wait(done):
             raise WorldChangedError(step, self.worker.assignment)
