@@ -222,7 +222,7 @@ def test_loader_workers_prefetch_across_a_kill_with_a_constant_global_batch(
     cluster.coordinator(
         "c1", "--min-workers", "2", "--dataset-size", str(DATASET), "--batch-size", str(BATCH),
         "--global-batch", str(3 * BATCH), "--placement", "strided",
-        "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2", "--epochs", "2",
+        "--heartbeat-interval", "0.5", "--heartbeat-timeout", "5", "--epochs", "2",
     )  # fmt: skip
     procs = {n: twin(cluster, n, 2, "--loader-workers", "2") for n in ("a", "b", "c")}
     cluster.until(
