@@ -104,15 +104,18 @@ class TorchFT:
         self.lighthouse.start()
 
     def _start(self, group: int) -> None:
-        proc = Proc(
-            f"group{group}",
-            [sys.executable, "-m", "bench.torchft_trainer", "--group", str(group),
-             "--groups", str(self.groups), "--lighthouse", self.url,
-             "--log", str(self.tmp / f"group{group}.jsonl"), "--ddp", self.ddp],
-            self.tmp / f"group{group}.log", env=_env(),
-        )  # fmt: skip
+        proc = Proc(f"group{group}", self._command(group), self.tmp / f"group{group}.log",
+                    env={**_env(), **self._env(group)})  # fmt: skip
         proc.start()
         self.procs[group] = proc
+
+    def _command(self, group: int) -> list[str]:
+        return [sys.executable, "-m", "bench.torchft_trainer", "--group", str(group),
+                "--groups", str(self.groups), "--lighthouse", self.url,
+                "--log", str(self.tmp / f"group{group}.jsonl"), "--ddp", self.ddp]  # fmt: skip
+
+    def _env(self, group: int) -> dict[str, str]:
+        return {}
 
     def _training(self) -> bool:
         full = [line for line in self.lines if line.committed and line.groups == self.groups]
@@ -178,19 +181,16 @@ class ShardedTorchFT(TorchFT):
 
     ranks: int = 2
 
-    def _start(self, group: int) -> None:
-        proc = Proc(
-            f"group{group}",
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             "--nproc-per-node", str(self.ranks), "--max-restarts", "1000",
-             "--monitor-interval", "0.1", "-m", "bench.sharded_ranks", "torchft"],
-            self.tmp / f"group{group}.log",
-            env={**_env(), "BENCH_GROUP": str(group), "BENCH_GROUPS": str(self.groups),
-                 "BENCH_LOG": str(self.tmp / f"group{group}.jsonl"),
-                 "TORCHFT_LIGHTHOUSE": self.url, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
-        )  # fmt: skip
-        proc.start()
-        self.procs[group] = proc
+    def _command(self, group: int) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(self.ranks), "--max-restarts", "1000",
+                "--monitor-interval", "0.1", "-m", "bench.sharded_ranks", "torchft"]  # fmt: skip
+
+    def _env(self, group: int) -> dict[str, str]:
+        return {"BENCH_GROUP": str(group), "BENCH_GROUPS": str(self.groups),
+                "BENCH_LOG": str(self.tmp / f"group{group}.jsonl"),
+                "TORCHFT_LIGHTHOUSE": self.url,
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
 
     def signal(self, group: int, sig: int) -> None:
         """To the group's rank 0 worker (the one that logs), not to its agent."""
